@@ -1,0 +1,109 @@
+"""Typed messages between frontends and the engine core (msgspec, msgpack on the wire).
+
+Hot structs are `array_like` and `omit_defaults`. Tensors (logprobs) ride in
+extra frames via the serializer, never as Python lists.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Optional, Union
+
+import msgspec
+
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.worker.step import LogprobsTensors
+
+PROTOCOL_VERSION = 1
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; `str()` gives vLLM's strings."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:  # "stop" / "length" / "abort" / "error"
+        return self.name.lower()
+
+
+class EngineCoreRequestType(enum.Enum):
+    """Frame 0 of every frontend -> core message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    HELLO = b"\x03"
+    HEARTBEAT = b"\x04"
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int]
+    arrival_time: float
+    priority: int = 0
+    client_index: int = 0
+    cache_salt: Optional[str] = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[LogprobsTensors] = None
+    new_prompt_logprobs_tensors: Optional[LogprobsTensors] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Union[int, str, None] = None
+    num_cached_tokens: int = 0
+    # Set when this one request failed in the core (finish_reason is ERROR).
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # tokens found this step
+    num_preemptions: int = 0  # this step
+    step_counter: int = 0
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    # msgpack-encodable result (bool/int/float/str/list/dict) or None.
+    result: Any = None
+    failure_message: Optional[str] = None
+
+
+class UtilityRequest(msgspec.Struct, array_like=True):
+    """A typed call of a named method on the core (no pickle): method + msgpack-able args."""
+
+    client_index: int
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: Optional[SchedulerStats] = None
+    timestamp: float = 0.0
+    utility_output: Optional[UtilityOutput] = None
+    # Set when the core is dying: every pending request must fail with EngineDeadError.
+    engine_dead: bool = False
+
+    def __post_init__(self) -> None:
+        if self.timestamp == 0.0:
+            self.timestamp = time.monotonic()

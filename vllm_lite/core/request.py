@@ -1,0 +1,113 @@
+"""The engine core's view of one request: token ids and progress, no text."""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Union
+
+from vllm_lite.core.messages import EngineCoreRequest, FinishReason
+from vllm_lite.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # recompute: back in the waiting queue with no blocks
+    SWAPPED = 3  # swap: blocks live in host swap space
+    # Everything after this is finished.
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH_CAPPED = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def finish_reason(status: "RequestStatus") -> Optional[FinishReason]:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """Mutable state of a request inside the scheduler."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: Optional[int],
+        arrival_time: float,
+        priority: int = 0,
+        client_index: int = 0,
+        cache_salt: Optional[str] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.client_index = client_index
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length, set on first schedule
+        self.stop_reason: Union[int, str, None] = None
+        self.num_preemptions = 0
+        # Max tokens this request may generate (max_tokens, or until max_model_len).
+        self.max_tokens = sampling_params.max_tokens
+        # Filled by the KV cache manager: hashes of this request's full blocks.
+        self.block_hashes: list[bytes] = []
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            client_index=req.client_index,
+            cache_salt=req.cache_salt,
+        )
+
+    def append_output_token_ids(self, token_ids: Union[int, list[int]]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finish_reason(self) -> Optional[FinishReason]:
+        return RequestStatus.finish_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,38 @@
+"""The attention layer models use: writes this step's K/V to its paged cache, then attends."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from vllm_lite.worker.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Paged attention for one transformer layer. The runner binds `kv_cache` after allocating it."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}.")
+        self.kv_cache: Optional[torch.Tensor] = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query [T, H*D], key/value [T, KVH*D] -> [T, H*D]."""
+        if self.kv_cache is None:
+            raise RuntimeError("Attention.kv_cache is not bound: allocate the KV cache before running the model.")
+        ctx = get_forward_context()
+        md = ctx.metadata
+        n = md.num_actual_tokens
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        k = key[:n].view(n, self.num_kv_heads, self.head_size)
+        v = value[:n].view(n, self.num_kv_heads, self.head_size)
+        ctx.backend.write_kv(k, v, self.kv_cache, md.slot_mapping)
+        out = ctx.backend.forward(q, self.kv_cache, md, self.scale)
+        return out.reshape(n, self.num_heads * self.head_size)

@@ -1,0 +1,93 @@
+"""What crosses between the scheduler and the worker in one engine step.
+
+`SchedulerOutput` is a diff against the worker's persistent batch (vLLM V1):
+new requests come in full; requests already in the batch come only as new
+block ids and token counts; finished/preempted ones as ids to drop.
+These types live in the worker package so the core depends on the worker,
+never the reverse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import msgspec
+
+from vllm_lite.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (or must re-add after preemption)."""
+
+    req_id: str
+    # Prompt plus any output tokens generated before a preemption (recompute).
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests already in the worker's batch: only what changed."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> number of tokens to run this step (prefill chunk or 1 for a decode).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests to drop from the worker's batch (finished, aborted or preempted).
+    finished_req_ids: set[str]
+    # Block moves the worker runs before the forward pass: (src, dst) pairs.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # device -> host
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # host -> device
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # device -> device
+
+    @staticmethod
+    def empty() -> "SchedulerOutput":
+        return SchedulerOutput([], CachedRequestData(), {}, 0, set())
+
+
+class LogprobsTensors(msgspec.Struct, array_like=True):
+    """Top-k logprobs for a set of positions, kept as tensors all the way to the frontend.
+
+    logprob_token_ids: int64 [N, k+1]; column 0 is the sampled (or prompt) token.
+    logprobs: float32 [N, k+1].
+    selected_token_ranks: int64 [N], rank of column 0's token (1 = most likely).
+    """
+
+    logprob_token_ids: Any
+    logprobs: Any
+    selected_token_ranks: Any
+
+    def slice(self, start: int, end: int) -> "LogprobsTensors":
+        return LogprobsTensors(
+            self.logprob_token_ids[start:end], self.logprobs[start:end], self.selected_token_ranks[start:end]
+        )
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Order of requests in this step's batch.
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # Per request: the tokens sampled this step ([] while a prompt is still being prefilled).
+    sampled_token_ids: list[list[int]]
+    # Rows aligned with req_ids (only rows that sampled are meaningful), or None.
+    logprobs: Optional[LogprobsTensors] = None
+    # req_id -> prompt logprobs for the prompt positions computed this step.
+    prompt_logprobs_dict: dict[str, Optional[LogprobsTensors]] = field(default_factory=dict)
+
+    @staticmethod
+    def empty() -> "ModelRunnerOutput":
+        return ModelRunnerOutput([], {}, [])
