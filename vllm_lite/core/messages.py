@@ -107,3 +107,39 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     def __post_init__(self) -> None:
         if self.timestamp == 0.0:
             self.timestamp = time.monotonic()
+
+
+# ---------------------------------------------------------------------------- handshake and core -> frontend framing
+
+
+class EngineCoreOutputType(enum.Enum):
+    """Frame 0 of every core -> frontend message."""
+
+    OUTPUTS = b"\x00"  # EngineCoreOutputs
+    READY = b"\x01"  # HandshakeReply, accepted
+    REFUSED = b"\x02"  # HandshakeReply, refused (reason set)
+    HEARTBEAT = b"\x03"  # empty: the core is alive (answers a frontend HEARTBEAT)
+
+
+class HelloRequest(msgspec.Struct, omit_defaults=True):
+    """A frontend's first message on attach: who it is and that it speaks our protocol."""
+
+    protocol_version: int
+    auth_token: Optional[str] = None
+    client_name: str = ""
+
+
+class HandshakeReply(msgspec.Struct, omit_defaults=True):
+    """READY (accepted: model facts and this frontend's client index) or REFUSED (reason)."""
+
+    accepted: bool
+    protocol_version: int = PROTOCOL_VERSION
+    reason: Optional[str] = None
+    client_index: int = -1
+    model: str = ""
+    max_model_len: int = 0
+    block_size: int = 0
+    num_gpu_blocks: int = 0
+    vocab_size: int = 0
+    # Seconds of silence after which the core drops this frontend and aborts its requests.
+    heartbeat_timeout_s: float = 0.0
