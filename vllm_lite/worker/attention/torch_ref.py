@@ -1,0 +1,157 @@
+"""PyTorch reference attention backend: correct on any device, the oracle for native kernels.
+
+The mixed batch is split (on the host, once per step) into two groups: decode
+rows (query_len == 1) and prefill rows (query_len > 1). Each group is padded
+to [R, max_q] queries, gathers its keys/values from the paged cache through
+the block table in one indexing op, and runs one batched
+`scaled_dot_product_attention` with a causal-with-offset mask. Splitting keeps
+a single long prefill from padding every decode row to its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from vllm_lite.worker.attention.backend import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class _Group:
+    """One padded sub-batch: which tokens/requests it holds and where they sit."""
+
+    tok_idx: torch.Tensor  # int64 [N]: flattened token rows of this group
+    pad_pos: torch.Tensor  # int64 [N]: row * max_q + j in the padded query
+    req_idx: torch.Tensor  # int64 [R]: requests of this group (rows of block_table)
+    mask: torch.Tensor  # bool [R, 1, max_q, max_s]: True = may attend
+    num_reqs: int
+    max_q: int
+    max_s: int
+    num_blocks: int  # blocks per request to gather: ceil(max_s / block_size)
+
+
+def _build_group(
+    req_ids: torch.Tensor,  # int64 CPU [R]
+    q_start: torch.Tensor,  # int64 CPU [B]
+    q_lens: torch.Tensor,  # int64 CPU [B]
+    seq_lens: torch.Tensor,  # int64 CPU [B]
+    block_size: int,
+    device: torch.device,
+) -> Optional[_Group]:
+    r = int(req_ids.numel())
+    if r == 0:
+        return None
+    ql = q_lens[req_ids]
+    sl = seq_lens[req_ids]
+    max_q = int(ql.max())
+    max_s = int(sl.max())
+    n = int(ql.sum())
+    # Token rows for each request: q_start[i] + 0..ql[i]-1, laid out request by request.
+    row_of_tok = torch.repeat_interleave(torch.arange(r), ql, output_size=n)
+    first_tok = torch.cumsum(ql, 0) - ql
+    j = torch.arange(n) - first_tok[row_of_tok]
+    tok_idx = q_start[req_ids][row_of_tok] + j
+    pad_pos = row_of_tok * max_q + j
+    # Query j of a request with context c = seq_len - q_len sees keys 0..c+j.
+    ctx = (sl - ql).view(r, 1, 1)
+    qpos = torch.arange(max_q).view(1, max_q, 1)
+    kpos = torch.arange(max_s).view(1, 1, max_s)
+    mask = (kpos <= ctx + qpos) & (kpos < sl.view(r, 1, 1))
+    return _Group(
+        tok_idx=tok_idx.to(device, non_blocking=True),
+        pad_pos=pad_pos.to(device, non_blocking=True),
+        req_idx=req_ids.to(device, non_blocking=True),
+        mask=mask.unsqueeze(1).to(device, non_blocking=True),
+        num_reqs=r,
+        max_q=max_q,
+        max_s=max_s,
+        num_blocks=(max_s + block_size - 1) // block_size,
+    )
+
+
+class TorchRefBackend(AttentionBackend):
+    """Reference paged attention in plain PyTorch (float32 softmax for bf16 inputs)."""
+
+    name = "torch_ref"
+
+    def __init__(self) -> None:
+        # The plan depends only on the step's metadata, so all layers of a step share it.
+        self._plan_for: Optional[AttentionMetadata] = None
+        self._plan_block_size = 0
+        self._plan: list[_Group] = []
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        n = key.shape[0]
+        kvh, d = kv_cache.shape[-2], kv_cache.shape[-1]
+        slots = slot_mapping[:n]
+        kv_cache[0].view(-1, kvh, d).index_copy_(0, slots, key.to(kv_cache.dtype))
+        kv_cache[1].view(-1, kvh, d).index_copy_(0, slots, value.to(kv_cache.dtype))
+
+    def _get_plan(self, md: AttentionMetadata, block_size: int, device: torch.device) -> list[_Group]:
+        if self._plan_for is md and self._plan_block_size == block_size:
+            return self._plan
+        qsl = md.query_start_loc_cpu[: md.num_reqs + 1].to(torch.int64)
+        q_start = qsl[:-1]
+        q_lens = qsl[1:] - q_start
+        seq_lens = md.seq_lens_cpu[: md.num_reqs].to(torch.int64)
+        all_reqs = torch.arange(md.num_reqs)
+        groups = [
+            _build_group(all_reqs[q_lens == 1], q_start, q_lens, seq_lens, block_size, device),
+            _build_group(all_reqs[q_lens > 1], q_start, q_lens, seq_lens, block_size, device),
+        ]
+        self._plan = [g for g in groups if g is not None]
+        self._plan_for = md
+        self._plan_block_size = block_size
+        return self._plan
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        n, num_heads, head_size = query.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}.")
+        out = torch.empty_like(query)
+        for g in self._get_plan(metadata, block_size, query.device):
+            out.index_copy_(0, g.tok_idx, self._attend(query, kv_cache, metadata.block_table, g, scale))
+        return out
+
+    @staticmethod
+    def _attend(
+        query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, g: _Group, scale: float
+    ) -> torch.Tensor:
+        """Attention for one group; returns rows aligned with g.tok_idx."""
+        _, num_heads, head_size = query.shape
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        blocks = block_table.index_select(0, g.req_idx)[:, : g.num_blocks].to(torch.int64)
+        # [2, R, nb, bs, KVH, D] -> keys/values [R, KVH, S, D]
+        kv = kv_cache[:, blocks].reshape(2, g.num_reqs, g.num_blocks * block_size, num_kv_heads, head_size)
+        kv = kv[:, :, : g.max_s].transpose(2, 3)
+        k, v = kv[0], kv[1]
+        q = query.new_zeros(g.num_reqs * g.max_q, num_heads, head_size)
+        q.index_copy_(0, g.pad_pos, query.index_select(0, g.tok_idx))
+        q = q.view(g.num_reqs, g.max_q, num_heads, head_size).transpose(1, 2)
+        gqa = num_heads != num_kv_heads
+        if q.device.type == "cpu":
+            # CPU: upcast reduced precision so scores and softmax are float32; native GQA broadcast.
+            if q.dtype != torch.float32 and q.dtype != torch.float64:
+                q, k, v = q.float(), k.float(), v.float()
+        elif gqa:
+            # GPU fused kernels (float32 softmax internally) want equal head counts.
+            rep = num_heads // num_kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+            gqa = False
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        # [R, H, max_q, D] -> [R*max_q, H, D] -> this group's token rows
+        o = o.transpose(1, 2).reshape(g.num_reqs * g.max_q, num_heads, head_size)
+        return o.index_select(0, g.pad_pos).to(query.dtype)
