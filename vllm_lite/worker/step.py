@@ -28,6 +28,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The tokenizer's EOS id; the sampler holds it back while min_tokens is unmet.
+    eos_token_id: Optional[int] = None
 
 
 @dataclass

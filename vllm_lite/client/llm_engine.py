@@ -1,0 +1,119 @@
+"""LLMEngine: the synchronous frontend loop (add_request / step), as in vLLM."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional, Union
+
+import msgspec
+
+from vllm_lite.client.core_client import EngineCoreClient, make_client
+from vllm_lite.client.output_processor import OutputProcessor
+from vllm_lite.client.parallel_sampling import ParentRequest
+from vllm_lite.client.processor import PromptType, Processor
+from vllm_lite.client.tokenizer import get_tokenizer
+from vllm_lite.config import EngineArgs, VllmConfig
+from vllm_lite.core.messages import EngineCoreRequest
+from vllm_lite.outputs import RequestOutput
+from vllm_lite.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """Tokenizes in, detokenizes out; the engine core (its own process by default) does the rest."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        multiprocess_mode: bool = True,
+        client: Optional[EngineCoreClient] = None,
+    ) -> None:
+        self.vllm_config = vllm_config
+        mc = vllm_config.model_config
+        self.tokenizer = get_tokenizer(mc.tokenizer)
+        self.processor = Processor(mc, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
+        self.engine_core = client or make_client(vllm_config, multiprocess=multiprocess_mode, asyncio_mode=False)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool = True) -> "LLMEngine":
+        return cls(engine_args.create_engine_config(), multiprocess_mode=multiprocess_mode)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate and send one request (n > 1 fans out into child requests sharing the prompt)."""
+        prompt_text, request = self.process_request(request_id, prompt, params, arrival_time, priority)
+        self.add_processed_request(prompt_text, request)
+
+    def process_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+    ) -> tuple[Optional[str], EngineCoreRequest]:
+        """Validate and tokenize without sending: raises ValueError/TypeError on bad input."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        return self.processor.process_inputs(
+            request_id, prompt, params, arrival_time=arrival_time or time.time(), priority=priority,
+            client_index=self.client_index,
+        )
+
+    def add_processed_request(self, prompt_text: Optional[str], request: EngineCoreRequest) -> None:
+        request_id = request.request_id
+        if request_id in getattr(self.output_processor, "request_states", {}):
+            raise ValueError(f"duplicate request id {request_id!r}: a request with this id is still running")
+        if request.sampling_params.n == 1:
+            self.output_processor.add_request(request, prompt_text)
+            self.engine_core.add_request(request)
+            return
+        parent, children = ParentRequest.make_child_requests(request_id, request.sampling_params)
+        for index, (child_id, child_params) in enumerate(children):
+            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
+            self.output_processor.add_request(child, prompt_text, parent, index)
+            self.engine_core.add_request(child)
+
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        to_abort = self.output_processor.abort_requests(ids)
+        if to_abort:
+            self.engine_core.abort_requests(list(to_abort))
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step's worth of outputs (blocks until the core sends some)."""
+        outputs = self.engine_core.get_output()
+        processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    # ------------------------------------------------------------------ misc
+    @property
+    def client_index(self) -> int:
+        return int(getattr(self.engine_core, "client_index", 0))
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def call_utility(self, method: str, *args):
+        return self.engine_core.call_utility(method, *args)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.engine_core.call_utility("reset_prefix_cache"))
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,141 @@
+"""EngineCore: the schedule -> execute_model -> update loop, in whatever process hosts it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from vllm_lite.config import VllmConfig
+from vllm_lite.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from vllm_lite.core.request import Request, RequestStatus
+from vllm_lite.core.sched.scheduler import Scheduler
+from vllm_lite.worker.executor import UniProcExecutor
+
+logger = logging.getLogger("vllm_lite.engine_core")
+
+
+class EngineCore:
+    """Owns the model (through the executor), the KV cache and the scheduler."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = vllm_config
+        self.executor = UniProcExecutor(vllm_config)
+        num_gpu, num_cpu = self.executor.determine_num_blocks()
+        vllm_config.cache_config.num_gpu_blocks = num_gpu
+        vllm_config.cache_config.num_cpu_blocks = num_cpu
+        self.executor.initialize_cache(num_gpu, num_cpu)
+        self.scheduler = Scheduler(vllm_config)
+        mc = vllm_config.model_config
+        self.model_facts: dict[str, Any] = {
+            "model": mc.name,
+            "max_model_len": mc.max_model_len,
+            "block_size": vllm_config.cache_config.block_size,
+            "num_gpu_blocks": num_gpu,
+            "vocab_size": mc.vocab_size,
+        }
+        self._stats_log = _StatsLogger(vllm_config.scheduler_config.log_stats_interval_s)
+        self.startup_time_s = time.perf_counter() - t0
+        logger.info(
+            "engine core ready in %.2fs: model=%s dtype=%s kv_blocks=%d (block_size=%d) swap_blocks=%d",
+            self.startup_time_s, mc.model, str(mc.dtype).replace("torch.", ""), num_gpu,
+            vllm_config.cache_config.block_size, num_cpu,
+        )
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validate and queue; a bad request raises ValueError and leaves everything else untouched."""
+        rid = request.request_id
+        if self.scheduler.get_request(rid) is not None:
+            raise ValueError(f"duplicate request id {rid!r}: a request with this id is still running")
+        n = len(request.prompt_token_ids)
+        max_len = self.config.model_config.max_model_len
+        if n == 0:
+            raise ValueError(f"request {rid!r}: prompt is empty")
+        if n >= max_len:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens leaves no room in max_model_len={max_len}")
+        vocab = self.config.model_config.vocab_size
+        if vocab and (min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab):
+            raise ValueError(f"request {rid!r}: prompt token id out of vocabulary (size {vocab})")
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        if not self.scheduler.has_unfinished_requests():
+            return {}
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self._stats_log.record(scheduler_output.total_num_scheduled_tokens, outputs)
+        return outputs
+
+    # ------------------------------------------------------------------ utility calls
+    def call_utility(self, method: str, args: list[Any]) -> Any:
+        fn: Callable[..., Any] | None = self._utilities().get(method)
+        if fn is None:
+            raise ValueError(f"unknown utility method {method!r}; known: {sorted(self._utilities())}")
+        return fn(*args)
+
+    def _utilities(self) -> dict[str, Callable[..., Any]]:
+        return {
+            "ping": lambda: True,
+            "get_stats": lambda: _stats_dict(self.scheduler.make_stats()),
+            "reset_prefix_cache": self.scheduler.reset_prefix_cache,
+            "get_num_free_blocks": lambda: self.scheduler.num_free_blocks,
+            "get_num_total_blocks": lambda: self.scheduler.num_total_blocks,
+            "get_model_facts": lambda: dict(self.model_facts),
+            "get_num_unfinished_requests": self.scheduler.get_num_unfinished_requests,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _stats_dict(stats: SchedulerStats) -> dict[str, Any]:
+    return {f: getattr(stats, f) for f in stats.__struct_fields__}
+
+
+class _StatsLogger:
+    """A periodic structured log line: throughput, running/waiting, KV usage, prefix-cache hit rate."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.last_log = time.monotonic()
+        self.prompt_tokens = 0
+        self.gen_tokens = 0
+        self.queries = 0
+        self.hits = 0
+        self.preemptions = 0
+
+    def record(self, num_scheduled_tokens: int, outputs: dict[int, EngineCoreOutputs]) -> None:
+        stats = None
+        gen = 0
+        for o in outputs.values():
+            gen += sum(len(x.new_token_ids) for x in o.outputs)
+            stats = o.scheduler_stats or stats
+        self.gen_tokens += gen
+        self.prompt_tokens += max(0, num_scheduled_tokens - gen)
+        if stats is not None:
+            self.queries += stats.prefix_cache_queries
+            self.hits += stats.prefix_cache_hits
+            self.preemptions += stats.num_preemptions
+        now = time.monotonic()
+        if stats is None or now - self.last_log < self.interval_s:
+            return
+        dt = now - self.last_log
+        hit_rate = self.hits / self.queries if self.queries else 0.0
+        logger.info(
+            "engine stats: prompt_tput=%.1f tok/s gen_tput=%.1f tok/s running=%d waiting=%d kv_usage=%.1f%% "
+            "prefix_cache_hit_rate=%.1f%% preemptions=%d",
+            self.prompt_tokens / dt, self.gen_tokens / dt, stats.num_running_reqs, stats.num_waiting_reqs,
+            100 * stats.kv_cache_usage, 100 * hit_rate, self.preemptions,
+        )
+        self.last_log = now
+        self.prompt_tokens = self.gen_tokens = self.queries = self.hits = self.preemptions = 0

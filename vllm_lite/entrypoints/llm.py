@@ -1,0 +1,131 @@
+"""The offline `LLM` class: batch generation with vLLM's signature."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from vllm_lite.client.llm_engine import LLMEngine
+from vllm_lite.client.processor import PromptType
+from vllm_lite.config import EngineArgs
+from vllm_lite.outputs import RequestOutput
+from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """An LLM for offline inference: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+    `multiprocess=True` (the default) runs the engine core in its own process;
+    `multiprocess=False` keeps it in this process for debugging. Results are the same.
+    """
+
+    def __init__(self, model: str, *, multiprocess: bool = True, **kwargs: Any) -> None:
+        fields = EngineArgs.__dataclass_fields__
+        unknown = sorted(set(kwargs) - set(fields))
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(fields)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess_mode=multiprocess)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.processor.get_default_sampling_params()
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        use_tqdm: bool = True,
+        priority: Optional[list[int]] = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list; returns RequestOutputs in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts; pass one or one per prompt"
+                )
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, priority, use_tqdm)
+
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], priority: Optional[list[int]], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Validate everything before anything runs: a bad prompt names its index and nothing is queued.
+        processed = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(sp).__name__}")
+            rid = str(next(self._counter))
+            try:
+                processed.append(engine.process_request(rid, p, _final_only(sp), priority=priority[i] if priority else 0))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from e
+        ids = [req.request_id for _, req in processed]
+        for prompt_text, req in processed:
+            engine.add_processed_request(prompt_text, req)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([r for r in ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _final_only(sp: SamplingParams) -> SamplingParams:
+    """Offline generate returns only finished outputs, whatever kind the caller set."""
+    if sp.output_kind == RequestOutputKind.FINAL_ONLY:
+        return sp
+    out = sp.clone()
+    out.output_kind = RequestOutputKind.FINAL_ONLY
+    return out
+
+
+def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("prompts is empty")
+        if all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # a single prompt given as token ids
+        return list(prompts)
+    raise TypeError(f"prompts must be a string, token ids, a dict or a list of them, got {type(prompts).__name__}")
