@@ -1,0 +1,219 @@
+"""Random-weight Hugging Face checkpoints built locally, for tests and benchmarks.
+
+Nothing here downloads anything: the tokenizer is trained on text that ships
+with Python, and the weights are random (scaled so greedy decoding is not
+degenerate). `get_checkpoint` builds each (arch, size) once into a cache dir
+and reuses it; concurrent builders race safely (build in a temp dir, rename).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sysconfig
+import tempfile
+from typing import Any, Optional
+
+import torch
+
+CACHE_VERSION = "v1"
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt")
+SIZES = ("tiny", "100m")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|endoftext|>"]
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+def _corpus(large: bool) -> list[str]:
+    """Training text that is always present: pydoc topics, plus stdlib sources for a big vocab."""
+    from pydoc_data.topics import topics
+
+    texts = [topics[k] for k in sorted(topics)]
+    if large:
+        total = 0
+        for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                texts.append(f.read())
+            total += len(texts[-1])
+            if total > 6_000_000:
+                break
+    return texts
+
+
+def build_tokenizer(path: str, vocab_size: int = 2000) -> str:
+    """Train a byte-level BPE tokenizer and save it so AutoTokenizer loads it (fast); returns path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size must be at least 300 (256 bytes + specials), got {vocab_size}.")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(large=vocab_size > 8000), trainer)
+    # Prompts start with <s>, like Llama's tokenizer.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=1 << 20
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    os.makedirs(path, exist_ok=True)
+    fast.save_pretrained(path)
+    return path
+
+
+def _tiny_kwargs(arch: str, vocab: int) -> dict[str, Any]:
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    if arch == "opt":
+        # Projected embeddings (word_embed_proj_dim != hidden) exercise project_in/out.
+        return dict(common, ffn_dim=128, word_embed_proj_dim=32, do_layer_norm_before=True, tie_word_embeddings=True)
+    common.update(num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-6)
+    if arch == "llama":
+        return dict(common, tie_word_embeddings=False, head_dim=16)
+    if arch == "mistral":
+        return dict(common, tie_word_embeddings=False, head_dim=16, sliding_window=None)
+    if arch == "qwen2":
+        return dict(common, tie_word_embeddings=True, rope_theta=100000.0, use_sliding_window=False)
+    if arch == "qwen3":
+        # head_dim given explicitly and different from hidden / heads, as in real Qwen3 configs.
+        return dict(common, tie_word_embeddings=False, head_dim=32)
+    raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}.")
+
+
+def _hf_config(arch: str, size: str, vocab: int, overrides: Optional[dict[str, Any]]):
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, "LlamaForCausalLM"),
+        "mistral": (transformers.MistralConfig, "MistralForCausalLM"),
+        "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM"),
+        "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM"),
+        "opt": (transformers.OPTConfig, "OPTForCausalLM"),
+    }
+    if arch not in classes:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}.")
+    if size == "tiny":
+        kwargs = _tiny_kwargs(arch, vocab)
+    elif size == "100m":
+        if arch != "qwen2":
+            raise ValueError(f"size '100m' is Qwen2-shaped: use arch='qwen2', got {arch!r}.")
+        kwargs = dict(
+            vocab_size=vocab,
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            intermediate_size=3072,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+        )
+    else:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}.")
+    kwargs.update(overrides or {})
+    cls, arch_name = classes[arch]
+    return cls(architectures=[arch_name], **kwargs)
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
+    """Every parameter random (norm gains near 1, biases small) so no code path hides behind an identity."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        if p.dim() == 1 and name.endswith("weight"):  # norm gains
+            p.copy_(1.0 + 0.2 * noise)
+        elif p.dim() == 1:  # biases
+            p.copy_(0.1 * noise)
+        else:
+            p.copy_(std * noise)
+
+
+def build_checkpoint(
+    arch: str,
+    path: str,
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    config_overrides: Optional[dict[str, Any]] = None,
+    max_shard_size: Optional[str] = None,
+) -> str:
+    """Write a random-weight checkpoint (config.json, safetensors, tokenizer) for `arch` to path; returns path.
+
+    config_overrides tweaks the transformers config (e.g. rope_scaling, do_layer_norm_before);
+    max_shard_size (e.g. "200KB") writes a sharded checkpoint with an index.
+    """
+    import transformers
+
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype!r}.")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}.")
+    os.makedirs(path, exist_ok=True)
+    build_tokenizer(path, vocab_size=2000 if size == "tiny" else 32000)
+    vocab = len(transformers.AutoTokenizer.from_pretrained(path))
+    config = _hf_config(arch, size, vocab, config_overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, std=0.1 if size == "tiny" else 0.02, seed=seed)
+    model = model.to(dtype)
+    model.config.dtype = dtype
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+def cache_dir() -> str:
+    return os.environ.get("VLLM_LITE_TEST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vllm_lite_test")
+
+
+def get_checkpoint(arch: str, size: str = "tiny") -> str:
+    """Path of a cached checkpoint for (arch, size), built on first use; safe under concurrent callers."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}.")
+    root = cache_dir()
+    final = os.path.join(root, f"{CACHE_VERSION}-{arch}-{size}")
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".build-{arch}-{size}-", dir=root)
+    try:
+        dtype = torch.bfloat16 if size == "100m" else torch.float32
+        build_checkpoint(arch, tmp, size=size, dtype=dtype)
+        try:
+            os.rename(tmp, final)  # atomic; fails if another process won the race
+        except OSError:
+            if not os.path.isfile(os.path.join(final, "config.json")):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
