@@ -1,0 +1,199 @@
+"""Frontend request intake: validate, tokenize, and build the core's `EngineCoreRequest`.
+
+Everything that needs the tokenizer or the model's limits happens here, once,
+so the core can trust what it receives (ids in range, lengths that fit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Optional, Union
+
+from vllm_lite.config import ModelConfig
+from vllm_lite.core.messages import EngineCoreRequest
+from vllm_lite.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict]
+
+# generation_config.json keys that vLLM turns into default sampling params.
+_GEN_CONFIG_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def read_generation_config(model_dir: str) -> dict[str, Any]:
+    """The checkpoint's generation_config.json, or {} when there is none (or it is unreadable)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _eos_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class Processor:
+    """Turns (prompt, SamplingParams) into a validated `EngineCoreRequest`."""
+
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, max_logprobs: int = 20) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = model_config.max_model_len
+        self.max_logprobs = max_logprobs
+        tok_size = len(tokenizer) if tokenizer is not None else 0
+        # The model's embedding decides which ids exist; the tokenizer's size is the fallback.
+        self.vocab_size = model_config.vocab_size or tok_size
+        self.generation_config = read_generation_config(model_config.model)
+        self.eos_token_id: Optional[int] = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        if self.eos_token_id is None:
+            gen_eos = _eos_ids(self.generation_config.get("eos_token_id"))
+            self.eos_token_id = gen_eos[0] if gen_eos else None
+        # Extra EOS ids (generation_config lists several for chat models): stop tokens too.
+        self.extra_eos_ids = [t for t in _eos_ids(self.generation_config.get("eos_token_id")) if t != self.eos_token_id]
+
+    # ------------------------------------------------------------------ defaults
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's recommended values (generation_config.json), else vLLM's."""
+        kwargs: dict[str, Any] = {}
+        for src, dst in _GEN_CONFIG_DEFAULTS.items():
+            if self.generation_config.get(src) is not None:
+                kwargs[dst] = self.generation_config[src]
+        return SamplingParams(**kwargs)
+
+    # ------------------------------------------------------------------ the request
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+        client_index: int = 0,
+        cache_salt: Optional[str] = None,
+    ) -> tuple[Optional[str], EngineCoreRequest]:
+        """Validate and tokenize; returns (prompt text if known, the request for the core)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}.")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}.")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {priority!r}.")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}.")
+        prompt_text, prompt_ids = self._tokenize_prompt(prompt)
+        self._validate_prompt(prompt_ids)
+        params = self._process_params(params, len(prompt_ids))
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time() if arrival_time is None else float(arrival_time),
+            priority=priority,
+            client_index=client_index,
+            cache_salt=cache_salt,
+        )
+        return prompt_text, request
+
+    def _tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise TypeError(f"prompt must be a str, got {type(text).__name__}.")
+                return text, self._check_id_list(ids, "prompt_token_ids")
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise TypeError(f"prompt must be a str, got {type(prompt).__name__}.")
+            else:
+                raise ValueError(f"a dict prompt needs a 'prompt' or 'prompt_token_ids' key, got keys {sorted(prompt)!r}.")
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("Invalid prompt: prompt is empty (an empty string has no tokens).")
+            if self.tokenizer is None:
+                raise ValueError("A text prompt needs a tokenizer; pass prompt_token_ids instead.")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_id_list(prompt, "prompt_token_ids")
+        raise TypeError(
+            f"prompt must be a str, a list of token ids or a dict with 'prompt'/'prompt_token_ids', "
+            f"got {type(prompt).__name__}."
+        )
+
+    @staticmethod
+    def _check_id_list(ids: Any, field: str) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"{field} must be a list of ints, got {type(ids).__name__}.")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise TypeError(f"{field} must contain only ints, got {list(ids)[:8]!r}...")
+        return list(ids)
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("Invalid prompt: prompt is empty (no token ids).")
+        # At least one position must stay free for the first generated token.
+        if len(ids) > self.max_model_len - 1:
+            raise ValueError(
+                f"The prompt is too long: {len(ids)} tokens, but max_model_len={self.max_model_len} "
+                f"allows at most {self.max_model_len - 1} prompt tokens (one position is needed to generate)."
+            )
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"prompt_token_ids contains token id {bad}, out of vocabulary (size {self.vocab_size}).")
+
+    def _process_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """A filled-in copy: the caller's object stays untouched (it may be reused across requests)."""
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs must be at most {self.max_logprobs}, got {params.logprobs!r}.")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
+            raise ValueError(f"prompt_logprobs must be at most {self.max_logprobs}, got {params.prompt_logprobs!r}.")
+        params.verify_vocab(self.vocab_size)
+        p = params.clone()
+        if p.max_tokens is None:
+            p.max_tokens = self.max_model_len - prompt_len
+        stop_ids = list(dict.fromkeys(p.stop_token_ids or []))
+        if not p.ignore_eos:
+            stop_ids += [t for t in self.extra_eos_ids if t not in stop_ids]
+        p._all_stop_token_ids = stop_ids
+        p._bad_words_token_ids = self._tokenize_bad_words(p.bad_words or [])
+        return p
+
+    def _tokenize_bad_words(self, words: list[str]) -> Optional[list[list[int]]]:
+        """Each bad word as it looks at the start of text and after a space (BPE tokens differ)."""
+        if not words:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer.")
+        seqs: list[list[int]] = []
+        for word in words:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must contain non-blank strings, got {word!r}.")
+            core = word.lstrip()
+            for text in (core, " " + core):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        for seq in seqs:
+            if any(t < 0 or t >= self.vocab_size for t in seq):
+                raise ValueError(f"bad_words tokenized to ids out of vocabulary (size {self.vocab_size}): {seq!r}.")
+        return seqs
