@@ -1,0 +1,243 @@
+"""Native C++ CPU kernels (torch.ops.vllm_lite.*) and CpuNativeBackend against float64 oracles.
+
+The first run compiles the kernels (~25 s) into the build cache; later runs load them.
+Tolerances: float32 1e-5 absolute/relative; bfloat16 2e-2 (one bf16 ulp of the output is ~8e-3
+at magnitude 1, and the oracle sees the same bf16-rounded inputs, so only the final rounding and
+float32 accumulation differ).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vllm_lite.testing.paged import make_attention_metadata, random_block_tables
+from vllm_lite.worker.attention import cpu_kernels
+from vllm_lite.worker.attention.backend import AttentionMetadata
+from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
+from vllm_lite.worker.attention.selector import get_attn_backend
+from vllm_lite.worker.attention.torch_ref import TorchRefBackend
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def backend() -> CpuNativeBackend:
+    assert cpu_kernels.load_cpu_ops(), "the CPU kernels must build on a machine with a C++ compiler"
+    return CpuNativeBackend()
+
+
+def oracle_attention(query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Per-request float64 attention reading the cache through the block table (keys 0..pos per row)."""
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    qsl, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
+    for b in range(md.num_reqs):
+        q0, q1, s = qsl[b], qsl[b + 1], seq_lens[b]
+        pos = torch.arange(s)
+        slots = md.block_table[b, pos // block_size].long() * block_size + pos % block_size
+        k = kv_cache[0].reshape(-1, num_kv_heads, head_size)[slots].double().repeat_interleave(group, 1)
+        v = kv_cache[1].reshape(-1, num_kv_heads, head_size)[slots].double().repeat_interleave(group, 1)
+        q = query[q0:q1].double()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        qpos = torch.arange(s - (q1 - q0), s).view(1, -1, 1)
+        scores = scores.masked_fill(pos.view(1, 1, -1) > qpos, float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+    return out
+
+
+def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
+    """A cache full of random values (never zeros) plus the step's metadata and queries."""
+    g = torch.Generator().manual_seed(seed)
+    tables, num_blocks = random_block_tables(seq_lens, block_size, seed=seed)
+    md = make_attention_metadata(query_lens, seq_lens, tables, block_size)
+    cache = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=g) * 2).to(dtype)
+    query = torch.randn(md.num_actual_tokens, num_heads, head_size, generator=g).to(dtype)
+    return query, cache, md
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), expected.double(), atol=tol, rtol=tol)
+
+
+# A decode with no context, decodes with long context, a first prefill chunk, a later chunk.
+MIXED_QUERY = [1, 1, 9, 1, 23]
+MIXED_SEQ = [1, 70, 9, 133, 57]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("head_size", [32, 64, 128])
+@pytest.mark.parametrize("gqa", [1, 2, 4])
+def test_paged_attention_mixed_batch_matches_oracle(backend, dtype, block_size, head_size, gqa):
+    num_kv_heads = 2
+    query, cache, md = make_case(MIXED_QUERY, MIXED_SEQ, num_kv_heads * gqa, num_kv_heads, head_size, block_size, dtype)
+    scale = 1.0 / math.sqrt(head_size)
+    out = backend.forward(query, cache, md, scale)
+    assert out.shape == query.shape and out.dtype == dtype
+    assert_close(out, oracle_attention(query, cache, md, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_torch_ref_backend(backend, dtype):
+    query, cache, md = make_case(MIXED_QUERY, MIXED_SEQ, 12, 4, 64, 16, dtype, seed=3)
+    scale = 0.125
+    out = backend.forward(query, cache, md, scale)
+    ref = TorchRefBackend().forward(query, cache, md, scale)
+    assert_close(out, ref, dtype)
+
+
+def test_long_prefill_with_context_spans_many_query_tiles(backend):
+    # 150 query tokens x 1 head per KV head -> three work items per KV head; 280 keys -> 9 key tiles.
+    query, cache, md = make_case([150, 1], [280, 300], 3, 3, 64, 16, torch.float32, seed=1)
+    out = backend.forward(query, cache, md, 0.1)
+    assert_close(out, oracle_attention(query, cache, md, 0.1), torch.float32)
+
+
+def test_non_power_of_two_group_and_strided_query(backend):
+    # 12 query heads over 4 KV heads (group 3); the query is a column slice of a fused qkv tensor.
+    query, cache, md = make_case(MIXED_QUERY, MIXED_SEQ, 12, 4, 64, 16, torch.float32, seed=2)
+    n = query.shape[0]
+    qkv = torch.randn(n, 20 * 64)
+    qkv[:, : 12 * 64] = query.reshape(n, -1)
+    strided = qkv[:, : 12 * 64].view(n, 12, 64)
+    assert not strided.is_contiguous()
+    out = backend.forward(strided, cache, md, 0.125)
+    assert_close(out, oracle_attention(query, cache, md, 0.125), torch.float32)
+
+
+def test_two_threads_give_the_same_result_as_one(backend):
+    query, cache, md = make_case([1] * 8 + [40], [90] * 8 + [100], 8, 2, 64, 16, torch.float32, seed=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = backend.forward(query, cache, md, 0.125)
+        torch.set_num_threads(2)
+        two = backend.forward(query, cache, md, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_write_kv_places_rows_exactly_and_skips_negative_slots(backend):
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 6, 4, 2, 32, generator=g).to(torch.bfloat16)
+    key = torch.randn(5, 2, 32, generator=g).to(torch.bfloat16)
+    value = torch.randn(5, 2, 32, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([7, 0, -1, 23, 12])
+    expected = cache.clone()
+    keep = slots >= 0
+    expected[0].view(-1, 2, 32)[slots[keep]] = key[keep]
+    expected[1].view(-1, 2, 32)[slots[keep]] = value[keep]
+    backend.write_kv(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_write_kv_accepts_strided_rows_from_a_fused_projection(backend):
+    kv = torch.randn(3, 2 * 2 * 32)
+    key, value = kv[:, :64].view(3, 2, 32), kv[:, 64:].view(3, 2, 32)
+    cache = torch.randn(2, 2, 4, 2, 32)
+    expected = cache.clone()
+    slots = torch.tensor([1, 6, 3])
+    expected[0].view(-1, 2, 32)[slots] = key
+    expected[1].view(-1, 2, 32)[slots] = value
+    backend.write_kv(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_copy_blocks_duplicates_blocks_in_every_layer(backend):
+    caches = [torch.randn(2, 5, 16, 2, 64) for _ in range(3)]
+    pairs = torch.tensor([[0, 3], [4, 1]])
+    expected = [c.clone() for c in caches]
+    for c in expected:
+        c[:, [3, 1]] = c[:, [0, 4]]
+    backend.copy_blocks(caches, pairs)
+    for c, e in zip(caches, expected):
+        assert torch.equal(c, e)
+    single = torch.randn(2, 5, 16, 2, 64).to(torch.bfloat16)
+    want = single.clone()
+    want[:, 2] = want[:, 0]
+    backend.copy_blocks(single, torch.tensor([[0, 2]]))
+    assert torch.equal(single, want)
+
+
+def test_swap_blocks_moves_blocks_between_caches_of_different_sizes(backend):
+    device_caches = [torch.randn(2, 6, 16, 2, 32) for _ in range(2)]
+    host_caches = [torch.randn(2, 3, 16, 2, 32) for _ in range(2)]
+    pairs = torch.tensor([[5, 0], [1, 2]])
+    expected = [h.clone() for h in host_caches]
+    for e, d in zip(expected, device_caches):
+        e[:, [0, 2]] = d[:, [5, 1]]
+    backend.swap_blocks(device_caches, host_caches, pairs)
+    for h, e in zip(host_caches, expected):
+        assert torch.equal(h, e)
+
+
+def test_bad_inputs_raise_clear_errors(backend):
+    query, cache, md = make_case([3], [10], 4, 2, 32, 16, torch.float32)
+    ops = torch.ops.vllm_lite
+    out = torch.empty_like(query)
+    with pytest.raises(TypeError, match="block_table"):
+        ops.paged_attention(out, query, cache, md.block_table.long(), md.seq_lens, md.query_start_loc, 1.0)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ops.paged_attention(out[:, :3], query[:, :3], cache, md.block_table, md.seq_lens, md.query_start_loc, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        ops.paged_attention(out, query, cache, md.block_table, torch.tensor([2], dtype=torch.int32),
+                            md.query_start_loc, 1.0)
+    bad_table = md.block_table.clone()
+    bad_table[0, 0] = 99
+    with pytest.raises(ValueError, match="block_table"):
+        ops.paged_attention(out, query, cache, bad_table, md.seq_lens, md.query_start_loc, 1.0)
+    with pytest.raises(TypeError, match="dtype"):
+        ops.paged_attention(out, query.bfloat16(), cache, md.block_table, md.seq_lens, md.query_start_loc, 1.0)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        backend.write_kv(query[:, :2], query[:, :2], cache, torch.tensor([0, 1, cache.shape[1] * 16]))
+    with pytest.raises(ValueError, match="src_to_dst"):
+        backend.copy_blocks([cache], torch.tensor([[0, cache.shape[1]]]))
+
+
+def test_selector_prefers_native_cpu_and_honours_forced_names(backend, monkeypatch):
+    monkeypatch.delenv("VLLM_LITE_ATTENTION_BACKEND", raising=False)
+    assert isinstance(get_attn_backend(torch.device("cpu")), CpuNativeBackend)
+    assert isinstance(get_attn_backend(torch.device("cpu"), "torch"), TorchRefBackend)
+    monkeypatch.setenv("VLLM_LITE_ATTENTION_BACKEND", "torch")
+    assert isinstance(get_attn_backend(torch.device("cpu")), TorchRefBackend)
+    with pytest.raises(ValueError, match="VLLM_LITE_ATTENTION_BACKEND"):
+        monkeypatch.setenv("VLLM_LITE_ATTENTION_BACKEND", "flash")
+        get_attn_backend(torch.device("cpu"))
+    with pytest.raises(ValueError, match="name"):
+        get_attn_backend(torch.device("cpu"), "cuda-graphs")
+
+
+def _run_loader(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(
+        """
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+        print("RESULT", load_cpu_ops())
+        """
+    )
+    env = {**os.environ, **env_extra}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_second_process_loads_kernels_from_the_cache(backend):
+    proc = _run_loader({})
+    assert "RESULT True" in proc.stdout, proc.stderr
+    assert "loaded cached CPU kernels" in proc.stderr
+    assert "building vllm-lite CPU kernels" not in proc.stderr
+
+
+def test_missing_compiler_falls_back_with_a_warning(tmp_path):
+    proc = _run_loader({"VLLM_LITE_CACHE_DIR": str(tmp_path), "CXX": "/nonexistent/c++"})
+    assert "RESULT False" in proc.stdout, proc.stderr
+    assert "falling back to the PyTorch reference" in proc.stderr

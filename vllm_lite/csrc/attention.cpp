@@ -1,0 +1,265 @@
+// Paged attention on CPU for vllm-lite's mixed batch (prefill chunks and decodes in one call).
+//
+// Work is split into items (request, KV head, tile of query tokens). An item packs the
+// query heads that share its KV head (GQA) and a few query tokens into up to kRowsPerItem
+// float32 rows, then streams the request's keys in tiles of kKeyTile tokens gathered through
+// the block table, keeping a running max/sum per row (online softmax): nothing of size
+// [query, context] is ever materialised. Each key tile is converted to float32 once and reused
+// by every row of the item, stored transposed so the score loop is a plain vector FMA over keys.
+
+#include "cpu_common.h"
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace vllm_lite {
+namespace {
+
+constexpr int64_t kKeyTile = 32;      // keys per softmax step (two AVX-512 registers of scores)
+constexpr int64_t kRowsPerItem = 64;  // target query rows (tokens x heads) per work item
+
+struct WorkItem {
+  int32_t req;
+  int32_t q_begin;  // first query token of the tile, relative to the request
+  int32_t q_end;    // one past the last
+  int64_t cost;     // rough flops, to start big items first
+};
+
+// Per-thread scratch, sized once per call.
+struct Scratch {
+  std::vector<float> q, acc, row_max, row_sum, k_t, v;
+  Scratch(int64_t rows, int64_t d)
+      : q(rows * d), acc(rows * d), row_max(rows), row_sum(rows), k_t(d * kKeyTile), v(kKeyTile * d) {}
+};
+
+// Validates the batch on the host and lists the work items, largest first.
+std::vector<WorkItem> plan_items(const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                 const at::Tensor& query_start_loc, int64_t num_tokens,
+                                 int64_t block_size, int64_t num_blocks, int64_t tokens_per_item) {
+  const int64_t num_reqs = seq_lens.size(0);
+  const int64_t max_blocks = block_table.size(1);
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(qsl[0] >= 0, "query_start_loc[0] must be >= 0, got ", qsl[0]);
+  TORCH_CHECK_VALUE(qsl[num_reqs] <= num_tokens, "query_start_loc[-1] = ", qsl[num_reqs],
+                    " exceeds the number of query rows ", num_tokens);
+  std::vector<WorkItem> items;
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t q_len = qsl[b + 1] - qsl[b];
+    const int64_t s_len = sl[b];
+    TORCH_CHECK_VALUE(q_len >= 0, "query_start_loc must be non-decreasing (request ", b, ")");
+    TORCH_CHECK_VALUE(s_len >= q_len, "seq_lens[", b, "] = ", s_len, " is shorter than its query length ",
+                      q_len);
+    if (q_len == 0) continue;
+    const int64_t need = (s_len + block_size - 1) / block_size;
+    TORCH_CHECK_VALUE(need <= max_blocks, "seq_lens[", b, "] = ", s_len, " needs ", need,
+                      " blocks but block_table has ", max_blocks, " columns");
+    for (int64_t j = 0; j < need; ++j) {
+      const int32_t blk = bt[b * max_blocks + j];
+      TORCH_CHECK_VALUE(blk >= 0 && blk < num_blocks, "block_table[", b, ", ", j, "] = ", blk,
+                        " is outside the cache's ", num_blocks, " blocks");
+    }
+    const int64_t ctx = s_len - q_len;
+    for (int64_t s = 0; s < q_len; s += tokens_per_item) {
+      const int64_t e = std::min(q_len, s + tokens_per_item);
+      items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(s), static_cast<int32_t>(e),
+                       (e - s) * (ctx + e)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
+}
+
+template <typename T>
+void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                      const at::Tensor& block_table, const at::Tensor& seq_lens,
+                      const at::Tensor& query_start_loc, float scale) {
+  const int64_t num_tokens = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_size = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1);
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t tokens_per_item = std::max<int64_t>(1, kRowsPerItem / group);
+  const int64_t max_rows = tokens_per_item * group;
+
+  const std::vector<WorkItem> items = plan_items(block_table, seq_lens, query_start_loc, num_tokens,
+                                                 block_size, num_blocks, tokens_per_item);
+  const int64_t num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
+  if (num_work == 0) return;
+
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t max_blocks = block_table.size(1);
+  const T* q_ptr = query.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t q_tok_stride = query.stride(0), q_head_stride = query.stride(1);
+  const int64_t o_tok_stride = out.stride(0), o_head_stride = out.stride(1);
+  const T* k_cache = kv_cache.data_ptr<T>();
+  const int64_t tok_stride = num_kv_heads * head_size;
+  const int64_t blk_stride = block_size * tok_stride;
+  const T* v_cache = k_cache + num_blocks * blk_stride;
+  const int64_t D = head_size;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_work));
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    Scratch s(max_rows, D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < num_work; ++w) {
+      const WorkItem& item = items[w / num_kv_heads];
+      const int64_t kvh = w % num_kv_heads;
+      const int64_t b = item.req;
+      const int64_t q_len = qsl[b + 1] - qsl[b];
+      const int64_t ctx = sl[b] - q_len;  // position of the request's first query token
+      const int64_t rows = (item.q_end - item.q_begin) * group;
+      const int32_t* table = bt + b * max_blocks;
+
+      // Load this item's query rows (row = token * group + head-in-group), pre-scaled, as float32.
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t tok = qsl[b] + item.q_begin + r / group;
+        const int64_t head = kvh * group + r % group;
+        const T* src = q_ptr + tok * q_tok_stride + head * q_head_stride;
+        float* dst = s.q.data() + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(src[d]) * scale;
+        s.row_max[r] = neg_inf;
+        s.row_sum[r] = 0.0f;
+        std::fill_n(s.acc.data() + r * D, D, 0.0f);
+      }
+
+      const int64_t num_keys = ctx + item.q_end;  // the tile's last token sees keys 0..num_keys-1
+      for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
+        const int64_t kn = std::min(kKeyTile, num_keys - k0);
+        // Gather the key tile (transposed: k_t[d][j]) and the value tile (v[j][d]) as float32.
+        for (int64_t j = 0; j < kn; ++j) {
+          const int64_t pos = k0 + j;
+          const int64_t off = static_cast<int64_t>(table[pos / block_size]) * blk_stride +
+                              (pos % block_size) * tok_stride + kvh * D;
+          const T* ksrc = k_cache + off;
+          const T* vsrc = v_cache + off;
+          float* vdst = s.v.data() + j * D;
+          for (int64_t d = 0; d < D; ++d) s.k_t[d * kKeyTile + j] = to_f32(ksrc[d]);
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) vdst[d] = to_f32(vsrc[d]);
+        }
+        if (kn < kKeyTile) {
+          for (int64_t d = 0; d < D; ++d) std::fill_n(s.k_t.data() + d * kKeyTile + kn, kKeyTile - kn, 0.0f);
+        }
+
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = ctx + item.q_begin + r / group;
+          const int64_t valid = std::min(kn, pos + 1 - k0);  // causal: keys <= pos
+          if (valid <= 0) continue;
+          float scores[kKeyTile];
+          for (int64_t j = 0; j < kKeyTile; ++j) scores[j] = 0.0f;
+          const float* qr = s.q.data() + r * D;
+          for (int64_t d = 0; d < D; ++d) {
+            const float qd = qr[d];
+            const float* kd = s.k_t.data() + d * kKeyTile;
+#pragma omp simd
+            for (int64_t j = 0; j < kKeyTile; ++j) scores[j] += qd * kd[j];
+          }
+          float tile_max = neg_inf;
+          for (int64_t j = 0; j < valid; ++j) tile_max = std::max(tile_max, scores[j]);
+          const float new_max = std::max(s.row_max[r], tile_max);
+          const float alpha = fast_exp(s.row_max[r] - new_max);  // 0 on the first tile
+          float tile_sum = 0.0f;
+#pragma omp simd reduction(+ : tile_sum)
+          for (int64_t j = 0; j < kKeyTile; ++j) {
+            const float p = j < valid ? fast_exp(scores[j] - new_max) : 0.0f;
+            scores[j] = p;
+            tile_sum += p;
+          }
+          s.row_max[r] = new_max;
+          s.row_sum[r] = s.row_sum[r] * alpha + tile_sum;
+          float* acc = s.acc.data() + r * D;
+          if (alpha != 1.0f) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+          }
+          for (int64_t j = 0; j < valid; ++j) {
+            const float p = scores[j];
+            const float* vj = s.v.data() + j * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) acc[d] += p * vj[d];
+          }
+        }
+      }
+
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t tok = qsl[b] + item.q_begin + r / group;
+        const int64_t head = kvh * group + r % group;
+        T* dst = o_ptr + tok * o_tok_stride + head * o_head_stride;
+        const float inv = 1.0f / s.row_sum[r];
+        const float* acc = s.acc.data() + r * D;
+        for (int64_t d = 0; d < D; ++d) store_f32(acc[d] * inv, dst + d);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale) {
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&out, "out"}, {&query, "query"},
+                         {&kv_cache, "kv_cache"}, {&block_table, "block_table"}, {&seq_lens, "seq_lens"},
+                         {&query_start_loc, "query_start_loc"}}) {
+    check_cpu(*t, name);
+  }
+  check_dim(query, 3, "query");
+  check_dim(out, 3, "out");
+  check_dim(kv_cache, 5, "kv_cache");
+  check_dim(block_table, 2, "block_table");
+  check_dim(seq_lens, 1, "seq_lens");
+  check_dim(query_start_loc, 1, "query_start_loc");
+  check_dtype(block_table, at::kInt, "block_table");
+  check_dtype(seq_lens, at::kInt, "seq_lens");
+  check_dtype(query_start_loc, at::kInt, "query_start_loc");
+  check_contiguous(kv_cache, "kv_cache");
+  check_contiguous(block_table, "block_table");
+  check_contiguous(seq_lens, "seq_lens");
+  check_contiguous(query_start_loc, "query_start_loc");
+  TORCH_CHECK_TYPE(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+                   "query, out and kv_cache must share a dtype, got ", query.scalar_type(), ", ",
+                   out.scalar_type(), " and ", kv_cache.scalar_type());
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out shape ", out.sizes(), " must equal query shape ",
+                    query.sizes());
+  TORCH_CHECK_VALUE(query.stride(2) == 1 && out.stride(2) == 1,
+                    "query and out must be contiguous along head_size");
+  TORCH_CHECK_VALUE(kv_cache.size(0) == 2, "kv_cache.size(0) must be 2 (keys, values), got ", kv_cache.size(0));
+  TORCH_CHECK_VALUE(kv_cache.size(4) == query.size(2), "kv_cache head_size ", kv_cache.size(4),
+                    " != query head_size ", query.size(2));
+  TORCH_CHECK_VALUE(kv_cache.size(3) > 0 && query.size(1) % kv_cache.size(3) == 0, "num_heads ", query.size(1),
+                    " must be a multiple of num_kv_heads ", kv_cache.size(3));
+  TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1, "query_start_loc must have num_reqs + 1 = ",
+                    seq_lens.size(0) + 1, " entries, got ", query_start_loc.size(0));
+  TORCH_CHECK_VALUE(block_table.size(0) >= seq_lens.size(0), "block_table has ", block_table.size(0),
+                    " rows for ", seq_lens.size(0), " requests");
+  const float s = static_cast<float>(scale);
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      attention_kernel<float>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s);
+      break;
+    case at::kBFloat16:
+      attention_kernel<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s);
+      break;
+    default:
+      TORCH_CHECK_TYPE(false, "paged_attention supports float32 and bfloat16, got ", query.scalar_type());
+  }
+}
+
+}  // namespace vllm_lite

@@ -1,0 +1,27 @@
+// Declarations of vllm-lite's CPU kernels; registered as torch.ops.vllm_lite.* in torch_bindings.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace vllm_lite {
+
+// Causal paged attention over a mixed batch of prefill chunks and decodes.
+// out/query: [T, H, D]; kv_cache: [2, num_blocks, block_size, KVH, D];
+// block_table int32 [B, M]; seq_lens int32 [B]; query_start_loc int32 [B+1].
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale);
+
+// Scatter key/value rows [T, KVH, D] into the cache at slot_mapping (int64 [T]; negative = skip).
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+              const at::Tensor& slot_mapping);
+
+// Duplicate whole blocks (keys and values) inside each cache: src_to_dst int64 [N, 2].
+void copy_blocks(const std::vector<at::Tensor>& kv_caches, const at::Tensor& src_to_dst);
+
+// Copy whole blocks from one cache to another of the same block shape: src_to_dst int64 [N, 2].
+void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& src_to_dst);
+
+}  // namespace vllm_lite

@@ -1,0 +1,96 @@
+"""Attention backend for CPU that runs the native C++ kernels (torch.ops.vllm_lite.*)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_lite.worker.attention.backend import AttentionBackend, AttentionMetadata
+from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+
+
+def _check_cpu(t: torch.Tensor, name: str) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"CpuNativeBackend needs CPU tensors; {name} is on {t.device}.")
+
+
+class CpuNativeBackend(AttentionBackend):
+    """Paged attention, KV writes and block copies in OpenMP C++ (float32 / bfloat16)."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        if not load_cpu_ops():
+            raise RuntimeError("vllm-lite CPU kernels could not be built or loaded; use the torch backend.")
+        self._ops = torch.ops.vllm_lite
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        _check_cpu(kv_cache, "kv_cache")
+        n = key.shape[0]
+        slots = slot_mapping[:n]
+        if slots.dtype != torch.int64:
+            slots = slots.to(torch.int64)
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+        self._ops.write_kv(_rows_contiguous(key), _rows_contiguous(value), kv_cache, slots.contiguous())
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        _check_cpu(kv_cache, "kv_cache")
+        b = metadata.num_reqs
+        n = query.shape[0]
+        q = query if query.stride(-1) == 1 else query.contiguous()
+        out = torch.empty(n, q.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
+        self._ops.paged_attention(
+            out,
+            q,
+            kv_cache,
+            metadata.block_table[:b],
+            metadata.seq_lens[:b],
+            metadata.query_start_loc[: b + 1],
+            float(scale),
+        )
+        return out
+
+    def copy_blocks(self, kv_caches: list[torch.Tensor] | torch.Tensor, src_to_dst: torch.Tensor) -> None:
+        caches = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
+        if src_to_dst.numel() == 0 or not caches:
+            return
+        if any(c.device.type != "cpu" for c in caches):
+            return super().copy_blocks(caches, src_to_dst)
+        self._ops.copy_blocks(caches, _pairs(src_to_dst))
+
+    def swap_blocks(
+        self,
+        src_caches: list[torch.Tensor] | torch.Tensor,
+        dst_caches: list[torch.Tensor] | torch.Tensor,
+        src_to_dst: torch.Tensor,
+    ) -> None:
+        srcs = [src_caches] if isinstance(src_caches, torch.Tensor) else list(src_caches)
+        dsts = [dst_caches] if isinstance(dst_caches, torch.Tensor) else list(dst_caches)
+        if len(srcs) != len(dsts):
+            raise ValueError(f"swap_blocks got {len(srcs)} source caches but {len(dsts)} destination caches.")
+        if src_to_dst.numel() == 0:
+            return
+        if any(c.device.type != "cpu" for c in srcs + dsts):
+            # Host <-> accelerator moves are plain tensor copies; the native op is CPU-only.
+            return super().swap_blocks(srcs, dsts, src_to_dst)
+        pairs = _pairs(src_to_dst)
+        for s, d in zip(srcs, dsts):
+            self._ops.swap_blocks(s, d, pairs)
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The kernel accepts any row stride but needs each [KVH, D] row packed."""
+    if t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]:
+        return t
+    return t.contiguous()
+
+
+def _pairs(src_to_dst: torch.Tensor) -> torch.Tensor:
+    return src_to_dst.to(device="cpu", dtype=torch.int64).contiguous()
