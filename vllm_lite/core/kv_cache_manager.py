@@ -1,0 +1,206 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, swap space.
+
+The scheduler asks it for room for a step's tokens (`allocate_slots`, None when
+the pool is short) and tells it when tokens are computed (`cache_blocks`) and
+when a request leaves (`free`). Blocks become prefix-cache entries only after
+their KV has been written, so a request preempted mid-step never leaves
+unwritten blocks behind in the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from vllm_lite.core.block_pool import BlockPool
+from vllm_lite.core.kv_cache_utils import KVCacheBlock, cdiv, update_request_block_hashes
+from vllm_lite.core.request import Request
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_cpu_blocks: int = 0,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
+        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {num_cpu_blocks!r}.")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        # Host swap space: no null block, never cached (its contents only come back to the same request).
+        self.host_pool = BlockPool(num_cpu_blocks, enable_caching=False, reserve_null_block=False)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_host_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of a request's leading blocks are already registered in (or taken from) the cache.
+        self.num_cached_block: dict[str, int] = {}
+        # Prefix-cache counters (tokens) since the last `take_prefix_cache_stats`.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    # ------------------------------------------------------------------ prefix cache
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of `request` in full blocks, and its length in tokens.
+
+        Never covers the last token: at least one token must run so the request can sample.
+        Takes no references: `allocate_slots` touches the blocks when the request is admitted,
+        so a failed admission leaves nothing to undo. Requests asking for prompt logprobs skip
+        the cache (cached positions produce no logits).
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        hashes = update_request_block_hashes(request, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for h in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Counted by the scheduler once per admission, so a request stuck in the queue is not recounted."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_queried_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def take_prefix_cache_stats(self) -> tuple[int, int]:
+        out = (self.prefix_cache_queries, self.prefix_cache_hits)
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        return out
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks that are full and computed (their KV is written)."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        if num_full <= num_cached:
+            return
+        hashes = update_request_block_hashes(request, self.block_size)
+        self.block_pool.cache_full_blocks(blocks, hashes, num_cached, num_full)
+        self.num_cached_block[request.request_id] = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.block_pool.reset_prefix_cache()
+        if ok:
+            self.num_cached_block.clear()
+        return ok
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Optional[Sequence[KVCacheBlock]] = None,
+    ) -> Optional[list[KVCacheBlock]]:
+        """Make room for `num_new_tokens` more tokens after the computed ones; the new blocks, or None if short.
+
+        `new_computed_blocks` (a prefix-cache hit of `num_new_computed_tokens` tokens) are taken too.
+        On None nothing has changed.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens!r}.")
+        computed_blocks = list(new_computed_blocks or ())
+        if len(computed_blocks) * self.block_size != num_new_computed_tokens:
+            raise ValueError(
+                f"num_new_computed_tokens={num_new_computed_tokens} does not match "
+                f"{len(computed_blocks)} computed blocks of {self.block_size} tokens"
+            )
+        rid = request.request_id
+        req_blocks = self.req_to_blocks.get(rid, [])
+        num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_needed = cdiv(num_tokens_after, self.block_size) - len(req_blocks) - len(computed_blocks)
+        # Hit blocks that sit in the free list stop being free once touched.
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(num_needed, 0) > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+        if computed_blocks:
+            if req_blocks:
+                raise ValueError(f"request {rid!r} already holds blocks; prefix hits apply only on admission")
+            self.block_pool.touch(computed_blocks)
+            self.num_cached_block[rid] = len(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
+        self.req_to_blocks[rid] = req_blocks + computed_blocks + new_blocks
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's device blocks (tail first, for LRU order) and any host swap blocks."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_block.pop(rid, None)
+        host = self.req_to_host_blocks.pop(rid, None)
+        if host:
+            self.host_pool.free_blocks(host)
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self.req_to_blocks.get(request.request_id, [])) <= self.host_pool.get_num_free_blocks()
+
+    def swap_out(self, request: Request) -> Optional[list[tuple[int, int]]]:
+        """Move the request's blocks to host swap space: (device, host) pairs, or None if the host is full.
+
+        The device blocks are freed at once (the worker copies them out before this step's forward
+        pass); their prefix-cache entries stay valid until evicted.
+        """
+        rid = request.request_id
+        if rid in self.req_to_host_blocks:
+            raise ValueError(f"request {rid!r} is already swapped out")
+        if not self.can_swap_out(request):
+            return None
+        blocks = self.req_to_blocks.pop(rid, [])
+        host = self.host_pool.get_new_blocks(len(blocks))
+        self.req_to_host_blocks[rid] = host
+        self.num_cached_block.pop(rid, None)
+        pairs = [(d.block_id, h.block_id) for d, h in zip(blocks, host)]
+        self.block_pool.free_blocks(reversed(blocks))
+        return pairs
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> Optional[list[tuple[int, int]]]:
+        """Bring a swapped request back with room for `num_new_tokens`: (host, device) pairs, or None if short."""
+        rid = request.request_id
+        host = self.req_to_host_blocks.get(rid)
+        if host is None:
+            raise ValueError(f"request {rid!r} is not swapped out")
+        total = max(cdiv(request.num_computed_tokens + num_new_tokens, self.block_size), len(host))
+        if total > self.block_pool.get_num_free_blocks():
+            return None
+        device = self.block_pool.get_new_blocks(len(host))
+        self.req_to_blocks[rid] = device
+        del self.req_to_host_blocks[rid]
+        pairs = [(h.block_id, d.block_id) for h, d in zip(host, device)]
+        self.host_pool.free_blocks(host)
+        extra = self.allocate_slots(request, num_new_tokens)
+        assert extra is not None  # room was checked above
+        return pairs
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self.req_to_host_blocks
