@@ -7,6 +7,7 @@ unchanged (no pickle) and validates itself on construction and on decode.
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, Optional, Union
 
 import msgspec
@@ -75,10 +76,16 @@ class SamplingParams(
             self.stop_token_ids = []
         if self.bad_words is None:
             self.bad_words = []
-        if self.logprobs is True:  # type: ignore[comparison-overlap]
-            self.logprobs = 1
-        if self.prompt_logprobs is True:  # type: ignore[comparison-overlap]
-            self.prompt_logprobs = 1
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is True:
+                setattr(self, field, 1)
+            elif value is False:
+                setattr(self, field, None)
+        if isinstance(self.logit_bias, dict):
+            # OpenAI's JSON sends token ids as string keys ("50256": -100).
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+        self._verify_types()
         if 0 < self.temperature < _SAMPLING_EPS:
             # Tiny temperatures blow up the division; treat as greedy-ish but stay random.
             self.temperature = max(self.temperature, _SAMPLING_EPS)
@@ -92,6 +99,29 @@ class SamplingParams(
             self._all_stop_token_ids = list(self.stop_token_ids)
 
     # ------------------------------------------------------------------ validation
+    def _verify_types(self) -> None:
+        """Wrong types fail here with the field's name, before any comparison can raise an obscure error."""
+        for field in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{field} must be a number, got {value!r}.")
+            if not math.isfinite(value):
+                raise ValueError(f"{field} must be finite, got {value!r}.")
+        for field in ("n", "top_k", "min_tokens"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{field} must be an integer, got {value!r}.")
+        for field in ("best_of", "seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{field} must be an integer or None, got {value!r}.")
+        for field in ("stop_token_ids", "allowed_token_ids", "bad_words", "stop"):
+            value = getattr(self, field)
+            if value is not None and not isinstance(value, list):
+                raise TypeError(f"{field} must be a list, got {value!r}.")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}.")
+
     def _verify_args(self) -> None:
         def bad(field: str, value: Any, why: str) -> ValueError:
             return ValueError(f"{field} {why}, got {value!r}.")
@@ -126,8 +156,8 @@ class SamplingParams(
             not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
         ):
             raise bad("prompt_logprobs", self.prompt_logprobs, "must be non-negative")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "must be an integer")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+            raise bad("seed", self.seed, "must be in [-2**63, 2**64)")
         assert isinstance(self.stop, list)
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", self.stop, "must contain only non-empty strings")
@@ -137,15 +167,32 @@ class SamplingParams(
             raise bad("stop", self.stop, "requires detokenize=True (stop strings are matched on text)")
         if self.logit_bias is not None:
             for tok, b in self.logit_bias.items():
-                if not isinstance(tok, int) or tok < 0:
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
                     raise bad("logit_bias", self.logit_bias, "keys must be non-negative token ids")
-                if not -100.0 <= float(b) <= 100.0:
-                    raise bad("logit_bias", self.logit_bias, "values must be in [-100, 100]")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= float(b) <= 100.0:
+                    raise bad("logit_bias", self.logit_bias, "values must be numbers in [-100, 100]")
         if self.allowed_token_ids is not None:
             if len(self.allowed_token_ids) == 0:
                 raise bad("allowed_token_ids", self.allowed_token_ids, "must not be empty")
             if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", self.allowed_token_ids, "must contain non-negative token ids")
+        if any(not isinstance(w, str) or w == "" for w in self.bad_words or []):
+            raise bad("bad_words", self.bad_words, "must contain only non-empty strings")
+        if self._bad_words_token_ids is not None:
+            for w in self._bad_words_token_ids:
+                if (
+                    not isinstance(w, list)
+                    or not w
+                    or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in w)
+                ):
+                    raise bad(
+                        "bad_words_token_ids", self._bad_words_token_ids,
+                        "must be non-empty lists of non-negative token ids",
+                    )
+        if self._all_stop_token_ids is not None and any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self._all_stop_token_ids
+        ):
+            raise bad("all_stop_token_ids", self._all_stop_token_ids, "must contain only non-negative integers")
         if self.n > 1 and self.temperature < _SAMPLING_EPS and self.seed is None:
             # vLLM allows it (all n samples identical); keep it allowed.
             pass
@@ -184,6 +231,13 @@ class SamplingParams(
     def __repr__(self) -> str:
         fields = {f: getattr(self, f) for f in self.__struct_fields__ if not f.startswith("_")}
         return "SamplingParams(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
+
+
+def _token_key(key: Any) -> Any:
+    """Accept decimal-string token ids (JSON object keys); anything else is left for validation to reject."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
 
 
 class BeamSearchParams(msgspec.Struct, kw_only=True):

@@ -1,0 +1,405 @@
+"""Per-row sampling state of the persistent batch, kept across steps.
+
+The model runner gives each live request a row in [0, max_num_reqs). Scalars
+(temperature, top-k, penalties, ...) live in numpy arrays indexed by row;
+variable-length lists (allowed tokens, bad words, logit bias, stop ids) live in
+flat `_RowEntries` tables so one step's batch is gathered with a few numpy ops.
+Output-token counts for penalties are a device tensor updated incrementally in
+`append_token_ids`, allocated only once some request needs penalties.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.worker.sampling_metadata import SamplingMetadata
+
+_EPS = 1e-5
+
+# (attribute, dtype, neutral value) of every per-row scalar; move/remove walk this list.
+_ROW_FIELDS: tuple[tuple[str, type, object], ...] = (
+    ("active", np.bool_, False),
+    ("temperature", np.float32, 1.0),
+    ("top_k", np.int64, 0),
+    ("top_p", np.float32, 1.0),
+    ("min_p", np.float32, 0.0),
+    ("presence", np.float32, 0.0),
+    ("frequency", np.float32, 0.0),
+    ("repetition", np.float32, 1.0),
+    ("min_tokens", np.int64, 0),
+    ("num_output", np.int64, 0),
+    ("num_logprobs", np.int64, -1),
+    ("has_allowed", np.bool_, False),
+    ("penalized", np.bool_, False),
+    ("tracks_history", np.bool_, False),
+)
+
+
+class _RowEntries:
+    """A flat table of (row, token, value[, prefix]) entries: per-row lists without per-row objects."""
+
+    def __init__(self) -> None:
+        self.rows = np.zeros(0, np.int64)
+        self.tokens = np.zeros(0, np.int64)
+        self.values = np.zeros(0, np.float32)
+        # Optional int prefix per entry (multi-token bad words), padded with -1; width grows on demand.
+        self.prefixes = np.zeros((0, 0), np.int64)
+        self.prefix_lens = np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(
+        self,
+        row: int,
+        tokens: Sequence[int],
+        values: Optional[Sequence[float]] = None,
+        prefixes: Optional[Sequence[Sequence[int]]] = None,
+    ) -> None:
+        n = len(tokens)
+        if n == 0:
+            return
+        self.rows = np.concatenate([self.rows, np.full(n, row, np.int64)])
+        self.tokens = np.concatenate([self.tokens, np.asarray(tokens, np.int64)])
+        vals = np.zeros(n, np.float32) if values is None else np.asarray(values, np.float32)
+        self.values = np.concatenate([self.values, vals])
+        pre = list(prefixes) if prefixes is not None else [[] for _ in range(n)]
+        width = max([self.prefixes.shape[1]] + [len(p) for p in pre])
+        new = np.full((n, width), -1, np.int64)
+        for i, p in enumerate(pre):  # only at add time, never per step
+            new[i, : len(p)] = p
+        old = np.full((len(self.prefixes), width), -1, np.int64)
+        old[:, : self.prefixes.shape[1]] = self.prefixes
+        self.prefixes = np.concatenate([old, new])
+        self.prefix_lens = np.concatenate([self.prefix_lens, np.asarray([len(p) for p in pre], np.int64)])
+
+    def remove(self, row: int) -> None:
+        if len(self.rows) == 0:
+            return
+        keep = self.rows != row
+        if keep.all():
+            return
+        self.rows, self.tokens, self.values = self.rows[keep], self.tokens[keep], self.values[keep]
+        self.prefixes, self.prefix_lens = self.prefixes[keep], self.prefix_lens[keep]
+
+    def move(self, src: int, dst: int) -> None:
+        self.rows[self.rows == src] = dst
+
+    def select(self, pos_of_row: np.ndarray) -> np.ndarray:
+        """Indices of entries whose row is in the current batch."""
+        if len(self.rows) == 0:
+            return np.zeros(0, np.int64)
+        return np.nonzero(pos_of_row[self.rows] >= 0)[0]
+
+
+class SamplingState:
+    """Per-row sampling parameters and token history kept across steps, as tensors/numpy arrays."""
+
+    def __init__(self, max_num_reqs: int, vocab_size: int, max_model_len: int, device: torch.device) -> None:
+        if max_num_reqs < 1:
+            raise ValueError(f"max_num_reqs must be >= 1, got {max_num_reqs!r}.")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size!r}.")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len!r}.")
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+        for name, dtype, neutral in _ROW_FIELDS:
+            setattr(self, name, np.full(max_num_reqs, neutral, dtype=dtype))
+        self.generators: dict[int, torch.Generator] = {}
+        self.allowed = _RowEntries()
+        self.bad_single = _RowEntries()
+        self.bad_multi = _RowEntries()  # token = last token of the word; prefix = the tokens before it
+        self.logit_bias = _RowEntries()
+        self.stop_ids = _RowEntries()  # EOS + stop ids, banned while num_output < min_tokens
+        # Allocated lazily: most workloads never need them.
+        self.output_counts: Optional[torch.Tensor] = None  # int32 [R, V]
+        self.prompt_mask: Optional[torch.Tensor] = None  # bool [R, V]
+        self.history: Optional[np.ndarray] = None  # int64 [R, max_model_len] output tokens, bad-word rows only
+        self._pos = np.full(max_num_reqs, -1, np.int64)
+
+    # ------------------------------------------------------------------ row lifecycle
+    def _check_row(self, row: int, field: str = "row") -> int:
+        if not isinstance(row, (int, np.integer)) or not 0 <= int(row) < self.max_num_reqs:
+            raise ValueError(f"{field} must be in [0, {self.max_num_reqs}), got {row!r}.")
+        return int(row)
+
+    def _check_tokens(self, field: str, ids: Sequence[int]) -> None:
+        for t in ids:
+            if not 0 <= int(t) < self.vocab_size:
+                raise ValueError(f"{field} contains token id {t!r} outside the vocabulary (size {self.vocab_size}).")
+
+    def add_request(
+        self,
+        row: int,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        eos_token_id: int | None,
+    ) -> None:
+        """Load a request into `row` (also after preemption: existing outputs restore counts and the seed stream)."""
+        row = self._check_row(row)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}.")
+        if self.active[row]:
+            self.remove_request(row)
+        outputs = list(output_token_ids)
+        self._check_tokens("output_token_ids", outputs)
+        greedy = params.temperature < _EPS
+        self.active[row] = True
+        self.temperature[row] = 0.0 if greedy else params.temperature
+        self.top_k[row] = 0 if greedy or params.top_k < 0 else params.top_k
+        self.top_p[row] = 1.0 if greedy else params.top_p
+        self.min_p[row] = 0.0 if greedy else params.min_p
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
+        self.repetition[row] = params.repetition_penalty
+        self.min_tokens[row] = params.min_tokens
+        self.num_output[row] = len(outputs)
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+
+        if params.allowed_token_ids is not None:
+            self._check_tokens("allowed_token_ids", params.allowed_token_ids)
+            self.allowed.add(row, params.allowed_token_ids)
+            self.has_allowed[row] = True
+        if params.logit_bias:
+            self._check_tokens("logit_bias", list(params.logit_bias))
+            self.logit_bias.add(row, list(params.logit_bias.keys()), [float(v) for v in params.logit_bias.values()])
+        stop = list(params.all_stop_token_ids) + ([] if eos_token_id is None else [eos_token_id])
+        if params.min_tokens > 0 and stop:
+            self._check_tokens("stop token ids", stop)
+            self.stop_ids.add(row, sorted(set(stop)))
+        self._add_bad_words(row, params.bad_words_token_ids, outputs)
+
+        self.penalized[row] = (
+            params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+        )
+        if self.penalized[row]:
+            self._load_penalty_rows(row, prompt_token_ids, outputs)
+        if params.seed is not None and not greedy:
+            self.generators[row] = self._make_generator(params.seed, len(outputs))
+
+    def _add_bad_words(self, row: int, words: list[list[int]], outputs: list[int]) -> None:
+        for w in words:
+            if len(w) == 0:
+                raise ValueError(f"bad_words_token_ids must not contain an empty sequence, got {words!r}.")
+            self._check_tokens("bad_words_token_ids", w)
+        single = [w[0] for w in words if len(w) == 1]
+        multi = [w for w in words if len(w) > 1]
+        self.bad_single.add(row, single)
+        if multi:
+            self.bad_multi.add(row, [w[-1] for w in multi], prefixes=[w[:-1] for w in multi])
+            if self.history is None:
+                self.history = np.zeros((self.max_num_reqs, self.max_model_len), np.int64)
+            n = min(len(outputs), self.max_model_len)
+            self.history[row, :n] = outputs[:n]
+            self.tracks_history[row] = True
+
+    def _load_penalty_rows(self, row: int, prompt: list[int], outputs: list[int]) -> None:
+        if self.output_counts is None:
+            shape = (self.max_num_reqs, self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        assert self.prompt_mask is not None
+        self.output_counts[row].zero_()
+        self.prompt_mask[row].zero_()
+        if outputs:
+            out_t = torch.tensor(outputs, dtype=torch.int64, device=self.device)
+            self.output_counts[row].index_add_(0, out_t, torch.ones_like(out_t, dtype=torch.int32))
+        # Prompt ids beyond the sampled vocabulary cannot be generated, so they need no penalty (as HF).
+        p = np.asarray(prompt, np.int64)
+        p = p[(p >= 0) & (p < self.vocab_size)]
+        if len(p):
+            self.prompt_mask[row, torch.from_numpy(p).to(self.device)] = True
+
+    def _make_generator(self, seed: int, num_drawn: int) -> torch.Generator:
+        """A request's own stream; after preemption it skips the draws already used for its outputs."""
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        scratch = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
+        for _ in range(num_drawn):  # the sampler draws one [V] vector per sampled token
+            scratch.exponential_(generator=gen)
+        return gen
+
+    def remove_request(self, row: int) -> None:
+        row = self._check_row(row)
+        for name, _, neutral in _ROW_FIELDS:
+            getattr(self, name)[row] = neutral
+        for table in (self.allowed, self.bad_single, self.bad_multi, self.logit_bias, self.stop_ids):
+            table.remove(row)
+        self.generators.pop(row, None)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Condensing the batch: src's state moves to row dst (whatever dst held is dropped)."""
+        src, dst = self._check_row(src, "src"), self._check_row(dst, "dst")
+        if src == dst:
+            return
+        if self.active[dst]:
+            self.remove_request(dst)
+        for name, _, _ in _ROW_FIELDS:
+            arr = getattr(self, name)
+            arr[dst] = arr[src]
+        for table in (self.allowed, self.bad_single, self.bad_multi, self.logit_bias, self.stop_ids):
+            table.move(src, dst)
+        if src in self.generators:
+            self.generators[dst] = self.generators.pop(src)
+        if self.penalized[src] and self.output_counts is not None and self.prompt_mask is not None:
+            self.output_counts[dst].copy_(self.output_counts[src])
+            self.prompt_mask[dst].copy_(self.prompt_mask[src])
+        if self.tracks_history[src] and self.history is not None:
+            self.history[dst] = self.history[src]
+        for name, _, neutral in _ROW_FIELDS:
+            getattr(self, name)[src] = neutral
+
+    # ------------------------------------------------------------------ per step
+    def append_token_ids(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Record one new output token per listed row (rows must be distinct)."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        toks = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if rows.shape != toks.shape:
+            raise ValueError(f"rows and token_ids must have the same length, got {len(rows)} and {len(toks)}.")
+        if len(rows) == 0:
+            return
+        if rows.min() < 0 or rows.max() >= self.max_num_reqs:
+            raise ValueError(f"rows must be in [0, {self.max_num_reqs}), got {rows!r}.")
+        if toks.min() < 0 or toks.max() >= self.vocab_size:
+            raise ValueError(f"token_ids must be in [0, {self.vocab_size}), got {toks!r}.")
+        if self.history is not None:
+            h = self.tracks_history[rows]
+            if h.any():
+                r, n = rows[h], self.num_output[rows[h]]
+                ok = n < self.max_model_len
+                self.history[r[ok], n[ok]] = toks[h][ok]
+        p = self.penalized[rows]
+        if p.any():
+            assert self.output_counts is not None
+            r_t = torch.from_numpy(rows[p]).to(self.device)
+            t_t = torch.from_numpy(toks[p]).to(self.device)
+            self.output_counts.index_put_((r_t, t_t), torch.ones_like(r_t, dtype=torch.int32), accumulate=True)
+        np.add.at(self.num_output, rows, 1)
+
+    def _dev(self, arr: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(arr)).to(self.device, non_blocking=True)
+
+    def make_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """Gather the listed rows (in logits-row order) into one step's SamplingMetadata."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        n = len(rows)
+        if n and (rows.min() < 0 or rows.max() >= self.max_num_reqs):
+            raise ValueError(f"rows must be in [0, {self.max_num_reqs}), got {rows!r}.")
+        if n and not self.active[rows].all():
+            raise ValueError(f"rows {rows[~self.active[rows]].tolist()} hold no request.")
+        V = self.vocab_size
+        temp = self.temperature[rows]
+        greedy = temp < _EPS
+        all_greedy = bool(greedy.all())
+        all_random = not bool(greedy.any())
+        rnd = ~greedy
+
+        k = self.top_k[rows]
+        use_k = rnd & (k > 0) & (k < V)
+        p = self.top_p[rows]
+        use_p = rnd & (p < 1.0)
+        mp = self.min_p[rows]
+        use_mp = rnd & (mp > 0.0)
+        lp = self.num_logprobs[rows]
+
+        gens: dict[int, torch.Generator] = {}
+        if self.generators:
+            for i in np.nonzero(rnd)[0].tolist():  # only rows whose request has a seed
+                g = self.generators.get(int(rows[i]))
+                if g is not None:
+                    gens[i] = g
+
+        md = SamplingMetadata(
+            num_rows=n,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=None if (all_greedy or all_random) else self._dev(greedy),
+            temperature=None if all_greedy else self._dev(np.where(greedy, np.float32(1.0), temp)),
+            top_k=self._dev(np.where(use_k, k, V)) if use_k.any() else None,
+            max_top_k=int(k[use_k].max()) if use_k.any() else 0,
+            top_p=self._dev(np.where(use_p, p, np.float32(1.0))) if use_p.any() else None,
+            min_p=self._dev(np.where(use_mp, mp, np.float32(0.0))) if use_mp.any() else None,
+            generators=gens,
+            max_num_logprobs=int(lp.max()) if n and lp.max() >= 0 else None,
+        )
+        if n == 0:
+            return md
+
+        if self.penalized[rows].any():
+            assert self.output_counts is not None and self.prompt_mask is not None
+            rows_t = self._dev(rows)
+            md.output_token_counts = self.output_counts.index_select(0, rows_t)
+            md.prompt_token_mask = self.prompt_mask.index_select(0, rows_t)
+            md.presence_penalties = self._dev(self.presence[rows])
+            md.frequency_penalties = self._dev(self.frequency[rows])
+            md.repetition_penalties = self._dev(self.repetition[rows])
+
+        pos = self._pos
+        pos.fill(-1)
+        pos[rows] = np.arange(n)
+
+        if self.has_allowed[rows].any():
+            sel = self.allowed.select(pos)
+            md.allowed_rows = self._dev(self.has_allowed[rows])
+            md.allowed_index = (self._dev(pos[self.allowed.rows[sel]]), self._dev(self.allowed.tokens[sel]))
+
+        if len(self.logit_bias):
+            sel = self.logit_bias.select(pos)
+            if len(sel):
+                md.logit_bias_index = (
+                    self._dev(pos[self.logit_bias.rows[sel]]),
+                    self._dev(self.logit_bias.tokens[sel]),
+                )
+                md.logit_bias_values = self._dev(self.logit_bias.values[sel])
+
+        ban_b, ban_t = self._banned(pos)
+        if len(ban_b):
+            md.banned_index = (self._dev(ban_b), self._dev(ban_t))
+        return md
+
+    def _banned(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(batch index, token) pairs to force to -inf: bad words and stop ids held back by min_tokens."""
+        parts_b: list[np.ndarray] = []
+        parts_t: list[np.ndarray] = []
+        if len(self.bad_single):
+            sel = self.bad_single.select(pos)
+            parts_b.append(pos[self.bad_single.rows[sel]])
+            parts_t.append(self.bad_single.tokens[sel])
+        if len(self.bad_multi):
+            sel = self.bad_multi.select(pos)
+            if len(sel):
+                parts_b_m, parts_t_m = self._matched_bad_words(sel, pos)
+                parts_b.append(parts_b_m)
+                parts_t.append(parts_t_m)
+        if len(self.stop_ids):
+            sel = self.stop_ids.select(pos)
+            r = self.stop_ids.rows[sel]
+            sel = sel[self.num_output[r] < self.min_tokens[r]]
+            parts_b.append(pos[self.stop_ids.rows[sel]])
+            parts_t.append(self.stop_ids.tokens[sel])
+        if not parts_b:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(parts_b), np.concatenate(parts_t)
+
+    def _matched_bad_words(self, sel: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Multi-token bad words whose leading tokens equal the tail of the output so far."""
+        assert self.history is not None
+        t = self.bad_multi
+        r = t.rows[sel]
+        prefix = t.prefixes[sel]
+        plen = t.prefix_lens[sel]
+        n_out = self.num_output[r]
+        j = np.arange(prefix.shape[1])
+        idx = n_out[:, None] - plen[:, None] + j[None, :]
+        valid = j[None, :] < plen[:, None]
+        hist = self.history[r[:, None], np.clip(idx, 0, self.max_model_len - 1)]
+        match = np.where(valid, hist == prefix, True).all(axis=1) & (n_out >= plen)
+        return pos[r[match]], t.tokens[sel][match]
