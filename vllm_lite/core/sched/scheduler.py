@@ -1,0 +1,398 @@
+"""The V1 scheduler: one token budget per step, shared by decodes and prefill chunks.
+
+Each step running requests are served first (a running request may still be
+prefilling its prompt in chunks), then swapped-out ones are brought back, then
+waiting ones are admitted (prefix-cache hits skip their cached blocks). A
+running request that cannot get KV blocks preempts the lowest-priority running
+request (possibly itself) by recompute or swap. `num_computed_tokens` advances
+when a step is scheduled (as in vLLM), and blocks enter the prefix cache only
+after the step that wrote them has come back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import defaultdict
+from typing import Iterable, Optional
+
+from vllm_lite.config import VllmConfig
+from vllm_lite.core.kv_cache_manager import KVCacheManager
+from vllm_lite.core.kv_cache_utils import KVCacheBlock
+from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from vllm_lite.core.request import Request, RequestStatus
+from vllm_lite.core.sched.request_queue import RequestQueue, create_request_queue
+from vllm_lite.worker.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+logger = logging.getLogger("vllm_lite.scheduler")
+
+
+class Scheduler:
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        cc = vllm_config.cache_config
+        sc = vllm_config.scheduler_config
+        if not isinstance(cc.num_gpu_blocks, int) or cc.num_gpu_blocks < 2:
+            raise ValueError(
+                f"cache_config.num_gpu_blocks must be set to an integer >= 2 before the scheduler is built, "
+                f"got {cc.num_gpu_blocks!r}."
+            )
+        if cc.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {cc.preemption_mode!r}.")
+        if sc.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {sc.policy!r}.")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            v = getattr(sc, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"scheduler_config.{name} must be a positive integer, got {v!r}.")
+        if not isinstance(sc.long_prefill_token_threshold, int) or sc.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be a non-negative integer, got {sc.long_prefill_token_threshold!r}."
+            )
+        self.vllm_config = vllm_config
+        self.block_size = cc.block_size
+        self.policy = sc.policy
+        self.preemption_mode = cc.preemption_mode
+        self.max_num_batched_tokens = sc.max_num_batched_tokens
+        self.max_num_seqs = sc.max_num_seqs
+        self.long_prefill_token_threshold = sc.long_prefill_token_threshold
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=cc.num_gpu_blocks,
+            block_size=cc.block_size,
+            enable_caching=cc.enable_prefix_caching,
+            num_cpu_blocks=cc.num_cpu_blocks or 0,
+        )
+        # A request alone must always fit in the cache, or it could never finish: cap the length there.
+        capacity = self.kv_cache_manager.num_total_blocks * self.block_size
+        self.max_model_len = min(sc.max_model_len, capacity)
+        if capacity < sc.max_model_len:
+            logger.warning(
+                "KV cache holds only %d tokens (%d blocks of %d), less than max_model_len=%d: "
+                "requests are capped at %d tokens",
+                capacity, self.kv_cache_manager.num_total_blocks, self.block_size, sc.max_model_len, capacity,
+            )
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: RequestQueue = create_request_queue(self.policy)
+        self.swapped: RequestQueue = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Requests the worker holds in its persistent batch, and those it must drop at the next step.
+        self._in_worker: set[str] = set()
+        self._finished_req_ids: set[str] = set()
+        # The request objects of the step in flight: guards against an id reused after an abort.
+        self._scheduled: dict[str, Request] = {}
+        self._arrival_order: dict[str, int] = {}
+        self._order_counter = itertools.count()
+        self._num_preemptions = 0
+        self._step_counter = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a Request, got {type(request).__name__}.")
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in the scheduler.")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {rid!r}: prompt_token_ids is empty.")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: {request.num_tokens} tokens exceed max_model_len={self.max_model_len} "
+                f"(the smaller of the configured max_model_len and the KV cache's capacity)."
+            )
+        if request.is_finished() or request.status != RequestStatus.WAITING:
+            raise ValueError(f"request {rid!r}: status must be WAITING to be added, got {request.status.name}.")
+        self.requests[rid] = request
+        self._arrival_order[rid] = next(self._order_counter)
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[Request]:
+        """Finish (abort etc.) requests wherever they are; frees their blocks. Unknown ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a finished RequestStatus, got {finished_status!r}.")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        found: dict[str, Request] = {}
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                found[rid] = req
+        reqs = list(found.values())
+        if not reqs:
+            return []
+        self.running = [r for r in self.running if r.request_id not in found]
+        self.waiting.remove_requests(r for r in reqs if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED))
+        self.swapped.remove_requests(r for r in reqs if r.status == RequestStatus.SWAPPED)
+        for req in reqs:
+            req.status = finished_status
+            self._release(req)
+        return reqs
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv_cache_manager.num_total_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        queries, hits = self.kv_cache_manager.take_prefix_cache_stats()
+        preemptions, self._num_preemptions = self._num_preemptions, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) + len(self.swapped),
+            kv_cache_usage=self.kv_cache_manager.usage(),
+            num_free_blocks=self.num_free_blocks,
+            num_total_blocks=self.num_total_blocks,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=preemptions,
+            step_counter=self._step_counter,
+        )
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        self._step_counter += 1
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        to_worker_as_new: list[Request] = []  # first schedule, or resumed after preemption / swap
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, in order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            blocks = kv.allocate_slots(req, n)
+            while blocks is None:
+                victim = self._pick_victim()
+                vi = self.running.index(victim)
+                del self.running[vi]
+                if vi < i:
+                    i -= 1
+                if victim.request_id in num_scheduled:  # it ran earlier this step: give back its tokens
+                    budget += num_scheduled.pop(victim.request_id)
+                    new_blocks_of.pop(victim.request_id, None)
+                self._preempt(victim, swap_out)
+                preempted.append(victim)
+                if victim is req:
+                    break
+                blocks = kv.allocate_slots(req, n)
+            if blocks is None:
+                continue  # req preempted itself; the next request now sits at index i
+            num_scheduled[req.request_id] = n
+            new_blocks_of[req.request_id] = blocks
+            budget -= n
+            i += 1
+
+        # 2. Swapped, then waiting requests, unless this step had to preempt (no room to grow).
+        if not preempted:
+            blocked = False
+            while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.swapped.peek()
+                n = self._num_new_tokens(req, req.num_computed_tokens, budget)
+                pairs = kv.swap_in(req, n)
+                if pairs is None:
+                    blocked = True  # swapped requests go before new ones: wait for room
+                    break
+                self.swapped.pop()
+                swap_in.extend(pairs)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                to_worker_as_new.append(req)
+                num_scheduled[req.request_id] = n
+                budget -= n
+
+            while not blocked and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting.peek()
+                hit_blocks, num_hit = kv.get_computed_blocks(req)
+                n = self._num_new_tokens(req, num_hit, budget)
+                if kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
+                    break
+                self.waiting.pop()
+                kv.record_prefix_cache_lookup(req.num_tokens, num_hit)
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                to_worker_as_new.append(req)
+                num_scheduled[req.request_id] = n
+                budget -= n
+
+        # 3. The diff for the worker.
+        new_ids = {r.request_id for r in to_worker_as_new}
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                eos_token_id=r.eos_token_id,
+            )
+            for r in to_worker_as_new
+        ]
+        cached = CachedRequestData()
+        for r in self.running:
+            rid = r.request_id
+            if rid in num_scheduled and rid not in new_ids:
+                cached.req_ids.append(rid)
+                cached.new_block_ids.append([b.block_id for b in new_blocks_of.get(rid, [])])
+                cached.num_computed_tokens.append(r.num_computed_tokens)
+        for r in preempted:
+            if r.request_id in self._in_worker:
+                self._in_worker.discard(r.request_id)
+                self._finished_req_ids.add(r.request_id)
+        finished_ids, self._finished_req_ids = self._finished_req_ids, set()
+        self._in_worker.update(new_ids)
+
+        self._scheduled = {}
+        for r in self.running:
+            n = num_scheduled.get(r.request_id)
+            if n:
+                r.num_computed_tokens += n
+                self._scheduled[r.request_id] = r
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished_ids,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
+        )
+
+    def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
+        """Tokens to run now: what is left, cut by the chunk threshold, the budget and max_model_len."""
+        n = req.num_tokens - num_computed
+        if self.long_prefill_token_threshold > 0:
+            n = min(n, self.long_prefill_token_threshold)
+        return min(n, budget, self.max_model_len - num_computed)
+
+    def _pick_victim(self) -> Request:
+        """Lowest priority running request: largest `priority` (priority policy), then latest arrival."""
+        order = self._arrival_order
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time, order[r.request_id]))
+        return max(self.running, key=lambda r: (r.arrival_time, order[r.request_id]))
+
+    def _preempt(self, req: Request, swap_out: list[tuple[int, int]]) -> None:
+        """Take `req` (already out of `running`) off the device: swap if asked and room, else recompute."""
+        self._num_preemptions += 1
+        req.num_preemptions += 1
+        if self.preemption_mode == "swap":
+            pairs = self.kv_cache_manager.swap_out(req)
+            if pairs is not None:
+                swap_out.extend(pairs)
+                req.status = RequestStatus.SWAPPED
+                self.swapped.prepend(req)
+                return
+        self.kv_cache_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.prepend(req)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        kv = self.kv_cache_manager
+        mro = model_runner_output
+        scheduled, self._scheduled = self._scheduled, {}
+        per_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        stopped: list[Request] = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = scheduled.get(rid)
+            if req is None or self.requests.get(rid) is not req or req.status != RequestStatus.RUNNING:
+                continue  # aborted (or preempted) while the step was in flight
+            kv.cache_blocks(req, req.num_computed_tokens)
+            idx = mro.req_id_to_index.get(rid)
+            sampled = mro.sampled_token_ids[idx] if idx is not None else []
+            new_token_ids: list[int] = []
+            finished = False
+            # Tokens only count once the whole known sequence ran (a mid-prompt chunk samples nothing).
+            if sampled and req.num_computed_tokens >= req.num_tokens:
+                for tok in sampled:
+                    req.append_output_token_ids(tok)
+                    new_token_ids.append(tok)
+                    if self._check_stop(req):
+                        finished = True
+                        break
+            new_logprobs = None
+            if new_token_ids and mro.logprobs is not None and req.sampling_params.logprobs is not None:
+                new_logprobs = mro.logprobs.slice(idx, idx + 1)
+            prompt_lp = mro.prompt_logprobs_dict.get(rid)
+            if finished:
+                stopped.append(req)
+            if new_token_ids or finished or prompt_lp is not None:
+                per_client[req.client_index].append(
+                    EngineCoreOutput(
+                        request_id=rid,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=new_logprobs,
+                        new_prompt_logprobs_tensors=prompt_lp,
+                        finish_reason=req.get_finish_reason() if finished else None,
+                        stop_reason=req.stop_reason,
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                    )
+                )
+        if stopped:
+            ids = {r.request_id for r in stopped}
+            self.running = [r for r in self.running if r.request_id not in ids]
+            for req in stopped:
+                self._release(req)
+        if not per_client:
+            return {}
+        stats = self.make_stats()
+        return {c: EngineCoreOutputs(outputs=outs, scheduler_stats=stats) for c, outs in per_client.items()}
+
+    def _check_stop(self, req: Request) -> bool:
+        """Sets the finished status; EOS and stop tokens only count once min_tokens are out."""
+        sp = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in sp.all_stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = last
+                return True
+        if req.max_tokens is not None and req.num_output_tokens >= req.max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _release(self, req: Request) -> None:
+        """Forget a finished request: free its blocks, tell the worker to drop it."""
+        rid = req.request_id
+        self.kv_cache_manager.free(req)
+        if rid in self._in_worker:
+            self._in_worker.discard(rid)
+            self._finished_req_ids.add(rid)
+        self.requests.pop(rid, None)
+        self._arrival_order.pop(rid, None)
