@@ -86,3 +86,63 @@ def make_attention_metadata(
         query_start_loc_cpu=qsl_t,
         seq_lens_cpu=seq_t,
     )
+
+
+class PagedModelDriver:
+    """Runs a model step by step over its own paged KV cache, like the runner but driven by a test.
+
+    Each step names how many new tokens every request feeds (0 = idle this
+    step); the driver builds the flattened batch, the metadata and the slot
+    mapping, and returns the logits of every fed token.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        token_lists: Sequence[Sequence[int]],
+        block_size: int,
+        backend,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        from vllm_lite.worker.attention.layer import Attention
+
+        self.model, self.backend, self.block_size = model, backend, block_size
+        self.device = torch.device(device)
+        self.tokens = [list(t) for t in token_lists]
+        self.computed = [0] * len(self.tokens)
+        self.tables, num_blocks = random_block_tables([len(t) for t in self.tokens], block_size, seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        for layer in (m for m in model.modules() if isinstance(m, Attention)):
+            # Noise, not zeros: reading a slot nobody wrote must change the result.
+            shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+            layer.kv_cache = torch.randn(shape, generator=g).to(device=self.device, dtype=dtype)
+
+    @torch.inference_mode()
+    def step(self, num_new: Sequence[int]) -> list[torch.Tensor]:
+        """Feed num_new[i] tokens of request i; returns per request float32 logits [num_new[i], vocab]."""
+        from vllm_lite.worker.forward_context import set_forward_context
+
+        rows = [i for i, n in enumerate(num_new) if n > 0]
+        ids, pos = [], []
+        for i in rows:
+            start, n = self.computed[i], num_new[i]
+            if start + n > len(self.tokens[i]):
+                raise ValueError(f"request {i}: feeding {n} tokens from {start} overruns its {len(self.tokens[i])}.")
+            ids += self.tokens[i][start : start + n]
+            pos += range(start, start + n)
+        qlens = [num_new[i] for i in rows]
+        seqlens = [self.computed[i] + num_new[i] for i in rows]
+        md = make_attention_metadata(qlens, seqlens, [self.tables[i] for i in rows], self.block_size, self.device)
+        with set_forward_context(md, self.backend):
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor(pos, dtype=torch.int64, device=self.device),
+            )
+            logits = self.model.compute_logits(hidden)
+        out = [logits.new_empty(0, logits.shape[-1]) for _ in num_new]
+        for i, chunk in zip(rows, logits.split(qlens)):
+            self.computed[i] += num_new[i]
+            out[i] = chunk
+        return out

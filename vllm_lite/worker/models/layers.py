@@ -1,0 +1,223 @@
+"""Building blocks shared by the decoder models: norms, rotary embedding, fused linears, activations.
+
+Fused linears hold several Hugging Face projections in one weight (q/k/v,
+gate/up) so a layer runs one matmul instead of three; their `weight_loader`
+copies each HF shard into its row slice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 (as HF does), with an optional fused residual add."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype) * self.weight
+        return y if residual is None else (y, residual)
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for a fused [.., 2*d] gate_up output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+def get_activation(name: str) -> nn.Module:
+    acts: dict[str, nn.Module] = {
+        "relu": nn.ReLU(),
+        "gelu": nn.GELU(),
+        "gelu_new": nn.GELU(approximate="tanh"),
+        "gelu_pytorch_tanh": nn.GELU(approximate="tanh"),
+        "silu": nn.SiLU(),
+        "swish": nn.SiLU(),
+    }
+    if name not in acts:
+        raise ValueError(f"activation_function {name!r} is not supported; choose one of {sorted(acts)}.")
+    return acts[name]
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match model shape {tuple(dst.shape)}.")
+    dst.copy_(src)
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a whole checkpoint tensor into a parameter (dtype/device converted by copy_)."""
+    with torch.no_grad():
+        _copy_checked(param.data, loaded, "weight")
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of the same input stacked along the output dim; shard i owns rows [off_i, off_i+size_i)."""
+
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool, shard_ids: Sequence[Any]) -> None:
+        super().__init__(in_features, sum(out_sizes), bias=bias)
+        if len(out_sizes) != len(shard_ids):
+            raise ValueError("out_sizes and shard_ids must have the same length.")
+        offsets = [0]
+        for s in out_sizes:
+            offsets.append(offsets[-1] + s)
+        self.shards = {sid: (offsets[i], out_sizes[i]) for i, sid in enumerate(shard_ids)}
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any) -> None:
+        """Copy one HF projection (weight or bias) into its slice of this module's `param`."""
+        if shard_id not in self.shards:
+            raise ValueError(f"unknown shard id {shard_id!r}; expected one of {list(self.shards)}.")
+        off, size = self.shards[shard_id]
+        with torch.no_grad():
+            _copy_checked(param.data.narrow(0, off, size), loaded, f"shard {shard_id!r}")
+
+
+class QKVLinear(MergedLinear):
+    """q, k and v projections in one matmul: output is [q (H*D) | k (KVH*D) | v (KVH*D)]."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, ["q", "k", "v"])
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+# ---------------------------------------------------------------------------- rotary embedding
+
+
+def get_rope_parameters(config: Any) -> dict[str, Any]:
+    """RoPE settings from a transformers config: v5 `rope_parameters` or older `rope_scaling` + `rope_theta`."""
+    rp = getattr(config, "rope_parameters", None)
+    if isinstance(rp, dict) and ("rope_theta" in rp or "rope_type" in rp or "type" in rp):
+        params = dict(rp)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    if "rope_theta" not in params or params["rope_theta"] is None:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if "partial_rotary_factor" not in params and getattr(config, "partial_rotary_factor", None) is not None:
+        params["partial_rotary_factor"] = config.partial_rotary_factor
+    return params
+
+
+def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+    factor = p.get("factor") or max_pos / p["original_max_position_embeddings"]
+    orig = p.get("original_max_position_embeddings") or max_pos
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = p.get("attention_factor")
+    if attn is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attn = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attn = mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrap = 1 - ramp  # 1 where the frequency is high enough to keep unscaled
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrap) + (1.0 / pos_freqs) * extrap
+    return inv, float(attn)
+
+
+def _llama3_inv_freq(inv: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    factor, low_f, high_f = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low_f, old_len / high_f
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low_f) / (high_f - low_f)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies float32 [rotary_dim/2], cos/sin scale) for a rope type."""
+    base = float(params["rope_theta"])
+    kind = params["rope_type"]
+    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if kind in ("default", "dynamic"):
+        # dynamic NTK only changes frequencies past max_position_embeddings, which the engine never reaches.
+        return inv, 1.0
+    if kind == "linear":
+        return inv / params["factor"], 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(inv, params), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(base, rotary_dim, params, max_position)
+    raise ValueError(
+        f"rope_type {kind!r} is not supported; supported: 'default', 'linear', 'dynamic', 'llama3', 'yarn'."
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX-style RoPE (rotate halves) over the first rotary_dim of each head, from a cos/sin table."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        self.max_position = max_position
+        self.params = params
+        rope_inv_freq(self.rotary_dim, params, max_position)  # validate the rope type at build time
+        self.register_buffer("cos_sin_cache", torch.empty(max_position, self.rotary_dim), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)compute the float32 cos/sin table on the buffer's device; the loader calls this after to_empty."""
+        device = self.cos_sin_cache.device
+        inv, scale = rope_inv_freq(self.rotary_dim, self.params, self.max_position)
+        if device.type == "meta":
+            self.cos_sin_cache = torch.empty(self.max_position, self.rotary_dim, device=device)
+            return
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv)
+        self.cos_sin_cache = (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * scale).to(device)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        x = x.view(t, -1, self.head_dim)
+        half = self.rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half : self.rotary_dim]
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        if self.rotary_dim < self.head_dim:
+            parts.append(x[..., self.rotary_dim :])
+        return torch.cat(parts, dim=-1).view(t, -1)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; query [T, H*D], key [T, KVH*D] -> rotated copies, same shapes."""
+        cs = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
+        cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2] each
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

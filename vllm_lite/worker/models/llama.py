@@ -1,0 +1,157 @@
+"""Llama-family decoder (Llama, Mistral; Qwen2/Qwen3 reuse it with their variations).
+
+Parameter names mirror Hugging Face's so checkpoints map one to one, except
+the fused qkv_proj and gate_up_proj, which `load_weights` fills shard by shard.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from vllm_lite.worker.attention.layer import Attention
+from vllm_lite.worker.models.layers import (
+    MergedLinear,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    get_rope_parameters,
+)
+from vllm_lite.worker.models.loading import load_hf_weights
+
+logger = logging.getLogger(__name__)
+
+STACKED = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str) -> None:
+        super().__init__()
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported by the gated MLP; expected 'silu'.")
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias, [0, 1])
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, get_rope_parameters(config))
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.qk_norm:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bool(getattr(config, "mlp_bias", False)),
+            getattr(config, "hidden_act", "silu"),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm fuses the preceding add.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder + LM head. Subclasses set the bias / qk-norm variations via class attributes."""
+
+    qkv_bias: Optional[bool] = None  # None: config.attention_bias
+    o_bias: Optional[bool] = None  # None: config.attention_bias
+    qk_norm: bool = False
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attn_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = attn_bias if self.o_bias is None else self.o_bias
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+            logger.warning(
+                "sliding_window=%d is ignored: attention is full-context (exact up to %d tokens).", window, window
+            )
+        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        return load_hf_weights(self, weights, STACKED, tied_names=tied)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama's architecture (its sliding window is not applied; see LlamaForCausalLM)."""

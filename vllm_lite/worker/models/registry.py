@@ -1,0 +1,34 @@
+"""Architecture name (config.json "architectures") -> our model class."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Sequence
+
+from torch import nn
+
+# name -> (module under vllm_lite.worker.models, class name); imported on first use.
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str | Sequence[str]) -> type[nn.Module]:
+    """The class for an architecture name, or the first supported one of a config's list."""
+    names = [architecture] if isinstance(architecture, str) else list(architecture)
+    for name in names:
+        if name in _MODELS:
+            module, cls = _MODELS[name]
+            return getattr(importlib.import_module(f"vllm_lite.worker.models.{module}"), cls)
+    raise ValueError(
+        f"Unsupported model architecture {names if len(names) != 1 else names[0]!r}; "
+        f"supported architectures: {', '.join(supported_architectures())}."
+    )
