@@ -84,6 +84,8 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # msgpack-encodable result (bool/int/float/str/list/dict) or None.
     result: Any = None
     failure_message: Optional[str] = None
+    # Exception class name of a failed call ("ValueError", ...), so the caller can re-raise the same kind.
+    failure_type: Optional[str] = None
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):

@@ -1,0 +1,544 @@
+"""EngineCoreProc: the socket protocol, routing, robustness and lifecycle of the core process.
+
+Most tests run the busy loop in a thread of this process (no spawn cost) and
+talk to it with raw ZMQ DEALER sockets, so they test the wire protocol itself.
+`FakeEngineCore` has EngineCore's interface over a deterministic token rule:
+these tests are about transport, not the model (client tests also use the real core).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Optional
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from vllm_lite.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+from vllm_lite.core.engine_core_proc import CoreAddresses, CoreProcOptions, EngineCoreProc, set_core_thread_policy
+from vllm_lite.core.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreOutputType,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    HandshakeReply,
+    HelloRequest,
+    SchedulerStats,
+    UtilityRequest,
+)
+from vllm_lite.core.serialization import MsgpackDecoder, MsgpackEncoder
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.worker.step import LogprobsTensors
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+VOCAB = 1000
+
+
+def fake_token(prompt: list[int], n: int) -> int:
+    """The n-th (0-based) token FakeEngineCore generates for a prompt."""
+    return (sum(prompt) * 7 + 13 * n + prompt[-1]) % VOCAB
+
+
+class FakeEngineCore:
+    """EngineCore's interface with a deterministic token rule and block accounting."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        hf = vllm_config.model_config.hf_config
+        if hf.get("fake_fail_startup"):
+            raise FileNotFoundError(hf["fake_fail_startup"])
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_blocks = 256
+        self.free_blocks = self.num_blocks
+        self.step_delay = float(hf.get("fake_step_delay", 0.0))
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.model_facts = {
+            "model": vllm_config.model_config.name,
+            "max_model_len": vllm_config.model_config.max_model_len,
+            "block_size": self.block_size,
+            "num_gpu_blocks": self.num_blocks,
+            "vocab_size": VOCAB,
+        }
+        self.reqs: dict[str, dict[str, Any]] = {}
+        self.crash_next_step = False
+        self.steps = 0
+
+    def _blocks(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.reqs:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if not request.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        need = self._blocks(len(request.prompt_token_ids) + (request.sampling_params.max_tokens or 16))
+        if need > self.free_blocks:
+            raise ValueError(f"request needs {need} blocks, {self.free_blocks} free")
+        self.free_blocks -= need
+        self.reqs[request.request_id] = {"req": request, "out": [], "blocks": need}
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            st = self.reqs.pop(rid, None)
+            if st is not None:
+                self.free_blocks += st["blocks"]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        if self.crash_next_step:
+            raise RuntimeError("injected fault in step")
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        self.steps += 1
+        per_client: dict[int, list[EngineCoreOutput]] = {}
+        for rid in list(self.reqs)[: self.max_num_seqs]:
+            st = self.reqs[rid]
+            req: EngineCoreRequest = st["req"]
+            tok = fake_token(req.prompt_token_ids, len(st["out"]))
+            st["out"].append(tok)
+            out = EngineCoreOutput(rid, [tok])
+            k = req.sampling_params.logprobs
+            if k is not None:
+                out.new_logprobs = LogprobsTensors(
+                    torch.full((1, k + 1), tok, dtype=torch.int64),
+                    torch.linspace(-1.0, -2.0, k + 1).reshape(1, k + 1),
+                    torch.tensor([1]),
+                )
+            if len(st["out"]) >= (req.sampling_params.max_tokens or 16):
+                out.finish_reason = FinishReason.LENGTH
+                self.abort_requests([rid])
+            per_client.setdefault(req.client_index, []).append(out)
+        stats = SchedulerStats(num_running_reqs=len(self.reqs), num_free_blocks=self.free_blocks, step_counter=self.steps)
+        return {c: EngineCoreOutputs(outputs=o, scheduler_stats=stats) for c, o in per_client.items()}
+
+    def call_utility(self, method: str, args: list) -> Any:
+        if method == "ping":
+            return "pong"
+        if method == "get_num_free_blocks":
+            return self.free_blocks
+        if method == "echo":
+            return list(args)
+        if method == "crash_on_next_step":
+            self.crash_next_step = True
+            return True
+        if method == "unencodable":
+            return object()
+        raise ValueError(f"unknown utility method {method!r}")
+
+    def shutdown(self) -> None:
+        self.reqs.clear()
+
+
+def fake_config(**hf_extra: Any) -> VllmConfig:
+    hf = {"architectures": ["FakeForCausalLM"], "vocab_size": VOCAB, **hf_extra}
+    return VllmConfig(
+        model_config=ModelConfig(
+            model="fake-model", tokenizer="fake-model", dtype=torch.float32, max_model_len=256,
+            hf_config=hf, architecture="FakeForCausalLM", vocab_size=VOCAB,
+        ),
+        cache_config=CacheConfig(block_size=16),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=64, max_model_len=256),
+        parallel_config=ParallelConfig(),
+        device_config=DeviceConfig(device=torch.device("cpu"), num_threads=1),
+    )
+
+
+def make_addresses(tmpdir: str) -> CoreAddresses:
+    return CoreAddresses(input=f"ipc://{tmpdir}/in.sock", output=f"ipc://{tmpdir}/out.sock")
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 4, **sp: Any) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, **sp), None, time.time())
+
+
+class RawFrontend:
+    """A frontend speaking the wire protocol by hand."""
+
+    def __init__(self, ctx: zmq.Context, addresses: CoreAddresses, identity: Optional[bytes] = None) -> None:
+        self.identity = identity or uuid.uuid4().bytes
+        self.inp = ctx.socket(zmq.DEALER)
+        self.out = ctx.socket(zmq.DEALER)
+        for s, a in ((self.out, addresses.output), (self.inp, addresses.input)):
+            s.setsockopt(zmq.IDENTITY, self.identity)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(a)
+        self.enc = MsgpackEncoder()
+        self.outputs_dec = MsgpackDecoder(EngineCoreOutputs)
+        self.reply_dec = MsgpackDecoder(HandshakeReply)
+
+    def send(self, kind: EngineCoreRequestType, obj: Any) -> None:
+        self.inp.send_multipart([kind.value, *self.enc.encode(obj)])
+
+    def hello(self, token: Optional[str] = None, version: int = PROTOCOL_VERSION) -> HandshakeReply:
+        self.send(EngineCoreRequestType.HELLO, HelloRequest(version, token, "raw"))
+        kind, msg = self.recv()
+        assert kind in (EngineCoreOutputType.READY, EngineCoreOutputType.REFUSED)
+        return msg
+
+    def recv(self, timeout_s: float = 5.0) -> tuple[EngineCoreOutputType, Any]:
+        if not self.out.poll(int(timeout_s * 1000)):
+            raise TimeoutError("no message from the core")
+        frames = self.out.recv_multipart()
+        kind = EngineCoreOutputType(frames[0])
+        if kind is EngineCoreOutputType.OUTPUTS:
+            return kind, self.outputs_dec.decode(frames[1:])
+        if kind in (EngineCoreOutputType.READY, EngineCoreOutputType.REFUSED):
+            return kind, self.reply_dec.decode(frames[1:])
+        return kind, None
+
+    def collect(self, until_finished: set[str], timeout_s: float = 10.0) -> dict[str, list[EngineCoreOutput]]:
+        """Outputs per request id until every id in `until_finished` has finished."""
+        got: dict[str, list[EngineCoreOutput]] = {}
+        pending = set(until_finished)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            kind, outs = self.recv(max(0.1, deadline - time.monotonic()))
+            if kind is not EngineCoreOutputType.OUTPUTS:
+                continue
+            for o in outs.outputs:
+                got.setdefault(o.request_id, []).append(o)
+                if o.finished:
+                    pending.discard(o.request_id)
+        return got
+
+    def utility(self, method: str, *args: Any, call_id: int = 1) -> Any:
+        self.send(EngineCoreRequestType.UTILITY, UtilityRequest(0, call_id, method, list(args)))
+        while True:
+            kind, outs = self.recv()
+            if kind is EngineCoreOutputType.OUTPUTS and outs.utility_output is not None:
+                assert outs.utility_output.call_id == call_id
+                return outs.utility_output
+
+
+class ThreadedCore:
+    """An EngineCoreProc whose busy loop runs in a thread of this process."""
+
+    def __init__(self, **options: Any) -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix="vlt-test-")
+        self.addresses = make_addresses(self.tmpdir)
+        self.proc = EngineCoreProc(fake_config(), self.addresses, CoreProcOptions(engine_core_cls=FakeEngineCore, **options))
+        self.exit_code: Optional[int] = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.ctx = zmq.Context()
+
+    def _run(self) -> None:
+        self.exit_code = self.proc.run_busy_loop()
+
+    def frontend(self, hello: bool = True, **kw: Any) -> RawFrontend:
+        fe = RawFrontend(self.ctx, self.addresses)
+        if hello:
+            reply = fe.hello(**kw)
+            assert reply.accepted, reply.reason
+        return fe
+
+    def stop(self) -> None:
+        self.proc.request_shutdown()
+        self.thread.join(10)
+        self.ctx.destroy(linger=0)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def core():
+    c = ThreadedCore()
+    yield c
+    c.stop()
+
+
+# ---------------------------------------------------------------------------------------------------- protocol
+
+
+def test_handshake_returns_model_facts_and_distinct_client_indexes(core):
+    a = RawFrontend(core.ctx, core.addresses).hello()
+    b = RawFrontend(core.ctx, core.addresses).hello()
+    assert a.accepted and b.accepted
+    assert {a.client_index, b.client_index} == {0, 1}
+    assert a.model == "fake-model" and a.max_model_len == 256 and a.block_size == 16
+    assert a.num_gpu_blocks == 256 and a.vocab_size == VOCAB and a.protocol_version == PROTOCOL_VERSION
+
+
+def test_outputs_go_only_to_the_frontend_that_sent_the_request(core):
+    a, b = core.frontend(), core.frontend()
+    # Both claim client_index 0: the core must route by identity, not by the field.
+    a.send(EngineCoreRequestType.ADD, request("ra", [1, 2, 3], max_tokens=5))
+    b.send(EngineCoreRequestType.ADD, request("rb", [9, 9], max_tokens=3))
+    got_a = a.collect({"ra"})
+    got_b = b.collect({"rb"})
+    assert set(got_a) == {"ra"} and set(got_b) == {"rb"}
+    assert [o.new_token_ids[0] for o in got_a["ra"]] == [fake_token([1, 2, 3], n) for n in range(5)]
+    assert [o.new_token_ids[0] for o in got_b["rb"]] == [fake_token([9, 9], n) for n in range(3)]
+    assert got_a["ra"][-1].finish_reason == FinishReason.LENGTH
+    with pytest.raises(TimeoutError):
+        a.recv(timeout_s=0.3)
+
+
+def test_logprob_tensors_cross_the_socket(core):
+    a = core.frontend()
+    a.send(EngineCoreRequestType.ADD, request("lp", [5, 6], max_tokens=2, logprobs=3))
+    outs = a.collect({"lp"})["lp"]
+    lp = outs[0].new_logprobs
+    assert isinstance(lp.logprobs, torch.Tensor) and lp.logprobs.shape == (1, 4)
+    assert lp.logprob_token_ids[0, 0].item() == fake_token([5, 6], 0)
+
+
+def test_wrong_auth_token_is_refused_with_reason():
+    c = ThreadedCore(auth_token="sesame")
+    try:
+        bad = RawFrontend(c.ctx, c.addresses).hello(token="nope")
+        assert not bad.accepted and "wrong auth token" in bad.reason
+        missing = RawFrontend(c.ctx, c.addresses).hello(token=None)
+        assert not missing.accepted and "wrong auth token" in missing.reason
+        good = RawFrontend(c.ctx, c.addresses).hello(token="sesame")
+        assert good.accepted
+    finally:
+        c.stop()
+
+
+def test_wrong_protocol_version_is_refused_with_reason(core):
+    reply = RawFrontend(core.ctx, core.addresses).hello(version=PROTOCOL_VERSION + 41)
+    assert not reply.accepted and "protocol version mismatch" in reply.reason
+
+
+def test_garbage_and_wrong_type_frames_are_dropped_and_core_keeps_serving(core):
+    a = core.frontend()
+    enc = MsgpackEncoder()
+    a.inp.send_multipart([b"\x99", b"whatever"])  # unknown type byte
+    a.inp.send_multipart([EngineCoreRequestType.ADD.value, b"\xc1\xc1\xc1"])  # not msgpack
+    a.inp.send_multipart([EngineCoreRequestType.ADD.value, *enc.encode(UtilityRequest(0, 1, "ping"))])  # wrong struct
+    a.inp.send_multipart([EngineCoreRequestType.ADD.value])  # no payload
+    a.inp.send(b"")  # empty type frame
+    a.inp.send_multipart([EngineCoreRequestType.ABORT.value, *enc.encode({"not": "a list"})])
+    a.inp.send_multipart([EngineCoreRequestType.ADD.value, *enc.encode(["r", [1], {"temperature": -5.0}, None, 0.0])])
+    a.inp.send_multipart([EngineCoreRequestType.UTILITY.value, os.urandom(64)])
+    # A stranger that never said HELLO is ignored.
+    stranger = RawFrontend(core.ctx, core.addresses)
+    stranger.send(EngineCoreRequestType.ADD, request("s", [1], max_tokens=2))
+    a.send(EngineCoreRequestType.ADD, request("ok", [4, 4], max_tokens=2))
+    got = a.collect({"ok"})
+    assert set(got) == {"ok"} and len(got["ok"]) == 2
+    with pytest.raises(TimeoutError):
+        stranger.recv(timeout_s=0.3)
+    assert a.utility("ping").result == "pong"
+    assert core.thread.is_alive()
+
+
+def test_duplicate_request_id_gets_error_without_disturbing_the_first(core):
+    a = core.frontend()
+    core.proc.engine_core.step_delay = 0.02
+    a.send(EngineCoreRequestType.ADD, request("dup", [1, 2], max_tokens=6))
+    a.send(EngineCoreRequestType.ADD, request("dup", [7, 7], max_tokens=6))
+    got = a.collect({"dup"})["dup"]
+    errors = [o for o in got if o.finish_reason == FinishReason.ERROR]
+    assert len(errors) == 1 and "duplicate request id 'dup'" in errors[0].error
+    tokens = [o.new_token_ids[0] for o in got if o.new_token_ids]
+    # The first request keeps going to its normal end (collect stopped at the error; gather the rest).
+    rest = a.collect({"dup"})["dup"] if got[-1].finish_reason == FinishReason.ERROR else []
+    tokens += [o.new_token_ids[0] for o in rest]
+    assert tokens == [fake_token([1, 2], n) for n in range(6)]
+    assert (rest or got)[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_request_the_core_rejects_fails_alone(core):
+    a = core.frontend()
+    a.send(EngineCoreRequestType.ADD, request("empty", [], max_tokens=2))
+    a.send(EngineCoreRequestType.ADD, request("fine", [3], max_tokens=2))
+    got = a.collect({"empty", "fine"})
+    assert got["empty"][0].finish_reason == FinishReason.ERROR
+    assert "prompt_token_ids must not be empty" in got["empty"][0].error
+    assert got["fine"][-1].finish_reason == FinishReason.LENGTH
+
+
+def test_abort_stops_outputs_and_frees_blocks_only_for_the_owner(core):
+    a, b = core.frontend(), core.frontend()
+    free0 = a.utility("get_num_free_blocks").result
+    core.proc.engine_core.step_delay = 0.05
+    a.send(EngineCoreRequestType.ADD, request("long", [1, 2, 3], max_tokens=200))
+    kind, outs = a.recv()
+    assert outs.outputs[0].request_id == "long"
+    b.send(EngineCoreRequestType.ABORT, ["long"])  # not b's request: ignored
+    time.sleep(0.2)
+    a.send(EngineCoreRequestType.ABORT, ["long"])
+    # Drain until the abort has applied: outputs stop coming.
+    while True:
+        try:
+            a.recv(timeout_s=0.5)
+        except TimeoutError:
+            break
+    assert a.utility("get_num_free_blocks", call_id=2).result == free0
+    assert not core.proc.engine_core.has_unfinished_requests()
+
+
+def test_add_followed_by_abort_in_one_batch_never_runs():
+    c = ThreadedCore()
+    try:
+        a = c.frontend()
+        # Hold the busy loop in a step so that ADD and ABORT land in the same drained batch.
+        c.proc.engine_core.step_delay = 0.5
+        a.send(EngineCoreRequestType.ADD, request("blocker", [1], max_tokens=2))
+        a.recv()  # blocker is running: the loop is inside step() for 0.5 s now
+        a.send(EngineCoreRequestType.ADD, request("ghost", [2], max_tokens=5))
+        a.send(EngineCoreRequestType.ABORT, ["ghost"])
+        got = a.collect({"blocker"})
+        time.sleep(0.7)
+        assert "ghost" not in got and "ghost" not in c.proc.engine_core.reqs
+        assert c.proc.engine_core.free_blocks == c.proc.engine_core.num_blocks
+    finally:
+        c.stop()
+
+
+def test_utility_calls_return_results_and_failures(core):
+    a = core.frontend()
+    assert a.utility("echo", 1, "x", [2.5]).result == [1, "x", [2.5]]
+    bad = a.utility("no_such_method", call_id=7)
+    assert bad.failure_type == "ValueError" and "unknown utility method 'no_such_method'" in bad.failure_message
+    unsendable = a.utility("unencodable", call_id=8)
+    assert "cannot be sent" in unsendable.failure_message
+    assert a.utility("ping", call_id=9).result == "pong"
+
+
+def test_heartbeat_is_answered(core):
+    a = core.frontend()
+    a.inp.send(EngineCoreRequestType.HEARTBEAT.value)
+    kind, _ = a.recv()
+    assert kind is EngineCoreOutputType.HEARTBEAT
+
+
+def test_silent_frontend_is_dropped_and_its_requests_aborted():
+    c = ThreadedCore(heartbeat_timeout_s=0.6)
+    try:
+        c.proc.engine_core.step_delay = 0.05
+        quiet, chatty = c.frontend(), c.frontend()
+        quiet.send(EngineCoreRequestType.ADD, request("q", [1], max_tokens=1000))
+        chatty.send(EngineCoreRequestType.ADD, request("c", [2], max_tokens=1000))
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            chatty.inp.send(EngineCoreRequestType.HEARTBEAT.value)
+            time.sleep(0.1)
+        assert "q" not in c.proc.engine_core.reqs  # dropped with its frontend
+        assert "c" in c.proc.engine_core.reqs  # the live frontend keeps its request
+        assert len(c.proc._clients) == 1
+    finally:
+        c.stop()
+
+
+def test_fatal_step_error_sends_engine_dead_to_every_frontend_and_exits_nonzero():
+    c = ThreadedCore()
+    try:
+        a, b = c.frontend(), c.frontend()
+        assert a.utility("crash_on_next_step").result is True
+        a.send(EngineCoreRequestType.ADD, request("boom", [1], max_tokens=3))
+        for fe in (a, b):
+            while True:
+                kind, outs = fe.recv()
+                if kind is EngineCoreOutputType.OUTPUTS and outs.engine_dead:
+                    break
+        c.thread.join(5)
+        assert c.exit_code == 1
+    finally:
+        c.stop()
+
+
+def test_shutdown_drains_running_requests_within_the_bound():
+    c = ThreadedCore(drain_timeout_s=5.0)
+    a = c.frontend()
+    c.proc.engine_core.step_delay = 0.01
+    a.send(EngineCoreRequestType.ADD, request("d", [1, 2], max_tokens=30))
+    first = a.recv()[1].outputs
+    c.proc.request_shutdown()
+    a.send(EngineCoreRequestType.ADD, request("late", [3], max_tokens=2))
+    got = a.collect({"d", "late"})
+    assert got["d"][-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in first + got["d"]) == 30
+    assert got["late"][0].finish_reason == FinishReason.ERROR and "shutting down" in got["late"][0].error
+    c.thread.join(5)
+    assert c.exit_code == 0
+    c.stop()
+
+
+def test_drain_timeout_aborts_what_is_left_and_tells_the_frontend():
+    c = ThreadedCore(drain_timeout_s=0.3)
+    a = c.frontend()
+    c.proc.engine_core.step_delay = 0.02
+    a.send(EngineCoreRequestType.ADD, request("slow", [1], max_tokens=2000))
+    a.recv()
+    c.proc.request_shutdown()
+    got = a.collect({"slow"})
+    assert got["slow"][-1].finish_reason == FinishReason.ABORT
+    assert "shut down before the request finished" in got["slow"][-1].error
+    c.thread.join(5)
+    assert c.exit_code == 0
+    c.stop()
+
+
+# ---------------------------------------------------------------------------------------------------- thread policy
+
+
+def test_core_thread_policy_uses_configured_threads_or_all_cores_on_cpu():
+    cfg = fake_config()
+    try:
+        cfg.device_config.num_threads = 1
+        assert set_core_thread_policy(cfg) == 1 and torch.get_num_threads() == 1
+        cfg.device_config.num_threads = None
+        n = set_core_thread_policy(cfg)
+        assert n == len(os.sched_getaffinity(0)) and torch.get_num_threads() == n
+        cfg.device_config.num_threads = 0
+        with pytest.raises(ValueError, match="num_threads"):
+            set_core_thread_policy(cfg)
+    finally:
+        torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------------------------------------- real process
+
+
+def _spawn_core(tmpdir: str, hf_extra: Optional[dict] = None, **options: Any) -> tuple[multiprocessing.process.BaseProcess, CoreAddresses]:
+    addresses = make_addresses(tmpdir)
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=EngineCoreProc.run_engine_core,
+        args=(fake_config(**(hf_extra or {})), addresses, CoreProcOptions(engine_core_cls=FakeEngineCore, **options), writer),
+    )
+    proc.start()
+    writer.close()
+    assert reader.poll(60)
+    assert msgspec.json.decode(reader.recv_bytes())["status"] == "ready"
+    return proc, addresses
+
+
+def test_sigterm_drains_running_requests_then_exits_zero(tmp_path):
+    proc, addresses = _spawn_core(str(tmp_path), {"fake_step_delay": 0.02}, drain_timeout_s=10.0, handle_sigint=True)
+    ctx = zmq.Context()
+    try:
+        a = RawFrontend(ctx, addresses)
+        assert a.hello().accepted
+        a.send(EngineCoreRequestType.UTILITY, UtilityRequest(0, 1, "ping"))
+        a.recv()
+        a.send(EngineCoreRequestType.ADD, request("t", [1, 2, 3], max_tokens=40))
+        first = a.recv()[1].outputs
+        os.kill(proc.pid, signal.SIGTERM)
+        got = a.collect({"t"})
+        assert sum(len(o.new_token_ids) for o in first + got["t"]) == 40
+        assert got["t"][-1].finish_reason == FinishReason.LENGTH
+        proc.join(10)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        ctx.destroy(linger=0)

@@ -1,0 +1,592 @@
+"""The engine core in its own process, serving frontends over ZMQ.
+
+Sockets (the core always binds, frontends connect):
+
+* ``input``  ROUTER. A frontend connects a DEALER with a fixed identity and sends
+  ``[type, *payload]`` where ``type`` is one ``EngineCoreRequestType`` byte:
+  HELLO(HelloRequest), ADD(EngineCoreRequest), ABORT(list[str]),
+  UTILITY(UtilityRequest), HEARTBEAT(no payload).
+* ``output`` ROUTER. The same frontend connects a second DEALER with the *same*
+  identity; the core sends it ``[type, *payload]`` where ``type`` is one
+  ``EngineCoreOutputType`` byte: READY/REFUSED(HandshakeReply),
+  OUTPUTS(EngineCoreOutputs), HEARTBEAT(no payload).
+
+Two sockets because a ZMQ socket belongs to one thread: the input thread owns
+``input`` and the output thread owns ``output``, so decoding and encoding
+overlap with the model step. Routing is by identity: the core keeps
+identity -> client index from the handshake, overwrites every request's
+``client_index`` with the sender's (a frontend cannot receive another's
+outputs), and sends each client only its own outputs. A frontend must HELLO
+before anything else; messages from unknown identities are dropped.
+
+Threads and the busy loop:
+
+* input thread: recv -> typed decode -> input queue. A malformed or wrong-typed
+  message is dropped with a log line; it never reaches the loop. HEARTBEATs are
+  answered right here (straight onto the output queue), so a long model step
+  does not look like a dead core.
+* busy loop (main thread): drain the input queue (HELLOs, then ABORTs -- the fast
+  path -- then ADDs and UTILITY calls in arrival order), ``step()``, route outputs
+  per client; block on the input queue when idle.
+* output thread: output queue -> encode -> send.
+
+Lifecycle: SIGTERM stops new work, drains running requests for at most
+``drain_timeout_s``, aborts the rest and exits 0. A fatal error in the loop sends
+``EngineCoreOutputs(engine_dead=True)`` to every frontend and exits 1. A
+frontend silent for longer than ``heartbeat_timeout_s`` (any message counts) is
+dropped and its requests aborted. A private core (``parent_pid`` set) exits when
+its parent process is gone. Startup failures are reported on ``ready_pipe``
+(JSON bytes, never pickle) so the parent raises with the original message.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import msgspec
+import torch
+import zmq
+
+from vllm_lite.config import VllmConfig
+from vllm_lite.core.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreOutputType,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    HandshakeReply,
+    HelloRequest,
+    UtilityOutput,
+    UtilityRequest,
+)
+from vllm_lite.core.serialization import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+# How often the idle loop wakes to check heartbeats, the parent and signals.
+_IDLE_POLL_S = 0.2
+# How long the output thread retries a READY for a frontend whose output DEALER is still connecting.
+_READY_RETRY_S = 5.0
+
+
+@dataclass
+class CoreAddresses:
+    """ZMQ endpoints the core binds: frontends connect a DEALER to each."""
+
+    input: str
+    output: str
+
+
+@dataclass
+class CoreProcOptions:
+    """Knobs of the serving process (not of the model)."""
+
+    # None: any frontend may attach. Else HELLO must carry this token.
+    auth_token: Optional[str] = None
+    # Drop a frontend (abort its requests) after this much silence; None or 0: never.
+    heartbeat_timeout_s: Optional[float] = 10.0
+    # On SIGTERM, let running requests finish for at most this long.
+    drain_timeout_s: float = 30.0
+    # Private core: exit when this process (the frontend that spawned us) is gone.
+    parent_pid: Optional[int] = None
+    # SIGINT too stops the core (daemon). A private core ignores it: its parent decides.
+    handle_sigint: bool = False
+    # Test hook: a class with EngineCore's interface to use instead of the real one.
+    engine_core_cls: Optional[type] = None
+
+
+def set_core_thread_policy(vllm_config: VllmConfig) -> int:
+    """Set torch intra-op threads for the engine core process and return the number.
+
+    DeviceConfig.num_threads wins. Otherwise a CPU core takes every core this
+    process may run on (the frontend runs with 1, so they don't fight); with an
+    accelerator the CPU does little math, so 1 thread avoids oversubscription.
+    """
+    n = vllm_config.device_config.num_threads
+    if n is not None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"num_threads must be a positive integer, got {n!r}.")
+    elif vllm_config.device_config.device.type == "cpu":
+        try:
+            n = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            n = os.cpu_count() or 1
+    else:
+        n = 1
+    torch.set_num_threads(n)
+    return n
+
+
+class _Client:
+    """One attached frontend, as the busy loop sees it."""
+
+    __slots__ = ("identity", "index", "name", "request_ids")
+
+    def __init__(self, identity: bytes, index: int, name: str) -> None:
+        self.identity = identity
+        self.index = index
+        self.name = name
+        self.request_ids: set[str] = set()
+
+
+# Items on the input queue: (identity, request type, decoded payload).
+_InputItem = tuple[bytes, EngineCoreRequestType, Any]
+# Items on the output queue: (identity, output type, struct or None), or None to stop.
+_OutputItem = Optional[tuple[bytes, EngineCoreOutputType, Any]]
+
+
+class EngineCoreProc:
+    """Wraps an EngineCore with sockets, threads and the busy loop (see module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        addresses: CoreAddresses,
+        options: Optional[CoreProcOptions] = None,
+    ) -> None:
+        self.options = options or CoreProcOptions()
+        self.addresses = addresses
+        self.num_threads = set_core_thread_policy(vllm_config)
+        core_cls = self.options.engine_core_cls
+        if core_cls is None:
+            from vllm_lite.core.engine_core import EngineCore
+
+            core_cls = EngineCore
+        self.engine_core = core_cls(vllm_config)
+        self.model_facts: dict[str, Any] = dict(self.engine_core.model_facts)
+
+        self.input_queue: queue.Queue[_InputItem] = queue.Queue()
+        self.output_queue: queue.Queue[_OutputItem] = queue.Queue()
+        self._clients: dict[bytes, _Client] = {}
+        self._clients_by_index: dict[int, _Client] = {}
+        self._next_client_index = 0
+        self._owner: dict[str, _Client] = {}  # live request id -> its frontend
+        self._last_seen: dict[bytes, float] = {}  # written by the input thread
+        self._stop_threads = threading.Event()
+        self._sigterm = False
+        self._drain_deadline: Optional[float] = None
+        self._last_housekeeping = 0.0
+
+        self._zmq = zmq.Context()
+        ready = [threading.Event(), threading.Event()]
+        errors: list[BaseException] = []
+        self._input_thread = threading.Thread(
+            target=self._input_thread_main, args=(ready[0], errors), name="core-input", daemon=True
+        )
+        self._output_thread = threading.Thread(
+            target=self._output_thread_main, args=(ready[1], errors), name="core-output", daemon=True
+        )
+        self._input_thread.start()
+        self._output_thread.start()
+        for ev in ready:
+            ev.wait(10.0)
+        if errors or not all(ev.is_set() for ev in ready):
+            self._stop_threads.set()
+            self.output_queue.put(None)
+            raise RuntimeError(f"Engine core could not bind its sockets {addresses}: {errors[0] if errors else 'timeout'}")
+
+    # ------------------------------------------------------------------ process entry point
+    @staticmethod
+    def run_engine_core(
+        vllm_config: VllmConfig,
+        addresses: CoreAddresses,
+        options: Optional[CoreProcOptions] = None,
+        ready_pipe: Any = None,
+    ) -> None:
+        """Process target: build the core, report ready (or the startup error) on ``ready_pipe``, serve."""
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [core] %(message)s")
+        options = options or CoreProcOptions()
+        stop_early = {"flag": False}
+
+        def early_term(signum: int, frame: Any) -> None:
+            stop_early["flag"] = True
+            raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, early_term)
+        if not options.handle_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc = EngineCoreProc(vllm_config, addresses, options)
+        except BaseException as e:  # noqa: BLE001 -- report every startup failure to the parent
+            if isinstance(e, SystemExit) and stop_early["flag"]:
+                sys.exit(0)
+            logger.error("Engine core failed to start:\n%s", traceback.format_exc())
+            _send_ready(ready_pipe, {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                                     "traceback": traceback.format_exc()})
+            sys.exit(1)
+        proc.install_signal_handlers()
+        _send_ready(ready_pipe, {"status": "ready", "model_facts": proc.model_facts})
+        sys.exit(proc.run_busy_loop())
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM (and SIGINT for a daemon): stop taking work, drain, exit 0. Main thread only."""
+
+        def on_term(signum: int, frame: Any) -> None:
+            self._sigterm = True
+
+        signal.signal(signal.SIGTERM, on_term)
+        if self.options.handle_sigint:
+            signal.signal(signal.SIGINT, on_term)
+
+    def request_shutdown(self) -> None:
+        """Same as SIGTERM, callable from any thread (tests, an embedding server)."""
+        self._sigterm = True
+
+    # ------------------------------------------------------------------ busy loop
+    def run_busy_loop(self) -> int:
+        """Serve until told to stop; return the process exit code (0 clean, 1 fatal)."""
+        try:
+            while True:
+                self._process_input(block=not self.engine_core.has_unfinished_requests())
+                self._housekeeping()
+                if self._sigterm:
+                    if self._drain_deadline is None:
+                        logger.info("Shutdown requested: draining running requests for up to %.1f s.",
+                                    self.options.drain_timeout_s)
+                        self._drain_deadline = time.monotonic() + self.options.drain_timeout_s
+                    if not self.engine_core.has_unfinished_requests():
+                        break
+                    if time.monotonic() >= self._drain_deadline:
+                        self._abort_all("the engine core shut down before the request finished")
+                        break
+                if self.engine_core.has_unfinished_requests():
+                    self._route_outputs(self.engine_core.step())
+        except _ParentGone:
+            logger.info("Parent process is gone: engine core exiting.")
+            self._close(dead=False)
+            return 0
+        except BaseException:  # noqa: BLE001 -- any failure here kills the engine, loudly
+            logger.error("Fatal error in the engine core busy loop:\n%s", traceback.format_exc())
+            self._close(dead=True)
+            return 1
+        self._close(dead=False)
+        return 0
+
+    def _process_input(self, block: bool) -> None:
+        items: list[_InputItem] = []
+        if block:
+            try:
+                items.append(self.input_queue.get(timeout=_IDLE_POLL_S))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                items.append(self.input_queue.get_nowait())
+            except queue.Empty:
+                break
+        if not items:
+            return
+        # Requests that an ABORT later in this batch cancels: never add them.
+        aborted_after: dict[str, int] = {}
+        for pos, (identity, kind, payload) in enumerate(items):
+            if kind is EngineCoreRequestType.HELLO:
+                self._handle_hello(identity, payload)
+            elif kind is EngineCoreRequestType.ABORT:
+                for rid in payload:
+                    aborted_after[rid] = pos
+        for identity, kind, payload in items:
+            if kind is EngineCoreRequestType.ABORT:
+                self._handle_abort(identity, payload)
+        for pos, (identity, kind, payload) in enumerate(items):
+            if kind is EngineCoreRequestType.ADD:
+                if aborted_after.get(payload.request_id, -1) > pos:
+                    continue
+                self._handle_add(identity, payload)
+            elif kind is EngineCoreRequestType.UTILITY:
+                self._handle_utility(identity, payload)
+
+    def _client(self, identity: bytes, what: str) -> Optional[_Client]:
+        client = self._clients.get(identity)
+        if client is None:
+            logger.warning("Dropped %s from frontend %s that has not said HELLO.", what, identity.hex())
+        return client
+
+    def _handle_hello(self, identity: bytes, hello: HelloRequest) -> None:
+        reason = None
+        if hello.protocol_version != PROTOCOL_VERSION:
+            reason = (f"protocol version mismatch: frontend speaks {hello.protocol_version}, "
+                      f"engine core speaks {PROTOCOL_VERSION}")
+        elif self.options.auth_token is not None and not hmac.compare_digest(
+            (hello.auth_token or "").encode(), self.options.auth_token.encode()
+        ):
+            reason = "wrong auth token"
+        elif self._sigterm:
+            reason = "engine core is shutting down"
+        if reason is not None:
+            logger.warning("Refused frontend %r (%s): %s.", hello.client_name, identity.hex(), reason)
+            self.output_queue.put((identity, EngineCoreOutputType.REFUSED, HandshakeReply(accepted=False, reason=reason)))
+            return
+        client = self._clients.get(identity)
+        if client is None:
+            client = _Client(identity, self._next_client_index, hello.client_name)
+            self._next_client_index += 1
+            self._clients[identity] = client
+            self._clients_by_index[client.index] = client
+            logger.info("Frontend %r attached as client %d.", hello.client_name, client.index)
+        self._last_seen[identity] = time.monotonic()
+        facts = self.model_facts
+        reply = HandshakeReply(
+            accepted=True,
+            client_index=client.index,
+            model=str(facts.get("model", "")),
+            max_model_len=int(facts.get("max_model_len", 0)),
+            block_size=int(facts.get("block_size", 0)),
+            num_gpu_blocks=int(facts.get("num_gpu_blocks", 0)),
+            vocab_size=int(facts.get("vocab_size", 0)),
+            heartbeat_timeout_s=float(self.options.heartbeat_timeout_s or 0.0),
+        )
+        self.output_queue.put((identity, EngineCoreOutputType.READY, reply))
+
+    def _handle_abort(self, identity: bytes, request_ids: list[str]) -> None:
+        client = self._client(identity, "ABORT")
+        if client is None:
+            return
+        # A frontend may only abort its own requests.
+        mine = [rid for rid in request_ids if self._owner.get(rid) is client]
+        if mine:
+            self.engine_core.abort_requests(mine)
+            for rid in mine:
+                del self._owner[rid]
+                client.request_ids.discard(rid)
+
+    def _handle_add(self, identity: bytes, request: EngineCoreRequest) -> None:
+        client = self._client(identity, f"ADD {request.request_id!r}")
+        if client is None:
+            return
+        rid = request.request_id
+        if self._sigterm:
+            return self._reject(client, rid, "the engine core is shutting down and takes no new requests")
+        if rid in self._owner:
+            return self._reject(client, rid, f"duplicate request id {rid!r}: a request with this id is still running")
+        request.client_index = client.index
+        try:
+            self.engine_core.add_request(request)
+        except (ValueError, TypeError) as e:
+            return self._reject(client, rid, f"{type(e).__name__}: {e}")
+        self._owner[rid] = client
+        client.request_ids.add(rid)
+
+    def _reject(self, client: _Client, request_id: str, message: str) -> None:
+        logger.warning("Request %r from client %d failed: %s", request_id, client.index, message)
+        out = EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error=message)
+        self.output_queue.put((client.identity, EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(outputs=[out])))
+
+    def _handle_utility(self, identity: bytes, call: UtilityRequest) -> None:
+        client = self._client(identity, f"UTILITY {call.method!r}")
+        if client is None:
+            return
+        try:
+            result = UtilityOutput(call.call_id, result=self.engine_core.call_utility(call.method, list(call.args)))
+        except Exception as e:  # noqa: BLE001 -- a failed utility call fails only that call
+            result = UtilityOutput(call.call_id, failure_message=str(e), failure_type=type(e).__name__)
+        self.output_queue.put((identity, EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(utility_output=result)))
+
+    def _route_outputs(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        for index, outs in outputs.items():
+            client = self._clients_by_index.get(index)
+            for out in outs.outputs:
+                if out.finish_reason is not None:
+                    owner = self._owner.pop(out.request_id, None)
+                    if owner is not None:
+                        owner.request_ids.discard(out.request_id)
+            if client is None:
+                continue  # that frontend has left; its requests were aborted
+            self.output_queue.put((client.identity, EngineCoreOutputType.OUTPUTS, outs))
+
+    def _abort_all(self, message: str) -> None:
+        """Abort every live request, telling each frontend which of its requests ended."""
+        for client in list(self._clients.values()):
+            ids = sorted(client.request_ids)
+            if not ids:
+                continue
+            self.engine_core.abort_requests(ids)
+            outs = [EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT, error=message) for rid in ids]
+            self.output_queue.put((client.identity, EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(outputs=outs)))
+            client.request_ids.clear()
+        self._owner.clear()
+
+    def _housekeeping(self) -> None:
+        """At most a few times a second: parent alive? frontends alive?"""
+        now = time.monotonic()
+        if now - self._last_housekeeping < _IDLE_POLL_S:
+            return
+        self._last_housekeeping = now
+        if self.options.parent_pid is not None and os.getppid() != self.options.parent_pid:
+            raise _ParentGone()
+        timeout = self.options.heartbeat_timeout_s
+        if not timeout:
+            return
+        for client in list(self._clients.values()):
+            silent = now - self._last_seen.get(client.identity, now)
+            if silent > timeout:
+                self._drop_client(client, f"silent for {silent:.1f} s (heartbeat timeout {timeout} s)")
+
+    def _drop_client(self, client: _Client, why: str) -> None:
+        logger.warning("Dropping frontend %r (client %d): %s; aborting its %d requests.",
+                       client.name, client.index, why, len(client.request_ids))
+        if client.request_ids:
+            self.engine_core.abort_requests(sorted(client.request_ids))
+            for rid in client.request_ids:
+                self._owner.pop(rid, None)
+        del self._clients[client.identity]
+        del self._clients_by_index[client.index]
+        self._last_seen.pop(client.identity, None)
+
+    # ------------------------------------------------------------------ shutdown
+    def _close(self, dead: bool) -> None:
+        if dead:
+            for client in list(self._clients.values()):
+                self.output_queue.put((client.identity, EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(engine_dead=True)))
+        self.output_queue.put(None)  # output thread flushes everything before it, then stops
+        self._output_thread.join(timeout=5.0)
+        self._stop_threads.set()
+        self._input_thread.join(timeout=2.0)
+        try:
+            self.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 -- we are exiting anyway
+            logger.exception("EngineCore.shutdown() failed.")
+        self._zmq.term()
+
+    # ------------------------------------------------------------------ socket threads
+    def _input_thread_main(self, ready: threading.Event, errors: list[BaseException]) -> None:
+        try:
+            sock = self._zmq.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            sock.bind(self.addresses.input)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            ready.set()
+            return
+        ready.set()
+        decoders = {
+            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+            EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
+            EngineCoreRequestType.HELLO: MsgpackDecoder(HelloRequest),
+        }
+        heartbeat = EngineCoreRequestType.HEARTBEAT
+        try:
+            while not self._stop_threads.is_set():
+                if not sock.poll(100):
+                    continue
+                frames = sock.recv_multipart(copy=False)
+                identity = frames[0].bytes
+                try:
+                    if len(frames) < 2:
+                        raise ValueError("message has no type frame")
+                    kind = EngineCoreRequestType(frames[1].bytes)
+                    if kind is heartbeat:
+                        payload = None
+                    else:
+                        if len(frames) < 3:
+                            raise ValueError(f"{kind.name} message has no payload")
+                        payload = decoders[kind].decode(frames[2:])
+                except Exception as e:  # noqa: BLE001 -- whatever a peer sends, it never kills the core
+                    logger.warning("Dropped malformed message from %s: %s", identity.hex(), e)
+                    continue
+                if identity in self._clients:  # only attached frontends are tracked and answered
+                    self._last_seen[identity] = time.monotonic()
+                    if kind is heartbeat:
+                        self.output_queue.put((identity, EngineCoreOutputType.HEARTBEAT, None))
+                if kind is not heartbeat:
+                    self.input_queue.put((identity, kind, payload))
+        finally:
+            sock.close(linger=0)
+
+    def _output_thread_main(self, ready: threading.Event, errors: list[BaseException]) -> None:
+        try:
+            sock = self._zmq.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            sock.bind(self.addresses.output)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            ready.set()
+            return
+        ready.set()
+        encoder = MsgpackEncoder()
+        # Handshake replies to a frontend whose output DEALER is still connecting: (frames, give-up time).
+        pending: list[tuple[list[Any], float]] = []
+        try:
+            while True:
+                try:
+                    item = self.output_queue.get(timeout=0.01) if pending else self.output_queue.get()
+                except queue.Empty:
+                    item = _NOTHING
+                if pending:
+                    pending = [p for p in pending if not self._try_send(sock, p[0], p[1])]
+                if item is _NOTHING:
+                    continue
+                if item is None:
+                    break
+                identity, kind, obj = item
+                try:
+                    frames = [identity, kind.value, *encoder.encode(obj)] if obj is not None else [identity, kind.value]
+                except (TypeError, ValueError, OverflowError) as e:
+                    frames = self._encode_failure(encoder, identity, kind, obj, e)
+                    if frames is None:
+                        continue
+                is_handshake = kind in (EngineCoreOutputType.READY, EngineCoreOutputType.REFUSED)
+                give_up = time.monotonic() + (_READY_RETRY_S if is_handshake else 0.0)
+                if not self._try_send(sock, frames, give_up):
+                    pending.append((frames, give_up))
+        finally:
+            sock.close()
+
+    @staticmethod
+    def _encode_failure(encoder: MsgpackEncoder, identity: bytes, kind: EngineCoreOutputType, obj: Any,
+                        e: Exception) -> Optional[list[Any]]:
+        """A utility result that msgpack cannot carry fails that call, not the core."""
+        util = getattr(obj, "utility_output", None)
+        if util is not None:
+            failed = UtilityOutput(util.call_id, failure_message=f"result cannot be sent: {e}", failure_type="TypeError")
+            return [identity, kind.value, *encoder.encode(EngineCoreOutputs(utility_output=failed))]
+        logger.error("Could not encode outputs for %s: %s", identity.hex(), e)
+        return None
+
+    @staticmethod
+    def _try_send(sock: zmq.Socket, frames: list[Any], give_up: float) -> bool:
+        """True when sent or given up; False to retry later (frontend's output DEALER not connected yet)."""
+        try:
+            sock.send_multipart(frames, copy=False)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            if time.monotonic() >= give_up:
+                logger.warning("Dropped a message for unreachable frontend %s.", bytes(frames[0]).hex())
+                return True
+            return False
+
+
+_NOTHING = object()
+
+
+class _ParentGone(Exception):
+    """The frontend that spawned this private core has exited."""
+
+
+def _send_ready(pipe: Any, message: dict[str, Any]) -> None:
+    if pipe is None:
+        return
+    try:
+        pipe.send_bytes(msgspec.json.encode(message))
+    except (OSError, ValueError):
+        pass  # parent already gone
+    finally:
+        pipe.close()
