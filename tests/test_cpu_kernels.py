@@ -17,9 +17,9 @@ import textwrap
 import pytest
 import torch
 
-from vllm_lite.testing.paged import make_attention_metadata, random_block_tables
+from vllm_lite.testing.attention_oracle import random_attention_case as make_case
+from vllm_lite.testing.attention_oracle import reference_paged_attention as oracle_attention
 from vllm_lite.worker.attention import cpu_kernels
-from vllm_lite.worker.attention.backend import AttentionMetadata
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 from vllm_lite.worker.attention.selector import get_attn_backend
 from vllm_lite.worker.attention.torch_ref import TorchRefBackend
@@ -31,36 +31,6 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def backend() -> CpuNativeBackend:
     assert cpu_kernels.load_cpu_ops(), "the CPU kernels must build on a machine with a C++ compiler"
     return CpuNativeBackend()
-
-
-def oracle_attention(query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Per-request float64 attention reading the cache through the block table (keys 0..pos per row)."""
-    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    group = query.shape[1] // num_kv_heads
-    out = torch.empty(query.shape, dtype=torch.float64)
-    qsl, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
-    for b in range(md.num_reqs):
-        q0, q1, s = qsl[b], qsl[b + 1], seq_lens[b]
-        pos = torch.arange(s)
-        slots = md.block_table[b, pos // block_size].long() * block_size + pos % block_size
-        k = kv_cache[0].reshape(-1, num_kv_heads, head_size)[slots].double().repeat_interleave(group, 1)
-        v = kv_cache[1].reshape(-1, num_kv_heads, head_size)[slots].double().repeat_interleave(group, 1)
-        q = query[q0:q1].double()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        qpos = torch.arange(s - (q1 - q0), s).view(1, -1, 1)
-        scores = scores.masked_fill(pos.view(1, 1, -1) > qpos, float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
-    return out
-
-
-def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
-    """A cache full of random values (never zeros) plus the step's metadata and queries."""
-    g = torch.Generator().manual_seed(seed)
-    tables, num_blocks = random_block_tables(seq_lens, block_size, seed=seed)
-    md = make_attention_metadata(query_lens, seq_lens, tables, block_size)
-    cache = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=g) * 2).to(dtype)
-    query = torch.randn(md.num_actual_tokens, num_heads, head_size, generator=g).to(dtype)
-    return query, cache, md
 
 
 def assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
