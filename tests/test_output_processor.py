@@ -312,6 +312,15 @@ def test_duplicate_request_id_is_rejected(tokenizer):
         proc.add_request(make_request(tokenizer), None)
 
 
+def test_parent_id_clashing_with_a_running_request_is_rejected(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    _add_parent(proc, tokenizer, 2, CUM)
+    with pytest.raises(ValueError, match="request_id 'p'"):
+        proc.add_request(make_request(tokenizer, "p"), None)
+    with pytest.raises(ValueError, match="request_id 'p'"):
+        _add_parent(proc, tokenizer, 2, CUM)
+
+
 def test_metrics_and_stats_track_tokens_and_times(tokenizer):
     proc = OutputProcessor(tokenizer, log_stats=True)
     req = make_request(tokenizer)

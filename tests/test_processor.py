@@ -73,6 +73,15 @@ def test_token_id_and_dict_prompts(proc):
     assert text == "hi" and len(req.prompt_token_ids) >= 2
 
 
+def test_numpy_token_ids_become_plain_ints(proc):
+    import numpy as np
+
+    _, req = proc.process_inputs("a", {"prompt_token_ids": np.array([5, 6], dtype=np.int64)}, SamplingParams())
+    assert req.prompt_token_ids == [5, 6] and all(type(t) is int for t in req.prompt_token_ids)
+    _, req = proc.process_inputs("b", [np.int32(7)], SamplingParams())
+    assert req.prompt_token_ids == [7] and type(req.prompt_token_ids[0]) is int
+
+
 @pytest.mark.parametrize("prompt", ["", [], {"prompt_token_ids": []}, {"prompt": ""}])
 def test_empty_prompt_is_rejected(proc, prompt):
     with pytest.raises(ValueError, match="prompt is empty"):

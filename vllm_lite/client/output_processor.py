@@ -256,11 +256,16 @@ class OutputProcessor:
         queue: Optional[RequestOutputCollector] = None,
     ) -> None:
         """Start tracking a core request (for n > 1: each child, with its parent and index)."""
-        if request.request_id in self.request_states:
-            raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        rid = request.request_id
         if parent_req is not None:
             if not 0 <= request_index < parent_req.n:
                 raise ValueError(f"request_index must be in [0, {parent_req.n}), got {request_index!r}.")
+            known = self.parent_requests.get(parent_req.request_id)
+            if known is not None and known is not parent_req or parent_req.request_id in self.request_states:
+                raise ValueError(f"request_id {parent_req.request_id!r} is already in use by an unfinished request.")
+        if rid in self.request_states or (parent_req is None and rid in self.parent_requests):
+            raise ValueError(f"request_id {rid!r} is already in use by an unfinished request.")
+        if parent_req is not None:
             self.parent_requests[parent_req.request_id] = parent_req
         self.request_states[request.request_id] = RequestState(
             request, prompt, self.text_cache, self.tokenizer, parent_req, request_index, queue

@@ -7,6 +7,7 @@ so the core can trust what it receives (ids in range, lengths that fit).
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import time
 from typing import Any, Optional, Union
@@ -141,11 +142,13 @@ class Processor:
 
     @staticmethod
     def _check_id_list(ids: Any, field: str) -> list[int]:
+        if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # numpy array / tensor
+            ids = ids.tolist()
         if not isinstance(ids, (list, tuple)):
             raise TypeError(f"{field} must be a list of ints, got {type(ids).__name__}.")
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in ids):
             raise TypeError(f"{field} must contain only ints, got {list(ids)[:8]!r}...")
-        return list(ids)
+        return [int(t) for t in ids]  # numpy ints become plain ints for msgpack
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
