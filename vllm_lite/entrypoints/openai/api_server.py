@@ -1,0 +1,334 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncLLM`, run by uvicorn.
+
+`build_app(engine, ...)` wires the endpoints to any engine with AsyncLLM's
+interface (tests pass a fake); `run_server(args)` builds the real engine from
+CLI arguments, serves until SIGINT/SIGTERM or engine death, and returns the
+process exit code: 1 when the engine died, so a supervisor restarts us.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+from contextlib import asynccontextmanager
+from typing import Any, Callable, Optional, Sequence, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import vllm_lite
+from vllm_lite.entrypoints.openai.errors import (
+    AuthenticationError,
+    BadRequestError,
+    EngineUnavailableError,
+    OpenAIServingError,
+    as_serving_error,
+    error_json,
+    make_error,
+)
+from vllm_lite.entrypoints.openai.health import HealthMonitor
+from vllm_lite.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from vllm_lite.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from vllm_lite.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm_lite.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm_lite.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+logger = logging.getLogger(__name__)
+
+# Paths anyone may call without the API key (probes and scrapers).
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+
+
+class _AuthAndCountMiddleware:
+    """Pure ASGI (streaming and disconnects pass through untouched): API-key check, per-endpoint counts."""
+
+    def __init__(self, app: Any, api_key: Optional[str], metrics: ServerMetrics) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if self.api_key is not None and path not in PUBLIC_PATHS and scope.get("method") != "OPTIONS":
+            if not self._authorized(scope):
+                err = AuthenticationError("Invalid or missing API key (send 'Authorization: Bearer <key>').")
+                await error_json(err)(scope, receive, send)
+                self.metrics.http_requests.labels(path, str(int(err.status_code))).inc()
+                return
+        status: list[int] = []
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(int(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.http_requests.labels(path, str(status[0]) if status else "none").inc()
+
+    def _authorized(self, scope: dict) -> bool:
+        assert self.api_key is not None
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                got = value.decode("latin-1")
+                scheme, _, token = got.partition(" ")
+                if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                    return True
+        return False
+
+
+def build_app(
+    engine: Any,
+    served_model_name: Union[str, Sequence[str], None] = None,
+    api_key: Optional[str] = None,
+    *,
+    health_stuck_timeout_s: float = 60.0,
+    health_probe_timeout_s: float = 10.0,
+    health_poll_interval_s: float = 1.0,
+    engine_dead_grace_s: float = 1.0,
+    on_engine_dead: Optional[Callable[[str], Any]] = None,
+) -> FastAPI:
+    """The FastAPI app for `engine` (AsyncLLM or anything with its interface).
+
+    `on_engine_dead(reason)` runs once when the engine is found dead; by
+    default the app asks its uvicorn server (set as `app.state.server` by
+    `serve_app`) to exit after `engine_dead_grace_s`, with exit code 1.
+    """
+    if served_model_name is None:
+        names = [engine.model_config.name]
+    elif isinstance(served_model_name, str):
+        names = [served_model_name]
+    else:
+        names = list(served_model_name)
+    if not names or any(not isinstance(n, str) or not n for n in names):
+        raise ValueError(f"served_model_name must be a non-empty string or list of them, got {served_model_name!r}.")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string or None.")
+
+    metrics = ServerMetrics(names[0])
+
+    async def default_on_dead(reason: str) -> None:
+        app.state.engine_dead = True
+        server = getattr(app.state, "server", None)
+        if server is None:
+            return
+        logger.error("engine died (%s): the server exits in %.1f s", reason, engine_dead_grace_s)
+
+        def stop() -> None:
+            server.should_exit = True
+
+        asyncio.get_running_loop().call_later(engine_dead_grace_s, stop)
+
+    async def handle_dead(reason: str) -> None:
+        app.state.engine_dead = True
+        await default_on_dead(reason)
+        if on_engine_dead is not None:
+            result = on_engine_dead(reason)
+            if asyncio.iscoroutine(result):
+                await result
+
+    monitor = HealthMonitor(
+        engine,
+        stuck_timeout_s=health_stuck_timeout_s,
+        probe_timeout_s=health_probe_timeout_s,
+        poll_interval_s=health_poll_interval_s,
+        on_dead=handle_dead,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        monitor.start()
+        try:
+            yield
+        finally:
+            await monitor.stop()
+
+    app = FastAPI(title="vllm-lite OpenAI-compatible server", version=vllm_lite.__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.engine_dead = False
+    app.state.server = None
+    app.state.metrics = metrics
+    app.state.health_monitor = monitor
+    completion = OpenAIServingCompletion(engine, names, metrics)
+    chat = OpenAIServingChat(engine, names, metrics)
+    tokenization = OpenAIServingTokenization(engine, names, metrics)
+    app.add_middleware(_AuthAndCountMiddleware, api_key=api_key, metrics=metrics)
+
+    async def respond(handler: Callable[[], Any]) -> Any:
+        """Run one endpoint: map exceptions to OpenAI errors; engine death also triggers the watchdog."""
+        try:
+            return await handler()
+        except Exception as exc:
+            err = as_serving_error(exc)
+            if isinstance(err, EngineUnavailableError):
+                await monitor.notify_dead(str(exc))
+            elif type(err) is OpenAIServingError:
+                logger.exception("request failed")
+            return error_json(err)
+
+    # ------------------------------------------------------------------ error shapes
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        parts, param = [], None
+        for e in errors[:5]:
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            if param is None and loc:
+                param = loc[0]
+            parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}")
+        message = "Invalid request: " + "; ".join(parts) if parts else "Invalid request body."
+        return error_json(BadRequestError(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "HTTPError")
+        body = make_error(str(exc.detail), kind, exc.status_code)
+        return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health() -> Response:
+        status = await monitor.check()
+        if status.healthy:
+            return Response(status_code=200)
+        return error_json(EngineUnavailableError(f"unhealthy: {status.reason}"))
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": vllm_lite.__version__})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if not app.state.engine_dead:
+            try:
+                stats = await asyncio.wait_for(engine.call_utility_async("get_stats"), timeout=health_probe_timeout_s)
+                if isinstance(stats, dict):
+                    metrics.update_engine_stats(stats)
+            except Exception as e:  # a scrape must not fail because the core is busy or gone
+                logger.debug("engine stats unavailable for /metrics: %s", e)
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        cards = [
+            ModelCard(id=name, root=engine.model_config.model, max_model_len=completion.max_model_len)
+            for name in names
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
+        return await respond(lambda: _as_json(completion.create_completion(request, raw_request)))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
+        return await respond(lambda: _as_json(chat.create_chat_completion(request, raw_request)))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Any:
+        return await respond(lambda: _as_json(tokenization.tokenize_request(request)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Any:
+        return await respond(lambda: _as_json(tokenization.detokenize_request(request)))
+
+    return app
+
+
+async def _as_json(coro: Any) -> Response:
+    result = await coro
+    if isinstance(result, Response):
+        return result
+    return JSONResponse(result.model_dump(exclude_none=False))
+
+
+# ---------------------------------------------------------------------------- running it
+
+
+async def serve_app(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    sock: Optional[socket.socket] = None,
+    log_level: str = "info",
+) -> int:
+    """Serve until shutdown; returns 1 if the engine died, else 0."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5, lifespan="on")
+    server = uvicorn.Server(config)
+    app.state.server = server
+    await server.serve(sockets=[sock] if sock is not None else None)
+    return 1 if app.state.engine_dead else 0
+
+
+def build_engine(args: Any) -> Any:
+    """AsyncLLM from CLI args: attach to a running core (--engine) or spawn a private one (--model)."""
+    from vllm_lite.client.async_llm import AsyncLLM
+    from vllm_lite.entrypoints.openai.cli_args import engine_args_from_cli
+
+    if getattr(args, "engine", None):
+        attach = getattr(AsyncLLM, "attach", None)
+        if attach is None:
+            raise RuntimeError("This AsyncLLM cannot attach to a running core yet (AsyncLLM.attach is missing).")
+        return attach(args.engine, auth_token=getattr(args, "auth_token", None))
+    return AsyncLLM.from_engine_args(engine_args_from_cli(args))
+
+
+def run_server(args: Any) -> int:
+    """Build the engine, serve HTTP, shut the engine down; the return value is the process exit code."""
+
+    async def main() -> int:
+        engine = build_engine(args)
+        try:
+            names = args.served_model_name or None
+            app = build_app(
+                engine,
+                names,
+                api_key=args.api_key,
+                health_stuck_timeout_s=args.health_stuck_timeout,
+                engine_dead_grace_s=args.engine_dead_grace,
+            )
+            return await serve_app(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        finally:
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
+
+    return asyncio.run(main())
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """`python -m vllm_lite.entrypoints.openai.api_server --model M ...`"""
+    import argparse
+    import sys
+
+    from vllm_lite.entrypoints.openai.cli_args import make_arg_parser
+
+    parser = make_arg_parser(argparse.ArgumentParser(description="vllm-lite OpenAI-compatible server"))
+    args = parser.parse_args(argv)
+    sys.exit(run_server(args))
+
+
+if __name__ == "__main__":
+    main()

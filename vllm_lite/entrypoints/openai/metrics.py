@@ -1,0 +1,123 @@
+"""Prometheus metrics of the HTTP server, with vLLM's metric names.
+
+Request-level numbers (finish reasons, token counts, TTFT, inter-token and
+end-to-end latency) are observed here from the `RequestOutput`s the server
+streams; engine-level gauges (running/waiting requests, KV-cache usage) are
+refreshed from the core's scheduler stats when /metrics is scraped.
+Each app gets its own registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from vllm_lite.outputs import RequestOutput
+from vllm_lite.sampling_params import RequestOutputKind
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0)
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """All collectors of one server, labelled with the served model name."""
+
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.request_success = Counter(
+            "vllm:request_success", "Finished sequences (one per sample when n > 1) by finish reason.", labels + ["finished_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between generated tokens.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency from arrival to finish.", labels,
+            buckets=_E2E_BUCKETS, registry=r,
+        )
+        self.num_running = Gauge("vllm:num_requests_running", "Requests running in the engine.", labels, registry=r)
+        self.num_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting in the engine.", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1.", labels, registry=r)
+        self.http_requests = Counter(
+            "vllm:http_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"], registry=r
+        )
+
+    def tracker(self, output_kind: RequestOutputKind) -> "RequestTracker":
+        return RequestTracker(self, output_kind)
+
+    def update_engine_stats(self, stats: dict[str, Any]) -> None:
+        m = self.model_name
+        self.num_running.labels(m).set(float(stats.get("num_running_reqs", 0)))
+        self.num_waiting.labels(m).set(float(stats.get("num_waiting_reqs", 0)))
+        self.kv_usage.labels(m).set(float(stats.get("kv_cache_usage", 0.0)))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Observes one engine request's outputs (one user prompt; n samples share it)."""
+
+    def __init__(self, metrics: ServerMetrics, output_kind: RequestOutputKind) -> None:
+        self.metrics = metrics
+        self.streaming = output_kind == RequestOutputKind.DELTA
+        self.start = time.time()
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.num_generated = 0
+        self.done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        if self.done:
+            return
+        m, name = self.metrics, self.metrics.model_name
+        now = time.time()
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if self.streaming and new_tokens:
+            # A delta may carry several tokens (the client fell behind): spread the gap over them.
+            if self.first_token_time is None:
+                self.first_token_time = now
+                m.ttft.labels(name).observe(max(0.0, now - self._arrival(out)))
+            elif self.last_token_time is not None:
+                m.itl.labels(name).observe(max(0.0, now - self.last_token_time) / new_tokens)
+            self.last_token_time = now
+        self.num_generated += new_tokens
+        for c in out.outputs:  # counted per sequence: with n > 1 each sample ends on its own
+            if c.finish_reason is not None:
+                m.request_success.labels(name, c.finish_reason).inc()
+        if out.finished:
+            self._finish(out, now)
+
+    def _arrival(self, out: RequestOutput) -> float:
+        rm = out.metrics
+        return rm.arrival_time if rm is not None and rm.arrival_time else self.start
+
+    def _finish(self, out: RequestOutput, now: float) -> None:
+        self.done = True
+        m, name = self.metrics, self.metrics.model_name
+        arrival = self._arrival(out)
+        rm = out.metrics
+        if not self.streaming and rm is not None and rm.first_token_time is not None:
+            # One final output: the frontend's request metrics hold the token times.
+            m.ttft.labels(name).observe(max(0.0, rm.first_token_time - arrival))
+            n_gen = rm.num_generation_tokens
+            if n_gen > 1 and rm.last_token_time is not None:
+                m.itl.labels(name).observe(max(0.0, rm.last_token_time - rm.first_token_time) / (n_gen - 1))
+        m.e2e.labels(name).observe(max(0.0, now - arrival))
+        m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids or []))
+        m.generation_tokens.labels(name).inc(self.num_generated)

@@ -1,0 +1,320 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic v2).
+
+Field names and shapes follow OpenAI's API (and vLLM's extensions such as
+`top_k`, `ignore_eos`, `repetition_penalty`), so the official client works
+unchanged. Unknown request fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+# ---------------------------------------------------------------------------- errors and usage
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[bool] = False
+    # vLLM's extension: a usage block on every chunk, not only at the end.
+    continuous_usage_stats: Optional[bool] = False
+
+
+# ---------------------------------------------------------------------------- sampling fields shared by both endpoints
+
+
+class SamplingRequestFields(OpenAIBaseModel):
+    """Fields both endpoints turn into `SamplingParams` (None: the model's or vLLM's default)."""
+
+    model: Optional[str] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # vLLM extensions.
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    priority: int = 0
+    # Return the generated (and prompt) token ids alongside the text.
+    return_token_ids: bool = False
+
+    def build_sampling_params(
+        self,
+        *,
+        max_tokens: Optional[int],
+        logprobs: Optional[int],
+        prompt_logprobs: Optional[int],
+        defaults: Optional[SamplingParams],
+        stream: bool,
+    ) -> SamplingParams:
+        """SamplingParams for this request; SamplingParams' own checks raise ValueError/TypeError."""
+        base = defaults or SamplingParams()
+
+        def pick(name: str, attr: Optional[str] = None) -> Any:
+            value = getattr(self, name)
+            return getattr(base, attr or name) if value is None else value
+
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true.")
+        return SamplingParams(
+            n=self.n,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
+            repetition_penalty=pick("repetition_penalty"),
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage and self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+# ---------------------------------------------------------------------------- /v1/completions
+
+
+class CompletionRequest(SamplingRequestFields):
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
+    prompt_token_ids: Optional[list[int]] = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
+    prompt_token_ids: Optional[list[int]] = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---------------------------------------------------------------------------- /v1/chat/completions
+
+
+class ChatCompletionRequest(SamplingRequestFields):
+    messages: list[dict[str, Any]]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    # vLLM extensions for the chat template.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: bool = False
+    echo: bool = False
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: Optional[str] = None
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: Optional[list[int]] = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: Optional[list[ChatCompletionLogProbsContent]] = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    prompt_token_ids: Optional[list[int]] = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None
+
+
+# ---------------------------------------------------------------------------- models, tokenization
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vllm-lite"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """Either `prompt` (text) or `messages` (rendered with the chat template) must be given."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
