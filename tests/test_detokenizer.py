@@ -218,3 +218,41 @@ def test_min_tokens_delays_stop_string_matching(tokenizer):
     hits = [detok.update([t], False) for t in ids]
     assert hits[:4] == [None] * 4  # "b" appears in the first 4 tokens but may not stop yet
     assert "b" not in hits
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer():
+    """A Llama-style tokenizer: Metaspace pre-tokenizer, byte fallback, and a decoder that strips
+    the first leading space (so decoding output ids alone would lose the space after the prompt)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["Hello world, this is a small corpus.", "The world is wide and the sea is deep.", "Hello again"] * 20
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    model = json.loads(tok.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for i in range(256):  # byte-fallback tokens are ordinary vocabulary entries, as in Llama
+        vocab.setdefault(f"<0x{i:02X}>", len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tok.model = models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["decode_stream", "prefix_offsets"])
+def test_sentencepiece_style_output_keeps_space_after_prompt_and_joins_byte_fallback(metaspace_tokenizer, fast):
+    tok = metaspace_tokenizer
+    prompt = tok.encode("Hello", add_special_tokens=False)
+    full = tok.encode("Hello world is wide \u00fc", add_special_tokens=False)
+    out = full[len(prompt) :]
+    assert "<0xC3>" in tok.convert_ids_to_tokens(out)  # "ü" really is two byte tokens
+    assert tok.decode(out) == "world is wide \u00fc"  # decoding alone loses the space
+    req = EngineCoreRequest("r", prompt, SamplingParams(), tok.eos_token_id, 0.0)
+    detok = IncrementalDetokenizer.from_new_request(tok, req, use_fast_decode=fast)
+    assert stream(detok, out) == " world is wide \u00fc"
