@@ -57,6 +57,15 @@ def test_paged_attention_mixed_batch_matches_oracle(backend, dtype, block_size, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [48, 80])
+def test_paged_attention_portable_path_for_other_head_sizes(backend, dtype, head_size):
+    # Head sizes outside the AVX-512 specialisations (32/64/128/256) take the compiler-vectorised loop.
+    query, cache, md = make_case(MIXED_QUERY, MIXED_SEQ, 6, 2, head_size, 16, dtype, seed=6)
+    out = backend.forward(query, cache, md, 0.1)
+    assert_close(out, oracle_attention(query, cache, md, 0.1), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_matches_torch_ref_backend(backend, dtype):
     query, cache, md = make_case(MIXED_QUERY, MIXED_SEQ, 12, 4, 64, 16, dtype, seed=3)
     scale = 0.125

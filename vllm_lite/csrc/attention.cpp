@@ -2,16 +2,21 @@
 //
 // Work is split into items (request, KV head, tile of query tokens). An item packs the
 // query heads that share its KV head (GQA) and a few query tokens into up to kRowsPerItem
-// float32 rows, then streams the request's keys in tiles of kKeyTile tokens gathered through
-// the block table, keeping a running max/sum per row (online softmax): nothing of size
-// [query, context] is ever materialised. Each key tile is converted to float32 once and reused
-// by every row of the item, stored transposed so the score loop is a plain vector FMA over keys.
+// float32 rows, then streams the request's keys in small tiles gathered through the block
+// table, keeping a running max/sum per row (online softmax): nothing of size [query, context]
+// is ever materialised. Each key tile is converted to float32 once and reused by every row of
+// the item, stored transposed so scores for 16 keys are one vector FMA chain per row.
+// Two implementations of the key loop: AVX-512 intrinsics for head sizes 32/64/128/256
+// (registers hold scores and accumulators), and a portable loop for anything else.
 
 #include "cpu_common.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/irange.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -34,8 +39,10 @@ struct WorkItem {
 // Per-thread scratch, sized once per call.
 struct Scratch {
   std::vector<float> q, acc, row_max, row_sum, k_t, v;
+  // q is padded to a multiple of 4 rows (zeros) so the AVX-512 path can score rows four at a time.
   Scratch(int64_t rows, int64_t d)
-      : q(rows * d), acc(rows * d), row_max(rows), row_sum(rows), k_t(d * kKeyTile), v(kKeyTile * d) {}
+      : q(((rows + 3) / 4) * 4 * d, 0.0f), acc(rows * d), row_max(rows), row_sum(rows), k_t(d * kKeyTile),
+        v(kKeyTile * d) {}
 };
 
 // Validates the batch on the host and lists the work items, largest first.
@@ -78,6 +85,218 @@ std::vector<WorkItem> plan_items(const at::Tensor& block_table, const at::Tensor
   return items;
 }
 
+// What one work item needs to stream its keys: where they live and which rows it owns.
+template <typename T>
+struct ItemView {
+  const T* k_cache;
+  const T* v_cache;
+  const int32_t* table;  // the request's block table row
+  int64_t block_size, blk_stride, tok_stride, kv_off;  // kv_off: this KV head's offset in a token row
+  int64_t ctx;           // position of the item's first query token
+  int64_t rows, group;   // rows = tokens * group; row r is token r / group
+  int64_t num_keys;      // keys 0..num_keys-1 are visible to some row
+
+  const T* key(int64_t pos) const { return k_cache + offset(pos); }
+  const T* value(int64_t pos) const { return v_cache + offset(pos); }
+  int64_t offset(int64_t pos) const {
+    return static_cast<int64_t>(table[pos / block_size]) * blk_stride + (pos % block_size) * tok_stride + kv_off;
+  }
+  // Keys of the tile starting at k0 that row r may see (causal), clamped to [0, kn].
+  int64_t visible(int64_t r, int64_t k0, int64_t kn) const {
+    return std::max<int64_t>(0, std::min(kn, ctx + r / group + 1 - k0));
+  }
+};
+
+// Portable path: any head size, loops left to the compiler's auto-vectoriser.
+template <typename T>
+void key_loop_generic(const ItemView<T>& it, int64_t D, Scratch& s) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t k0 = 0; k0 < it.num_keys; k0 += kKeyTile) {
+    const int64_t kn = std::min(kKeyTile, it.num_keys - k0);
+    // Gather the key tile (transposed: k_t[d][j]) and the value tile (v[j][d]) as float32.
+    for (int64_t j = 0; j < kn; ++j) {
+      const T* ksrc = it.key(k0 + j);
+      const T* vsrc = it.value(k0 + j);
+      float* vdst = s.v.data() + j * D;
+      for (int64_t d = 0; d < D; ++d) s.k_t[d * kKeyTile + j] = to_f32(ksrc[d]);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) vdst[d] = to_f32(vsrc[d]);
+    }
+    if (kn < kKeyTile) {
+      for (int64_t d = 0; d < D; ++d) std::fill_n(s.k_t.data() + d * kKeyTile + kn, kKeyTile - kn, 0.0f);
+    }
+    for (int64_t r = 0; r < it.rows; ++r) {
+      const int64_t valid = it.visible(r, k0, kn);
+      if (valid == 0) continue;
+      float scores[kKeyTile];
+      for (int64_t j = 0; j < kKeyTile; ++j) scores[j] = 0.0f;
+      const float* qr = s.q.data() + r * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qr[d];
+        const float* kd = s.k_t.data() + d * kKeyTile;
+#pragma omp simd
+        for (int64_t j = 0; j < kKeyTile; ++j) scores[j] += qd * kd[j];
+      }
+      float tile_max = neg_inf;
+      for (int64_t j = 0; j < valid; ++j) tile_max = std::max(tile_max, scores[j]);
+      const float new_max = std::max(s.row_max[r], tile_max);
+      const float alpha = std::exp(s.row_max[r] - new_max);  // 0 on the first tile
+      float tile_sum = 0.0f;
+#pragma omp simd reduction(+ : tile_sum)
+      for (int64_t j = 0; j < kKeyTile; ++j) {
+        const float p = j < valid ? fast_exp(scores[j] - new_max) : 0.0f;
+        scores[j] = p;
+        tile_sum += p;
+      }
+      s.row_max[r] = new_max;
+      s.row_sum[r] = s.row_sum[r] * alpha + tile_sum;
+      float* acc = s.acc.data() + r * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+      for (int64_t j = 0; j < valid; ++j) {
+        const float p = scores[j];
+        const float* vj = s.v.data() + j * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] += p * vj[d];
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16-lane version of fast_exp; 2^n is applied with scalef.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// In-place transpose of a 16x16 float tile held in 16 registers (three shuffle stages).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int h = 0; h < 16; h += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+constexpr int64_t kTile16 = 16;  // keys per step on the AVX-512 path: one register of scores
+constexpr int kRowBlock = 4;     // query rows whose scores are computed together
+
+// AVX-512 path for head_size = 16 * NC: registers hold scores and the accumulator of a row.
+template <typename T, int NC>
+void key_loop_avx512(const ItemView<T>& it, Scratch& s) {
+  constexpr int64_t D = 16 * NC;
+  float* kbuf = s.v.data();                 // [16][D] key rows, then reused for nothing else
+  float* vbuf = s.v.data() + kTile16 * D;   // [16][D] value rows
+  float* kt = s.k_t.data();                 // [D][16] transposed keys
+  alignas(64) float probs[kTile16];
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t k0 = 0; k0 < it.num_keys; k0 += kTile16) {
+    const int64_t kn = std::min(kTile16, it.num_keys - k0);
+    for (int64_t j = 0; j < kTile16; ++j) {
+      if (j < kn) {
+        const T* ksrc = it.key(k0 + j);
+        const T* vsrc = it.value(k0 + j);
+        for (int c = 0; c < NC; ++c) {
+          _mm512_storeu_ps(kbuf + j * D + 16 * c, load16(ksrc + 16 * c));
+          _mm512_storeu_ps(vbuf + j * D + 16 * c, load16(vsrc + 16 * c));
+        }
+      } else {
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(kbuf + j * D + 16 * c, _mm512_setzero_ps());
+      }
+    }
+    for (int c = 0; c < NC; ++c) {
+      __m512 blk[16];
+      for (int j = 0; j < 16; ++j) blk[j] = _mm512_loadu_ps(kbuf + j * D + 16 * c);
+      transpose16(blk);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (16 * c + i) * kTile16, blk[i]);
+    }
+    for (int64_t r0 = 0; r0 < it.rows; r0 += kRowBlock) {
+      // s.q has rows padded to a multiple of kRowBlock, so all four rows are safe to read.
+      __m512 sc[kRowBlock];
+      for (int i = 0; i < kRowBlock; ++i) sc[i] = _mm512_setzero_ps();
+      const float* q0 = s.q.data() + r0 * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 kd = _mm512_loadu_ps(kt + d * kTile16);
+        for (int i = 0; i < kRowBlock; ++i) sc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q0[i * D + d]), kd, sc[i]);
+      }
+      const int64_t nr = std::min<int64_t>(kRowBlock, it.rows - r0);
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t r = r0 + i;
+        const int64_t valid = it.visible(r, k0, kn);
+        if (valid == 0) continue;
+        const __mmask16 m = static_cast<__mmask16>((1u << valid) - 1u);
+        const __m512 sv = _mm512_mask_blend_ps(m, neg_inf, sc[i]);
+        const float new_max = std::max(s.row_max[r], _mm512_reduce_max_ps(sv));
+        const float alpha = std::exp(s.row_max[r] - new_max);  // 0 on the first tile
+        const __m512 p = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(new_max))));
+        s.row_max[r] = new_max;
+        s.row_sum[r] = s.row_sum[r] * alpha + _mm512_reduce_add_ps(p);
+        _mm512_store_ps(probs, p);
+        float* acc = s.acc.data() + r * D;
+        __m512 a[NC];
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), av);
+        for (int64_t j = 0; j < valid; ++j) {
+          const __m512 pj = _mm512_set1_ps(probs[j]);
+          const float* vj = vbuf + j * D;
+          for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * c), a[c]);
+        }
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+      }
+    }
+  }
+}
+#endif
+
+// Runs the key loop with the fastest path available for this head size.
+template <typename T>
+void key_loop(const ItemView<T>& it, int64_t D, Scratch& s) {
+#if defined(__AVX512F__)
+  switch (D) {
+    case 32: return key_loop_avx512<T, 2>(it, s);
+    case 64: return key_loop_avx512<T, 4>(it, s);
+    case 128: return key_loop_avx512<T, 8>(it, s);
+    case 256: return key_loop_avx512<T, 16>(it, s);
+    default: break;
+  }
+#endif
+  key_loop_generic<T>(it, D, s);
+}
+
 template <typename T>
 void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                       const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -108,9 +327,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const T* k_cache = kv_cache.data_ptr<T>();
   const int64_t tok_stride = num_kv_heads * head_size;
   const int64_t blk_stride = block_size * tok_stride;
-  const T* v_cache = k_cache + num_blocks * blk_stride;
   const int64_t D = head_size;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_work));
 
 #pragma omp parallel num_threads(num_threads)
@@ -123,82 +340,26 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
       const int64_t b = item.req;
       const int64_t q_len = qsl[b + 1] - qsl[b];
       const int64_t ctx = sl[b] - q_len;  // position of the request's first query token
-      const int64_t rows = (item.q_end - item.q_begin) * group;
-      const int32_t* table = bt + b * max_blocks;
+      ItemView<T> it{k_cache, k_cache + num_blocks * blk_stride, bt + b * max_blocks, block_size, blk_stride,
+                     tok_stride, kvh * D, ctx + item.q_begin, (item.q_end - item.q_begin) * group, group,
+                     ctx + item.q_end};
 
       // Load this item's query rows (row = token * group + head-in-group), pre-scaled, as float32.
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < it.rows; ++r) {
         const int64_t tok = qsl[b] + item.q_begin + r / group;
         const int64_t head = kvh * group + r % group;
         const T* src = q_ptr + tok * q_tok_stride + head * q_head_stride;
         float* dst = s.q.data() + r * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(src[d]) * scale;
-        s.row_max[r] = neg_inf;
+        s.row_max[r] = -std::numeric_limits<float>::infinity();
         s.row_sum[r] = 0.0f;
         std::fill_n(s.acc.data() + r * D, D, 0.0f);
       }
 
-      const int64_t num_keys = ctx + item.q_end;  // the tile's last token sees keys 0..num_keys-1
-      for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyTile) {
-        const int64_t kn = std::min(kKeyTile, num_keys - k0);
-        // Gather the key tile (transposed: k_t[d][j]) and the value tile (v[j][d]) as float32.
-        for (int64_t j = 0; j < kn; ++j) {
-          const int64_t pos = k0 + j;
-          const int64_t off = static_cast<int64_t>(table[pos / block_size]) * blk_stride +
-                              (pos % block_size) * tok_stride + kvh * D;
-          const T* ksrc = k_cache + off;
-          const T* vsrc = v_cache + off;
-          float* vdst = s.v.data() + j * D;
-          for (int64_t d = 0; d < D; ++d) s.k_t[d * kKeyTile + j] = to_f32(ksrc[d]);
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) vdst[d] = to_f32(vsrc[d]);
-        }
-        if (kn < kKeyTile) {
-          for (int64_t d = 0; d < D; ++d) std::fill_n(s.k_t.data() + d * kKeyTile + kn, kKeyTile - kn, 0.0f);
-        }
+      key_loop<T>(it, D, s);
 
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t pos = ctx + item.q_begin + r / group;
-          const int64_t valid = std::min(kn, pos + 1 - k0);  // causal: keys <= pos
-          if (valid <= 0) continue;
-          float scores[kKeyTile];
-          for (int64_t j = 0; j < kKeyTile; ++j) scores[j] = 0.0f;
-          const float* qr = s.q.data() + r * D;
-          for (int64_t d = 0; d < D; ++d) {
-            const float qd = qr[d];
-            const float* kd = s.k_t.data() + d * kKeyTile;
-#pragma omp simd
-            for (int64_t j = 0; j < kKeyTile; ++j) scores[j] += qd * kd[j];
-          }
-          float tile_max = neg_inf;
-          for (int64_t j = 0; j < valid; ++j) tile_max = std::max(tile_max, scores[j]);
-          const float new_max = std::max(s.row_max[r], tile_max);
-          const float alpha = fast_exp(s.row_max[r] - new_max);  // 0 on the first tile
-          float tile_sum = 0.0f;
-#pragma omp simd reduction(+ : tile_sum)
-          for (int64_t j = 0; j < kKeyTile; ++j) {
-            const float p = j < valid ? fast_exp(scores[j] - new_max) : 0.0f;
-            scores[j] = p;
-            tile_sum += p;
-          }
-          s.row_max[r] = new_max;
-          s.row_sum[r] = s.row_sum[r] * alpha + tile_sum;
-          float* acc = s.acc.data() + r * D;
-          if (alpha != 1.0f) {
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-          }
-          for (int64_t j = 0; j < valid; ++j) {
-            const float p = scores[j];
-            const float* vj = s.v.data() + j * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) acc[d] += p * vj[d];
-          }
-        }
-      }
-
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < it.rows; ++r) {
         const int64_t tok = qsl[b] + item.q_begin + r / group;
         const int64_t head = kvh * group + r % group;
         T* dst = o_ptr + tok * o_tok_stride + head * o_head_stride;
