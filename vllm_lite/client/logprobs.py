@@ -28,15 +28,17 @@ class TokenTextCache:
     def decode(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            try:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            except Exception:  # an id the tokenizer does not know (padded model vocab)
-                text = ""
-            if text is None:
-                text = ""
-            if len(self._cache) >= self.max_entries:
-                self._cache.clear()
-            self._cache[token_id] = text
+            text = self._decode_uncached(token_id)
+        return text
+
+    def _decode_uncached(self, token_id: int) -> str:
+        try:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False) or ""
+        except Exception:  # an id the tokenizer does not know (padded model vocab)
+            text = ""
+        if len(self._cache) >= self.max_entries:
+            self._cache.clear()
+        self._cache[token_id] = text
         return text
 
     def decode_many(self, token_ids: list[int]) -> list[str]:
@@ -44,21 +46,19 @@ class TokenTextCache:
 
 
 def _to_lists(tensors: LogprobsTensors, num_columns: int) -> tuple[list[list[int]], list[list[float]], list[int]]:
-    """One device->host copy per field, trimmed to the columns this request wants."""
+    """One host copy per field (tolist), then trim rows to the columns this request wants.
+
+    Trimming the Python lists is cheaper than slicing tensors first (each torch op costs µs).
+    """
 
     def as_list(x: Any) -> list:
-        if hasattr(x, "tolist"):
-            return x.tolist()
-        return list(x)
+        return x.tolist() if hasattr(x, "tolist") else list(x)
 
-    ids = tensors.logprob_token_ids
-    lps = tensors.logprobs
-    if hasattr(ids, "shape") and len(ids.shape) == 2:
-        ids = ids[:, :num_columns]
-        lps = lps[:, :num_columns]
-        return as_list(ids), as_list(lps), as_list(tensors.selected_token_ranks)
-    id_rows = [list(r)[:num_columns] for r in as_list(ids)]
-    lp_rows = [list(r)[:num_columns] for r in as_list(lps)]
+    id_rows = as_list(tensors.logprob_token_ids)
+    lp_rows = as_list(tensors.logprobs)
+    if id_rows and len(id_rows[0]) > num_columns:
+        id_rows = [row[:num_columns] for row in id_rows]
+        lp_rows = [row[:num_columns] for row in lp_rows]
     return id_rows, lp_rows, as_list(tensors.selected_token_ranks)
 
 
@@ -70,18 +70,16 @@ def make_position_dicts(
     Returns the dicts and the chosen tokens' logprobs (for cumulative sums).
     """
     id_rows, lp_rows, ranks = _to_lists(tensors, num_logprobs + 1)
+    decode = text_cache.decode if text_cache is not None else (lambda _tid: None)
     dicts: list[dict[int, Logprob]] = []
     chosen: list[float] = []
     for row_ids, row_lps, chosen_rank in zip(id_rows, lp_rows, ranks):
-        texts = text_cache.decode_many(row_ids) if text_cache is not None else [None] * len(row_ids)
-        d: dict[int, Logprob] = {
-            int(row_ids[0]): Logprob(logprob=float(row_lps[0]), rank=int(chosen_rank), decoded_token=texts[0])
-        }
+        tid0 = int(row_ids[0])
+        d: dict[int, Logprob] = {tid0: Logprob(float(row_lps[0]), int(chosen_rank), decode(tid0))}
         for j in range(1, len(row_ids)):
             tid = int(row_ids[j])
-            if tid in d:  # the chosen token is also in the top-k: keep its entry (same values)
-                continue
-            d[tid] = Logprob(logprob=float(row_lps[j]), rank=j, decoded_token=texts[j])
+            if tid not in d:  # the chosen token may also be in the top-k: keep one entry
+                d[tid] = Logprob(float(row_lps[j]), j, decode(tid))
         dicts.append(d)
         chosen.append(float(row_lps[0]))
     return dicts, chosen
