@@ -247,11 +247,12 @@ def _cleanup(
     sockets: list[zmq.Socket],
     ctx: zmq.Context,
 ) -> None:
+    # Stop the core first: while our sockets are still open it can flush to us and exit at once.
+    if proc is not None:
+        _stop_process(proc)
     for s in sockets:
         s.close(linger=0)
     ctx.term()
-    if proc is not None:
-        _stop_process(proc)
     if tmpdir is not None:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -294,6 +295,7 @@ class _MPClientBase(EngineCoreClient):
             for sock, addr in ((self._out_sync, addresses.output), (self._in_sync, addresses.input)):
                 sock.setsockopt(zmq.IDENTITY, self.identity)
                 sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, 0)  # never make the core wait on our receive queue
                 sock.connect(addr)
             reply = self._handshake(auth_token, client_name or f"pid{os.getpid()}", handshake_timeout_s)
         except BaseException:
@@ -406,6 +408,8 @@ class SyncMPClient(_MPClientBase):
 
     def get_output(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
         """Next outputs from the core; blocks. Raises EngineDeadError, or TimeoutError after ``timeout``."""
+        if self._closed:
+            raise EngineDeadError("This engine core client was shut down.")
         try:
             item = self._outputs.get(timeout=timeout)
         except queue.Empty:

@@ -229,7 +229,12 @@ class EngineCoreProc:
             sys.exit(1)
         proc.install_signal_handlers()
         _send_ready(ready_pipe, {"status": "ready", "model_facts": proc.model_facts})
-        sys.exit(proc.run_busy_loop())
+        code = proc.run_busy_loop()
+        # Everything is closed by now; skip interpreter teardown (seconds with torch loaded).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM (and SIGINT for a daemon): stop taking work, drain, exit 0. Main thread only."""
@@ -512,6 +517,9 @@ class EngineCoreProc:
             sock = self._zmq.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 2000)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # No send limit: with ROUTER_MANDATORY a full pipe would block every frontend's outputs
+            # behind one slow reader (a reader that stops altogether is dropped by the heartbeat watch).
+            sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             sock.bind(self.addresses.output)
         except BaseException as e:  # noqa: BLE001
@@ -522,6 +530,7 @@ class EngineCoreProc:
         encoder = MsgpackEncoder()
         # Handshake replies to a frontend whose output DEALER is still connecting: (frames, give-up time).
         pending: list[tuple[list[Any], float]] = []
+        unreachable: set[bytes] = set()  # frontends we already logged as gone (log once, not per step)
         try:
             while True:
                 try:
@@ -529,7 +538,7 @@ class EngineCoreProc:
                 except queue.Empty:
                     item = _NOTHING
                 if pending:
-                    pending = [p for p in pending if not self._try_send(sock, p[0], p[1])]
+                    pending = [p for p in pending if not self._try_send(sock, p[0], p[1], unreachable)]
                 if item is _NOTHING:
                     continue
                 if item is None:
@@ -543,7 +552,7 @@ class EngineCoreProc:
                         continue
                 is_handshake = kind in (EngineCoreOutputType.READY, EngineCoreOutputType.REFUSED)
                 give_up = time.monotonic() + (_READY_RETRY_S if is_handshake else 0.0)
-                if not self._try_send(sock, frames, give_up):
+                if not self._try_send(sock, frames, give_up, unreachable):
                     pending.append((frames, give_up))
         finally:
             sock.close()
@@ -560,16 +569,19 @@ class EngineCoreProc:
         return None
 
     @staticmethod
-    def _try_send(sock: zmq.Socket, frames: list[Any], give_up: float) -> bool:
+    def _try_send(sock: zmq.Socket, frames: list[Any], give_up: float, unreachable: set[bytes]) -> bool:
         """True when sent or given up; False to retry later (frontend's output DEALER not connected yet)."""
         try:
             sock.send_multipart(frames, copy=False)
+            unreachable.discard(frames[0])
             return True
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             if time.monotonic() >= give_up:
-                logger.warning("Dropped a message for unreachable frontend %s.", bytes(frames[0]).hex())
+                if frames[0] not in unreachable:
+                    unreachable.add(frames[0])
+                    logger.warning("Frontend %s is unreachable: dropping its messages.", bytes(frames[0]).hex())
                 return True
             return False
 

@@ -1,0 +1,254 @@
+"""Engine core clients: in-process, sync over a spawned core, asyncio over a spawned core.
+
+Spawning a core costs seconds here, so the process tests share one core where
+they can and keep the rest few (startup failure, kill -9, shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from test_engine_core_proc import VOCAB, FakeEngineCore, fake_config, fake_token, request
+from vllm_lite.client.core_client import AsyncMPClient, InprocClient, SyncMPClient, make_client
+from vllm_lite.client.exceptions import EngineDeadError, EngineStartupError
+from vllm_lite.core.messages import EngineCoreOutput, FinishReason
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+
+def drain_sync(client, ids: set[str], timeout_s: float = 20.0) -> dict[str, list[EngineCoreOutput]]:
+    got: dict[str, list[EngineCoreOutput]] = {}
+    pending = set(ids)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        outs = client.get_output(timeout=max(0.1, deadline - time.monotonic()))
+        for o in outs.outputs:
+            got.setdefault(o.request_id, []).append(o)
+            if o.finished:
+                pending.discard(o.request_id)
+    return got
+
+
+def tokens(outs: list[EngineCoreOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+# ---------------------------------------------------------------------------------------------------- in-process
+
+
+def test_make_client_rejects_asyncio_without_multiprocess():
+    with pytest.raises(ValueError, match="asyncio_mode=True requires multiprocess=True"):
+        make_client(fake_config(), multiprocess=False, asyncio_mode=True)
+
+
+def test_inproc_client_runs_steps_and_reports_bad_requests_as_outputs():
+    client = make_client(fake_config(), multiprocess=False, asyncio_mode=False, engine_core_cls=FakeEngineCore)
+    assert isinstance(client, InprocClient)
+    assert client.model_facts["vocab_size"] == VOCAB
+    client.add_request(request("a", [1, 2], max_tokens=3))
+    client.add_request(request("a", [5], max_tokens=3))
+    got: dict[str, list[EngineCoreOutput]] = {}
+    for _ in range(10):
+        for o in client.get_output().outputs:
+            got.setdefault(o.request_id, []).append(o)
+    assert got["a"][0].finish_reason == FinishReason.ERROR and "duplicate" in got["a"][0].error
+    assert tokens(got["a"][1:]) == [fake_token([1, 2], n) for n in range(3)]
+    assert client.call_utility("echo", 4) == [4]
+    with pytest.raises(ValueError, match="unknown utility"):
+        client.call_utility("nope")
+    client.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------- sync, shared core
+
+
+@pytest.fixture(scope="module")
+def sync_client():
+    # A small step delay keeps long requests running while a test pokes at them.
+    client = make_client(fake_config(fake_step_delay=0.005), multiprocess=True, asyncio_mode=False,
+                         engine_core_cls=FakeEngineCore)
+    assert isinstance(client, SyncMPClient)
+    yield client
+    client.shutdown()
+
+
+def test_sync_client_handshake_gives_model_facts(sync_client):
+    assert sync_client.model_facts == {
+        "model": "fake-model", "max_model_len": 256, "block_size": 16, "num_gpu_blocks": 256, "vocab_size": VOCAB,
+    }
+    assert sync_client.client_index == 0
+
+
+def test_sync_client_generates_many_requests_correctly(sync_client):
+    prompts = {f"r{i}": [i + 1, 2 * i + 3, 7] for i in range(20)}
+    for rid, p in prompts.items():
+        sync_client.add_request(request(rid, p, max_tokens=5 + int(rid[1:]) % 4))
+    got = drain_sync(sync_client, set(prompts))
+    for rid, p in prompts.items():
+        assert tokens(got[rid]) == [fake_token(p, n) for n in range(5 + int(rid[1:]) % 4)]
+        assert got[rid][-1].finish_reason == FinishReason.LENGTH
+
+
+def test_sync_client_utility_calls_and_typed_failures(sync_client):
+    assert sync_client.call_utility("ping") == "pong"
+    assert sync_client.call_utility("echo", 1, "two", {"k": 3}) == [1, "two", {"k": 3}]
+    with pytest.raises(ValueError, match="unknown utility method 'frobnicate'"):
+        sync_client.call_utility("frobnicate")
+    assert sync_client.call_utility("get_num_free_blocks") == 256
+
+
+def test_sync_client_abort_frees_blocks(sync_client):
+    sync_client.add_request(request("ab", [3, 3], max_tokens=2000))
+    first = sync_client.get_output(timeout=10)
+    assert first.outputs[0].request_id == "ab"
+    sync_client.abort_requests(["ab"])
+    deadline = time.monotonic() + 5
+    while sync_client.call_utility("get_num_free_blocks") != 256:
+        assert time.monotonic() < deadline, "aborted request's blocks were never freed"
+        time.sleep(0.05)
+    # Drain leftovers from before the abort so later tests start clean.
+    while True:
+        try:
+            sync_client.get_output(timeout=0.3)
+        except TimeoutError:
+            break
+
+
+def test_sync_client_duplicate_id_error_leaves_first_request_intact(sync_client):
+    sync_client.add_request(request("dup", [4, 5], max_tokens=2000))
+    outs = list(sync_client.get_output(timeout=10).outputs)  # the first "dup" is running now
+    sync_client.add_request(request("dup", [9], max_tokens=30))
+    while not any(o.finish_reason == FinishReason.ERROR for o in outs):
+        outs += sync_client.get_output(timeout=10).outputs
+    outs += sync_client.get_output(timeout=10).outputs  # the first keeps going after the error
+    errors = [o for o in outs if o.finish_reason == FinishReason.ERROR]
+    assert len(errors) == 1 and "duplicate request id 'dup'" in errors[0].error
+    toks = tokens(outs)
+    assert len(toks) >= 2 and toks == [fake_token([4, 5], n) for n in range(len(toks))]
+    sync_client.abort_requests(["dup"])
+    deadline = time.monotonic() + 5
+    while sync_client.call_utility("get_num_free_blocks") != 256:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    while True:
+        try:
+            sync_client.get_output(timeout=0.3)
+        except TimeoutError:
+            break
+
+
+def test_sync_client_receives_logprob_tensors(sync_client):
+    sync_client.add_request(request("lp", [8, 1], max_tokens=2, logprobs=2))
+    got = drain_sync(sync_client, {"lp"})
+    lp = got["lp"][0].new_logprobs
+    assert lp.logprob_token_ids.shape == (1, 3) and lp.logprob_token_ids[0, 0].item() == fake_token([8, 1], 0)
+
+
+# ---------------------------------------------------------------------------------------------------- sync, own core
+
+
+def test_startup_failure_raises_original_message_quickly():
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartupError, match="FileNotFoundError: weights missing in /nowhere"):
+        SyncMPClient(fake_config(fake_fail_startup="weights missing in /nowhere"), engine_core_cls=FakeEngineCore)
+    assert time.monotonic() - t0 < 30
+
+
+def test_kill_9_fails_pending_get_output_and_utility_within_5s_and_shutdown_cleans_up():
+    client = SyncMPClient(fake_config(fake_step_delay=0.01), engine_core_cls=FakeEngineCore)
+    proc, tmpdir = client.proc, client.tmpdir
+    assert os.path.isdir(tmpdir)
+    client.add_request(request("k", [1], max_tokens=2000))
+    client.get_output(timeout=10)
+    os.kill(proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match="exit code -9"):
+        while True:
+            client.get_output(timeout=5)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(EngineDeadError):
+        client.call_utility("ping")
+    with pytest.raises(EngineDeadError):
+        client.add_request(request("after", [1]))
+    client.shutdown()
+    assert not os.path.exists(tmpdir)
+    assert proc.exitcode == -9  # reaped: no zombie
+
+
+def test_fatal_core_error_reaches_client_as_engine_dead():
+    client = SyncMPClient(fake_config(), engine_core_cls=FakeEngineCore)
+    try:
+        assert client.call_utility("crash_on_next_step") is True
+        client.add_request(request("x", [1], max_tokens=3))
+        with pytest.raises(EngineDeadError, match="fatal error"):
+            client.get_output(timeout=10)
+        client.proc.join(10)
+        assert client.proc.exitcode == 1
+    finally:
+        client.shutdown()
+
+
+def test_clean_shutdown_stops_core_and_removes_temp_dir():
+    client = SyncMPClient(fake_config(), engine_core_cls=FakeEngineCore)
+    proc, tmpdir = client.proc, client.tmpdir
+    client.add_request(request("s", [1], max_tokens=1000))
+    client.shutdown()
+    assert not proc.is_alive() and proc.exitcode is not None
+    assert not os.path.exists(tmpdir)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        client.get_output(timeout=1)
+
+
+# ---------------------------------------------------------------------------------------------------- asyncio
+
+
+def test_async_client_generates_concurrently_and_dies_cleanly_on_kill_9():
+    async def main() -> None:
+        client = make_client(fake_config(), multiprocess=True, asyncio_mode=True, engine_core_cls=FakeEngineCore)
+        assert isinstance(client, AsyncMPClient)
+        try:
+            assert await client.call_utility_async("ping") == "pong"
+            with pytest.raises(ValueError, match="unknown utility"):
+                await client.call_utility_async("bogus")
+            prompts = {f"a{i}": [i, i + 1] for i in range(1, 11)}
+            for rid, p in prompts.items():
+                await client.add_request_async(request(rid, p, max_tokens=6))
+            got: dict[str, list[int]] = {}
+            finished: set[str] = set()
+            while finished != set(prompts):
+                outs = await asyncio.wait_for(client.get_output_async(), 10)
+                for o in outs.outputs:
+                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                    if o.finished:
+                        finished.add(o.request_id)
+            for rid, p in prompts.items():
+                assert got[rid] == [fake_token(p, n) for n in range(6)]
+
+            await client.add_request_async(request("long", [2], max_tokens=2000))
+            await client.abort_requests_async(["long"])
+            assert await client.call_utility_async("get_num_free_blocks") == 256
+
+            waiter = asyncio.ensure_future(client.get_output_async())
+            await asyncio.sleep(0.2)
+            os.kill(client.proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(EngineDeadError):
+                while True:
+                    await asyncio.wait_for(waiter, 5)
+                    waiter = asyncio.ensure_future(client.get_output_async())
+            assert time.monotonic() - t0 < 5
+            with pytest.raises(EngineDeadError):
+                await client.call_utility_async("ping")
+        finally:
+            tmpdir, proc = client.tmpdir, client.proc
+            client.shutdown()
+        assert not os.path.exists(tmpdir) and proc.exitcode is not None
+
+    asyncio.run(main())
