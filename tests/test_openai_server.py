@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import httpx
@@ -453,3 +454,30 @@ def test_protocol_builds_sampling_params_with_vllm_extensions() -> None:
     with pytest.raises(ValueError, match="stream_options"):
         CompletionRequest(prompt="x", stream_options={"include_usage": True}).build_sampling_params(
             max_tokens=1, logprobs=None, prompt_logprobs=None, defaults=None, stream=False)
+
+
+# ---------------------------------------------------------------------------- a real uvicorn, still model-free
+
+
+def test_live_server_disconnect_while_queued_aborts_the_request(ckpt: str) -> None:
+    from openai_server_harness import ServerThread
+
+    srv = ServerThread(lambda: _hanging_engine(ckpt), served_model_name=MODEL)
+    try:
+        for stream in (True, False):
+            before = len(srv.engine.aborted)
+            body = {"prompt": "Hi", "max_tokens": 5, "stream": stream}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(srv.base_url + "/v1/completions", json=body, timeout=0.5)
+            end = time.monotonic() + 5
+            while time.monotonic() < end and (len(srv.engine.aborted) == before or srv.engine.running):
+                time.sleep(0.05)
+            assert len(srv.engine.aborted) > before and not srv.engine.running
+    finally:
+        srv.stop()
+
+
+def _hanging_engine(ckpt: str) -> FakeAsyncLLM:
+    engine = FakeAsyncLLM(ckpt, max_model_len=128)
+    engine.hang = True
+    return engine

@@ -1,0 +1,150 @@
+"""Run the real HTTP server (uvicorn on 127.0.0.1, random free port) for tests.
+
+`ServerThread` serves in a background thread with its own event loop, so a
+test can reach the engine object (utility calls, core pid); `ServerProcess`
+runs `python -m vllm_lite.entrypoints.openai.api_server` as a child process,
+for what only a process shows (its exit code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import httpx
+
+from vllm_lite.entrypoints.openai.api_server import build_app, serve_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base_url: str, timeout_s: float, proc: Optional[subprocess.Popen] = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited early with code {proc.returncode}")
+        try:
+            r = httpx.get(base_url + "/health", timeout=5)
+            if r.status_code == 200:
+                return
+            last = r.text
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.2)
+    raise TimeoutError(f"server at {base_url} not healthy after {timeout_s} s: {last!r}")
+
+
+class ServerThread:
+    """uvicorn + build_app in a daemon thread; `engine_factory` runs inside the server's loop."""
+
+    def __init__(self, engine_factory: Callable[[], Any], startup_timeout_s: float = 300.0, **app_kwargs: Any):
+        self._factory = engine_factory
+        self._app_kwargs = app_kwargs
+        self._ready = threading.Event()
+        self._error: Optional[BaseException] = None
+        self.engine: Any = None
+        self.app: Any = None
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.exit_code: Optional[int] = None
+        self._thread = threading.Thread(target=self._main, daemon=True, name="openai-server")
+        self._thread.start()
+        if not self._ready.wait(startup_timeout_s):
+            raise TimeoutError("server thread did not start")
+        if self._error is not None:
+            raise self._error
+        wait_healthy(self.base_url, startup_timeout_s)
+
+    def _main(self) -> None:
+        async def main() -> int:
+            self.loop = asyncio.get_running_loop()
+            try:
+                self.engine = self._factory()
+                self.app = build_app(self.engine, **self._app_kwargs)
+            except BaseException as e:
+                self._error = e
+                self._ready.set()
+                raise
+            self._ready.set()
+            return await serve_app(self.app, sock=self.sock, log_level="warning")
+
+        try:
+            self.exit_code = asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001 - reported to the test through _error
+            self._error = self._error or e
+        finally:
+            if self.engine is not None:
+                try:
+                    self.engine.shutdown()
+                except Exception:
+                    pass
+
+    def call(self, coro_fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+        """Run `coro_fn()` on the server's loop (where the engine lives) and return its result."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.app is not None and self.app.state.server is not None and self.loop is not None:
+            server = self.app.state.server
+            self.loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+        self._thread.join(timeout_s)
+
+
+class ServerProcess:
+    """`python -m vllm_lite.entrypoints.openai.api_server ARGS` on a free port."""
+
+    def __init__(self, args: list[str], startup_timeout_s: float = 300.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_lite.entrypoints.openai.api_server", "--port", str(self.port),
+             "--uvicorn-log-level", "warning", *args],
+            env=env,
+        )
+        try:
+            wait_healthy(self.base_url, startup_timeout_s, self.proc)
+        except BaseException:
+            self.kill()
+            raise
+
+    def core_pids(self) -> list[int]:
+        """Children of the server process except multiprocessing's resource tracker: the engine core."""
+        pids: list[int] = []
+        task_dir = f"/proc/{self.proc.pid}/task"
+        for tid in os.listdir(task_dir):
+            try:
+                with open(f"{task_dir}/{tid}/children") as f:
+                    pids += [int(p) for p in f.read().split()]
+            except OSError:
+                pass
+        out = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"resource_tracker" not in f.read():
+                        out.append(pid)
+            except OSError:
+                pass
+        return out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)

@@ -1,0 +1,252 @@
+"""The official `openai` client against a live server (real AsyncLLM, tiny random checkpoint).
+
+Greedy results must equal offline `LLM(..., multiprocess=False).generate` on
+the same prompts; the rules (401/400/404), client disconnects (request aborted,
+KV blocks freed) and engine death (503, exit code 1) are checked end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from vllm_lite.testing.checkpoints import get_checkpoint
+
+from openai_server_harness import ServerProcess, ServerThread
+
+MODEL = "tiny-llama"
+API_KEY = "test-key"
+MAX_MODEL_LEN = 256
+ENGINE_KW = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
+PROMPTS = ["Hello world", "The quick brown fox", "def main():"]
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def ckpt() -> str:
+    return get_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt: str) -> dict:
+    """Offline greedy outputs: completions of PROMPTS and of the rendered chat prompt."""
+    from vllm_lite import LLM, SamplingParams
+
+    llm = LLM(model=ckpt, multiprocess=False, **ENGINE_KW)
+    try:
+        tok = llm.get_tokenizer()
+        chat_text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+        chat_ids = tok.encode(chat_text, add_special_tokens=False)
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        outs = llm.generate(PROMPTS + [{"prompt_token_ids": chat_ids}], sp, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return {
+        "completions": [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs[:-1]],
+        "chat": (outs[-1].outputs[0].token_ids, outs[-1].outputs[0].text),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(ckpt: str):
+    from vllm_lite.client.async_llm import AsyncLLM
+    from vllm_lite.config import EngineArgs
+
+    srv = ServerThread(
+        lambda: AsyncLLM.from_engine_args(EngineArgs(model=ckpt, **ENGINE_KW)),
+        served_model_name=MODEL,
+        api_key=API_KEY,
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+# ---------------------------------------------------------------------------- results equal offline generate
+
+
+def test_greedy_completions_equal_offline_generate(client: openai.OpenAI, reference: dict) -> None:
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS, **GREEDY)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    for choice, (ids, text) in zip(resp.choices, reference["completions"]):
+        assert choice.model_extra["token_ids"] == ids
+        assert choice.text == text
+        assert choice.finish_reason == "length"
+    assert resp.usage.completion_tokens == 36
+
+
+def test_streamed_completion_equals_offline_generate_and_ends_with_usage(
+    client: openai.OpenAI, reference: dict
+) -> None:
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
+    assert (ids, text) == tuple(reference["completions"][1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_greedy_chat_equals_offline_generate_on_rendered_prompt(client: openai.OpenAI, reference: dict) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
+    ids, text = reference["chat"]
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == text
+    assert resp.choices[0].model_extra["token_ids"] == ids
+
+
+def test_streamed_chat_equals_offline_generate_and_ends_with_usage(client: openai.OpenAI, reference: dict) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CHAT, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference["chat"][1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens > 0
+
+
+# ---------------------------------------------------------------------------- n, logprobs
+
+
+def test_n2_seeded_sampling_gives_two_choices(client: openai.OpenAI) -> None:
+    resp = client.completions.create(model=MODEL, prompt="Once", n=2, temperature=1.0, seed=7, max_tokens=8,
+                                     extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    assert resp.usage.completion_tokens == 16
+    again = client.completions.create(model=MODEL, prompt="Once", n=2, temperature=1.0, seed=7, max_tokens=8,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in resp.choices]  # seeded: reproducible
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, max_tokens=4, temperature=1.0)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_completion_logprobs_shape(client: openai.OpenAI) -> None:
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], logprobs=3, **GREEDY)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+    for chosen_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen_lp <= 0.0
+        assert 3 <= len(top) <= 4  # top-3 plus the chosen token when it is not among them
+        assert max(top.values()) == pytest.approx(chosen_lp, abs=1e-4)  # greedy picks the top token
+
+
+def test_chat_logprobs_shape(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=2, **GREEDY)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 12
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-4)
+
+
+# ---------------------------------------------------------------------------- rules
+
+
+def test_missing_or_wrong_api_key_is_401(server: ServerThread) -> None:
+    bad = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    r = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(temperature=-1), "temperature"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+])
+def test_bad_params_are_400(client: openai.OpenAI, kwargs: dict, needle: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", **kwargs)
+    assert e.value.status_code == 400 and needle in e.value.message
+    assert e.value.body["type"] == "BadRequestError"
+
+
+def test_too_long_prompt_is_400_naming_lengths(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[5] * (MAX_MODEL_LEN + 10), max_tokens=2)
+    assert str(MAX_MODEL_LEN + 10) in e.value.message and str(MAX_MODEL_LEN) in e.value.message
+
+
+def test_unknown_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
+
+
+def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_client_disconnect_mid_stream_aborts_the_request_and_frees_blocks(server: ServerThread) -> None:
+    engine = server.engine
+    total = server.call(lambda: engine.call_utility_async("get_num_total_blocks"))
+    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": MAX_MODEL_LEN - 20,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.base_url + "/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+            assert got
+    # The connection is closed with most of the 236 tokens still to go.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        unfinished = server.call(lambda: engine.call_utility_async("get_num_unfinished_requests"))
+        free = server.call(lambda: engine.call_utility_async("get_num_free_blocks"))
+        if unfinished == 0 and free == total:
+            break
+        time.sleep(0.1)
+    assert (unfinished, free) == (0, total)
+    text = httpx.get(server.base_url + "/metrics").text
+    assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny-llama"}' in text
+
+
+def test_health_and_metrics_are_public(server: ServerThread) -> None:
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    text = httpx.get(server.base_url + "/metrics").text
+    assert "vllm:num_requests_running" in text and "vllm:kv_cache_usage_perc" in text
+
+
+# ---------------------------------------------------------------------------- engine death
+
+
+def test_killed_core_gives_503_and_the_server_exits_nonzero(ckpt: str) -> None:
+    srv = ServerProcess(["--model", ckpt, "--served-model-name", MODEL, "--dtype", "float32",
+                         "--max-model-len", str(MAX_MODEL_LEN), "--engine-dead-grace", "2"])
+    try:
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        (core,) = srv.core_pids()
+        os.kill(core, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        status = None
+        while time.monotonic() < deadline:
+            try:
+                status = httpx.get(srv.base_url + "/health", timeout=5).status_code
+            except httpx.HTTPError:
+                break  # already exiting
+            if status == 503:
+                break
+            time.sleep(0.1)
+        assert status == 503
+        assert srv.proc.wait(30) == 1
+    finally:
+        srv.kill()
