@@ -209,7 +209,6 @@ class ChatCompletionRequest(SamplingRequestFields):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = False
-    echo: bool = False
 
 
 class ChatMessage(OpenAIBaseModel):
