@@ -7,6 +7,7 @@ from the checkpoint; so peak memory is one model plus one tensor.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -55,6 +56,47 @@ def _hf_config(model_config: ModelConfig):
     return config
 
 
+_INIT_FNS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "trunc_normal_", "ones_", "zeros_", "constant_")
+
+
+@contextlib.contextmanager
+def skip_param_init() -> Iterator[None]:
+    """Make torch.nn.init fills no-ops while modules are built: every value is overwritten by the checkpoint,
+    and random fills on the meta device would import torch's compiler stack (seconds) for nothing."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FNS}
+    try:
+        for name in _INIT_FNS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace meta parameters/buffers by uninitialised storage on device (floating ones in dtype).
+
+    Done by hand with torch.empty rather than Module.to_empty: the latter routes through
+    torch's Python reference ops and costs seconds of imports on first use. Shared
+    parameters (tied embeddings) stay shared.
+    """
+    # id(old) -> (old, new); holding `old` keeps ids unique while we walk the tree.
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def empty_like(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tuple(t.shape), dtype=dtype if t.dtype.is_floating_point else t.dtype, device=device)
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = (p, nn.Parameter(empty_like(p), requires_grad=False))
+                module._parameters[name] = made[id(p)][1]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = empty_like(b)
+
+
 def init_non_persistent_buffers(model: nn.Module) -> None:
     """Recompute buffers that checkpoints do not carry (RoPE tables) after materialising the module."""
     for m in model.modules():
@@ -69,9 +111,9 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     hf_config = _hf_config(model_config)
     archs = getattr(hf_config, "architectures", None) or [model_config.architecture]
     cls = get_model_class(archs)
-    with torch.device("meta"):
+    with torch.device("meta"), skip_param_init():
         model = cls(hf_config)
-    model = model.to(dtype=model_config.dtype).to_empty(device=device)
+    materialize(model, model_config.dtype, device)
     init_non_persistent_buffers(model)
     loaded = model.load_weights(iterate_weights(model_config.model))
     expected = {name for name, _ in model.named_parameters()}

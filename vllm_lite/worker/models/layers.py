@@ -143,8 +143,8 @@ def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tu
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     extrap = 1 - ramp  # 1 where the frequency is high enough to keep unscaled
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrap) + (1.0 / pos_freqs) * extrap
     return inv, float(attn)
@@ -163,10 +163,12 @@ def _llama3_inv_freq(inv: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
 
 
 def rope_inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies float32 [rotary_dim/2], cos/sin scale) for a rope type."""
+    """(inverse frequencies float32 [rotary_dim/2] on CPU, cos/sin scale) for a rope type.
+
+    Always computed on CPU (explicit device) so building under torch.device("meta") stays cheap."""
     base = float(params["rope_theta"])
     kind = params["rope_type"]
-    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim))
     if kind in ("default", "dynamic"):
         # dynamic NTK only changes frequencies past max_position_embeddings, which the engine never reaches.
         return inv, 1.0
@@ -201,7 +203,7 @@ class RotaryEmbedding(nn.Module):
         if device.type == "meta":
             self.cos_sin_cache = torch.empty(self.max_position, self.rotary_dim, device=device)
             return
-        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv)
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32, device="cpu"), inv)
         self.cos_sin_cache = (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * scale).to(device)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
