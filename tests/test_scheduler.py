@@ -554,3 +554,48 @@ def test_max_model_len_is_capped_by_kv_cache_capacity():
     while s.has_unfinished_requests():
         _, outs = step(s)
     assert s.num_free_blocks == 2
+
+
+# ---------------------------------------------------------------------- end to end on the real model runner
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_real_model_greedy_tokens_unchanged_by_preemption_and_prefix_hits(mode, monkeypatch):
+    """A cramped cache (preemptions, swaps) with prefix caching gives the same greedy tokens as a roomy one."""
+    import json
+    import os
+
+    from vllm_lite import LLM
+    from vllm_lite.testing.checkpoints import get_checkpoint
+
+    path = get_checkpoint("llama")
+    hf = json.load(open(os.path.join(path, "config.json")))
+    kv_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    block_bytes = 2 * hf["num_hidden_layers"] * 4 * kv_heads * head_dim * 4  # float32, block_size 4
+    shared = [(j * 13) % 150 + 7 for j in range(16)]
+    prompts = [[(i * 37 + j * 11) % 200 + 5 for j in range(n)] for i, n in enumerate([5, 20, 33, 9, 40])]
+    prompts += [shared + [i + 3] * (i + 1) for i in range(4)]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    def run(**kw) -> list[list[int]]:
+        llm = LLM(model=path, multiprocess=False, dtype="float32", max_model_len=64, block_size=4, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    reference = run(enable_prefix_caching=False)
+    preemptions: list[int] = []
+    original = Scheduler._preempt
+
+    def counting(self, req, swap_out):
+        preemptions.append(len(swap_out))
+        original(self, req, swap_out)
+        preemptions[-1] = len(swap_out) - preemptions[-1]  # > 0 when this preemption swapped
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    cramped = run(
+        preemption_mode=mode, kv_cache_memory_bytes=block_bytes * 30, max_num_batched_tokens=16,
+        enable_prefix_caching=True, swap_space=block_bytes * 40 / (1 << 30),
+    )
+    assert cramped == reference
+    assert preemptions, "the cramped run never preempted: the test lost its point"
+    if mode == "swap":
+        assert any(n > 0 for n in preemptions)
