@@ -240,12 +240,20 @@ WARPER_CASES = [
 ]
 
 
-def test_temperature_top_k_top_p_min_p_match_hf_warpers() -> None:
+@pytest.mark.parametrize("vocab", [V, 1000])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
+def test_temperature_top_k_top_p_min_p_match_hf_warpers(vocab: int, scale: float) -> None:
+    """Small vocab: all rows settle among candidates; large vocab: flat rows take the exact dense path."""
     torch.manual_seed(7)
-    logits = torch.randn(len(WARPER_CASES), V) * 3
-    state, rows = make_state(WARPER_CASES)
+    cases = WARPER_CASES + [
+        SamplingParams(temperature=1.0, min_p=0.001, top_p=0.95),
+        SamplingParams(temperature=1.0, top_k=100, min_p=0.5),
+        SamplingParams(temperature=1.0, top_k=1),
+    ]
+    logits = torch.randn(len(cases), vocab) * scale
+    state, rows = make_state(cases, vocab=vocab)
     ours = Sampler().processed_logits(logits, state.make_metadata(rows))
-    for i, p in enumerate(WARPER_CASES):
+    for i, p in enumerate(cases):
         assert_same_distribution(ours[i], hf_warp(logits[i], p))
 
 
@@ -439,7 +447,7 @@ def test_metadata_skips_features_no_row_uses() -> None:
     assert md.all_greedy and md.temperature is None and md.top_k is None and md.top_p is None
     assert md.min_p is None and md.no_penalties and md.banned_index is None and md.allowed_index is None
     assert md.logit_bias_index is None and md.max_num_logprobs is None and not md.generators
-    assert state.output_counts is None, "penalty counts were allocated though no request needs them"
+    assert state.seen is None, "penalty counts were allocated though no request needs them"
 
 
 def test_bad_input_raises_value_error_naming_the_field() -> None:
@@ -461,3 +469,26 @@ def test_bad_input_raises_value_error_naming_the_field() -> None:
         state.append_token_ids(np.array([0]), np.array([1, 2]))
     with pytest.raises(ValueError, match="logits"):
         Sampler()(torch.randn(2, V), state.make_metadata(np.array([0])))
+
+
+def test_top_p_on_large_vocab_matches_hf_for_peaked_and_flat_rows() -> None:
+    """Peaked rows are settled among the top candidates; flat rows need the full-sort fallback."""
+    torch.manual_seed(16)
+    vocab = 4096
+    logits = torch.randn(6, vocab)
+    logits[:3] *= 8.0  # peaked: top-p mass within a few hundred tokens
+    logits[3:] *= 0.3  # nearly flat: top-p needs most of the vocabulary
+    cases = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.7, top_p=0.5, top_k=600),
+        SamplingParams(temperature=1.0, top_p=0.97, min_p=0.01),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.3, top_k=3000),
+        SamplingParams(temperature=1.0),
+    ]
+    state, rows = make_state(cases, vocab=vocab)
+    ours = Sampler().processed_logits(logits, state.make_metadata(rows))
+    for i, p in enumerate(cases):
+        assert_same_distribution(ours[i], hf_warp(logits[i], p))
+    kept = torch.isfinite(ours).sum(-1)
+    assert kept[3] > 512 and kept[0] < 512 and kept[5] == vocab

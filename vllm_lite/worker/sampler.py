@@ -48,22 +48,23 @@ def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Repetition (HF: over prompt+output, divide positive / multiply negative), then OpenAI frequency/presence."""
-    if md.output_token_counts is None:
+    """Repetition (HF: over prompt+output, divide positive / multiply negative), then OpenAI frequency/presence.
+
+    Only each row's distinct prompt+output tokens can change, so work on those [N, L] entries alone.
+    """
+    if md.penalty_token_ids is None:
         return logits
-    assert md.prompt_token_mask is not None and md.repetition_penalties is not None
+    assert md.penalty_output_counts is not None and md.repetition_penalties is not None
     assert md.frequency_penalties is not None and md.presence_penalties is not None
-    counts = md.output_token_counts
-    seen_out = counts > 0
+    ids, counts = md.penalty_token_ids, md.penalty_output_counts
+    vals = logits.gather(1, ids)
     rep = md.repetition_penalties.unsqueeze(1)
-    seen = md.prompt_token_mask | seen_out
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    logits -= md.frequency_penalties.unsqueeze(1) * counts
-    logits -= md.presence_penalties.unsqueeze(1) * seen_out
-    return logits
+    vals = torch.where(vals > 0, vals / rep, vals * rep)
+    vals -= md.frequency_penalties.unsqueeze(1) * counts + md.presence_penalties.unsqueeze(1) * (counts > 0)
+    return logits.scatter_(1, ids, vals)
 
 
+# ---------------------------------------------------------------------- warpers, exact over the vocabulary
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens whose probability is below min_p times the top token's probability."""
     probs = logits.softmax(dim=-1)
@@ -71,39 +72,179 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, _NEG_INF)
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: Optional[torch.Tensor], max_top_k: int, top_p: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """Keep the k best (ties kept), then the smallest set whose mass reaches p (as HF's warpers chained)."""
-    if top_k is None and top_p is None:
-        return logits
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the k best per row, ties with the k-th kept (HF); k >= vocab disables."""
     vocab = logits.shape[-1]
-    if top_p is None:
-        assert top_k is not None
-        # Only top-k: a partial topk is much cheaper than a full sort.
-        best = torch.topk(logits, max_top_k, dim=-1).values
-        kth = best.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
-        kth = kth.masked_fill_((top_k >= vocab).unsqueeze(1), _NEG_INF)
-        return logits.masked_fill_(logits < kth, _NEG_INF)
+    max_k = int(top_k.clamp(max=vocab).max())
+    kth = torch.topk(logits, max_k, dim=-1).values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
+    kth.masked_fill_((top_k >= vocab).unsqueeze(1), _NEG_INF)
+    return logits.masked_fill_(logits < kth, _NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest best-first set whose mass reaches p (HF: ascending cumsum <= 1 - p is dropped)."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k.clamp(max=vocab)).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum <= (1.0 - top_p).unsqueeze(1)
+    drop = (cum <= (1.0 - top_p).unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)  # p = 1 drops nothing
     drop[:, -1] = False  # always keep the best token
-    sorted_logits.masked_fill_(drop, _NEG_INF)
-    return logits.scatter_(1, order, sorted_logits)
+    return logits.scatter_(1, order, sorted_logits.masked_fill_(drop, _NEG_INF))
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Exponential race: argmax(p / E), E ~ Exp(1) i.i.d., picks token i with probability p_i."""
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
-    for i, gen in generators.items():  # seeded rows draw from their own stream, independent of the batch
-        noise[i].exponential_(generator=gen)
-    return probs.div_(noise).argmax(dim=-1)
+def warp_dense(
+    logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """min-p -> top-k -> top-p over the whole vocabulary, in place (the slow, always-exact path)."""
+    if min_p is not None:
+        logits = apply_min_p(logits, min_p)
+    if top_k is not None:
+        logits = apply_top_k(logits, top_k)
+    if top_p is not None:
+        logits = apply_top_p(logits, top_p)
+    return logits
+
+
+# ---------------------------------------------------------------------- warpers among top candidates
+# Truncating warpers usually keep few tokens. Rows whose survivors provably all lie among their
+# top candidates are warped and sampled on [rows, candidates] only; full-vocabulary masks and
+# sorts (each ~10x a topk on CPU) run only for rows that need them.
+_MIN_CANDIDATES = 64
+
+
+@dataclass
+class WarpedLogits:
+    """Warped logits of one batch, split into rows settled among candidates and rows kept dense."""
+
+    num_rows: int
+    vocab_size: int
+    dense_rows: Optional[torch.Tensor]  # int64 [D] batch rows of `dense`; None = every row
+    dense: Optional[torch.Tensor]  # float32 [D, V]
+    narrow_rows: Optional[torch.Tensor]  # int64 [M]
+    narrow_logits: Optional[torch.Tensor]  # float32 [M, K], -inf where dropped
+    narrow_ids: Optional[torch.Tensor]  # int64 [M, K] token ids of the candidates
+
+    def to_dense(self) -> torch.Tensor:
+        """Every row over the full vocabulary (for tests and inspection; the sampler never needs it)."""
+        ref = self.dense if self.dense is not None else self.narrow_logits
+        assert ref is not None
+        out = torch.full((self.num_rows, self.vocab_size), _NEG_INF, dtype=ref.dtype, device=ref.device)
+        if self.dense is not None:
+            if self.dense_rows is None:
+                out.copy_(self.dense)
+            else:
+                out[self.dense_rows] = self.dense
+        if self.narrow_rows is not None:
+            assert self.narrow_logits is not None and self.narrow_ids is not None
+            out[self.narrow_rows] = out[self.narrow_rows].scatter_(1, self.narrow_ids, self.narrow_logits)
+        return out
+
+
+def warp(logits: torch.Tensor, md: SamplingMetadata, rows: Optional[torch.Tensor]) -> WarpedLogits:
+    """Temperature -> min-p -> top-k -> top-p for the batch rows `rows` (None = all), as HF's warpers chained.
+
+    Returns new tensors; `logits` is not modified.
+    """
+    n, vocab = logits.shape
+    temp = md.temperature if md.temperature is not None else logits.new_ones(n)
+    x = logits / temp.unsqueeze(1)
+    top_k, top_p, min_p = md.top_k, md.top_p, md.min_p
+    if top_k is None and top_p is None and min_p is None:
+        return WarpedLogits(n, vocab, rows, x if rows is None else x[rows], None, None, None)
+
+    # Candidates: one more than the largest k, so a tie with the k-th cannot hide outside them.
+    num_cand = min(vocab, max(md.max_top_k + 1, _MIN_CANDIDATES))
+    vals, ids = torch.topk(x, num_cand, dim=-1)  # best first
+    smallest = vals[:, -1]
+    whole_vocab = num_cand == vocab
+    covered = torch.zeros(n, dtype=torch.bool, device=x.device)
+    if min_p is not None:
+        # p < min_p * p_max  <=>  logit < max_logit + log(min_p)
+        threshold = vals[:, 0] + torch.log(min_p)  # -inf where min_p == 0
+        vals.masked_fill_(vals < threshold.unsqueeze(1), _NEG_INF)
+        covered |= smallest < threshold
+    if top_k is not None:
+        kth = vals.gather(1, (top_k.clamp(max=num_cand) - 1).unsqueeze(1)).squeeze(1)
+        kth.masked_fill_(top_k >= vocab, _NEG_INF)
+        vals.masked_fill_(vals < kth.unsqueeze(1), _NEG_INF)
+        covered |= smallest < kth
+    if top_p is not None:
+        uses_p = top_p < 1.0
+        # Normalizer: over the candidates when earlier warpers already dropped everything else,
+        # else over the whole (unfiltered) row.
+        lse = vals.logsumexp(dim=-1)
+        if not whole_vocab and bool((uses_p & ~covered).any()):
+            lse = torch.where(covered, lse, x.logsumexp(dim=-1))
+        # A row min-p filtered only partly among the candidates has an unknown normalizer: keep it dense.
+        trusted = covered if min_p is None else covered | (min_p <= 0.0)
+        probs = (vals - lse.unsqueeze(1)).exp_()
+        cum = probs.cumsum(dim=-1)
+        # Token j survives iff the mass ranked above it is < p.
+        keep = ((cum - probs) < top_p.unsqueeze(1)) | ~uses_p.unsqueeze(1)  # p = 1: no rounding losses
+        keep[:, 0] = True
+        vals.masked_fill_(~keep, _NEG_INF)
+        covered |= uses_p & trusted & (cum[:, -1] > top_p + 1e-5)
+    if whole_vocab:
+        covered.fill_(True)
+    if rows is not None:  # only these rows matter (the others are greedy)
+        wanted = torch.zeros(n, dtype=torch.bool, device=x.device)
+        wanted[rows] = True
+    else:
+        wanted = torch.ones(n, dtype=torch.bool, device=x.device)
+
+    narrow_rows = (covered & wanted).nonzero().squeeze(1)
+    dense_rows = (~covered & wanted).nonzero().squeeze(1)
+    out = WarpedLogits(n, vocab, None, None, None, None, None)
+    if narrow_rows.numel():
+        out.narrow_rows, out.narrow_logits, out.narrow_ids = narrow_rows, vals[narrow_rows], ids[narrow_rows]
+    if dense_rows.numel():
+        sub = lambda t: None if t is None else t[dense_rows]  # noqa: E731
+        out.dense_rows = None if dense_rows.numel() == n else dense_rows
+        out.dense = warp_dense(x[dense_rows], sub(top_k), sub(top_p), sub(min_p))
+    return out
+
+
+# ---------------------------------------------------------------------- sampling
+def exponential_noise(shape: torch.Size, device: torch.device, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Exp(1) samples as -log(U), U in [0, 1): never 0 (so p/E is never 0/0), and ~3x faster than exponential_ on CPU."""
+    return torch.rand(shape, device=device, generator=generator).log_().neg_()
+
+
+def _race(
+    logits: torch.Tensor, batch_rows: Optional[torch.Tensor], ids: Optional[torch.Tensor],
+    generators: dict[int, torch.Generator], vocab: int,
+) -> torch.Tensor:
+    """Exponential race argmax(p / E) on some rows, E ~ Exp(1) i.i.d. per token, which draws token i with prob. p_i.
+
+    A seeded row always draws one full [vocab] noise vector from its own generator (gathered at its
+    candidate ids when narrowed), so its tokens do not depend on the batch around it.
+    """
+    probs = logits.softmax(dim=-1)
+    noise = exponential_noise(probs.shape, probs.device)
+    if generators:
+        positions = range(probs.shape[0]) if batch_rows is None else batch_rows.tolist()
+        for local, row in enumerate(positions):  # seeded rows only do Python work
+            gen = generators.get(row)
+            if gen is None:
+                continue
+            full = exponential_noise(torch.Size([vocab]), probs.device, gen)
+            noise[local] = full if ids is None else full[ids[local]]
+    choice = probs.div_(noise).argmax(dim=-1)
+    return choice if ids is None else ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def random_sample(warped: WarpedLogits, generators: dict[int, torch.Generator], out: torch.Tensor) -> torch.Tensor:
+    """Fill `out` at the warped rows with randomly sampled tokens."""
+    if warped.narrow_rows is not None:
+        assert warped.narrow_logits is not None
+        out[warped.narrow_rows] = _race(
+            warped.narrow_logits, warped.narrow_rows, warped.narrow_ids, generators, warped.vocab_size
+        )
+    if warped.dense is not None:
+        tokens = _race(warped.dense, warped.dense_rows, None, generators, warped.vocab_size)
+        if warped.dense_rows is None:
+            out.copy_(tokens)
+        else:
+            out[warped.dense_rows] = tokens
+    return out
 
 
 # ---------------------------------------------------------------------- logprobs
@@ -150,12 +291,14 @@ class Sampler(torch.nn.Module):
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            greedy = None if md.all_random else logits.argmax(dim=-1)
-            logits = self.apply_sampling_warpers(logits, md)
-            sampled = random_sample(logits.softmax(dim=-1), md.generators)
-            if greedy is not None:
+            if md.all_random:
+                sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+                random_rows = None
+            else:
                 assert md.greedy_mask is not None
-                sampled = torch.where(md.greedy_mask, greedy, sampled)
+                sampled = logits.argmax(dim=-1)
+                random_rows = (~md.greedy_mask).nonzero().squeeze(1)
+            random_sample(warp(logits, md, random_rows), md.generators, sampled)
 
         lp = None
         if raw_logprobs is not None:
@@ -165,21 +308,19 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Processors that change the argmax: masks, bias, penalties. Returns a new float32 tensor."""
+        """Processors that change the argmax: masks, bias, penalties. Never modifies the caller's tensor."""
+        if (
+            md.allowed_index is None
+            and md.banned_index is None
+            and md.logit_bias_index is None
+            and md.penalty_token_ids is None
+        ):
+            return logits.to(torch.float32)  # nothing to do: no copy
         logits = logits.to(torch.float32, copy=True)
         logits = apply_allowed_and_bans(logits, md)
         logits = apply_logit_bias(logits, md)
         return apply_penalties(logits, md)
 
-    @staticmethod
-    def apply_sampling_warpers(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Temperature, min-p, top-k, top-p (random rows; greedy rows are unaffected by design)."""
-        if md.temperature is not None:
-            logits = logits.div_(md.temperature.unsqueeze(1))
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        return apply_top_k_top_p(logits, md.top_k, md.max_top_k, md.top_p)
-
     def processed_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """The final logits random rows sample from (softmax gives their distribution); for tests and tools."""
-        return self.apply_sampling_warpers(self.apply_logits_processors(logits, md), md)
+        """The final logits every row's random draw uses (softmax gives the distribution); for tests and tools."""
+        return warp(self.apply_logits_processors(logits, md), md, None).to_dense()

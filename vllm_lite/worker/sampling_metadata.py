@@ -37,8 +37,9 @@ class SamplingMetadata:
     presence_penalties: Optional[torch.Tensor] = None  # float32 [N]
     frequency_penalties: Optional[torch.Tensor] = None  # float32 [N]
     repetition_penalties: Optional[torch.Tensor] = None  # float32 [N]
-    output_token_counts: Optional[torch.Tensor] = None  # int32 [N, V]: times each token was generated
-    prompt_token_mask: Optional[torch.Tensor] = None  # bool [N, V]: token occurs in the prompt
+    # Each row's distinct prompt+output tokens (padded by repeating entry 0) and how often each was generated.
+    penalty_token_ids: Optional[torch.Tensor] = None  # int64 [N, L]
+    penalty_output_counts: Optional[torch.Tensor] = None  # float32 [N, L]
 
     # Allowed-token confinement: rows with a list, and the (batch index, token) pairs allowed.
     allowed_rows: Optional[torch.Tensor] = None  # bool [N]
@@ -52,4 +53,4 @@ class SamplingMetadata:
 
     @property
     def no_penalties(self) -> bool:
-        return self.output_token_counts is None
+        return self.penalty_token_ids is None

@@ -4,8 +4,9 @@ The model runner gives each live request a row in [0, max_num_reqs). Scalars
 (temperature, top-k, penalties, ...) live in numpy arrays indexed by row;
 variable-length lists (allowed tokens, bad words, logit bias, stop ids) live in
 flat `_RowEntries` tables so one step's batch is gathered with a few numpy ops.
-Output-token counts for penalties are a device tensor updated incrementally in
-`append_token_ids`, allocated only once some request needs penalties.
+Penalty rows keep their distinct prompt+output tokens and output counts,
+updated incrementally in `append_token_ids` (allocated only once some request
+needs penalties), so penalties cost O(batch x distinct tokens), not O(batch x vocab).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.worker.sampler import exponential_noise
 from vllm_lite.worker.sampling_metadata import SamplingMetadata
 
 _EPS = 1e-5
@@ -96,6 +98,71 @@ class _RowEntries:
         return np.nonzero(pos_of_row[self.rows] >= 0)[0]
 
 
+class _SeenTokens:
+    """Per row: the distinct tokens of prompt+output and how often each was generated.
+
+    Penalties touch only these tokens, so the sampler gathers/scatters [N, L]
+    entries (L = longest such set) instead of sweeping [N, vocab]. Capacity
+    grows by doubling, so memory follows the longest set actually seen.
+    """
+
+    def __init__(self, max_num_reqs: int) -> None:
+        self.tokens = np.zeros((max_num_reqs, 64), np.int64)
+        self.counts = np.zeros((max_num_reqs, 64), np.int32)  # output occurrences (0 = prompt only)
+        self.lens = np.zeros(max_num_reqs, np.int64)
+
+    def _reserve(self, need: int) -> None:
+        cap = self.tokens.shape[1]
+        if need <= cap:
+            return
+        while cap < need:
+            cap *= 2
+        grow = cap - self.tokens.shape[1]
+        self.tokens = np.pad(self.tokens, ((0, 0), (0, grow)))
+        self.counts = np.pad(self.counts, ((0, 0), (0, grow)))
+
+    def load(self, row: int, prompt: np.ndarray, outputs: np.ndarray) -> None:
+        uniq, inverse = np.unique(np.concatenate([outputs, prompt]), return_inverse=True)
+        counts = np.bincount(inverse[: len(outputs)], minlength=len(uniq)).astype(np.int32)
+        self._reserve(len(uniq))
+        self.tokens[row, : len(uniq)] = uniq
+        self.counts[row, : len(uniq)] = counts
+        self.lens[row] = len(uniq)
+
+    def clear(self, row: int) -> None:
+        self.lens[row] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        n = self.lens[src]
+        self.tokens[dst, :n] = self.tokens[src, :n]
+        self.counts[dst, :n] = self.counts[src, :n]
+        self.lens[dst] = n
+        self.lens[src] = 0
+
+    def append(self, rows: np.ndarray, toks: np.ndarray) -> None:
+        """Count one new output token per (distinct) row: bump its slot, or open a new slot."""
+        width = int(self.lens[rows].max())
+        match = (self.tokens[rows, :width] == toks[:, None]) & (np.arange(width)[None, :] < self.lens[rows, None])
+        found = match.any(axis=1)
+        slot = np.where(found, match.argmax(axis=1), self.lens[rows])
+        self._reserve(int(slot.max()) + 1)
+        self.tokens[rows, slot] = toks
+        self.counts[rows, slot] = np.where(found, self.counts[rows, slot] + 1, 1)
+        self.lens[rows] += ~found
+
+    def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[N, L] token ids and output counts; padding repeats slot 0 so duplicate scatters write equal values."""
+        lens = self.lens[rows]
+        width = max(int(lens.max()), 1)
+        tokens = self.tokens[rows, :width]
+        counts = self.counts[rows, :width]
+        pad = np.arange(width)[None, :] >= lens[:, None]
+        empty = lens == 0  # nothing seen: point at token 0 with count 0 (caller makes repetition neutral)
+        first_tok = np.where(empty, 0, tokens[:, 0])[:, None]
+        first_cnt = np.where(empty, 0, counts[:, 0])[:, None]
+        return np.where(pad, first_tok, tokens), np.where(pad, first_cnt, counts)
+
+
 class SamplingState:
     """Per-row sampling parameters and token history kept across steps, as tensors/numpy arrays."""
 
@@ -119,8 +186,7 @@ class SamplingState:
         self.logit_bias = _RowEntries()
         self.stop_ids = _RowEntries()  # EOS + stop ids, banned while num_output < min_tokens
         # Allocated lazily: most workloads never need them.
-        self.output_counts: Optional[torch.Tensor] = None  # int32 [R, V]
-        self.prompt_mask: Optional[torch.Tensor] = None  # bool [R, V]
+        self.seen: Optional[_SeenTokens] = None  # penalty rows' distinct tokens and output counts
         self.history: Optional[np.ndarray] = None  # int64 [R, max_model_len] output tokens, bad-word rows only
         self._pos = np.full(max_num_reqs, -1, np.int64)
 
@@ -202,29 +268,19 @@ class SamplingState:
             self.tracks_history[row] = True
 
     def _load_penalty_rows(self, row: int, prompt: list[int], outputs: list[int]) -> None:
-        if self.output_counts is None:
-            shape = (self.max_num_reqs, self.vocab_size)
-            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        assert self.prompt_mask is not None
-        self.output_counts[row].zero_()
-        self.prompt_mask[row].zero_()
-        if outputs:
-            out_t = torch.tensor(outputs, dtype=torch.int64, device=self.device)
-            self.output_counts[row].index_add_(0, out_t, torch.ones_like(out_t, dtype=torch.int32))
+        if self.seen is None:
+            self.seen = _SeenTokens(self.max_num_reqs)
         # Prompt ids beyond the sampled vocabulary cannot be generated, so they need no penalty (as HF).
         p = np.asarray(prompt, np.int64)
         p = p[(p >= 0) & (p < self.vocab_size)]
-        if len(p):
-            self.prompt_mask[row, torch.from_numpy(p).to(self.device)] = True
+        self.seen.load(row, p, np.asarray(outputs, np.int64))
 
     def _make_generator(self, seed: int, num_drawn: int) -> torch.Generator:
         """A request's own stream; after preemption it skips the draws already used for its outputs."""
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
-        scratch = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
-        for _ in range(num_drawn):  # the sampler draws one [V] vector per sampled token
-            scratch.exponential_(generator=gen)
+        for _ in range(num_drawn):  # the sampler draws one [V] noise vector per sampled token
+            exponential_noise(torch.Size([self.vocab_size]), self.device, gen)
         return gen
 
     def remove_request(self, row: int) -> None:
@@ -234,6 +290,8 @@ class SamplingState:
         for table in (self.allowed, self.bad_single, self.bad_multi, self.logit_bias, self.stop_ids):
             table.remove(row)
         self.generators.pop(row, None)
+        if self.seen is not None:
+            self.seen.clear(row)
 
     def move_row(self, src: int, dst: int) -> None:
         """Condensing the batch: src's state moves to row dst (whatever dst held is dropped)."""
@@ -249,9 +307,8 @@ class SamplingState:
             table.move(src, dst)
         if src in self.generators:
             self.generators[dst] = self.generators.pop(src)
-        if self.penalized[src] and self.output_counts is not None and self.prompt_mask is not None:
-            self.output_counts[dst].copy_(self.output_counts[src])
-            self.prompt_mask[dst].copy_(self.prompt_mask[src])
+        if self.seen is not None:
+            self.seen.move(src, dst)
         if self.tracks_history[src] and self.history is not None:
             self.history[dst] = self.history[src]
         for name, _, neutral in _ROW_FIELDS:
@@ -278,10 +335,10 @@ class SamplingState:
                 self.history[r[ok], n[ok]] = toks[h][ok]
         p = self.penalized[rows]
         if p.any():
-            assert self.output_counts is not None
-            r_t = torch.from_numpy(rows[p]).to(self.device)
-            t_t = torch.from_numpy(toks[p]).to(self.device)
-            self.output_counts.index_put_((r_t, t_t), torch.ones_like(r_t, dtype=torch.int32), accumulate=True)
+            assert self.seen is not None
+            if len(np.unique(rows[p])) != int(p.sum()):
+                raise ValueError(f"rows must be distinct, got {rows!r}.")
+            self.seen.append(rows[p], toks[p])
         np.add.at(self.num_output, rows, 1)
 
     def _dev(self, arr: np.ndarray) -> torch.Tensor:
@@ -334,13 +391,14 @@ class SamplingState:
             return md
 
         if self.penalized[rows].any():
-            assert self.output_counts is not None and self.prompt_mask is not None
-            rows_t = self._dev(rows)
-            md.output_token_counts = self.output_counts.index_select(0, rows_t)
-            md.prompt_token_mask = self.prompt_mask.index_select(0, rows_t)
+            assert self.seen is not None
+            tokens, counts = self.seen.gather(rows)
+            md.penalty_token_ids = self._dev(tokens)
+            md.penalty_output_counts = self._dev(counts.astype(np.float32))
             md.presence_penalties = self._dev(self.presence[rows])
             md.frequency_penalties = self._dev(self.frequency[rows])
-            md.repetition_penalties = self._dev(self.repetition[rows])
+            no_tokens = self.seen.lens[rows] == 0
+            md.repetition_penalties = self._dev(np.where(no_tokens, np.float32(1.0), self.repetition[rows]))
 
         pos = self._pos
         pos.fill(-1)
