@@ -104,9 +104,13 @@ def _build_or_load() -> None:
     lib = build_dir / f"{name}.so"
     with _file_lock(root / f"{name}.lock"):
         if lib.is_file():
-            torch.ops.load_library(str(lib))
-            logger.info("loaded cached CPU kernels from %s", lib)
-            return
+            try:
+                torch.ops.load_library(str(lib))
+                logger.info("loaded cached CPU kernels from %s", lib)
+                return
+            except OSError as e:  # e.g. a build killed while linking left a truncated file
+                logger.warning("cached CPU kernels at %s are unusable (%s); rebuilding", lib, e)
+                lib.unlink()
         if _compiler() is None:
             raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r})")
         from torch.utils.cpp_extension import load

@@ -50,9 +50,9 @@ class CpuNativeBackend(AttentionBackend):
             out,
             q,
             kv_cache,
-            metadata.block_table[:b],
-            metadata.seq_lens[:b],
-            metadata.query_start_loc[: b + 1],
+            metadata.block_table[:b].contiguous(),
+            metadata.seq_lens[:b].contiguous(),
+            metadata.query_start_loc[: b + 1].contiguous(),
             float(scale),
         )
         return out
