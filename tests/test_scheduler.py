@@ -445,8 +445,10 @@ def test_abort_frees_blocks_and_tells_the_worker():
     assert s.num_free_blocks == s.num_total_blocks
     assert not s.has_unfinished_requests()
     assert s.finish_requests(["a", "unknown"], RequestStatus.FINISHED_ABORTED) == []
+    assert s.has_finished_requests()
     so = s.schedule()
     assert so.finished_req_ids == {"a"} and so.num_scheduled_tokens == {}
+    assert not s.has_finished_requests()
 
 
 def test_abort_while_step_in_flight_emits_nothing():

@@ -127,27 +127,43 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens!r}.")
-        computed_blocks = list(new_computed_blocks or ())
+        rid = request.request_id
+        req_blocks = self.req_to_blocks.get(rid)
+        num_held = len(req_blocks) if req_blocks is not None else 0
+        if not new_computed_blocks:
+            if num_new_computed_tokens:
+                raise ValueError(f"num_new_computed_tokens={num_new_computed_tokens} given without computed blocks")
+            # Hot path (decodes, later chunks): usually nothing to allocate.
+            num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - num_held
+            if num_needed <= 0:
+                return []
+            if num_needed > self.block_pool.get_num_free_blocks():
+                return None
+            new_blocks = self.block_pool.get_new_blocks(num_needed)
+            if req_blocks is None:
+                self.req_to_blocks[rid] = new_blocks[:]
+            else:
+                req_blocks.extend(new_blocks)
+            return new_blocks
+
+        computed_blocks = list(new_computed_blocks)
         if len(computed_blocks) * self.block_size != num_new_computed_tokens:
             raise ValueError(
                 f"num_new_computed_tokens={num_new_computed_tokens} does not match "
                 f"{len(computed_blocks)} computed blocks of {self.block_size} tokens"
             )
-        rid = request.request_id
-        req_blocks = self.req_to_blocks.get(rid, [])
+        if num_held:
+            raise ValueError(f"request {rid!r} already holds blocks; prefix hits apply only on admission")
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = cdiv(num_tokens_after, self.block_size) - len(req_blocks) - len(computed_blocks)
+        num_needed = max(cdiv(num_tokens_after, self.block_size) - len(computed_blocks), 0)
         # Hit blocks that sit in the free list stop being free once touched.
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if max(num_needed, 0) > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+        if num_needed > self.block_pool.get_num_free_blocks() - num_evictable_hits:
             return None
-        if computed_blocks:
-            if req_blocks:
-                raise ValueError(f"request {rid!r} already holds blocks; prefix hits apply only on admission")
-            self.block_pool.touch(computed_blocks)
-            self.num_cached_block[rid] = len(computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
-        self.req_to_blocks[rid] = req_blocks + computed_blocks + new_blocks
+        self.block_pool.touch(computed_blocks)
+        self.num_cached_block[rid] = len(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_needed)
+        self.req_to_blocks[rid] = computed_blocks + new_blocks
         return new_blocks
 
     def free(self, request: Request) -> None:

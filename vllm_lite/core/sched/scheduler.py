@@ -133,6 +133,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_finished_requests(self) -> bool:
+        """Finished ids the worker has not been told about yet (one more schedule() delivers them)."""
+        return bool(self._finished_req_ids)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
