@@ -283,6 +283,7 @@ class _MPClientBase(EngineCoreClient):
                 vllm_config, engine_core_cls, startup_timeout_s
             )
         self.addresses = addresses
+        self._auth_token = auth_token
         self.engine_silence_timeout_s = engine_silence_timeout_s
         self.identity = uuid.uuid4().bytes
         self._zmq = zmq.Context()
@@ -310,6 +311,9 @@ class _MPClientBase(EngineCoreClient):
             "num_gpu_blocks": reply.num_gpu_blocks,
             "vocab_size": reply.vocab_size,
         }
+        # Where the core loaded from (an attached frontend builds its tokenizer from these).
+        self.model_path = reply.model_path
+        self.tokenizer_path = reply.tokenizer
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._call_ids = itertools.count()
@@ -520,11 +524,24 @@ class AsyncMPClient(_MPClientBase):
     def _ensure_started(self) -> None:
         """Start the receive task (and watchers) on the running loop, once."""
         self._check_alive()
-        if self._loop is not None:
-            return
         loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        old_queue = self._outputs
+        if self._loop is not None:
+            # Used from a new event loop (e.g. a second asyncio.run()): the old loop's tasks are
+            # gone with it; carry undelivered outputs over and start again here.
+            self._tasks = []
+            self._calls.clear()
+            if self.proc is not None and not self._loop.is_closed():
+                try:
+                    self._loop.remove_reader(self.proc.sentinel)
+                except (NotImplementedError, ValueError, RuntimeError):
+                    pass
         self._loop = loop
         self._outputs = asyncio.Queue()
+        while old_queue is not None and not old_queue.empty():
+            self._outputs.put_nowait(old_queue.get_nowait())
         self._tasks.append(loop.create_task(self._receive_loop(), name="core-client-output"))
         if self.heartbeat_timeout_s or self.proc is None:
             self._tasks.append(loop.create_task(self._heartbeat_loop(), name="core-client-heartbeat"))

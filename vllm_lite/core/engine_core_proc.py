@@ -88,6 +88,19 @@ class CoreAddresses:
     input: str
     output: str
 
+    @staticmethod
+    def from_base(address: str) -> "CoreAddresses":
+        """One user-facing address -> the socket pair: ``tcp://host:P`` -> ports P (input) and P+1
+        (output); ``ipc:///path`` -> ``/path.in`` and ``/path.out``."""
+        if address.startswith("tcp://"):
+            host, sep, port = address[len("tcp://"):].rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
+                raise ValueError(f"engine address must look like tcp://HOST:PORT (PORT < 65535), got {address!r}.")
+            return CoreAddresses(input=f"tcp://{host}:{port}", output=f"tcp://{host}:{int(port) + 1}")
+        if address.startswith("ipc://") and len(address) > len("ipc://"):
+            return CoreAddresses(input=f"{address}.in", output=f"{address}.out")
+        raise ValueError(f"engine address must be tcp://HOST:PORT or ipc:///PATH, got {address!r}.")
+
 
 @dataclass
 class CoreProcOptions:
@@ -166,6 +179,8 @@ class EngineCoreProc:
             core_cls = EngineCore
         self.engine_core = core_cls(vllm_config)
         self.model_facts: dict[str, Any] = dict(self.engine_core.model_facts)
+        self._model_path = vllm_config.model_config.model
+        self._tokenizer = vllm_config.model_config.tokenizer
 
         self.input_queue: queue.Queue[_InputItem] = queue.Queue()
         self.output_queue: queue.Queue[_OutputItem] = queue.Queue()
@@ -352,6 +367,8 @@ class EngineCoreProc:
             num_gpu_blocks=int(facts.get("num_gpu_blocks", 0)),
             vocab_size=int(facts.get("vocab_size", 0)),
             heartbeat_timeout_s=float(self.options.heartbeat_timeout_s or 0.0),
+            model_path=self._model_path,
+            tokenizer=self._tokenizer,
         )
         self.output_queue.put((identity, EngineCoreOutputType.READY, reply))
 

@@ -145,3 +145,7 @@ class HandshakeReply(msgspec.Struct, omit_defaults=True):
     vocab_size: int = 0
     # Seconds of silence after which the core drops this frontend and aborts its requests.
     heartbeat_timeout_s: float = 0.0
+    # Where the core loaded the model and tokenizer from: an attaching frontend on the same
+    # host builds its tokenizer and Processor from these.
+    model_path: str = ""
+    tokenizer: str = ""

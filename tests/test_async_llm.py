@@ -1,0 +1,286 @@
+"""AsyncLLM end to end: a real engine core process running a tiny random-weight Llama."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+import zmq
+
+from vllm_lite.client.async_llm import AsyncLLM
+from vllm_lite.client.exceptions import EngineDeadError, EngineStartupError
+from vllm_lite.config import EngineArgs
+from vllm_lite.core.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutputType,
+    EngineCoreRequestType,
+    HelloRequest,
+    UtilityRequest,
+)
+from vllm_lite.core.serialization import MsgpackEncoder
+from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
+from vllm_lite.testing.checkpoints import get_checkpoint
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+PROMPTS = [
+    "The quick brown fox",
+    "def main():",
+    "Lists are mutable sequences",
+    "import os",
+    "In the beginning",
+    "Exceptions are raised when",
+    "for i in range(10):",
+    "The with statement",
+]
+
+
+def engine_args(model: str) -> EngineArgs:
+    return EngineArgs(model=model, max_model_len=256, num_threads=1, kv_cache_memory_bytes=32 << 20, max_num_seqs=256)
+
+
+def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind, **kw)
+
+
+async def collect(llm: AsyncLLM, prompt, params: SamplingParams, rid: str):
+    return [out async for out in llm.generate(prompt, params, rid)]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def llm(loop):
+    engine = AsyncLLM.from_engine_args(engine_args(get_checkpoint("llama")))
+
+    async def stop() -> None:
+        engine.shutdown()
+        await asyncio.sleep(0.05)  # let the cancelled handler task finish
+
+    yield engine
+    loop.run_until_complete(stop())
+
+
+@pytest.fixture(scope="module")
+def reference(llm, loop) -> dict[str, list[int]]:
+    """Greedy 12-token continuations of PROMPTS, each run alone."""
+
+    async def run() -> dict[str, list[int]]:
+        ref = {}
+        for i, p in enumerate(PROMPTS):
+            outs = await collect(llm, p, greedy(12), f"ref-{i}")
+            assert len(outs) == 1 and outs[0].finished
+            ref[p] = outs[0].outputs[0].token_ids
+        return ref
+
+    return loop.run_until_complete(run())
+
+
+def test_delta_pieces_concatenate_to_the_final_output(llm, loop, reference):
+    async def run() -> None:
+        prompt = PROMPTS[0]
+        deltas = await collect(llm, prompt, greedy(12, RequestOutputKind.DELTA), "delta")
+        cumulative = await collect(llm, prompt, greedy(12, RequestOutputKind.CUMULATIVE), "cumul")
+        final = (await collect(llm, prompt, greedy(12), "final"))[-1].outputs[0]
+        assert len(deltas) > 1 and all(not d.finished for d in deltas[:-1]) and deltas[-1].finished
+        assert "".join(d.outputs[0].text for d in deltas) == final.text
+        assert [t for d in deltas for t in d.outputs[0].token_ids] == final.token_ids == reference[prompt]
+        assert cumulative[-1].outputs[0].text == final.text and cumulative[-1].outputs[0].token_ids == final.token_ids
+        # Cumulative outputs grow: each is a prefix of the next.
+        texts = [c.outputs[0].text for c in cumulative]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+        assert final.finish_reason == "length"
+
+    loop.run_until_complete(run())
+
+
+def test_cancel_50_of_200_streams_frees_every_block_and_the_rest_finish(llm, loop, reference):
+    async def run() -> None:
+        free_before = await llm.call_utility_async("get_num_free_blocks")
+        rng = random.Random(1234)
+        cancel_ids = set(rng.sample(range(200), 50))
+        # Cancel after a random number of streamed outputs (0 = before the first arrives).
+        cancel_after = {i: rng.randint(0, 8) for i in cancel_ids}
+        seen: dict[int, int] = {i: 0 for i in range(200)}
+        results: dict[int, list] = {}
+
+        async def stream(i: int) -> None:
+            outs = []
+            async for out in llm.generate(PROMPTS[i % len(PROMPTS)], greedy(12, RequestOutputKind.DELTA), f"c{i}"):
+                outs.append(out)
+                seen[i] += 1
+            results[i] = outs
+
+        tasks = {i: asyncio.ensure_future(stream(i)) for i in range(200)}
+        while any(not tasks[i].done() for i in cancel_ids):
+            for i in cancel_ids:
+                if not tasks[i].done() and seen[i] >= cancel_after[i]:
+                    tasks[i].cancel()
+            await asyncio.sleep(0.001)
+        await asyncio.wait(tasks.values(), timeout=120)
+        assert all(t.done() for t in tasks.values())
+        for i in range(200):
+            if i in cancel_ids and tasks[i].cancelled():
+                continue
+            assert tasks[i].exception() is None, tasks[i].exception()
+            if i in cancel_ids:
+                continue  # finished before its cancel point came: fine, checked no further
+            outs = results[i]
+            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+            assert [t for o in outs for t in o.outputs[0].token_ids] == reference[PROMPTS[i % len(PROMPTS)]]
+        assert sum(tasks[i].cancelled() for i in cancel_ids) >= 40  # most were really cut short
+        # Aborts are sent asynchronously; the core frees the blocks within a step or two.
+        deadline = time.monotonic() + 10
+        while True:
+            stats = await llm.get_stats()
+            free = await llm.call_utility_async("get_num_free_blocks")
+            if free == free_before and stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
+                break
+            assert time.monotonic() < deadline, f"blocks still held: {free} free of {free_before}, {stats}"
+            await asyncio.sleep(0.05)
+        assert not llm.output_processor.has_unfinished_requests()
+
+    loop.run_until_complete(run())
+
+
+def test_stop_string_ends_the_request_and_aborts_it_in_the_core(llm, loop, reference):
+    async def run() -> None:
+        full = (await collect(llm, PROMPTS[1], greedy(12), "full"))[-1].outputs[0].text
+        stop = full[len(full) // 2 : len(full) // 2 + 2]
+        assert stop.strip(), f"pick a visible stop string from {full!r}"
+        out = (await collect(llm, PROMPTS[1], greedy(12, stop=[stop]), "stopped"))[-1].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert full.startswith(out.text) and len(out.text) < len(full)
+        deadline = time.monotonic() + 5
+        while (await llm.get_stats())["num_running_reqs"]:
+            assert time.monotonic() < deadline, "the stop-string request kept running in the core"
+            await asyncio.sleep(0.05)
+
+    loop.run_until_complete(run())
+
+
+def test_duplicate_request_id_is_a_clear_error_and_the_first_is_undisturbed(llm, loop, reference):
+    async def run() -> None:
+        first = asyncio.ensure_future(collect(llm, PROMPTS[2], greedy(12, RequestOutputKind.DELTA), "same"))
+        await asyncio.sleep(0)  # let the first register
+        while "same" not in llm.output_processor.request_states:
+            await asyncio.sleep(0.001)
+        with pytest.raises(ValueError, match="'same' is already in use"):
+            await collect(llm, PROMPTS[3], greedy(4), "same")
+        outs = await first
+        assert [t for o in outs for t in o.outputs[0].token_ids] == reference[PROMPTS[2]]
+
+    loop.run_until_complete(run())
+
+
+def test_n_greater_than_one_streams_every_sample(llm, loop, reference):
+    async def run() -> None:
+        outs = await collect(llm, PROMPTS[4], greedy(12, n=3), "multi")
+        final = outs[-1]
+        assert final.finished and sorted(c.index for c in final.outputs) == [0, 1, 2]
+        assert all(c.token_ids == reference[PROMPTS[4]] for c in final.outputs)
+
+    loop.run_until_complete(run())
+
+
+def test_garbage_and_wrong_type_frames_are_dropped_and_the_core_still_serves(llm, loop, reference):
+    client = llm.engine_core
+    ctx = zmq.Context()
+    try:
+        enc = MsgpackEncoder()
+        # A stranger that never said HELLO, sending junk of every kind.
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(client.addresses.input)
+        stranger.send_multipart([b"\x07", os.urandom(100)])
+        stranger.send_multipart([EngineCoreRequestType.ADD.value, os.urandom(100)])
+        stranger.send_multipart([EngineCoreRequestType.UTILITY.value, *enc.encode(UtilityRequest(0, 1, "ping"))])
+        # An attached frontend sending wrong types: a UtilityRequest as ADD, a list as HELLO, a bare ADD.
+        ident = uuid.uuid4().bytes
+        inp, out = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for s, a in ((out, client.addresses.output), (inp, client.addresses.input)):
+            s.setsockopt(zmq.IDENTITY, ident)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(a)
+        inp.send_multipart([EngineCoreRequestType.HELLO.value, *enc.encode(HelloRequest(PROTOCOL_VERSION, client._auth_token, "raw"))])
+        assert out.poll(10_000) and out.recv_multipart()[0] == EngineCoreOutputType.READY.value
+        inp.send_multipart([EngineCoreRequestType.ADD.value, *enc.encode(UtilityRequest(0, 1, "ping"))])
+        inp.send_multipart([EngineCoreRequestType.HELLO.value, *enc.encode([1, 2, 3])])
+        inp.send_multipart([EngineCoreRequestType.ADD.value])
+        inp.send_multipart([EngineCoreRequestType.ABORT.value, b"\xff\xfe"])
+        # A wrong token is refused, not ignored.
+        bad = ctx.socket(zmq.DEALER)
+        bad_out = ctx.socket(zmq.DEALER)
+        bad_id = uuid.uuid4().bytes
+        for s, a in ((bad_out, client.addresses.output), (bad, client.addresses.input)):
+            s.setsockopt(zmq.IDENTITY, bad_id)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(a)
+        bad.send_multipart([EngineCoreRequestType.HELLO.value, *enc.encode(HelloRequest(PROTOCOL_VERSION, "guess", "bad"))])
+        assert bad_out.poll(10_000) and bad_out.recv_multipart()[0] == EngineCoreOutputType.REFUSED.value
+
+        async def run() -> None:
+            outs = await collect(llm, PROMPTS[5], greedy(12), "after-garbage")
+            assert outs[-1].outputs[0].token_ids == reference[PROMPTS[5]]
+            assert await llm.call_utility_async("ping") is True
+
+        loop.run_until_complete(run())
+        assert client.proc.is_alive()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_kill_9_raises_engine_dead_in_every_generator_within_5s():
+    async def main() -> None:
+        llm = AsyncLLM.from_engine_args(engine_args(get_checkpoint("llama")))
+        try:
+            first_output = asyncio.Event()
+
+            async def stream(i: int) -> None:
+                async for _ in llm.generate(PROMPTS[i % len(PROMPTS)], greedy(200, RequestOutputKind.DELTA), f"k{i}"):
+                    first_output.set()
+
+            tasks = [asyncio.ensure_future(stream(i)) for i in range(8)]
+            await asyncio.wait_for(first_output.wait(), 60)
+            os.kill(llm.engine_core.proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            done, pending = await asyncio.wait(tasks, timeout=5)
+            assert not pending, "a generator did not fail within 5 s of kill -9"
+            assert time.monotonic() - t0 < 5
+            for t in done:
+                assert isinstance(t.exception(), EngineDeadError)
+            assert llm.errored and not llm.is_running
+            with pytest.raises(EngineDeadError):
+                async for _ in llm.generate("x", greedy(2), "after-death"):
+                    pass
+        finally:
+            proc, tmpdir = llm.engine_core.proc, llm.engine_core.tmpdir
+            llm.shutdown()
+        assert proc.exitcode == -9 and not os.path.exists(tmpdir)
+
+    asyncio.run(main())
+
+
+def test_startup_failure_on_a_bad_checkpoint_raises_the_loader_error(tmp_path):
+    src = get_checkpoint("llama")
+    bad = tmp_path / "bad-model"
+    shutil.copytree(src, bad, ignore=shutil.ignore_patterns("*.safetensors*"))
+    (bad / "model.safetensors").write_bytes(b"this is not a safetensors file")
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartupError, match="Engine core failed to start: .*") as info:
+        AsyncLLM.from_engine_args(engine_args(str(bad)))
+    assert time.monotonic() - t0 < 60
+    assert "safetensor" in str(info.value).lower()  # the loader's own words reach the caller

@@ -1,0 +1,265 @@
+"""AsyncLLM: the asyncio frontend (the OpenAI server's engine), as in vLLM V1.
+
+Each ``generate()`` call tokenizes, registers the request with the
+OutputProcessor together with its own ``RequestOutputCollector`` mailbox, sends
+it to the core, then yields from the mailbox. One output-handler task per
+event loop pulls ``EngineCoreOutputs``, runs ``process_outputs`` (which fills
+the mailboxes) and sends aborts for requests a stop string ended. Leaving a
+generator early (task cancelled, ``aclose()``, ``break``) aborts the request
+in the core. When the core dies every waiting generator gets EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncGenerator, Iterable, Optional, Union
+
+import msgspec
+
+from vllm_lite.client.core_client import AsyncMPClient, EngineCoreClient, make_client
+from vllm_lite.client.exceptions import EngineDeadError
+from vllm_lite.client.output_processor import OutputProcessor, RequestOutputCollector
+from vllm_lite.client.parallel_sampling import ParentRequest
+from vllm_lite.client.processor import PromptType, Processor
+from vllm_lite.client.tokenizer import get_tokenizer
+from vllm_lite.config import EngineArgs, ModelConfig, VllmConfig
+from vllm_lite.core.engine_core_proc import CoreAddresses
+from vllm_lite.core.messages import EngineCoreRequest, SchedulerStats
+from vllm_lite.outputs import RequestOutput
+from vllm_lite.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """Many concurrent streaming requests over one engine core (its own process)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        *,
+        client: Optional[EngineCoreClient] = None,
+        log_stats: bool = False,
+        **client_kwargs: Any,
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.model_config: ModelConfig = vllm_config.model_config
+        self.tokenizer = get_tokenizer(self.model_config.tokenizer)
+        self.processor = Processor(self.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.engine_core: EngineCoreClient = client or make_client(
+            vllm_config, multiprocess=True, asyncio_mode=True, **client_kwargs
+        )
+        self.last_scheduler_stats: Optional[SchedulerStats] = None
+        self._handler: Optional[asyncio.Task] = None
+        self._handler_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._dead: Optional[EngineDeadError] = None
+        self._closed = False
+        self._background: set[asyncio.Task] = set()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> "AsyncLLM":
+        """Spawn a private engine core for these arguments."""
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    @classmethod
+    def attach(cls, address: str, auth_token: Optional[str] = None, **kwargs: Any) -> "AsyncLLM":
+        """Attach to a running engine core (``vllm-lite serve``) at ``tcp://HOST:PORT`` or ``ipc:///PATH``.
+
+        The tokenizer and model config come from the paths the core reports, so
+        this frontend must see the same files (same host or shared storage).
+        """
+        client = AsyncMPClient(addresses=CoreAddresses.from_base(address), auth_token=auth_token)
+        try:
+            facts = client.model_facts
+            config = EngineArgs(
+                model=client.model_path,
+                tokenizer=client.tokenizer_path or None,
+                max_model_len=facts["max_model_len"],
+                block_size=facts["block_size"],
+                device="cpu",  # the frontend computes nothing; the core owns the device
+            ).create_engine_config()
+            if facts["model"] != config.model_config.model:
+                config.model_config.served_model_name = facts["model"]
+            return cls(config, client=client, **kwargs)
+        except BaseException:
+            client.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ state
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None or bool(getattr(self.engine_core, "is_dead", False))
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closed and not self.errored
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return self._dead or EngineDeadError()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def get_model_config(self) -> ModelConfig:
+        return self.model_config
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError unless the core answers."""
+        if self.errored:
+            raise self.dead_error
+        await self.engine_core.call_utility_async("ping")
+
+    # ------------------------------------------------------------------ requests
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream this request's outputs in ``sampling_params.output_kind``; the last one has finished=True.
+
+        Bad input raises ValueError/TypeError before anything is sent. Stopping the
+        iteration early (cancel, aclose, break) aborts the request in the core.
+        """
+        if self.errored:
+            raise self.dead_error
+        if self._closed:
+            raise EngineDeadError("AsyncLLM was shut down.")
+        self._ensure_output_handler()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}.")
+        prompt_text, request = self.processor.process_inputs(
+            request_id, prompt, sampling_params, priority=priority,
+            client_index=getattr(self.engine_core, "client_index", 0),
+        )
+        queue = RequestOutputCollector(request.sampling_params.output_kind)
+        await self._add_request(prompt_text, request, queue)
+        finished = False
+        try:
+            while not finished:
+                out = queue.get_nowait() or await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                # Cancelled, closed early or failed: stop the work in the core (never blocks).
+                self._abort_nowait([request_id])
+
+    async def _add_request(
+        self, prompt_text: Optional[str], request: EngineCoreRequest, queue: RequestOutputCollector
+    ) -> None:
+        params = request.sampling_params
+        if params.n == 1:
+            pieces = [(request, None, 0)]
+        else:
+            parent, children = ParentRequest.make_child_requests(request.request_id, params)
+            pieces = [
+                (msgspec.structs.replace(request, request_id=cid, sampling_params=cparams), parent, i)
+                for i, (cid, cparams) in enumerate(children)
+            ]
+        # Register every piece first: a clashing id fails before anything reaches the core.
+        for child, parent_req, index in pieces:
+            try:
+                self.output_processor.add_request(child, prompt_text, parent_req, index, queue)
+            except ValueError:
+                self.output_processor.abort_requests([c.request_id for c, _, i in pieces[:index]])
+                raise
+        try:
+            for child, _, _ in pieces:
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            self._abort_nowait([request.request_id])
+            raise
+
+    async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Abort requests (parent ids abort all their n > 1 children); unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        core_ids = self.output_processor.abort_requests(ids)
+        if core_ids and not self.errored and not self._closed:
+            await self.engine_core.abort_requests_async(core_ids)
+
+    def _abort_nowait(self, request_ids: list[str]) -> None:
+        core_ids = self.output_processor.abort_requests(request_ids)
+        if not core_ids or self.errored or self._closed:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self.engine_core.abort_requests_async(core_ids))
+        except RuntimeError:  # no running loop (generator finalized late): nothing to send with
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self.errored:
+            logger.warning("Sending an abort to the engine core failed: %s", task.exception())
+
+    # ------------------------------------------------------------------ the output handler
+    def _ensure_output_handler(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._handler is not None and self._handler_loop is loop and not self._handler.done():
+            return
+        self._handler_loop = loop
+        self._handler = loop.create_task(self._run_output_handler(), name="async-llm-output-handler")
+
+    async def _run_output_handler(self) -> None:
+        """Core outputs -> per-request mailboxes; stop strings -> aborts; death -> everyone's error."""
+        engine_core, processor = self.engine_core, self.output_processor
+        try:
+            while True:
+                outputs = await engine_core.get_output_async()
+                if outputs.scheduler_stats is not None:
+                    self.last_scheduler_stats = outputs.scheduler_stats
+                if not outputs.outputs:
+                    continue
+                processed = processor.process_outputs(outputs.outputs, outputs.timestamp)
+                if processed.reqs_to_abort:
+                    await engine_core.abort_requests_async(processed.reqs_to_abort)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except Exception as e:  # noqa: BLE001 -- a frontend bug must not leave callers hanging
+            logger.exception("AsyncLLM output handler failed.")
+            self._fail_all(EngineDeadError(f"The AsyncLLM output handler failed: {type(e).__name__}: {e}"))
+
+    def _fail_all(self, err: EngineDeadError) -> None:
+        if self._dead is None:
+            self._dead = err
+        self.output_processor.propagate_error(self._dead)
+
+    # ------------------------------------------------------------------ utilities
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        if self.errored:
+            raise self.dead_error
+        return await self.engine_core.call_utility_async(method, *args)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.call_utility_async("reset_prefix_cache"))
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self.call_utility_async("get_stats")
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        """Stop the output handler and the engine core; waiting generators get EngineDeadError."""
+        if self._closed:
+            return
+        self._closed = True
+        handler = self._handler
+        if handler is not None and not handler.done():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is self._handler_loop:
+                handler.cancel()
+            elif self._handler_loop is not None and not self._handler_loop.is_closed():
+                self._handler_loop.call_soon_threadsafe(handler.cancel)
+        self.engine_core.shutdown()
+        if self._dead is None:
+            self._fail_all(EngineDeadError("AsyncLLM was shut down."))
