@@ -67,8 +67,9 @@ if HAS_TRITON:
         kvh = tl.program_id(1)
 
         # Request b: the last one whose first tile id (qsl[b] // BLOCK_Q + b) is <= pid.
+        # Built from pid so both stay int32 tensors even when Triton specialises num_reqs == 1 to a constant.
         lo = pid * 0
-        hi = num_reqs - 1
+        hi = pid * 0 + num_reqs - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
