@@ -27,13 +27,13 @@ def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: f
     return out
 
 
-def _run_case(query_lens, seq_lens, num_heads, num_kv_heads, block_size, dtype, seed=0):
+def _run_case(query_lens, seq_lens, num_heads, num_kv_heads, block_size, dtype, seed=0, backend=None):
     g = torch.Generator().manual_seed(seed)
     tables, num_blocks = random_block_tables(seq_lens, block_size, seed=seed)
     md = make_attention_metadata(query_lens, seq_lens, tables, block_size)
     # Fill the cache with noise so reading a wrong slot cannot go unnoticed.
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD, generator=g).to(dtype) * 3
-    backend = TorchRefBackend()
+    backend = backend or TorchRefBackend()
     keys = [torch.randn(s, num_kv_heads, HEAD, generator=g).to(dtype) for s in seq_lens]
     vals = [torch.randn(s, num_kv_heads, HEAD, generator=g).to(dtype) for s in seq_lens]
     # Earlier steps' context goes in first, then this step's K/V through write_kv.
@@ -78,6 +78,14 @@ def test_mixed_batch_matches_naive_attention_bfloat16(ratio):
     # bf16 inputs, float32 softmax: error is dominated by rounding the output to bf16 (~2^-8 relative).
     out, ref = _run_case(*MIXED, num_heads=4, num_kv_heads=4 // ratio, block_size=16, dtype=torch.bfloat16)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expanded_kv_heads_path_matches_naive_attention(dtype):
+    """The GPU code path (KV heads repeated before SDPA), run on CPU."""
+    out, ref = _run_case(*MIXED, 8, 2, block_size=4, dtype=dtype, seed=5, backend=TorchRefBackend(expand_kv_heads=True))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
 def test_pure_decode_batch_matches_naive_attention():

@@ -77,7 +77,10 @@ class TorchRefBackend(AttentionBackend):
 
     name = "torch_ref"
 
-    def __init__(self) -> None:
+    def __init__(self, expand_kv_heads: Optional[bool] = None) -> None:
+        # Repeat KV heads to match query heads before SDPA (None: on non-CPU devices, where the
+        # fused kernels need it; CPU broadcasts GQA natively). Tests force it to cover that path.
+        self.expand_kv_heads = expand_kv_heads
         # The plan depends only on the step's metadata, so all layers of a step share it.
         self._plan_for: Optional[AttentionMetadata] = None
         self._plan_block_size = 0
@@ -125,32 +128,34 @@ class TorchRefBackend(AttentionBackend):
             out.index_copy_(0, g.tok_idx, self._attend(query, kv_cache, metadata.block_table, g, scale))
         return out
 
-    @staticmethod
     def _attend(
+        self,
         query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, g: _Group, scale: float
     ) -> torch.Tensor:
         """Attention for one group; returns rows aligned with g.tok_idx."""
         _, num_heads, head_size = query.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        blocks = block_table.index_select(0, g.req_idx)[:, : g.num_blocks].to(torch.int64)
-        # [2, R, nb, bs, KVH, D] -> keys/values [R, KVH, S, D]
-        kv = kv_cache[:, blocks].reshape(2, g.num_reqs, g.num_blocks * block_size, num_kv_heads, head_size)
-        kv = kv[:, :, : g.max_s].transpose(2, 3)
-        k, v = kv[0], kv[1]
+        blocks = block_table.index_select(0, g.req_idx)[:, : g.num_blocks].reshape(-1).to(torch.int64)
+        # index_select over flattened blocks (several times faster than advanced indexing on CPU):
+        # [2, R*nb, bs*KVH*D] -> keys/values [R, KVH, S, D]
+        kv = kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)
         q = query.new_zeros(g.num_reqs * g.max_q, num_heads, head_size)
         q.index_copy_(0, g.pad_pos, query.index_select(0, g.tok_idx))
-        q = q.view(g.num_reqs, g.max_q, num_heads, head_size).transpose(1, 2)
         gqa = num_heads != num_kv_heads
-        if q.device.type == "cpu":
-            # CPU: upcast reduced precision so scores and softmax are float32; native GQA broadcast.
-            if q.dtype != torch.float32 and q.dtype != torch.float64:
-                q, k, v = q.float(), k.float(), v.float()
-        elif gqa:
+        if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+            # CPU: upcast so scores and softmax are float32 (the bf16 CPU kernel is also slower
+            # for short queries); convert while contiguous, a strided convert is much slower.
+            kv, q = kv.float(), q.float()
+        expand = self.expand_kv_heads if self.expand_kv_heads is not None else q.device.type != "cpu"
+        if gqa and expand:
             # GPU fused kernels (float32 softmax internally) want equal head counts.
-            rep = num_heads // num_kv_heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-            gqa = False
+            kv = kv.view(2, -1, block_size, num_kv_heads, head_size)
+            kv = kv.repeat_interleave(num_heads // num_kv_heads, dim=3)
+            num_kv_heads, gqa = num_heads, False
+        kv = kv.view(2, g.num_reqs, g.num_blocks * block_size, num_kv_heads, head_size)
+        kv = kv[:, :, : g.max_s].transpose(2, 3)
+        k, v = kv[0], kv[1]
+        q = q.view(g.num_reqs, g.max_q, num_heads, head_size).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
         # [R, H, max_q, D] -> [R*max_q, H, D] -> this group's token rows
         o = o.transpose(1, 2).reshape(g.num_reqs * g.max_q, num_heads, head_size)
