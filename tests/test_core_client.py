@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -252,3 +254,43 @@ def test_async_client_generates_concurrently_and_dies_cleanly_on_kill_9():
         assert not os.path.exists(tmpdir) and proc.exitcode is not None
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------------- orphans
+
+
+def _process_gone(pid: int) -> bool:
+    """Exited (or a zombie waiting for a reaper we don't control)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_private_core_exits_and_cleans_up_when_its_parent_is_killed(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path[:0] = {sys.path!r}\n"
+        "import torch; torch.set_num_threads(1)\n"
+        "from test_engine_core_proc import FakeEngineCore, fake_config\n"
+        "from vllm_lite.client.core_client import SyncMPClient\n"
+        "if __name__ == '__main__':\n"
+        "    c = SyncMPClient(fake_config(), engine_core_cls=FakeEngineCore)\n"
+        "    print(c.proc.pid, c.tmpdir, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid, tmpdir = parent.stdout.readline().split()
+        core_pid = int(core_pid)
+        assert os.path.isdir(tmpdir) and not _process_gone(core_pid)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while not _process_gone(core_pid):
+        assert time.monotonic() < deadline, "the private core outlived its parent"
+        time.sleep(0.1)
+    assert not os.path.exists(tmpdir)

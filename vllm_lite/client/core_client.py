@@ -191,6 +191,7 @@ def spawn_private_core(
         heartbeat_timeout_s=None,  # one frontend, watched through parent_pid instead
         drain_timeout_s=0.0,  # nobody is left to read drained outputs
         parent_pid=os.getpid(),
+        cleanup_dir=tmpdir,
         engine_core_cls=engine_core_cls,
     )
     ctx = multiprocessing.get_context("spawn")

@@ -45,6 +45,7 @@ import hmac
 import logging
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -114,6 +115,8 @@ class CoreProcOptions:
     drain_timeout_s: float = 30.0
     # Private core: exit when this process (the frontend that spawned us) is gone.
     parent_pid: Optional[int] = None
+    # Private core: the parent's socket temp dir, removed here if the parent died without doing so.
+    cleanup_dir: Optional[str] = None
     # SIGINT too stops the core (daemon). A private core ignores it: its parent decides.
     handle_sigint: bool = False
     # Test hook: a class with EngineCore's interface to use instead of the real one.
@@ -287,6 +290,8 @@ class EngineCoreProc:
         except _ParentGone:
             logger.info("Parent process is gone: engine core exiting.")
             self._close(dead=False)
+            if self.options.cleanup_dir:
+                shutil.rmtree(self.options.cleanup_dir, ignore_errors=True)
             return 0
         except BaseException:  # noqa: BLE001 -- any failure here kills the engine, loudly
             logger.error("Fatal error in the engine core busy loop:\n%s", traceback.format_exc())
