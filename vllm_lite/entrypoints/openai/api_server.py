@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # Paths anyone may call without the API key (probes and scrapers).
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+# Endpoint label values of the HTTP counter; anything else counts as "other" (bounded cardinality).
+KNOWN_PATHS = PUBLIC_PATHS | {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
 
 
 class _AuthAndCountMiddleware:
@@ -63,11 +65,12 @@ class _AuthAndCountMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        label = path if path in KNOWN_PATHS else "other"
         if self.api_key is not None and path not in PUBLIC_PATHS and scope.get("method") != "OPTIONS":
             if not self._authorized(scope):
                 err = AuthenticationError("Invalid or missing API key (send 'Authorization: Bearer <key>').")
                 await error_json(err)(scope, receive, send)
-                self.metrics.http_requests.labels(path, str(int(err.status_code))).inc()
+                self.metrics.http_requests.labels(label, str(int(err.status_code))).inc()
                 return
         status: list[int] = []
 
@@ -79,7 +82,7 @@ class _AuthAndCountMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            self.metrics.http_requests.labels(path, str(status[0]) if status else "none").inc()
+            self.metrics.http_requests.labels(label, str(status[0]) if status else "none").inc()
 
     def _authorized(self, scope: dict) -> bool:
         assert self.api_key is not None

@@ -103,6 +103,17 @@ class RequestTracker:
         if out.finished:
             self._finish(out, now)
 
+    def abandoned(self, num_prompt_tokens: int, num_sequences: int) -> None:
+        """The caller left before the end (client disconnect): count it as aborted."""
+        if self.done:
+            return
+        self.done = True
+        m, name = self.metrics, self.metrics.model_name
+        m.e2e.labels(name).observe(max(0.0, time.time() - self.start))
+        m.prompt_tokens.labels(name).inc(num_prompt_tokens)
+        m.generation_tokens.labels(name).inc(self.num_generated)
+        m.request_success.labels(name, "abort").inc(num_sequences)
+
     def _arrival(self, out: RequestOutput) -> float:
         rm = out.metrics
         return rm.arrival_time if rm is not None and rm.arrival_time else self.start

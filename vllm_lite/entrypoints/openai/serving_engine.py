@@ -142,6 +142,9 @@ class OpenAIServing:
         finally:
             if not finished:
                 await shielded(self.engine.abort(request_id))
+                if tracker is not None:
+                    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+                    tracker.abandoned(len(ids) if ids is not None else 0, params.n)
 
     async def abort_all(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
