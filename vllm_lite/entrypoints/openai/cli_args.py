@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 from vllm_lite.config import EngineArgs
@@ -106,11 +105,12 @@ def add_api_server_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def run_api_server(args: argparse.Namespace) -> None:
-    """Run until shutdown; exits 1 when the engine died (so a supervisor restarts the server)."""
+def run_api_server(args: argparse.Namespace) -> int:
+    """Run until shutdown; returns the exit code: 1 when the engine died (so a supervisor restarts the server)."""
     from vllm_lite.entrypoints.openai.api_server import run_server
 
     if not args.model and not args.engine:
-        print("error: pass --model PATH or --engine ADDRESS", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(run_server(args))
+        raise ValueError("pass --model PATH (spawn an engine core) or --engine ADDRESS (attach to one).")
+    if args.model and args.engine:
+        raise ValueError("pass only one of --model and --engine.")
+    return run_server(args)
