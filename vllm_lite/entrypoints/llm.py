@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -11,7 +11,10 @@ from vllm_lite.client.llm_engine import LLMEngine
 from vllm_lite.client.processor import PromptType
 from vllm_lite.config import EngineArgs
 from vllm_lite.outputs import RequestOutput
-from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
+from vllm_lite.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from vllm_lite.client.beam_search import BeamSearchOutput
 
 
 class LLM:
@@ -90,6 +93,47 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in ids]
+
+    def chat(
+        self,
+        messages: Union[list[dict[str, Any]], Sequence[list[dict[str, Any]]]],
+        sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a batch of them, rendered with the chat template."""
+        from vllm_lite.entrypoints.chat_utils import chat_prompts
+
+        prompts = chat_prompts(
+            self.get_tokenizer(), messages, chat_template, add_generation_prompt, continue_final_message,
+            chat_template_kwargs,
+        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        early_stopping: Union[bool, str] = False,
+    ) -> list["BeamSearchOutput"]:
+        """Beam search per prompt (HF semantics; early_stopping as in HF's generate); best beams first."""
+        from vllm_lite.client.beam_search import beam_search
+
+        engine = self.llm_engine
+        return beam_search(
+            lambda ps, sps: self._run(ps, sps, None, use_tqdm),
+            self.get_tokenizer(),
+            _as_prompt_list(prompts),
+            params,
+            eos_token_id=engine.processor.eos_token_id,
+            max_model_len=engine.processor.max_model_len,
+            early_stopping=early_stopping,
+            max_logprobs=engine.processor.max_logprobs,
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
