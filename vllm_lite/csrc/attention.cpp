@@ -19,6 +19,7 @@
 #endif
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -96,10 +97,17 @@ struct ItemView {
   int64_t rows, group;   // rows = tokens * group; row r is token r / group
   int64_t num_keys;      // keys 0..num_keys-1 are visible to some row
 
-  const T* key(int64_t pos) const { return k_cache + offset(pos); }
-  const T* value(int64_t pos) const { return v_cache + offset(pos); }
-  int64_t offset(int64_t pos) const {
-    return static_cast<int64_t>(table[pos / block_size]) * blk_stride + (pos % block_size) * tok_stride + kv_off;
+  // Cache offsets of keys k0..k0+n-1, walking the block table without a division per key.
+  void tile_offsets(int64_t k0, int64_t n, int64_t* offs) const {
+    int64_t blk = k0 / block_size, in_blk = k0 % block_size;
+    int64_t base = static_cast<int64_t>(table[blk]) * blk_stride + kv_off;
+    for (int64_t j = 0; j < n; ++j) {
+      offs[j] = base + in_blk * tok_stride;
+      if (++in_blk == block_size && j + 1 < n) {
+        in_blk = 0;
+        base = static_cast<int64_t>(table[++blk]) * blk_stride + kv_off;
+      }
+    }
   }
   // Keys of the tile starting at k0 that row r may see (causal), clamped to [0, kn].
   int64_t visible(int64_t r, int64_t k0, int64_t kn) const {
@@ -114,9 +122,11 @@ void key_loop_generic(const ItemView<T>& it, int64_t D, Scratch& s) {
   for (int64_t k0 = 0; k0 < it.num_keys; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, it.num_keys - k0);
     // Gather the key tile (transposed: k_t[d][j]) and the value tile (v[j][d]) as float32.
+    int64_t offs[kKeyTile];
+    it.tile_offsets(k0, kn, offs);
     for (int64_t j = 0; j < kn; ++j) {
-      const T* ksrc = it.key(k0 + j);
-      const T* vsrc = it.value(k0 + j);
+      const T* ksrc = it.k_cache + offs[j];
+      const T* vsrc = it.v_cache + offs[j];
       float* vdst = s.v.data() + j * D;
       for (int64_t d = 0; d < D; ++d) s.k_t[d * kKeyTile + j] = to_f32(ksrc[d]);
 #pragma omp simd
@@ -219,28 +229,40 @@ constexpr int kRowBlock = 4;     // query rows whose scores are computed togethe
 template <typename T, int NC>
 void key_loop_avx512(const ItemView<T>& it, Scratch& s) {
   constexpr int64_t D = 16 * NC;
-  float* kbuf = s.v.data();                 // [16][D] key rows, then reused for nothing else
-  float* vbuf = s.v.data() + kTile16 * D;   // [16][D] value rows
+  float* vbuf = s.v.data();                 // [16][D] value rows converted to float32
   float* kt = s.k_t.data();                 // [D][16] transposed keys
   alignas(64) float probs[kTile16];
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t k0 = 0; k0 < it.num_keys; k0 += kTile16) {
     const int64_t kn = std::min(kTile16, it.num_keys - k0);
-    for (int64_t j = 0; j < kTile16; ++j) {
-      if (j < kn) {
-        const T* ksrc = it.key(k0 + j);
-        const T* vsrc = it.value(k0 + j);
-        for (int c = 0; c < NC; ++c) {
-          _mm512_storeu_ps(kbuf + j * D + 16 * c, load16(ksrc + 16 * c));
-          _mm512_storeu_ps(vbuf + j * D + 16 * c, load16(vsrc + 16 * c));
+    int64_t offs[kTile16];
+    it.tile_offsets(k0, kn, offs);
+    // Decode is bound by cache misses on the scattered KV rows: start fetching the next tile now.
+    if (k0 + kTile16 < it.num_keys) {
+      int64_t next[kTile16];
+      const int64_t nn = std::min(kTile16, it.num_keys - k0 - kTile16);
+      it.tile_offsets(k0 + kTile16, nn, next);
+      for (int64_t j = 0; j < nn; ++j) {
+        for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(it.k_cache + next[j]) + byte, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(it.v_cache + next[j]) + byte, _MM_HINT_T0);
         }
+      }
+    }
+    const float* vrow[kTile16];  // value rows as float32: the cache itself, or converted copies
+    for (int64_t j = 0; j < kn; ++j) {
+      const T* vsrc = it.v_cache + offs[j];
+      if constexpr (std::is_same_v<T, float>) {
+        vrow[j] = vsrc;
       } else {
-        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(kbuf + j * D + 16 * c, _mm512_setzero_ps());
+        float* vdst = vbuf + j * D;
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(vdst + 16 * c, load16(vsrc + 16 * c));
+        vrow[j] = vdst;
       }
     }
     for (int c = 0; c < NC; ++c) {
       __m512 blk[16];
-      for (int j = 0; j < 16; ++j) blk[j] = _mm512_loadu_ps(kbuf + j * D + 16 * c);
+      for (int64_t j = 0; j < 16; ++j) blk[j] = j < kn ? load16(it.k_cache + offs[j] + 16 * c) : _mm512_setzero_ps();
       transpose16(blk);
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (16 * c + i) * kTile16, blk[i]);
     }
@@ -272,7 +294,7 @@ void key_loop_avx512(const ItemView<T>& it, Scratch& s) {
         for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), av);
         for (int64_t j = 0; j < valid; ++j) {
           const __m512 pj = _mm512_set1_ps(probs[j]);
-          const float* vj = vbuf + j * D;
+          const float* vj = vrow[j];
           for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * c), a[c]);
         }
         for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
