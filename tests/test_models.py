@@ -173,3 +173,10 @@ def test_model_exposes_attention_layers_in_order():
     assert all(l.head_size == 32 and l.num_heads == 4 and l.num_kv_heads == 2 for l in layers)
     assert layers[0] is model.model.layers[0].self_attn.attn
 
+
+
+def test_unsupported_rope_type_is_a_value_error_naming_supported_types():
+    from vllm_lite.worker.models.layers import RotaryEmbedding
+
+    with pytest.raises(ValueError, match=r"rope_type 'longrope' is not supported; supported: 'default'"):
+        RotaryEmbedding(16, 64, {"rope_type": "longrope", "rope_theta": 10000.0})
