@@ -20,6 +20,7 @@ bytes: there is no code path that imports or calls anything named in the data.
 
 from __future__ import annotations
 
+import struct
 import warnings
 from typing import Any, Optional, Sequence, Union
 
@@ -27,50 +28,46 @@ import msgspec
 import numpy as np
 import torch
 
-# Ext type codes (application-defined, 0..127).
-EXT_TORCH = 1
-EXT_NUMPY = 2
+# Ext type codes (application-defined, 0..127): where the bytes are, and what they become.
+EXT_TORCH_INLINE = 1  # torch.Tensor, bytes inside the record
+EXT_TORCH_FRAME = 2  # torch.Tensor, bytes in a side frame
+EXT_NUMPY_INLINE = 3
+EXT_NUMPY_FRAME = 4
 
 # Tensors below this many bytes ride inside the msgpack body.
 DEFAULT_INLINE_THRESHOLD = 256
+MAX_NDIM = 8
 
 Frame = Union[bytes, bytearray, memoryview]
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_TORCH_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
-_NUMPY_DTYPES = {
-    "float32",
-    "float64",
-    "float16",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "bool",
-}
+# Wire dtype codes. numpy carries the bytes; bfloat16 (no numpy type) travels as int16 bits.
+_DTYPES: list[tuple[str, torch.dtype, np.dtype]] = [
+    ("float32", torch.float32, np.dtype("float32")),
+    ("float64", torch.float64, np.dtype("float64")),
+    ("float16", torch.float16, np.dtype("float16")),
+    ("bfloat16", torch.bfloat16, np.dtype("int16")),
+    ("int64", torch.int64, np.dtype("int64")),
+    ("int32", torch.int32, np.dtype("int32")),
+    ("int16", torch.int16, np.dtype("int16")),
+    ("int8", torch.int8, np.dtype("int8")),
+    ("uint8", torch.uint8, np.dtype("uint8")),
+    ("bool", torch.bool, np.dtype("bool")),
+    ("uint16", torch.uint16, np.dtype("uint16")),
+    ("uint32", torch.uint32, np.dtype("uint32")),
+    ("uint64", torch.uint64, np.dtype("uint64")),
+]
+_TORCH_TO_CODE = {tdt: code for code, (_, tdt, _) in enumerate(_DTYPES)}
+_NUMPY_TO_CODE = {ndt: code for code, (name, _, ndt) in enumerate(_DTYPES) if name != "bfloat16"}
 
-# torch.frombuffer warns on read-only buffers (ZMQ frames are read-only); we
-# hand out read-only views on purpose (see module docstring).
+# Record layout: dtype code (u8), ndim (u8), dims (i64 each), then the inline bytes or a frame index (u32).
+_HEADERS = [struct.Struct(f"<BB{n}q") for n in range(MAX_NDIM + 1)]
+_DIMS = [struct.Struct(f"<{n}q") for n in range(MAX_NDIM + 1)]
+_FRAME_INDEX = struct.Struct("<I")
+
+# torch warns when wrapping a read-only buffer (ZMQ frames are read-only); we hand out
+# read-only views of received frames on purpose (see module docstring).
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
-# Ext payload: (dtype name, shape, frame index or inline bytes).
-_meta_encoder = msgspec.msgpack.Encoder()
-_meta_decoder = msgspec.msgpack.Decoder(tuple[str, list[int], Union[int, bytes]])
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 class MsgpackEncoder:
@@ -100,32 +97,37 @@ class MsgpackEncoder:
             return self._encode_ndarray(obj)
         raise TypeError(f"Cannot serialize object of type {type(obj).__name__} on the engine wire.")
 
-    def _buffer_ref(self, buf: memoryview, nbytes: int) -> Union[int, bytes]:
-        if nbytes < self._inline_threshold:
-            return buf.tobytes()
+    def _record(self, code_inline: int, dtype_code: int, shape: tuple[int, ...], arr: np.ndarray) -> msgspec.msgpack.Ext:
+        """``arr``: C-contiguous numpy view of the data (no copy yet)."""
+        ndim = len(shape)
+        if ndim > MAX_NDIM:
+            raise TypeError(f"Cannot serialize an array with {ndim} dimensions on the engine wire (max {MAX_NDIM}).")
+        header = _HEADERS[ndim].pack(dtype_code, ndim, *shape)
+        if arr.nbytes < self._inline_threshold:
+            return msgspec.msgpack.Ext(code_inline, header + arr.tobytes())
         assert self._aux is not None
-        self._aux.append(buf)
-        return len(self._aux) - 1
+        self._aux.append(memoryview(arr.reshape(-1)).cast("B"))
+        return msgspec.msgpack.Ext(code_inline + 1, header + _FRAME_INDEX.pack(len(self._aux) - 1))
 
     def _encode_tensor(self, t: torch.Tensor) -> msgspec.msgpack.Ext:
-        name = _TORCH_DTYPE_NAMES.get(t.dtype)
-        if name is None:
+        code = _TORCH_TO_CODE.get(t.dtype)
+        if code is None:
             raise TypeError(f"Cannot serialize tensor of dtype {t.dtype} on the engine wire.")
-        shape = list(t.shape)
-        flat = t.detach().to("cpu").contiguous().reshape(-1)
-        # uint8 view works for every dtype, including bfloat16 (no numpy equivalent).
-        buf = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-        ref = self._buffer_ref(buf, buf.nbytes)
-        return msgspec.msgpack.Ext(EXT_TORCH, _meta_encoder.encode((name, shape, ref)))
+        if not t.is_cpu:
+            t = t.detach().cpu()
+        elif t.requires_grad:
+            t = t.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.dtype is torch.bfloat16:
+            t = t.view(torch.int16)
+        return self._record(EXT_TORCH_INLINE, code, tuple(t.shape), t.numpy())
 
     def _encode_ndarray(self, a: np.ndarray) -> msgspec.msgpack.Ext:
-        name = a.dtype.name
-        if name not in _NUMPY_DTYPES:
+        code = _NUMPY_TO_CODE.get(a.dtype)
+        if code is None:
             raise TypeError(f"Cannot serialize numpy array of dtype {a.dtype} on the engine wire.")
-        a = np.ascontiguousarray(a)
-        buf = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
-        ref = self._buffer_ref(buf, buf.nbytes)
-        return msgspec.msgpack.Ext(EXT_NUMPY, _meta_encoder.encode((name, list(a.shape), ref)))
+        return self._record(EXT_NUMPY_INLINE, code, a.shape, np.ascontiguousarray(a))
 
 
 class MsgpackDecoder:
@@ -148,20 +150,42 @@ class MsgpackDecoder:
             self._aux = ()
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
-        if code not in (EXT_TORCH, EXT_NUMPY):
+        if code not in (EXT_TORCH_INLINE, EXT_TORCH_FRAME, EXT_NUMPY_INLINE, EXT_NUMPY_FRAME):
             raise ValueError(f"Unknown msgpack ext type {code} on the engine wire.")
-        name, shape, ref = _meta_decoder.decode(data)
-        if any(d < 0 for d in shape):
-            raise ValueError(f"Negative dimension in wire tensor shape {shape}.")
-        if isinstance(ref, int):
-            if not 1 <= ref < len(self._aux):
-                raise ValueError(f"Wire tensor refers to frame {ref}, message has {len(self._aux)} frames.")
-            buf = _as_buffer(self._aux[ref])
+        if len(data) < 2:
+            raise ValueError("Truncated array record on the engine wire.")
+        dtype_code, ndim = data[0], data[1]
+        if dtype_code >= len(_DTYPES) or ndim > MAX_NDIM:
+            raise ValueError(f"Unknown array dtype code {dtype_code} or ndim {ndim} on the engine wire.")
+        name, tdtype, ndtype = _DTYPES[dtype_code]
+        offset = 2 + 8 * ndim
+        if len(data) < offset:
+            raise ValueError("Truncated array record on the engine wire.")
+        shape = _DIMS[ndim].unpack_from(data, 2)
+        n = 1
+        for d in shape:
+            if d < 0:
+                raise ValueError(f"Negative dimension in wire array shape {list(shape)}.")
+            n *= d
+        if code in (EXT_TORCH_FRAME, EXT_NUMPY_FRAME):
+            if len(data) != offset + 4:
+                raise ValueError("Malformed frame reference on the engine wire.")
+            (index,) = _FRAME_INDEX.unpack_from(data, offset)
+            if not 1 <= index < len(self._aux):
+                raise ValueError(f"Wire array refers to frame {index}, message has {len(self._aux)} frames.")
+            buf: Any = _as_buffer(self._aux[index])  # zero copy: a view of the received frame
         else:
-            buf = memoryview(ref)
-        if code == EXT_TORCH:
-            return _decode_tensor(name, shape, buf)
-        return _decode_ndarray(name, shape, buf)
+            buf = bytearray(data[offset:])  # the record is part of the body: copy the few bytes
+        nbytes = len(buf) if isinstance(buf, bytearray) else buf.nbytes
+        if nbytes != n * ndtype.itemsize:
+            raise ValueError(f"Wire array {name}{list(shape)} needs {n * ndtype.itemsize} bytes, got {nbytes}.")
+        arr = np.frombuffer(buf, dtype=ndtype, count=n).reshape(shape)
+        if code in (EXT_NUMPY_INLINE, EXT_NUMPY_FRAME):
+            if name == "bfloat16":
+                raise ValueError("bfloat16 is not a numpy dtype.")
+            return arr
+        t = torch.from_numpy(arr)
+        return t.view(tdtype) if name == "bfloat16" else t
 
 
 def _as_buffer(frame: Any) -> memoryview:
@@ -173,33 +197,3 @@ def _as_buffer(frame: Any) -> memoryview:
     if buf is None:
         raise TypeError(f"Cannot read a frame of type {type(frame).__name__}.")
     return buf
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _decode_tensor(name: str, shape: list[int], buf: memoryview) -> torch.Tensor:
-    dtype = _TORCH_DTYPES.get(name)
-    if dtype is None:
-        raise ValueError(f"Unknown tensor dtype {name!r} on the engine wire.")
-    n = _numel(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if buf.nbytes != n * itemsize:
-        raise ValueError(f"Wire tensor {name}{shape} needs {n * itemsize} bytes, frame has {buf.nbytes}.")
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
-
-
-def _decode_ndarray(name: str, shape: list[int], buf: memoryview) -> np.ndarray:
-    if name not in _NUMPY_DTYPES:
-        raise ValueError(f"Unknown array dtype {name!r} on the engine wire.")
-    dtype = np.dtype(name)
-    n = _numel(shape)
-    if buf.nbytes != n * dtype.itemsize:
-        raise ValueError(f"Wire array {name}{shape} needs {n * dtype.itemsize} bytes, frame has {buf.nbytes}.")
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
