@@ -338,13 +338,14 @@ def test_move_row_carries_generator_and_penalty_counts() -> None:
     ref_state, ref_rows = make_state([p_seed, p_pen], outputs=[[], [4, 4]])
     ref = [sample(ref_state, ref_rows, s).sampled_token_ids.tolist() for s in seq]
 
-    state, _ = make_state([SamplingParams(), p_seed, SamplingParams(), p_pen], outputs=[[], [], [], [4, 4]])
-    rows = np.array([1, 3])
+    state, _ = make_state([SamplingParams(), SamplingParams(), p_pen, p_seed], outputs=[[], [], [4, 4], []])
+    rows = np.array([3, 2])
     got = [sample(state, rows, s).sampled_token_ids.tolist() for s in seq[:3]]
     state.remove_request(0)
-    state.move_row(3, 0)  # condense: the penalized request moves into the hole
-    state.remove_request(2)
-    rows = np.array([1, 0])
+    state.move_row(3, 0)  # condense: the seeded request moves into the hole
+    state.remove_request(1)
+    state.move_row(2, 1)  # and the penalized one
+    rows = np.array([0, 1])
     got += [sample(state, rows, s).sampled_token_ids.tolist() for s in seq[3:]]
     assert got == ref
     with pytest.raises(ValueError, match="hold no request"):
@@ -492,3 +493,28 @@ def test_top_p_on_large_vocab_matches_hf_for_peaked_and_flat_rows() -> None:
         assert_same_distribution(ours[i], hf_warp(logits[i], p))
     kept = torch.isfinite(ours).sum(-1)
     assert kept[3] > 512 and kept[0] < 512 and kept[5] == vocab
+
+
+def test_penalties_track_many_distinct_tokens_and_reused_rows() -> None:
+    """Hundreds of distinct prompt/output tokens (storage grows), and a row reused after another request."""
+    torch.manual_seed(17)
+    vocab = 2000
+    p = SamplingParams(temperature=1.0, repetition_penalty=1.25, frequency_penalty=0.4, presence_penalty=0.3)
+    state = SamplingState(4, vocab, 1024, CPU)
+    state.add_request(2, SamplingParams(frequency_penalty=1.0), list(range(500)), list(range(300)), None)
+    state.remove_request(2)  # leaves stale storage behind in row 2
+    prompt = torch.randint(0, vocab, (300,)).tolist()
+    output = torch.randint(0, vocab, (250,)).tolist()
+    state.add_request(2, p, prompt, output[:50], None)
+    state.add_request(0, p, [], [], None)  # nothing seen yet: penalties must not touch anything
+    state.add_request(1, SamplingParams(temperature=1.0), [5], [], None)
+    rows = np.array([2, 0, 1])
+    before = torch.randn(3, vocab)
+    assert torch.equal(Sampler.apply_logits_processors(before, state.make_metadata(rows))[1], before[1])
+    for t in output[50:]:
+        state.append_token_ids(rows, np.array([t, 7, 8]))
+    logits = torch.randn(3, vocab) * 3
+    ours = Sampler.apply_logits_processors(logits, state.make_metadata(rows))
+    torch.testing.assert_close(ours[0], hf_penalize(logits[0], p, prompt, output), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(ours[1], hf_penalize(logits[1], p, [], [7] * 200), atol=1e-5, rtol=1e-6)
+    assert torch.equal(ours[2], logits[2])
