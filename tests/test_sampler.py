@@ -518,3 +518,34 @@ def test_penalties_track_many_distinct_tokens_and_reused_rows() -> None:
     torch.testing.assert_close(ours[0], hf_penalize(logits[0], p, prompt, output), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(ours[1], hf_penalize(logits[1], p, [], [7] * 200), atol=1e-5, rtol=1e-6)
     assert torch.equal(ours[2], logits[2])
+
+
+# ---------------------------------------------------------------------- through the engine
+def test_engine_seeded_sampling_is_batch_invariant_and_features_apply_end_to_end() -> None:
+    """LLM.generate: a seeded request repeats alone and in a crowd; allowed ids / bias / bad words hold."""
+    from vllm_lite import LLM
+    from vllm_lite.testing.checkpoints import get_checkpoint
+
+    llm = LLM(model=get_checkpoint("llama"), dtype="float32", multiprocess=False, max_model_len=128)
+    try:
+        seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=10, ignore_eos=True)
+        prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+        alone = llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].token_ids
+        crowd_prompts = [{"prompt_token_ids": [i + 3, i + 11, 2 * i + 1]} for i in range(6)]
+        crowd_params = [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)] * 6
+        outs = llm.generate([*crowd_prompts[:3], prompt, *crowd_prompts[3:]], [*crowd_params[:3], seeded, *crowd_params[3:]], use_tqdm=False)
+        assert outs[3].outputs[0].token_ids == alone
+        assert llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].token_ids == alone
+
+        allowed = [10, 20, 30]
+        out = llm.generate(prompt, SamplingParams(temperature=1.0, allowed_token_ids=allowed, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert set(out[0].outputs[0].token_ids) <= set(allowed)
+        out = llm.generate(prompt, SamplingParams(temperature=1.0, logit_bias={33: 100.0}, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == [33] * 6
+        greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False)[0].outputs[0]
+        bad_tok = greedy.token_ids[0]
+        banned = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={bad_tok: -100.0})
+        assert llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0].token_ids[0] != bad_tok
+        assert greedy.logprobs is not None and all(lp[t].rank == 1 for lp, t in zip(greedy.logprobs, greedy.token_ids))
+    finally:
+        llm.shutdown()
