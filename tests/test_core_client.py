@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from test_engine_core_proc import VOCAB, FakeEngineCore, fake_config, fake_token, request
+from test_engine_core_proc import VOCAB, FakeEngineCore, ThreadedCore, fake_config, fake_token, request
 from vllm_lite.client.core_client import AsyncMPClient, InprocClient, SyncMPClient, make_client
 from vllm_lite.client.exceptions import EngineDeadError, EngineStartupError
 from vllm_lite.core.messages import EngineCoreOutput, FinishReason
@@ -294,3 +294,59 @@ def test_private_core_exits_and_cleans_up_when_its_parent_is_killed(tmp_path):
         assert time.monotonic() < deadline, "the private core outlived its parent"
         time.sleep(0.1)
     assert not os.path.exists(tmpdir)
+
+
+# ---------------------------------------------------------------------------------------------------- attach
+
+
+def test_attached_client_keeps_a_long_stream_alive_past_the_heartbeat_timeout():
+    core = ThreadedCore(heartbeat_timeout_s=0.6)
+    core.proc.engine_core.step_delay = 0.01
+    client = SyncMPClient(addresses=core.addresses, engine_silence_timeout_s=3.0)
+    try:
+        assert client.proc is None and client.heartbeat_timeout_s == 0.6
+        client.add_request(request("long", [1, 2], max_tokens=200))  # ~2 s of streaming, sending nothing
+        got = drain_sync(client, {"long"})
+        assert tokens(got["long"]) == [fake_token([1, 2], n) for n in range(200)]
+        assert len(core.proc._clients) == 1
+    finally:
+        client.shutdown()
+        core.stop()
+
+
+def test_attached_client_declares_a_silent_core_dead():
+    core = ThreadedCore(heartbeat_timeout_s=5.0)
+    client = SyncMPClient(addresses=core.addresses, engine_silence_timeout_s=1.0)
+    try:
+        assert client.call_utility("ping") == "pong"
+        core.stop()  # the core goes away without a word
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="no message for 1 s"):
+            client.get_output(timeout=10)
+        assert time.monotonic() - t0 < 5
+    finally:
+        client.shutdown()
+
+
+def test_async_client_attaches_to_a_running_core():
+    core = ThreadedCore(heartbeat_timeout_s=0.6)
+    core.proc.engine_core.step_delay = 0.01
+
+    async def main() -> None:
+        client = AsyncMPClient(addresses=core.addresses, engine_silence_timeout_s=3.0)
+        try:
+            await client.add_request_async(request("a", [3], max_tokens=150))
+            toks: list[int] = []
+            while True:
+                outs = await asyncio.wait_for(client.get_output_async(), 10)
+                toks += [t for o in outs.outputs for t in o.new_token_ids]
+                if any(o.finished for o in outs.outputs):
+                    break
+            assert toks == [fake_token([3], n) for n in range(150)]
+        finally:
+            client.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        core.stop()

@@ -446,8 +446,11 @@ class SyncMPClient(_MPClientBase):
             while not self._stop.is_set():
                 events = dict(poller.poll(100))
                 if self._out_sync in events:
-                    self._handle(self._out_sync.recv_multipart(copy=False))
-                    continue
+                    # Up to a batch of messages, then the checks below (a busy stream must not starve heartbeats).
+                    for _ in range(64):
+                        self._handle(self._out_sync.recv_multipart(copy=False))
+                        if not self._out_sync.poll(0):
+                            break
                 if self._stop.is_set():
                     return
                 if self.proc is not None and self.proc.sentinel in events:
