@@ -350,3 +350,25 @@ def test_async_client_attaches_to_a_running_core():
         asyncio.run(main())
     finally:
         core.stop()
+
+
+def test_async_client_works_across_successive_event_loops():
+    core = ThreadedCore()
+    client = AsyncMPClient(addresses=core.addresses)
+
+    async def one_request(rid: str) -> list[int]:
+        await client.add_request_async(request(rid, [5, 6], max_tokens=4))
+        toks: list[int] = []
+        while True:
+            outs = await asyncio.wait_for(client.get_output_async(), 10)
+            toks += [t for o in outs.outputs for t in o.new_token_ids]
+            if any(o.finished for o in outs.outputs):
+                return toks
+
+    try:
+        assert asyncio.run(one_request("first")) == [fake_token([5, 6], n) for n in range(4)]
+        assert asyncio.run(one_request("second")) == [fake_token([5, 6], n) for n in range(4)]
+        assert asyncio.run(client.call_utility_async("ping")) == "pong"
+    finally:
+        client.shutdown()
+        core.stop()

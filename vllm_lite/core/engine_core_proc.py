@@ -451,6 +451,8 @@ class EngineCoreProc:
         if now - self._last_housekeeping < _IDLE_POLL_S:
             return
         self._last_housekeeping = now
+        if not (self._input_thread.is_alive() and self._output_thread.is_alive()):
+            raise RuntimeError("an engine core socket thread died (see its traceback above)")
         if self.options.parent_pid is not None and os.getppid() != self.options.parent_pid:
             raise _ParentGone()
         timeout = self.options.heartbeat_timeout_s
