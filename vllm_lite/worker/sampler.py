@@ -141,21 +141,35 @@ class WarpedLogits:
 def warp(logits: torch.Tensor, md: SamplingMetadata, rows: Optional[torch.Tensor]) -> WarpedLogits:
     """Temperature -> min-p -> top-k -> top-p for the batch rows `rows` (None = all), as HF's warpers chained.
 
-    Returns new tensors; `logits` is not modified.
+    Temperature is applied to candidates only (positive scaling keeps the order) and to the full
+    rows only where they are needed. Returns new tensors; `logits` is not modified.
     """
     n, vocab = logits.shape
     temp = md.temperature if md.temperature is not None else logits.new_ones(n)
-    x = logits / temp.unsqueeze(1)
     top_k, top_p, min_p = md.top_k, md.top_p, md.min_p
+    if rows is not None and rows.numel() < n:  # skip greedy rows from here on
+        pick = lambda t: None if t is None else t[rows]  # noqa: E731
+        logits, temp, top_k, top_p, min_p = logits[rows], temp[rows], pick(top_k), pick(top_p), pick(min_p)
+    else:
+        rows = None
+    m = logits.shape[0]
+    temp_col = temp.unsqueeze(1)
+
+    def to_batch(local: torch.Tensor) -> Optional[torch.Tensor]:
+        if rows is not None:
+            return rows[local]
+        return None if local.numel() == n else local
+
     if top_k is None and top_p is None and min_p is None:
-        return WarpedLogits(n, vocab, rows, x if rows is None else x[rows], None, None, None)
+        return WarpedLogits(n, vocab, rows, logits / temp_col, None, None, None)
 
     # Candidates: one more than the largest k, so a tie with the k-th cannot hide outside them.
     num_cand = min(vocab, max(md.max_top_k + 1, _MIN_CANDIDATES))
-    vals, ids = torch.topk(x, num_cand, dim=-1)  # best first
+    vals, ids = torch.topk(logits, num_cand, dim=-1)  # best first
+    vals = vals.div_(temp_col)
     smallest = vals[:, -1]
     whole_vocab = num_cand == vocab
-    covered = torch.zeros(n, dtype=torch.bool, device=x.device)
+    covered = torch.zeros(m, dtype=torch.bool, device=logits.device)
     if min_p is not None:
         # p < min_p * p_max  <=>  logit < max_logit + log(min_p)
         threshold = vals[:, 0] + torch.log(min_p)  # -inf where min_p == 0
@@ -172,7 +186,7 @@ def warp(logits: torch.Tensor, md: SamplingMetadata, rows: Optional[torch.Tensor
         # else over the whole (unfiltered) row.
         lse = vals.logsumexp(dim=-1)
         if not whole_vocab and bool((uses_p & ~covered).any()):
-            lse = torch.where(covered, lse, x.logsumexp(dim=-1))
+            lse = torch.where(covered, lse, (logits / temp_col).logsumexp(dim=-1))
         # A row min-p filtered only partly among the candidates has an unknown normalizer: keep it dense.
         trusted = covered if min_p is None else covered | (min_p <= 0.0)
         probs = (vals - lse.unsqueeze(1)).exp_()
@@ -184,21 +198,18 @@ def warp(logits: torch.Tensor, md: SamplingMetadata, rows: Optional[torch.Tensor
         covered |= uses_p & trusted & (cum[:, -1] > top_p + 1e-5)
     if whole_vocab:
         covered.fill_(True)
-    if rows is not None:  # only these rows matter (the others are greedy)
-        wanted = torch.zeros(n, dtype=torch.bool, device=x.device)
-        wanted[rows] = True
-    else:
-        wanted = torch.ones(n, dtype=torch.bool, device=x.device)
 
-    narrow_rows = (covered & wanted).nonzero().squeeze(1)
-    dense_rows = (~covered & wanted).nonzero().squeeze(1)
     out = WarpedLogits(n, vocab, None, None, None, None, None)
-    if narrow_rows.numel():
-        out.narrow_rows, out.narrow_logits, out.narrow_ids = narrow_rows, vals[narrow_rows], ids[narrow_rows]
-    if dense_rows.numel():
-        sub = lambda t: None if t is None else t[dense_rows]  # noqa: E731
-        out.dense_rows = None if dense_rows.numel() == n else dense_rows
-        out.dense = warp_dense(x[dense_rows], sub(top_k), sub(top_p), sub(min_p))
+    narrow = covered.nonzero().squeeze(1)
+    if narrow.numel():
+        narrow_batch = to_batch(narrow)
+        out.narrow_rows = narrow_batch if narrow_batch is not None else narrow
+        out.narrow_logits, out.narrow_ids = vals[narrow], ids[narrow]
+    dense = (~covered).nonzero().squeeze(1)
+    if dense.numel():
+        sub = lambda t: None if t is None else t[dense]  # noqa: E731
+        out.dense_rows = to_batch(dense)
+        out.dense = warp_dense(logits[dense] / temp_col[dense], sub(top_k), sub(top_p), sub(min_p))
     return out
 
 
