@@ -144,6 +144,11 @@ class ServerProcess:
                 pass
         return out
 
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (graceful shutdown); returns the exit code."""
+        self.proc.terminate()
+        return self.proc.wait(timeout_s)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()

@@ -7,11 +7,13 @@ KV blocks freed) and engine death (503, exit code 1) are checked end to end.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -250,3 +252,38 @@ def test_killed_core_gives_503_and_the_server_exits_nonzero(ckpt: str) -> None:
         assert srv.proc.wait(30) == 1
     finally:
         srv.kill()
+
+
+# ---------------------------------------------------------------------------- attaching to a running core
+
+
+def test_api_server_attaches_to_a_running_core_and_leaves_it_running(ckpt: str, reference: dict, tmp_path) -> None:
+    from vllm_lite.config import EngineArgs
+    from vllm_lite.core.engine_core_proc import CoreAddresses, CoreProcOptions, EngineCoreProc
+
+    base = f"ipc://{tmp_path}/core"
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    core = ctx.Process(
+        target=EngineCoreProc.run_engine_core,
+        args=(EngineArgs(model=ckpt, **ENGINE_KW).create_engine_config(), CoreAddresses.from_base(base),
+              CoreProcOptions(auth_token="core-token"), writer),
+    )
+    core.start()
+    writer.close()
+    try:
+        assert reader.poll(300) and msgspec.json.decode(reader.recv_bytes())["status"] == "ready"
+        srv = ServerProcess(["--engine", base, "--auth-token", "core-token", "--served-model-name", MODEL])
+        try:
+            client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY)
+            assert (resp.choices[0].model_extra["token_ids"], resp.choices[0].text) == tuple(
+                reference["completions"][0]
+            )
+            assert srv.terminate() == 0  # a clean stop is exit code 0
+        finally:
+            srv.kill()
+        assert core.is_alive()  # the core serves other frontends; the server only detached
+    finally:
+        core.terminate()
+        core.join(30)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import signal
 import socket
+import threading
 from contextlib import asynccontextmanager
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -277,10 +279,24 @@ async def serve_app(
     """Serve until shutdown; returns 1 if the engine died, else 0."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5, lifespan="on")
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_keep_alive=5, lifespan="on",
+        # Exit even if a client holds a stream open (the engine may be dead and a supervisor waiting).
+        timeout_graceful_shutdown=10,
+    )
     server = uvicorn.Server(config)
     app.state.server = server
-    await server.serve(sockets=[sock] if sock is not None else None)
+    # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown (to die "by the signal"), which
+    # would skip our engine shutdown. Our handler, restored under uvicorn's, just asks it to stop.
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda signum, frame: setattr(server, "should_exit", True))
+    try:
+        await server.serve(sockets=[sock] if sock is not None else None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 1 if app.state.engine_dead else 0
 
 
@@ -303,6 +319,9 @@ def run_server(args: Any) -> int:
     async def main() -> int:
         engine = build_engine(args)
         try:
+            # First call on this loop: starts the client's receive and heartbeat tasks now, so an
+            # attached core does not drop us as silent while uvicorn starts up.
+            await engine.call_utility_async("ping")
             names = args.served_model_name or None
             app = build_app(
                 engine,
