@@ -123,6 +123,25 @@ def test_streamed_chat_equals_offline_generate_and_ends_with_usage(client: opena
     assert chunks[-1].usage.prompt_tokens > 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_truncates_the_text_and_reports_it(client: openai.OpenAI, reference: dict, stream: bool) -> None:
+    full = reference["completions"][2][1]
+    stop = full.strip()[len(full.strip()) // 2 :][:2]
+    assert stop and stop.strip(), f"reference text too short: {full!r}"
+    expected = full[: full.find(stop)]
+    kwargs = dict(model=MODEL, prompt=PROMPTS[2], temperature=0, max_tokens=12, stop=[stop],
+                  extra_body={"ignore_eos": True})
+    if stream:
+        chunks = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
+        text = "".join(c.choices[0].text for c in chunks)
+        last = chunks[-1].choices[0]
+    else:
+        last = client.completions.create(**kwargs).choices[0]
+        text = last.text
+    assert text == expected
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
+
+
 # ---------------------------------------------------------------------------- n, logprobs
 
 

@@ -74,7 +74,7 @@ class DisconnectWatcher:
     would otherwise run to the end: this frees its engine slot at once.
     """
 
-    def __init__(self, raw_request: Any, on_disconnect: Callable[[], Awaitable[None]], interval_s: float = 0.2):
+    def __init__(self, raw_request: Any, on_disconnect: Callable[[], Awaitable[None]], interval_s: float = 0.5):
         self.raw_request = raw_request
         self.on_disconnect = on_disconnect
         self.interval_s = interval_s
