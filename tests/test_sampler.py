@@ -549,3 +549,17 @@ def test_engine_seeded_sampling_is_batch_invariant_and_features_apply_end_to_end
         assert greedy.logprobs is not None and all(lp[t].rank == 1 for lp, t in zip(greedy.logprobs, greedy.token_ids))
     finally:
         llm.shutdown()
+
+
+def test_top_k_keeps_ties_beyond_the_candidates_like_hf() -> None:
+    """bf16-like logits with 100 tokens tied at the top: top-k=5 keeps all ties (HF), via the dense path."""
+    torch.manual_seed(18)
+    vocab = 1000
+    logits = torch.randn(2, vocab)
+    logits[:, 100:200] = 6.0
+    cases = [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=0.9, top_k=5, top_p=0.5)]
+    state, rows = make_state(cases, vocab=vocab)
+    ours = Sampler().processed_logits(logits, state.make_metadata(rows))
+    for i, p in enumerate(cases):
+        assert_same_distribution(ours[i], hf_warp(logits[i], p))
+    assert int(torch.isfinite(ours[0]).sum()) == 100
