@@ -7,6 +7,11 @@ exponential race (argmax of probs / Exponential(1)), which equals drawing from
 the categorical distribution but needs no cumulative sum and lets seeded rows
 draw their noise from their own generator. Every step works on the whole batch
 at once; features no row uses are skipped.
+
+Cost: penalties touch only each row's seen tokens ([N, L], not [N, V]); the
+truncating warpers run on each row's top candidates (a partial topk) and fall
+back to exact full-vocabulary masks/sorts only for rows whose survivors might
+lie outside them, so results equal HF's warpers either way.
 """
 
 from __future__ import annotations
