@@ -96,6 +96,53 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Multi-node tensor parallelism: ranks are spread evenly over nnodes machines;
+    # the engine core runs on node 0, other nodes run `vllm-lite worker`.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # node 0's address, reachable from every node
+    master_port: int = 0  # torch.distributed TCP rendezvous port; 0: a free port (single node only)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+def verify_parallel_config(pc: ParallelConfig, hf: dict[str, Any]) -> None:
+    """Reject tensor-parallel layouts the model cannot be split into, before any process starts."""
+    tp = pc.tensor_parallel_size
+    for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
+        v = getattr(pc, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+    if tp % pc.nnodes:
+        raise ValueError(f"tensor_parallel_size={tp} must be a multiple of nnodes={pc.nnodes} (equal ranks per node).")
+    if isinstance(pc.node_rank, bool) or not isinstance(pc.node_rank, int) or not 0 <= pc.node_rank < pc.nnodes:
+        raise ValueError(f"node_rank must be in [0, nnodes={pc.nnodes}), got {pc.node_rank!r}.")
+    if isinstance(pc.master_port, bool) or not isinstance(pc.master_port, int) or not 0 <= pc.master_port < 65536:
+        raise ValueError(f"master_port must be in [0, 65535], got {pc.master_port!r}.")
+    if pc.nnodes > 1 and pc.master_port == 0:
+        raise ValueError("master_port must be set (nonzero) when nnodes > 1: every node must find the rendezvous.")
+    if not isinstance(pc.master_addr, str) or not pc.master_addr:
+        raise ValueError(f"master_addr must be a host name or IP address, got {pc.master_addr!r}.")
+    if tp == 1:
+        return
+    heads = hf.get("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if heads is not None and heads % tp:
+        raise ValueError(
+            f"num_attention_heads={heads} is not divisible by tensor_parallel_size={tp}: "
+            "attention heads are split evenly across ranks."
+        )
+    if kv_heads is not None and kv_heads % tp and tp % kv_heads:
+        raise ValueError(
+            f"num_key_value_heads={kv_heads} and tensor_parallel_size={tp}: one must divide the other "
+            "(KV heads are split across ranks, or replicated when there are fewer than ranks)."
+        )
+    for key in ("intermediate_size", "ffn_dim"):
+        v = hf.get(key)
+        if isinstance(v, int) and v % tp:
+            raise ValueError(f"{key}={v} is not divisible by tensor_parallel_size={tp}.")
 
 
 @dataclass
@@ -133,6 +180,10 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
     device: str = "auto"
     num_threads: Optional[int] = None
     served_model_name: Optional[str] = None
@@ -158,6 +209,15 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs!r}.")
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+        )
+        verify_parallel_config(parallel_config, hf)
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched!r}.")
@@ -188,9 +248,41 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
             ),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                data_parallel_size=self.data_parallel_size,
-            ),
+            parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),
         )
+
+
+# ---------------------------------------------------------------------------- wire form (JSON, no pickle)
+
+
+def _config_enc_hook(obj: Any) -> Any:
+    if isinstance(obj, torch.dtype):
+        return str(obj).replace("torch.", "")
+    if isinstance(obj, torch.device):
+        return str(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__} in an engine config.")
+
+
+def _config_dec_hook(t: type, obj: Any) -> Any:
+    if t is torch.dtype:
+        if obj not in _STR_DTYPES:
+            raise ValueError(f"unknown dtype {obj!r} in an engine config.")
+        return _STR_DTYPES[obj]
+    if t is torch.device:
+        return torch.device(obj)
+    raise NotImplementedError(f"cannot decode {t!r} in an engine config.")
+
+
+def encode_vllm_config(config: VllmConfig) -> bytes:
+    """JSON for a VllmConfig, for processes on other machines (tensor-parallel workers)."""
+    import msgspec
+
+    return msgspec.json.encode(config, enc_hook=_config_enc_hook)
+
+
+def decode_vllm_config(data: bytes) -> VllmConfig:
+    """The inverse of encode_vllm_config; typed, so a malformed config raises msgspec.ValidationError."""
+    import msgspec
+
+    return msgspec.json.decode(data, type=VllmConfig, dec_hook=_config_dec_hook)

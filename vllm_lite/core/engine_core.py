@@ -10,7 +10,7 @@ from vllm_lite.config import VllmConfig
 from vllm_lite.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.scheduler import Scheduler
-from vllm_lite.worker.executor import UniProcExecutor
+from vllm_lite.worker.executor import get_executor_class
 
 logger = logging.getLogger("vllm_lite.engine_core")
 
@@ -21,7 +21,7 @@ class EngineCore:
     def __init__(self, vllm_config: VllmConfig) -> None:
         t0 = time.perf_counter()
         self.config = vllm_config
-        self.executor = UniProcExecutor(vllm_config)
+        self.executor = get_executor_class(vllm_config)(vllm_config)
         num_gpu, num_cpu = self.executor.determine_num_blocks()
         vllm_config.cache_config.num_gpu_blocks = num_gpu
         vllm_config.cache_config.num_cpu_blocks = num_cpu

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Union
+
 from vllm_lite.config import VllmConfig
 from vllm_lite.worker.gpu_worker import GPUWorker
 from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from vllm_lite.worker.multiproc_executor import MultiprocExecutor
 
 
 class UniProcExecutor:
@@ -24,3 +29,12 @@ class UniProcExecutor:
 
     def shutdown(self) -> None:
         pass
+
+
+def get_executor_class(vllm_config: VllmConfig) -> type[Union["UniProcExecutor", "MultiprocExecutor"]]:
+    """UniProcExecutor for one device; MultiprocExecutor (one process per rank) for tensor parallelism."""
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        from vllm_lite.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor
+    return UniProcExecutor

@@ -11,13 +11,14 @@ import contextlib
 import glob
 import json
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from vllm_lite.config import ModelConfig
 from vllm_lite.worker.models.registry import get_model_class
+from vllm_lite.worker.parallel_state import get_tp_size
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -39,14 +40,17 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint, read lazily one at a time."""
+def iterate_weights(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every tensor of the checkpoint, read one at a time.
+
+    lazy=True yields safetensors slices instead of tensors: a tensor-parallel
+    rank then reads only its shard's bytes (`slice[a:b]`)."""
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
 def _hf_config(model_config: ModelConfig):
@@ -105,7 +109,9 @@ def init_non_persistent_buffers(model: nn.Module) -> None:
 
 
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    """Our model for model_config.model in model_config.dtype on device, with the checkpoint's weights."""
+    """Our model for model_config.model in model_config.dtype on device, with the checkpoint's weights.
+
+    Under tensor parallelism (parallel_state initialised) this builds and loads only this rank's shard."""
     device = torch.device(device)
     files = safetensors_files(model_config.model)  # fail on a bad dir before building anything
     hf_config = _hf_config(model_config)
@@ -115,7 +121,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         model = cls(hf_config)
     materialize(model, model_config.dtype, device)
     init_non_persistent_buffers(model)
-    loaded = model.load_weights(iterate_weights(model_config.model))
+    loaded = model.load_weights(iterate_weights(model_config.model, lazy=get_tp_size() > 1))
     expected = {name for name, _ in model.named_parameters()}
     missing = sorted(expected - loaded)
     if missing:

@@ -21,7 +21,8 @@ from vllm_lite.worker.attention.layer import Attention
 from vllm_lite.worker.forward_context import set_forward_context
 from vllm_lite.worker.input_batch import InputBatch
 from vllm_lite.worker.model_loader import load_model
-from vllm_lite.worker.sampler import Sampler, compute_prompt_logprobs
+from vllm_lite.worker.parallel_state import broadcast_from_driver, get_tp_rank, get_tp_size
+from vllm_lite.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from vllm_lite.worker.sampling_state import SamplingState
 from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput, SchedulerOutput
 
@@ -53,6 +54,7 @@ class GPUModelRunner:
         self.vocab_size = mc.vocab_size
         self.backend = _get_backend(device)
         self.sampler = Sampler()
+        self.tp_size, self.is_driver = get_tp_size(), get_tp_rank() == 0
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
         self.sampling_state = SamplingState(self.max_num_reqs, self.vocab_size, self.max_model_len, device)
         self.kv_caches: list[torch.Tensor] = []
@@ -185,9 +187,10 @@ class GPUModelRunner:
             s_rows = rows[s_idx]
             logits_idx = torch.from_numpy(cu[1:][s_idx] - 1).to(dev)
             logits = self.model.compute_logits(hidden[logits_idx])
-            md_s = self.sampling_state.make_metadata(s_rows)
-            out = self.sampler(logits, md_s)
-            sampled = out.sampled_token_ids.cpu().numpy()
+            out = None
+            if self.is_driver:  # under tensor parallelism only rank 0 samples; the others take its tokens
+                out = self.sampler(logits, self.sampling_state.make_metadata(s_rows))
+            sampled = self._share_sampled(out, len(s_idx)).cpu().numpy()
             # Record the new tokens in the persistent batch (the scheduler does the same on its side).
             pos = batch.num_tokens[s_rows]
             ok = pos < self.max_model_len
@@ -196,7 +199,7 @@ class GPUModelRunner:
             self.sampling_state.append_token_ids(s_rows, sampled)
             for i, tok in zip(s_idx.tolist(), sampled.tolist()):
                 sampled_lists[i] = [tok]
-            if out.logprobs_tensors is not None:
+            if out is not None and out.logprobs_tensors is not None:
                 logprobs = _scatter_rows(out.logprobs_tensors, s_idx, num_reqs)
         # Advance progress locally; the scheduler re-sends the authoritative value next step.
         batch.num_computed_tokens[rows] = seq_lens
@@ -207,6 +210,13 @@ class GPUModelRunner:
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_lp,
         )
+
+    def _share_sampled(self, out: Optional[SamplerOutput], n: int) -> torch.Tensor:
+        """The sampled token ids [n], identical on every tensor-parallel rank (rank 0's); free at TP=1."""
+        if self.tp_size == 1:
+            assert out is not None
+            return out.sampled_token_ids
+        return broadcast_from_driver(None if out is None else out.sampled_token_ids, (n,), torch.int64, self.device)
 
     def _prompt_logprobs(
         self, req_ids: list[str], rows: np.ndarray, computed: np.ndarray, num_sched: np.ndarray,

@@ -20,6 +20,7 @@ from vllm_lite.entrypoints.cli.types import CLISubcommand
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_lite.entrypoints.cli.generate",
     "vllm_lite.entrypoints.cli.chat",
+    "vllm_lite.entrypoints.cli.worker",
 )
 
 PARSER_REGISTRARS: tuple[str, ...] = (

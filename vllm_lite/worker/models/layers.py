@@ -1,18 +1,26 @@
 """Building blocks shared by the decoder models: norms, rotary embedding, fused linears, activations.
 
-Fused linears hold several Hugging Face projections in one weight (q/k/v,
-gate/up) so a layer runs one matmul instead of three; their `weight_loader`
-copies each HF shard into its row slice.
+The fused, tensor-parallel linears (QKVLinear, MergedLinear) live in
+parallel_linear.py and are re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vllm_lite.worker.models.parallel_linear import (  # noqa: F401 -- re-exported
+    ColumnParallelLinear,
+    MergedLinear,
+    QKVLinear,
+    RowParallelLinear,
+    copy_checked,
+    read_shard,
+)
 
 
 class RMSNorm(nn.Module):
@@ -56,49 +64,10 @@ def get_activation(name: str) -> nn.Module:
     return acts[name]
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match model shape {tuple(dst.shape)}.")
-    dst.copy_(src)
-
-
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy a whole checkpoint tensor into a parameter (dtype/device converted by copy_)."""
+def default_weight_loader(param: torch.Tensor, loaded: Any) -> None:
+    """Copy a whole checkpoint tensor (or lazy slice) into a replicated parameter (dtype/device converted)."""
     with torch.no_grad():
-        _copy_checked(param.data, loaded, "weight")
-
-
-class MergedLinear(nn.Linear):
-    """Several projections of the same input stacked along the output dim; shard i owns rows [off_i, off_i+size_i)."""
-
-    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool, shard_ids: Sequence[Any]) -> None:
-        super().__init__(in_features, sum(out_sizes), bias=bias)
-        if len(out_sizes) != len(shard_ids):
-            raise ValueError("out_sizes and shard_ids must have the same length.")
-        offsets = [0]
-        for s in out_sizes:
-            offsets.append(offsets[-1] + s)
-        self.shards = {sid: (offsets[i], out_sizes[i]) for i, sid in enumerate(shard_ids)}
-
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any) -> None:
-        """Copy one HF projection (weight or bias) into its slice of this module's `param`."""
-        if shard_id not in self.shards:
-            raise ValueError(f"unknown shard id {shard_id!r}; expected one of {list(self.shards)}.")
-        off, size = self.shards[shard_id]
-        with torch.no_grad():
-            _copy_checked(param.data.narrow(0, off, size), loaded, f"shard {shard_id!r}")
-
-
-class QKVLinear(MergedLinear):
-    """q, k and v projections in one matmul: output is [q (H*D) | k (KVH*D) | v (KVH*D)]."""
-
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, ["q", "k", "v"])
-
-    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        copy_checked(param.data, read_shard(loaded), "weight")
 
 
 # ---------------------------------------------------------------------------- rotary embedding

@@ -18,10 +18,12 @@ from vllm_lite.worker.models.layers import (
     QKVLinear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     SiluAndMul,
     get_rope_parameters,
 )
 from vllm_lite.worker.models.loading import load_hf_weights
+from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head_logits
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +41,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported by the gated MLP; expected 'silu'.")
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias, [0, 1])
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias, [0, 1], "intermediate_size")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, "intermediate_size")
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,11 +52,15 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias)
+        # This rank's heads (all of them at TP=1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, config.hidden_size, o_bias, "num_attention_heads*head_dim"
+        )
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -102,7 +108,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)]
         )
@@ -140,13 +146,13 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+        return lm_head_logits(hidden_states, self.lm_head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tied = ("lm_head.weight",) if self.tie_word_embeddings else ()

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
-import torch
 from torch import nn
 
 from vllm_lite.worker.models.layers import default_weight_loader
@@ -15,12 +14,15 @@ StackedMapping = Sequence[tuple[str, str, object]]
 
 def load_hf_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, Any]],
     stacked: StackedMapping = (),
     skip_suffixes: Sequence[str] = ("rotary_emb.inv_freq",),
     tied_names: Sequence[str] = (),
 ) -> set[str]:
     """Copy each (hf_name, tensor) into its parameter; returns the names of the parameters written.
+
+    A tensor may be a lazy safetensors slice: modules with a `load_weight`
+    (tensor-parallel ones) or a `weight_loader` read only this rank's shard.
 
     `stacked` routes e.g. ".q_proj." into ".qkv_proj." shard "q". Names in
     `tied_names` (lm_head.weight when embeddings are tied) are accepted and
@@ -45,7 +47,9 @@ def load_hf_weights(
         else:
             if name not in params:
                 raise ValueError(f"unexpected checkpoint weight {name!r} (no such parameter in {type(model).__name__}).")
-            default_weight_loader(params[name], tensor)
+            owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            # Sharded modules (row/column-parallel, vocab-parallel) read only their rank's part.
+            getattr(owner, "load_weight", default_weight_loader)(params[name], tensor)
             loaded.add(name)
     # A fused parameter counts as loaded only once every one of its shards arrived.
     for target, seen in shards_seen.items():

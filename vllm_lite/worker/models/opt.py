@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from vllm_lite.worker.attention.layer import Attention
-from vllm_lite.worker.models.layers import QKVLinear, get_activation
+from vllm_lite.worker.models.layers import ColumnParallelLinear, QKVLinear, RowParallelLinear, get_activation
 from vllm_lite.worker.models.loading import load_hf_weights
+from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head_logits
 
 STACKED = (
     (".qkv_proj.", ".q_proj.", "q"),
@@ -25,11 +26,12 @@ class OPTAttention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         d = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = d // self.num_heads
+        total_heads = config.num_attention_heads
+        self.head_dim = d // total_heads
         bias = bool(getattr(config, "enable_bias", True))
-        self.qkv_proj = QKVLinear(d, self.head_dim, self.num_heads, self.num_heads, bias)
-        self.out_proj = nn.Linear(d, d, bias=bias)
+        self.qkv_proj = QKVLinear(d, self.head_dim, total_heads, total_heads, bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's heads
+        self.out_proj = RowParallelLinear(d, d, bias, "num_attention_heads*head_dim")
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -46,8 +48,8 @@ class OPTDecoderLayer(nn.Module):
         self.pre_norm = bool(config.do_layer_norm_before)
         self.self_attn = OPTAttention(config)
         self.self_attn_layer_norm = nn.LayerNorm(d, elementwise_affine=affine)
-        self.fc1 = nn.Linear(d, config.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(config.ffn_dim, d, bias=bias)
+        self.fc1 = ColumnParallelLinear(d, config.ffn_dim, bias, "ffn_dim")
+        self.fc2 = RowParallelLinear(config.ffn_dim, d, bias, "ffn_dim")
         self.final_layer_norm = nn.LayerNorm(d, elementwise_affine=affine)
         self.act = get_activation(config.activation_function)
 
@@ -72,7 +74,7 @@ class OPTDecoder(nn.Module):
         super().__init__()
         d, e = config.hidden_size, config.word_embed_proj_dim
         affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
-        self.embed_tokens = nn.Embedding(config.vocab_size, e)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, e)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, d)
         self.project_in = nn.Linear(e, d, bias=False) if e != d else None
         self.project_out = nn.Linear(d, e, bias=False) if e != d else None
@@ -111,14 +113,14 @@ class OPTForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.model.decoder.embed_tokens
         else:
-            self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Returns [T, word_embed_proj_dim] (the LM head's input width, equal to hidden_size in most OPTs)."""
         return self.model.decoder(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+        return lm_head_logits(hidden_states, self.lm_head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Old OPT checkpoints name tensors "decoder.*" without the "model." prefix.

@@ -1,0 +1,110 @@
+"""`vllm-lite worker`: run this node's tensor-parallel ranks for an engine on node 0.
+
+    node 0:  vllm-lite serve MODEL -tp 4 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500
+    node 1:  vllm-lite worker --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500
+
+The worker needs no model flags: it reads the engine's configuration from the
+rendezvous store on node 0 (the checkpoint must be at the same path on every
+node, or pass --model with this node's path). It may start before or after
+node 0; it exits when the engine goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from vllm_lite.entrypoints.cli.parallel_args import add_parallel_args
+from vllm_lite.entrypoints.cli.types import CLISubcommand
+
+
+class WorkerCommand(CLISubcommand):
+    name = "worker"
+    help = "Run this node's tensor-parallel ranks for a multi-node engine (started on node 0)."
+
+    def add_parser(self, subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+        p = subparsers.add_parser(
+            self.name, help=self.help, description=self.help,
+            epilog="example: vllm-lite worker --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500",
+        )
+        add_parallel_args(p, worker=True)
+        p.add_argument("--model", "-m", default=None,
+                       help="This node's path to the engine's checkpoint (default: the engine's path).")
+        p.add_argument("--connect-timeout", type=float, default=300.0,
+                       help="Seconds to wait for node 0's rendezvous store.")
+        return p
+
+    def run(self, args: argparse.Namespace) -> int:
+        return run_worker_node(args)
+
+
+def run_worker_node(args: argparse.Namespace) -> int:
+    """Start one process per local rank, wait for them; exit code 0 if all ended cleanly."""
+    import datetime
+    import multiprocessing
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from vllm_lite.config import decode_vllm_config
+    from vllm_lite.worker import tp_protocol as P
+    from vllm_lite.worker.tp_worker_proc import RankSpec, run_rank, worker_threads
+
+    if args.master_port is None or not 0 < args.master_port < 65536:
+        raise ValueError(f"--master-port must be node 0's rendezvous port (1..65535), got {args.master_port!r}.")
+    if args.nnodes < 2:
+        raise ValueError(f"--nnodes must be at least 2 for a worker node, got {args.nnodes}.")
+    if not 0 < args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank must be in [1, {args.nnodes}) for a worker node (0 runs the engine), "
+                         f"got {args.node_rank}.")
+    if args.connect_timeout <= 0:
+        raise ValueError(f"--connect-timeout must be positive, got {args.connect_timeout}.")
+    store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
+                          timeout=datetime.timedelta(seconds=args.connect_timeout))
+    store.wait([P.STORE_CONFIG_KEY])
+    pc = decode_vllm_config(store.get(P.STORE_CONFIG_KEY)).parallel_config
+    del store
+    if pc.nnodes != args.nnodes:
+        raise ValueError(f"--nnodes={args.nnodes} but the engine on node 0 was started with nnodes={pc.nnodes}.")
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size != pc.tensor_parallel_size:
+        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} but the engine on node 0 uses "
+                         f"tensor_parallel_size={pc.tensor_parallel_size}.")
+    per_node = pc.ranks_per_node
+    first = args.node_rank * per_node
+    print(f"vllm-lite worker: node {args.node_rank}/{pc.nnodes} runs ranks {first}..{first + per_node - 1} "
+          f"of {pc.tensor_parallel_size}", file=sys.stderr, flush=True)
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for local in range(per_node):
+        spec = RankSpec(
+            rank=first + local, local_rank=local, world_size=pc.tensor_parallel_size,
+            master_addr=args.master_addr, master_port=args.master_port, num_threads=worker_threads(per_node),
+            parent_pid=os.getpid(), model_override=args.model, connect_timeout_s=args.connect_timeout,
+        )
+        proc = ctx.Process(target=run_rank, args=(spec,), name=f"VllmLiteTPWorker-{first + local}")
+        proc.start()
+        procs.append(proc)
+
+    def stop(signum: int, frame: Optional[object]) -> None:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for p in procs:
+        p.join()
+    codes = [p.exitcode for p in procs]
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def subcommands() -> list[CLISubcommand]:
+    return [WorkerCommand()]
+
+
+if __name__ == "__main__":  # `python -m vllm_lite.entrypoints.cli.worker ...`
+    from vllm_lite.entrypoints.cli import main
+
+    sys.exit(main(["worker", *sys.argv[1:]]))

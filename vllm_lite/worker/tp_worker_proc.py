@@ -1,0 +1,178 @@
+"""One tensor-parallel rank in its own process: join the group, build this rank's shard, serve steps.
+
+Started by MultiprocExecutor for the ranks on its node, or by `vllm-lite worker`
+on other nodes. Everything a rank needs (the engine config, the executor's
+address) comes from the TCPStore at master_addr:master_port, so a remote
+node needs only those two plus its node rank.
+
+A rank exits when told to, when its parent process (local ranks) or the
+TCPStore host (any rank) is gone, or on any error -- after reporting the
+error to the executor, which then fails the engine loudly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import sys
+import traceback
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger("vllm_lite.tp_worker")
+
+# How often an idle rank checks that its parent / the store host is still there.
+_LIVENESS_INTERVAL_S = 1.0
+
+
+@dataclasses.dataclass
+class RankSpec:
+    """Plain values only: this crosses a process boundary (spawn) or is built from CLI flags."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    num_threads: int
+    parent_pid: Optional[int] = None  # local ranks: exit when this process is gone
+    model_override: Optional[str] = None  # this node's path to the same checkpoint, if it differs
+    connect_timeout_s: float = 300.0
+
+
+def worker_threads(ranks_on_node: int) -> int:
+    """An even share of this process's CPUs per rank on the node (1 each for TP=2 on 2 cores)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, ranks_on_node))
+
+
+def run_rank(spec: RankSpec) -> None:
+    """Process target. Never returns normally: exits 0 on shutdown, 1 on error."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp{spec.rank}] %(message)s")
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine (or `vllm-lite worker`) decides when we stop
+    torch.set_num_threads(spec.num_threads)
+    code = 1
+    try:
+        code = _RankProcess(spec).serve()
+    except BaseException:  # noqa: BLE001 -- reported by _RankProcess where possible; log the rest
+        logger.error("tensor-parallel rank %d failed:\n%s", spec.rank, traceback.format_exc())
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown (torch, gloo threads)
+
+
+class _RankProcess:
+    def __init__(self, spec: RankSpec) -> None:
+        import torch.distributed as dist
+        import zmq
+
+        from vllm_lite.config import decode_vllm_config
+        from vllm_lite.core.serialization import MsgpackDecoder, MsgpackEncoder
+        from vllm_lite.worker import tp_protocol as P
+        from vllm_lite.worker.step import SchedulerOutput
+
+        self.spec = spec
+        self.P = P
+        self.store = dist.TCPStore(
+            spec.master_addr, spec.master_port, is_master=False,
+            timeout=datetime.timedelta(seconds=spec.connect_timeout_s),
+        )
+        self.store.wait([P.STORE_CONFIG_KEY, P.STORE_ADDRESS_KEY])
+        config = decode_vllm_config(self.store.get(P.STORE_CONFIG_KEY))
+        address = self.store.get(P.STORE_ADDRESS_KEY).decode()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, P.rank_identity(spec.rank))
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(address)
+        self.encoder = MsgpackEncoder()
+        self.so_decoder = MsgpackDecoder(SchedulerOutput)
+        self.any_decoder = MsgpackDecoder()
+        try:
+            self.worker = self._build_worker(config)
+        except BaseException as e:
+            self._report_error(e)
+            raise
+        self._send(P.FromWorker.READY, spec.rank)
+
+    def _build_worker(self, config: Any) -> Any:
+        from vllm_lite.worker.gpu_worker import GPUWorker
+        from vllm_lite.worker.parallel_state import default_backend, init_distributed
+
+        spec = self.spec
+        if spec.model_override:
+            config.model_config.model = spec.model_override
+            config.model_config.tokenizer = spec.model_override
+        device = config.device_config.device
+        if device.type == "cuda":
+            device = torch.device("cuda", spec.local_rank)
+            config.device_config.device = device
+        import torch.distributed as dist
+
+        pg_store = dist.PrefixStore(self.P.STORE_PG_PREFIX, self.store)
+        init_distributed(spec.world_size, spec.rank, pg_store, default_backend(device))
+        return GPUWorker(config)
+
+    # ------------------------------------------------------------------ messaging
+    def _send(self, kind: Any, obj: Any) -> None:
+        self.sock.send_multipart([self.P.type_frame(kind), *self.encoder.encode(obj)], copy=False)
+
+    def _report_error(self, e: BaseException) -> None:
+        text = f"tensor-parallel rank {self.spec.rank}: {type(e).__name__}: {e}"
+        try:
+            self.sock.send_multipart([self.P.type_frame(self.P.FromWorker.ERROR), text.encode()])
+        except Exception:  # noqa: BLE001 -- the executor may be gone already
+            pass
+
+    def _alive(self) -> bool:
+        """False when the process that started us, or the store host (the engine), is gone."""
+        if self.spec.parent_pid is not None and os.getppid() != self.spec.parent_pid:
+            return False
+        try:
+            self.store.check([self.P.STORE_CONFIG_KEY])
+        except Exception:  # noqa: BLE001 -- any store failure means the engine side is gone
+            return False
+        return True
+
+    # ------------------------------------------------------------------ loop
+    def serve(self) -> int:
+        P = self.P
+        driver = self.spec.rank == 0
+        while True:
+            if not self.sock.poll(int(_LIVENESS_INTERVAL_S * 1000)):
+                if not self._alive():
+                    logger.info("rank %d: the engine is gone; exiting.", self.spec.rank)
+                    return 0
+                continue
+            frames = self.sock.recv_multipart(copy=False)
+            kind = frames[0].bytes[0] if len(frames[0].bytes) == 1 else -1
+            try:
+                if kind == P.ToWorker.EXECUTE_MODEL:
+                    out = self.worker.execute_model(self.so_decoder.decode(frames[1:]))
+                    if driver:
+                        self._send(P.FromWorker.RESULT, out)
+                elif kind == P.ToWorker.DETERMINE_NUM_BLOCKS:
+                    self._send(P.FromWorker.RESULT, list(self.worker.determine_num_blocks()))
+                elif kind == P.ToWorker.INITIALIZE_CACHE:
+                    num_gpu, num_cpu = self.any_decoder.decode(frames[1:])
+                    self.worker.initialize_cache(int(num_gpu), int(num_cpu))
+                    self._send(P.FromWorker.RESULT, None)
+                elif kind == P.ToWorker.SHUTDOWN:
+                    return 0
+                else:
+                    raise ValueError(f"unknown message type {kind} from the executor")
+            except BaseException as e:  # noqa: BLE001 -- a rank that cannot go on says why, then exits
+                logger.error("rank %d step failed:\n%s", self.spec.rank, traceback.format_exc())
+                self._report_error(e)
+                self.sock.close(linger=2000)
+                return 1
