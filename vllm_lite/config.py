@@ -218,6 +218,11 @@ class EngineArgs:
             master_port=self.master_port,
         )
         verify_parallel_config(parallel_config, hf)
+        if self.node_rank != 0:
+            raise ValueError(
+                f"node_rank={self.node_rank}: the engine runs on node 0; start nodes 1..{self.nnodes - 1} "
+                "with `vllm-lite worker --node-rank N ...`."
+            )
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched!r}.")
