@@ -1,0 +1,83 @@
+"""Multi-node tensor parallelism simulated on one machine: two "nodes" on loopback.
+
+Node 1 is a separate `vllm-lite worker` process tree started with the
+multi-node flags; node 0 is the engine (LLM) in this test, started with the
+same flags. They meet only through torch.distributed's TCP rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+from vllm_lite import LLM, SamplingParams  # noqa: E402
+from vllm_lite.testing.checkpoints import get_checkpoint  # noqa: E402
+
+PROMPTS = ["The quick brown fox jumps over", "def fibonacci(n):\n    return"]
+ENGINE_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 24, max_num_seqs=8)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_cmd(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "vllm_lite.entrypoints.cli", "worker", *flags]
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_two_loopback_nodes_give_the_same_greedy_outputs_as_one_device():
+    path = get_checkpoint("qwen2")
+    with LLM(path, multiprocess=False, **ENGINE_KW) as ref:
+        want = _greedy(ref)
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    node1 = subprocess.Popen(
+        _worker_cmd("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                    "--master-port", str(port), "--tensor-parallel-size", "2", "--connect-timeout", "120"),
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        with LLM(path, tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+                 master_port=port, **ENGINE_KW) as llm:
+            got = _greedy(llm)
+        # The engine is gone: node 1's ranks notice and its worker command exits cleanly.
+        out, _ = node1.communicate(timeout=30)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    assert got == want
+    assert node1.returncode == 0, out
+    assert "runs ranks 1..1 of 2" in out
+
+
+def test_worker_node_rejects_bad_multinode_flags_with_a_clear_error():
+    res = subprocess.run(_worker_cmd("--nnodes", "2", "--node-rank", "0", "--master-port", "29500"),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "--node-rank must be in [1, 2)" in res.stderr
+
+
+def test_engine_refuses_a_nonzero_node_rank_and_a_missing_master_port():
+    path = get_checkpoint("qwen2")
+    with pytest.raises(ValueError, match="node_rank=1: the engine runs on node 0"):
+        LLM(path, tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=29500, **ENGINE_KW)
+    with pytest.raises(ValueError, match="master_port must be set"):
+        LLM(path, tensor_parallel_size=2, nnodes=2, **ENGINE_KW)
+    with pytest.raises(ValueError, match="multiple of nnodes=2"):
+        LLM(path, tensor_parallel_size=3, nnodes=2, master_port=29500, **ENGINE_KW)
