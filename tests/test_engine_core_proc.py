@@ -542,3 +542,28 @@ def test_sigterm_drains_running_requests_then_exits_zero(tmp_path):
             proc.kill()
         proc.join()
         ctx.destroy(linger=0)
+
+
+def test_busy_address_fails_fast_before_loading_the_model(tmp_path):
+    addresses = make_addresses(str(tmp_path))
+    ctx = zmq.Context()
+    squatter = ctx.socket(zmq.ROUTER)
+    squatter.bind("tcp://127.0.0.1:0")
+    busy = squatter.getsockopt(zmq.LAST_ENDPOINT).decode()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="could not bind its sockets"):
+            EngineCoreProc(fake_config(fake_fail_startup="must not get this far"),
+                           CoreAddresses(input=busy, output=addresses.output),
+                           CoreProcOptions(engine_core_cls=FakeEngineCore))
+        assert time.monotonic() - t0 < 5
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_engine_addresses_from_one_base_address():
+    assert CoreAddresses.from_base("tcp://127.0.0.1:5555") == CoreAddresses("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556")
+    assert CoreAddresses.from_base("ipc:///tmp/core") == CoreAddresses("ipc:///tmp/core.in", "ipc:///tmp/core.out")
+    for bad in ("localhost:5555", "tcp://127.0.0.1", "tcp://:80", "tcp://h:65535", "ipc://"):
+        with pytest.raises(ValueError, match="engine address"):
+            CoreAddresses.from_base(bad)

@@ -145,6 +145,26 @@ def set_core_thread_policy(vllm_config: VllmConfig) -> int:
     return n
 
 
+class _LogLimiter:
+    """At most ``burst`` warnings per ``window_s``: a peer spraying junk must not flood the log."""
+
+    def __init__(self, burst: int = 20, window_s: float = 60.0) -> None:
+        self.burst, self.window_s = burst, window_s
+        self.window_start, self.count, self.suppressed = 0.0, 0, 0
+
+    def warn(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.window_start > self.window_s:
+            if self.suppressed:
+                logger.warning("(%d similar messages suppressed)", self.suppressed)
+            self.window_start, self.count, self.suppressed = now, 0, 0
+        self.count += 1
+        if self.count <= self.burst:
+            logger.warning(msg, *args)
+        else:
+            self.suppressed += 1
+
+
 class _Client:
     """One attached frontend, as the busy loop sees it."""
 
@@ -175,13 +195,6 @@ class EngineCoreProc:
         self.options = options or CoreProcOptions()
         self.addresses = addresses
         self.num_threads = set_core_thread_policy(vllm_config)
-        core_cls = self.options.engine_core_cls
-        if core_cls is None:
-            from vllm_lite.core.engine_core import EngineCore
-
-            core_cls = EngineCore
-        self.engine_core = core_cls(vllm_config)
-        self.model_facts: dict[str, Any] = dict(self.engine_core.model_facts)
         self._model_path = vllm_config.model_config.model
         self._tokenizer = vllm_config.model_config.tokenizer
 
@@ -196,6 +209,7 @@ class EngineCoreProc:
         self._sigterm = False
         self._drain_deadline: Optional[float] = None
         self._last_housekeeping = 0.0
+        self._drop_log = _LogLimiter()  # shared by the input thread and the loop; races only miscount
 
         self._zmq = zmq.Context()
         ready = [threading.Event(), threading.Event()]
@@ -211,9 +225,28 @@ class EngineCoreProc:
         for ev in ready:
             ev.wait(10.0)
         if errors or not all(ev.is_set() for ev in ready):
-            self._stop_threads.set()
-            self.output_queue.put(None)
+            self._stop_socket_threads()
             raise RuntimeError(f"Engine core could not bind its sockets {addresses}: {errors[0] if errors else 'timeout'}")
+        # Sockets first (a busy port fails in milliseconds, not after loading the model); frontends
+        # that connect meanwhile wait in the input queue until the loop starts.
+        try:
+            core_cls = self.options.engine_core_cls
+            if core_cls is None:
+                from vllm_lite.core.engine_core import EngineCore
+
+                core_cls = EngineCore
+            self.engine_core = core_cls(vllm_config)
+            self.model_facts: dict[str, Any] = dict(self.engine_core.model_facts)
+        except BaseException:
+            self._stop_socket_threads()
+            raise
+
+    def _stop_socket_threads(self) -> None:
+        self.output_queue.put(None)
+        self._output_thread.join(timeout=5.0)
+        self._stop_threads.set()
+        self._input_thread.join(timeout=2.0)
+        self._zmq.term()
 
     # ------------------------------------------------------------------ process entry point
     @staticmethod
@@ -336,7 +369,7 @@ class EngineCoreProc:
     def _client(self, identity: bytes, what: str) -> Optional[_Client]:
         client = self._clients.get(identity)
         if client is None:
-            logger.warning("Dropped %s from frontend %s that has not said HELLO.", what, identity.hex())
+            self._drop_log.warn("Dropped %s from frontend %s that has not said HELLO.", what, identity.hex())
         return client
 
     def _handle_hello(self, identity: bytes, hello: HelloRequest) -> None:
@@ -479,23 +512,33 @@ class EngineCoreProc:
         if dead:
             for client in list(self._clients.values()):
                 self.output_queue.put((client.identity, EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(engine_dead=True)))
-        self.output_queue.put(None)  # output thread flushes everything before it, then stops
-        self._output_thread.join(timeout=5.0)
-        self._stop_threads.set()
-        self._input_thread.join(timeout=2.0)
+        # The output thread flushes everything queued before the stop marker, then stops.
+        self._stop_socket_threads()
         try:
             self.engine_core.shutdown()
         except Exception:  # noqa: BLE001 -- we are exiting anyway
             logger.exception("EngineCore.shutdown() failed.")
-        self._zmq.term()
 
     # ------------------------------------------------------------------ socket threads
+    def _bind(self, address: str, linger: int, mandatory: bool = False, sndhwm: Optional[int] = None) -> zmq.Socket:
+        """A bound ROUTER socket, or an exception with nothing left open (so the context can terminate)."""
+        sock = self._zmq.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, linger)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            if mandatory:
+                sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if sndhwm is not None:
+                sock.setsockopt(zmq.SNDHWM, sndhwm)
+            sock.bind(address)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
     def _input_thread_main(self, ready: threading.Event, errors: list[BaseException]) -> None:
         try:
-            sock = self._zmq.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            sock.bind(self.addresses.input)
+            sock = self._bind(self.addresses.input, linger=0)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
             ready.set()
@@ -525,7 +568,7 @@ class EngineCoreProc:
                             raise ValueError(f"{kind.name} message has no payload")
                         payload = decoders[kind].decode(frames[2:])
                 except Exception as e:  # noqa: BLE001 -- whatever a peer sends, it never kills the core
-                    logger.warning("Dropped malformed message from %s: %s", identity.hex(), e)
+                    self._drop_log.warn("Dropped malformed message from %s: %s", identity.hex(), e)
                     continue
                 if identity in self._clients:  # only attached frontends are tracked and answered
                     self._last_seen[identity] = time.monotonic()
@@ -538,14 +581,9 @@ class EngineCoreProc:
 
     def _output_thread_main(self, ready: threading.Event, errors: list[BaseException]) -> None:
         try:
-            sock = self._zmq.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 2000)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             # No send limit: with ROUTER_MANDATORY a full pipe would block every frontend's outputs
             # behind one slow reader (a reader that stops altogether is dropped by the heartbeat watch).
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            sock.bind(self.addresses.output)
+            sock = self._bind(self.addresses.output, linger=2000, mandatory=True, sndhwm=0)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
             ready.set()
