@@ -196,6 +196,22 @@ def test_n_greater_than_one_streams_every_sample(llm, loop, reference):
     loop.run_until_complete(run())
 
 
+def test_logprob_tensors_from_the_core_become_per_token_dicts(llm, loop, reference):
+    async def run() -> None:
+        params = greedy(6, RequestOutputKind.DELTA, logprobs=3, prompt_logprobs=2)
+        outs = await collect(llm, PROMPTS[6], params, "lp")
+        ids = [t for o in outs for t in o.outputs[0].token_ids]
+        lps = [d for o in outs for d in o.outputs[0].logprobs]
+        assert ids == reference[PROMPTS[6]][:6] and len(lps) == 6
+        for tok, d in zip(ids, lps):
+            assert tok in d and d[tok].rank == 1  # greedy: the sampled token is the most likely
+            assert len(d) >= 3 and all(lp.logprob <= 0.0 for lp in d.values())
+        prompt_lps = [p for o in outs if o.prompt_logprobs for p in o.prompt_logprobs]
+        assert prompt_lps[0] is None and len(prompt_lps) == len(outs[0].prompt_token_ids)
+
+    loop.run_until_complete(run())
+
+
 def test_garbage_and_wrong_type_frames_are_dropped_and_the_core_still_serves(llm, loop, reference):
     client = llm.engine_core
     ctx = zmq.Context()
