@@ -14,6 +14,7 @@ import pytest
 import torch
 import zmq
 
+from vllm_lite.client import async_llm as async_llm_module
 from vllm_lite.client.async_llm import AsyncLLM
 from vllm_lite.client.exceptions import EngineDeadError, EngineStartupError
 from vllm_lite.config import EngineArgs
@@ -107,7 +108,10 @@ def test_delta_pieces_concatenate_to_the_final_output(llm, loop, reference):
     loop.run_until_complete(run())
 
 
-def test_cancel_50_of_200_streams_frees_every_block_and_the_rest_finish(llm, loop, reference):
+def test_cancel_50_of_200_streams_frees_every_block_and_the_rest_finish(llm, loop, reference, monkeypatch):
+    # Small slices: the output handler's chunked path runs too (200 outputs per step -> 6 slices).
+    monkeypatch.setattr(async_llm_module, "_OUTPUT_CHUNK", 37)
+
     async def run() -> None:
         free_before = await llm.call_utility_async("get_num_free_blocks")
         rng = random.Random(1234)

@@ -31,6 +31,9 @@ from vllm_lite.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Core outputs processed per slice before the output handler lets other tasks run.
+_OUTPUT_CHUNK = 256
+
 
 class AsyncLLM:
     """Many concurrent streaming requests over one engine core (its own process)."""
@@ -214,11 +217,14 @@ class AsyncLLM:
                 outputs = await engine_core.get_output_async()
                 if outputs.scheduler_stats is not None:
                     self.last_scheduler_stats = outputs.scheduler_stats
-                if not outputs.outputs:
-                    continue
-                processed = processor.process_outputs(outputs.outputs, outputs.timestamp)
-                if processed.reqs_to_abort:
-                    await engine_core.abort_requests_async(processed.reqs_to_abort)
+                outs = outputs.outputs
+                # A huge step is handled in slices, yielding in between, so the server stays responsive.
+                for start in range(0, len(outs), _OUTPUT_CHUNK):
+                    if start:
+                        await asyncio.sleep(0)
+                    processed = processor.process_outputs(outs[start : start + _OUTPUT_CHUNK], outputs.timestamp)
+                    if processed.reqs_to_abort:
+                        await engine_core.abort_requests_async(processed.reqs_to_abort)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as e:
