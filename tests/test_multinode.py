@@ -8,9 +8,11 @@ same flags. They meet only through torch.distributed's TCP rendezvous.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -81,3 +83,63 @@ def test_engine_refuses_a_nonzero_node_rank_and_a_missing_master_port():
         LLM(path, tensor_parallel_size=2, nnodes=2, **ENGINE_KW)
     with pytest.raises(ValueError, match="multiple of nnodes=2"):
         LLM(path, tensor_parallel_size=3, nnodes=2, master_port=29500, **ENGINE_KW)
+
+
+def _is_rank_process(pid: int) -> bool:
+    """A spawned multiprocessing child (not multiprocessing's resource tracker)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return False
+    return b"spawn_main" in cmd and b"resource_tracker" not in cmd
+
+
+def _children(pid: int) -> list[int]:
+    """Tensor-parallel rank processes started by process `pid`, oldest first."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z" and _is_rank_process(int(entry)):
+                out.append(int(entry))
+    return sorted(out)
+
+
+def test_killing_the_remote_nodes_rank_gives_engine_dead_error_within_5s():
+    from vllm_lite.client.exceptions import EngineDeadError
+    from vllm_lite.client.llm_engine import LLMEngine
+    from vllm_lite.config import EngineArgs
+
+    port = _free_port()
+    node1 = subprocess.Popen(
+        _worker_cmd("--nnodes", "2", "--node-rank", "1", "--master-port", str(port), "--connect-timeout", "120"),
+        env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    engine = None
+    try:
+        engine = LLMEngine.from_engine_args(EngineArgs(
+            model=get_checkpoint("qwen2"), tensor_parallel_size=2, nnodes=2, master_port=port, **ENGINE_KW))
+        engine.add_request("r0", "Once upon a time", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        produced = 0
+        while produced < 3:
+            produced += sum(len(o.outputs[0].token_ids) > 0 for o in engine.step())
+        remote_ranks = _children(node1.pid)
+        assert len(remote_ranks) == 1
+        os.kill(remote_ranks[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            while True:
+                engine.step()
+        assert time.monotonic() - t0 < 5.0
+        assert node1.wait(timeout=15) == 1  # the worker command reports its rank's failure
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()

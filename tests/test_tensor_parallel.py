@@ -193,7 +193,18 @@ def test_indivisible_head_count_is_a_clear_error(tmp_path):
         QKVLinear(48, 16, 3, 1, bias=False)
 
 
+def _is_rank_process(pid: int) -> bool:
+    """A spawned multiprocessing child (not multiprocessing's resource tracker)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return False
+    return b"spawn_main" in cmd and b"resource_tracker" not in cmd
+
+
 def _children(pid: int) -> list[int]:
+    """Tensor-parallel rank processes started by process `pid`, oldest first."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -202,7 +213,7 @@ def _children(pid: int) -> list[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == pid and fields[0] != "Z":
+            if int(fields[1]) == pid and fields[0] != "Z" and _is_rank_process(int(entry)):
                 out.append(int(entry))
     return sorted(out)
 
@@ -215,7 +226,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_killing_a_tp_worker_mid_run_raises_engine_dead_error_within_5s():
+@pytest.mark.parametrize("victim", [0, 1])
+def test_killing_a_tp_worker_mid_run_raises_engine_dead_error_within_5s(victim):
     from vllm_lite.client.llm_engine import LLMEngine
 
     args = EngineArgs(model=get_checkpoint("llama"), tensor_parallel_size=2, **ENGINE_KW)
@@ -223,12 +235,12 @@ def test_killing_a_tp_worker_mid_run_raises_engine_dead_error_within_5s():
     try:
         core_pid = engine.engine_core.proc.pid
         workers = _children(core_pid)
-        assert len(workers) >= 2, f"expected two TP worker processes under the core, found {workers}"
+        assert len(workers) == 2, f"expected two TP worker processes under the core, found {workers}"
         engine.add_request("r0", "Once upon a time", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         produced = 0
         while produced < 3:  # the run is under way
             produced += sum(len(o.outputs[0].token_ids) > 0 for o in engine.step())
-        os.kill(workers[-1], signal.SIGKILL)  # the later-spawned worker: rank 1
+        os.kill(workers[victim], signal.SIGKILL)  # ranks are spawned in order
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError):
             while True:
