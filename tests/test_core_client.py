@@ -328,7 +328,7 @@ def test_attached_client_declares_a_silent_core_dead():
         client.shutdown()
 
 
-def test_async_client_attaches_to_a_running_core():
+def test_async_client_attaches_to_a_running_core_and_detaches_on_shutdown():
     core = ThreadedCore(heartbeat_timeout_s=0.6)
     core.proc.engine_core.step_delay = 0.01
 
@@ -348,6 +348,10 @@ def test_async_client_attaches_to_a_running_core():
 
     try:
         asyncio.run(main())
+        deadline = time.monotonic() + 3
+        while core.proc._clients:  # the async client said GOODBYE on shutdown
+            assert time.monotonic() < deadline, "the core still lists a detached async frontend"
+            time.sleep(0.02)
     finally:
         core.stop()
 
@@ -371,4 +375,25 @@ def test_async_client_works_across_successive_event_loops():
         assert asyncio.run(client.call_utility_async("ping")) == "pong"
     finally:
         client.shutdown()
+        core.stop()
+
+
+def test_attached_client_goodbye_aborts_its_requests_at_once():
+    core = ThreadedCore(heartbeat_timeout_s=60.0)
+    core.proc.engine_core.step_delay = 0.01
+    stays = SyncMPClient(addresses=core.addresses, client_name="stays")
+    leaves = SyncMPClient(addresses=core.addresses, client_name="leaves")
+    try:
+        names = sorted(f["name"] for f in stays.call_utility("list_frontends"))
+        assert names == ["leaves", "stays"]
+        leaves.add_request(request("orphan", [1], max_tokens=2000))
+        leaves.get_output(timeout=10)
+        leaves.shutdown()
+        deadline = time.monotonic() + 3
+        while "orphan" in core.proc.engine_core.reqs:
+            assert time.monotonic() < deadline, "a detached frontend's request kept running"
+            time.sleep(0.02)
+        assert [f["name"] for f in stays.call_utility("list_frontends")] == ["stays"]
+    finally:
+        stays.shutdown()
         core.stop()

@@ -252,7 +252,7 @@ def _cleanup(
     if proc is not None:
         _stop_process(proc)
     for s in sockets:
-        s.close(linger=0)
+        s.close()  # LINGER is 0 unless a GOODBYE is on its way
     ctx.term()
     if tmpdir is not None:
         shutil.rmtree(tmpdir, ignore_errors=True)
@@ -377,6 +377,15 @@ class _MPClientBase(EngineCoreClient):
             return out.result, None
         exc_type = _UTILITY_ERRORS.get(out.failure_type or "", RuntimeError)
         return None, exc_type(out.failure_message)
+
+    @staticmethod
+    def _say_goodbye(sock: zmq.Socket) -> None:
+        """Attached frontend leaving: the core aborts our requests now, not after a heartbeat timeout."""
+        try:
+            sock.send(EngineCoreRequestType.GOODBYE.value, zmq.NOBLOCK)
+            sock.setsockopt(zmq.LINGER, 500)  # let it leave before the socket closes
+        except zmq.ZMQError:
+            pass
 
     @property
     def is_dead(self) -> bool:
@@ -505,6 +514,8 @@ class SyncMPClient(_MPClientBase):
         self._closed = True
         self._stop.set()
         self._thread.join(timeout=2.0)
+        if self.proc is None and self._dead is None:
+            self._say_goodbye(self._in_sync)
         self._finalizer()
         if self._dead is None:
             self._outputs.put(EngineDeadError("This engine core client was shut down."))
@@ -689,8 +700,10 @@ class AsyncMPClient(_MPClientBase):
                 loop.call_soon_threadsafe(self._set_dead, err)
         if self._dead is None:
             self._dead = err
-        self._in.close(linger=0)
-        self._out.close(linger=0)
+        if self.proc is None:
+            self._say_goodbye(self._in_sync)
+        self._in.close()
+        self._out.close()
         self._finalizer()
 
 

@@ -5,7 +5,7 @@ Sockets (the core always binds, frontends connect):
 * ``input``  ROUTER. A frontend connects a DEALER with a fixed identity and sends
   ``[type, *payload]`` where ``type`` is one ``EngineCoreRequestType`` byte:
   HELLO(HelloRequest), ADD(EngineCoreRequest), ABORT(list[str]),
-  UTILITY(UtilityRequest), HEARTBEAT(no payload).
+  UTILITY(UtilityRequest), HEARTBEAT(no payload), GOODBYE(no payload: detach now).
 * ``output`` ROUTER. The same frontend connects a second DEALER with the *same*
   identity; the core sends it ``[type, *payload]`` where ``type`` is one
   ``EngineCoreOutputType`` byte: READY/REFUSED(HandshakeReply),
@@ -365,6 +365,11 @@ class EngineCoreProc:
                 self._handle_add(identity, payload)
             elif kind is EngineCoreRequestType.UTILITY:
                 self._handle_utility(identity, payload)
+        for identity, kind, _ in items:
+            if kind is EngineCoreRequestType.GOODBYE:
+                client = self._clients.get(identity)
+                if client is not None:
+                    self._drop_client(client, "it said GOODBYE")
 
     def _client(self, identity: bytes, what: str) -> Optional[_Client]:
         client = self._clients.get(identity)
@@ -449,7 +454,12 @@ class EngineCoreProc:
         if client is None:
             return
         try:
-            result = UtilityOutput(call.call_id, result=self.engine_core.call_utility(call.method, list(call.args)))
+            if call.method == "list_frontends":  # the serving process's own facts, not the engine's
+                value: Any = [{"client_index": c.index, "name": c.name, "num_requests": len(c.request_ids)}
+                              for c in self._clients.values()]
+            else:
+                value = self.engine_core.call_utility(call.method, list(call.args))
+            result = UtilityOutput(call.call_id, result=value)
         except Exception as e:  # noqa: BLE001 -- a failed utility call fails only that call
             result = UtilityOutput(call.call_id, failure_message=str(e), failure_type=type(e).__name__)
         self.output_queue.put((identity, EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(utility_output=result)))
@@ -551,6 +561,7 @@ class EngineCoreProc:
             EngineCoreRequestType.HELLO: MsgpackDecoder(HelloRequest),
         }
         heartbeat = EngineCoreRequestType.HEARTBEAT
+        goodbye = EngineCoreRequestType.GOODBYE
         try:
             while not self._stop_threads.is_set():
                 if not sock.poll(100):
@@ -561,7 +572,7 @@ class EngineCoreProc:
                     if len(frames) < 2:
                         raise ValueError("message has no type frame")
                     kind = EngineCoreRequestType(frames[1].bytes)
-                    if kind is heartbeat:
+                    if kind is heartbeat or kind is goodbye:
                         payload = None
                     else:
                         if len(frames) < 3:

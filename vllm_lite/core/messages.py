@@ -38,6 +38,7 @@ class EngineCoreRequestType(enum.Enum):
     UTILITY = b"\x02"
     HELLO = b"\x03"
     HEARTBEAT = b"\x04"
+    GOODBYE = b"\x05"  # no payload: this frontend detaches; its requests are aborted
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
