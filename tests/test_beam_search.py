@@ -173,12 +173,13 @@ def test_beam_search_early_stopping_true_stops_once_width_hypotheses_finish() ->
         ]
 
     search = BeamSearch(generate, BeamSearchParams(beam_width=2, max_tokens=10), EOS_ID, early_stopping=True)
-    (beams,) = search.run([[5, 6]])
+    steps = []
+    (beams,) = search.run([[5, 6]], on_step=lambda: steps.append(1))
     # Step 1: EOS (finished) and 10 live; step 2 from [10]: EOS finishes -> 2 hypotheses -> stop.
     assert [b.output_token_ids for b in beams] == [[EOS_ID], [10, EOS_ID]]
     assert beams[0].score == pytest.approx(-0.1)
     assert beams[1].score == pytest.approx((-2.0 - 0.1) / 2)
-    assert calls == [1, 2]
+    assert calls == [1, 2] and len(steps) == 2
 
 
 def test_beam_search_rejects_bad_parameters(llama_path: str) -> None:

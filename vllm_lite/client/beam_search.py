@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
+from tqdm.auto import tqdm
+
 from vllm_lite.outputs import Logprob, RequestOutput
 from vllm_lite.sampling_params import BeamSearchParams, SamplingParams
 
@@ -126,8 +128,11 @@ class BeamSearch:
         )
 
     # ------------------------------------------------------------------ driver
-    def run(self, prompts: Sequence[Any]) -> list[list[BeamSearchSequence]]:
-        """Best beams per prompt, best first; prompts are what `LLM.generate` accepts (one each)."""
+    def run(self, prompts: Sequence[Any], on_step: Optional[Callable[[], None]] = None) -> list[list[BeamSearchSequence]]:
+        """Best beams per prompt, best first; prompts are what `LLM.generate` accepts (one each).
+
+        `on_step` is called after every engine round trip (for progress bars).
+        """
         if not prompts:
             raise ValueError("prompts is empty")
         # Step 0 sends the prompts as given, so the processor tokenizes them as generate() would.
@@ -138,6 +143,8 @@ class BeamSearch:
             self._check_length(i, len(st.prompt_ids))
             states.append(st)
         self._advance(states, [[out] for out in outs])
+        if on_step is not None:
+            on_step()
         while True:
             active = [s for s in states if not s.done]
             if not active:
@@ -149,6 +156,8 @@ class BeamSearch:
                 per_state.append(outs[k : k + len(s.live)])
                 k += len(s.live)
             self._advance(active, per_state)
+            if on_step is not None:
+                on_step()
         return [s.finished for s in states]
 
     def _check_length(self, index: int, prompt_len: int) -> None:
@@ -241,10 +250,15 @@ def beam_search(
     max_model_len: Optional[int] = None,
     early_stopping: EarlyStopping = False,
     max_logprobs: int = 20,
+    use_tqdm: bool = False,
 ) -> list[BeamSearchOutput]:
     """Beam search for each prompt; each output's sequences are the best `beam_width` beams, best first."""
     searcher = BeamSearch(generate, params, eos_token_id, max_model_len, early_stopping, max_logprobs)
-    results = searcher.run(prompts)
+    bar = tqdm(total=params.max_tokens, desc="Beam search", unit="token", disable=not use_tqdm)
+    try:
+        results = searcher.run(prompts, on_step=lambda: bar.update(1))
+    finally:
+        bar.close()
     outputs = []
     for beams in results:
         for b in beams:

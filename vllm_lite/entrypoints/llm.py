@@ -125,7 +125,7 @@ class LLM:
 
         engine = self.llm_engine
         return beam_search(
-            lambda ps, sps: self._run(ps, sps, None, use_tqdm),
+            lambda ps, sps: self._run(ps, sps, None, False),
             self.get_tokenizer(),
             _as_prompt_list(prompts),
             params,
@@ -133,6 +133,7 @@ class LLM:
             max_model_len=engine.processor.max_model_len,
             early_stopping=early_stopping,
             max_logprobs=engine.processor.max_logprobs,
+            use_tqdm=use_tqdm,
         )
 
     def reset_prefix_cache(self) -> bool:
