@@ -252,3 +252,20 @@ def test_killing_a_tp_worker_mid_run_raises_engine_dead_error_within_5s(victim):
         assert not any(_alive(p) for p in workers), "worker processes outlived the dead engine"
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_to_load_its_shard_fails_engine_startup_with_its_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from vllm_lite.client.exceptions import EngineStartupError
+
+    src = get_checkpoint("llama")
+    for name in os.listdir(src):
+        shutil.copy(os.path.join(src, name), tmp_path / name)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(EngineStartupError, match=r"tensor-parallel rank \d: .*lacks parameters: "
+                                                 r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_KW)
