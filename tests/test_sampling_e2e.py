@@ -85,22 +85,39 @@ def _contains(seq: list[int], sub: list[int]) -> bool:
     return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
+def _bad_word_choices(tok, ids: list[int]) -> tuple[str, str]:
+    """From a greedy output: a word that is exactly two tokens, and a one-token word not among them."""
+    multi = multi_ids = single = None
+    for i in range(1, len(ids) - 1):
+        pair = tok.decode(ids[i : i + 2])
+        if pair.isprintable() and pair == pair.strip() and tok.encode(pair, add_special_tokens=False) == ids[i : i + 2]:
+            multi, multi_ids = pair, ids[i : i + 2]
+            break
+    for t in ids:
+        text = tok.decode([t]).strip()
+        if multi_ids and t not in multi_ids and text.isalpha() and tok.encode(text, add_special_tokens=False) == [t]:
+            single = text
+            break
+    assert single and multi, "the greedy output should offer a one-token and a two-token word"
+    return single, multi
+
+
 def test_bad_words_never_appear_single_and_multi_token(llm) -> None:
     tok = llm.get_tokenizer()
     greedy = _gen(llm, PROMPTS[0], max_tokens=24, **GREEDY)
-    # " disp" is one token and "otImplementedfunc" two tokens of the greedy output of this prompt.
-    words = ["disp", "otImplementedfunc"]
-    banned = [tok.encode(w, add_special_tokens=False) for w in words]
-    banned += [tok.encode(" " + w, add_special_tokens=False) for w in words]
-    assert any(_contains(greedy.token_ids, b) for b in banned[2:3]) and _contains(greedy.token_ids, banned[1])
-    assert len(banned[1]) == 2
+    single, multi = _bad_word_choices(tok, greedy.token_ids)
+    words = [single, multi]
+    banned = [tok.encode(v, add_special_tokens=False) for w in words for v in (w, " " + w)]
+    assert len(tok.encode(multi, add_special_tokens=False)) == 2
+    assert sum(_contains(greedy.token_ids, b) for b in banned) >= 2  # both words occur without the ban
     for params in (dict(**GREEDY), dict(temperature=1.0, seed=5, ignore_eos=True)):
         out = _gen(llm, PROMPTS[0], max_tokens=24, bad_words=words, **params)
         for b in banned:
             assert not _contains(out.token_ids, b), (b, out.token_ids)
-    # The multi-token word only bans its last token after its prefix: the first token may still appear.
-    out = _gen(llm, PROMPTS[0], max_tokens=24, bad_words=["otImplementedfunc"], **GREEDY)
-    assert out.token_ids[:2] == greedy.token_ids[:2]
+    # A multi-token word bans its last token only right after its prefix: output before it is unchanged.
+    first = next(i for i in range(len(greedy.token_ids)) if _contains(greedy.token_ids[: i + 1], banned[2]))
+    out = _gen(llm, PROMPTS[0], max_tokens=24, bad_words=[multi], **GREEDY)
+    assert out.token_ids[:first] == greedy.token_ids[:first] and out.token_ids[first] != greedy.token_ids[first]
 
 
 def test_allowed_token_ids_confine_output_and_pick_the_best_allowed(llm, hf) -> None:
@@ -143,40 +160,47 @@ def test_stop_token_ids_end_at_the_first_occurrence(llm) -> None:
     assert out.text == tok.decode(greedy[:first])  # the stop token's text is not in the output
 
 
-def _greedy_text_and_token_texts(llm, prompt: str):
+def _greedy_text_and_bounds(llm, prompt: str) -> tuple[str, list[int]]:
+    """Greedy text, and the text length after each token (an ASCII-only prompt keeps these exact)."""
     out = _gen(llm, prompt, max_tokens=24, **GREEDY)
     tok = llm.get_tokenizer()
     bounds = [len(tok.decode(out.token_ids[: i + 1])) for i in range(len(out.token_ids))]
+    assert out.text == tok.decode(out.token_ids) and out.text.isascii()
     return out.text, bounds
 
 
 def test_stop_string_cuts_at_the_right_character_with_and_without_include(llm) -> None:
-    text, _ = _greedy_text_and_token_texts(llm, PROMPTS[0])
-    assert text.startswith(')",otImplementedfuncsi)",hift disp decor')
-    stop = "hift d"
-    at = text.find(stop)
+    text, bounds = _greedy_text_and_bounds(llm, PROMPTS[0])
+    # A stop string inside one token's text, whose first occurrence is in the middle of the output.
+    k = next(i for i in range(3, len(bounds)) if bounds[i] - bounds[i - 1] >= 3
+             and text.find(text[bounds[i - 1] + 1 : bounds[i]]) == bounds[i - 1] + 1)
+    at = bounds[k - 1] + 1
+    stop = text[at : bounds[k]]
     out = _gen(llm, PROMPTS[0], max_tokens=24, stop=[stop], **GREEDY)
     assert out.text == text[:at] and out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) == k + 1  # stopped at the token that completed the string
     inc = _gen(llm, PROMPTS[0], max_tokens=24, stop=stop, include_stop_str_in_output=True, **GREEDY)
     assert inc.text == text[: at + len(stop)] and inc.stop_reason == stop
-    # Several stop strings: the earliest match in the text wins.
-    both = _gen(llm, PROMPTS[0], max_tokens=24, stop=["decor", "Implemented"], **GREEDY)
-    assert both.text == text[: text.find("Implemented")] and both.stop_reason == "Implemented"
+    # Several stop strings: the earliest match in the text wins, whatever the list order.
+    early = text[bounds[0] : bounds[0] + 2]
+    assert text.find(early) == bounds[0]
+    both = _gen(llm, PROMPTS[0], max_tokens=24, stop=[stop, early], **GREEDY)
+    assert both.text == text[: bounds[0]] and both.stop_reason == early
 
 
 def test_stop_string_split_across_tokens_is_found(llm) -> None:
-    text, bounds = _greedy_text_and_token_texts(llm, PROMPTS[0])
-    # Last 2 characters of token 2 + first 3 of token 3 ("func" | "si" | ")\"," -> "si)\",h"...).
-    k = 3
-    stop = text[bounds[k] - 2 : bounds[k] + 3]
-    at = text.find(stop)
-    assert at == bounds[k] - 2, "the stop string must first occur across the token boundary"
+    text, bounds = _greedy_text_and_bounds(llm, PROMPTS[0])
+    # Last 2 characters of token k + first 2 of token k + 1, first occurring exactly there.
+    k = next(i for i in range(2, len(bounds) - 1)
+             if bounds[i] - bounds[i - 1] >= 2 and bounds[i + 1] - bounds[i] >= 2
+             and text.find(text[bounds[i] - 2 : bounds[i] + 2]) == bounds[i] - 2)
+    stop = text[bounds[k] - 2 : bounds[k] + 2]
+    at = bounds[k] - 2
     out = _gen(llm, PROMPTS[0], max_tokens=24, stop=[stop], **GREEDY)
     assert out.text == text[:at] and out.stop_reason == stop
+    assert len(out.token_ids) == k + 2  # the string completes with token k + 1
     inc = _gen(llm, PROMPTS[0], max_tokens=24, stop=[stop], include_stop_str_in_output=True, **GREEDY)
     assert inc.text == text[: at + len(stop)]
-    # Generation stopped at the token that completed the string, not later.
-    assert len(out.token_ids) == k + 2
 
 
 # ---------------------------------------------------------------------- n and seeds
