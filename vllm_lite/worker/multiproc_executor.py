@@ -97,11 +97,12 @@ class MultiprocExecutor:
         self._store.set(P.STORE_ADDRESS_KEY, address)
 
         per_node = pc.ranks_per_node
+        threads = vllm_config.device_config.num_threads or worker_threads(per_node)
         ctx = multiprocessing.get_context("spawn")
         for local_rank in range(per_node):
             spec = RankSpec(
                 rank=local_rank, local_rank=local_rank, world_size=self.world_size, master_addr=host,
-                master_port=self.master_port, num_threads=worker_threads(per_node), parent_pid=os.getpid(),
+                master_port=self.master_port, num_threads=threads, parent_pid=os.getpid(),
             )
             proc = ctx.Process(target=run_rank, args=(spec,), name=f"VllmLiteTPWorker-{local_rank}", daemon=True)
             proc.start()

@@ -64,7 +64,8 @@ def run_worker_node(args: argparse.Namespace) -> int:
     store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
                           timeout=datetime.timedelta(seconds=args.connect_timeout))
     store.wait([P.STORE_CONFIG_KEY])
-    pc = decode_vllm_config(store.get(P.STORE_CONFIG_KEY)).parallel_config
+    config = decode_vllm_config(store.get(P.STORE_CONFIG_KEY))
+    pc = config.parallel_config
     del store
     if pc.nnodes != args.nnodes:
         raise ValueError(f"--nnodes={args.nnodes} but the engine on node 0 was started with nnodes={pc.nnodes}.")
@@ -75,12 +76,13 @@ def run_worker_node(args: argparse.Namespace) -> int:
     first = args.node_rank * per_node
     print(f"vllm-lite worker: node {args.node_rank}/{pc.nnodes} runs ranks {first}..{first + per_node - 1} "
           f"of {pc.tensor_parallel_size}", file=sys.stderr, flush=True)
+    threads = config.device_config.num_threads or worker_threads(per_node)
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for local in range(per_node):
         spec = RankSpec(
             rank=first + local, local_rank=local, world_size=pc.tensor_parallel_size,
-            master_addr=args.master_addr, master_port=args.master_port, num_threads=worker_threads(per_node),
+            master_addr=args.master_addr, master_port=args.master_port, num_threads=threads,
             parent_pid=os.getpid(), model_override=args.model, connect_timeout_s=args.connect_timeout,
         )
         proc = ctx.Process(target=run_rank, args=(spec,), name=f"VllmLiteTPWorker-{first + local}")
