@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import socket
 import tempfile
 import time
 from typing import Any, Optional
@@ -91,8 +92,9 @@ class MultiprocExecutor:
             address = f"ipc://{self._tmpdir}/executor.sock"
             self._sock.bind(address)
         else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
-            address = f"tcp://{host}:{port}"
+            ip = socket.gethostbyname(host)  # zmq binds to an interface address, not a host name
+            port = self._sock.bind_to_random_port(f"tcp://{ip}")
+            address = f"tcp://{ip}:{port}"
         self._store.set(P.STORE_CONFIG_KEY, encode_vllm_config(vllm_config))
         self._store.set(P.STORE_ADDRESS_KEY, address)
 
