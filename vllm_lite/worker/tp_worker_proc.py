@@ -117,6 +117,7 @@ class _RankProcess:
         if device.type == "cuda":
             device = torch.device("cuda", spec.local_rank)
             config.device_config.device = device
+            torch.cuda.set_device(device)  # before NCCL creates its communicator on the current device
         import torch.distributed as dist
 
         pg_store = dist.PrefixStore(self.P.STORE_PG_PREFIX, self.store)
