@@ -397,3 +397,30 @@ def test_attached_client_goodbye_aborts_its_requests_at_once():
     finally:
         stays.shutdown()
         core.stop()
+
+
+def test_async_client_that_starts_its_loop_late_is_not_lost():
+    # Attach (sync handshake), then no event loop for longer than both timeouts: as when a server
+    # attaches first and starts serving seconds later.
+    core = ThreadedCore(heartbeat_timeout_s=0.5)
+    client = AsyncMPClient(addresses=core.addresses, engine_silence_timeout_s=1.0)
+    try:
+        time.sleep(1.5)
+        assert not core.proc._clients  # the core gave up on it meanwhile
+
+        async def main() -> list[int]:
+            assert await asyncio.wait_for(client.call_utility_async("ping"), 5) == "pong"
+            await client.add_request_async(request("late", [2, 2], max_tokens=3))
+            toks: list[int] = []
+            while len(toks) < 3:
+                outs = await asyncio.wait_for(client.get_output_async(), 5)
+                toks += [t for o in outs.outputs for t in o.new_token_ids]
+            await asyncio.sleep(1.5)  # heartbeats now keep it attached
+            assert await asyncio.wait_for(client.call_utility_async("ping"), 5) == "pong"
+            return toks
+
+        assert asyncio.run(main()) == [fake_token([2, 2], n) for n in range(3)]
+        assert len(core.proc._clients) == 1
+    finally:
+        client.shutdown()
+        core.stop()

@@ -432,8 +432,32 @@ def test_silent_frontend_is_dropped_and_its_requests_aborted():
         assert "q" not in c.proc.engine_core.reqs  # dropped with its frontend
         assert "c" in c.proc.engine_core.reqs  # the live frontend keeps its request
         assert len(c.proc._clients) == 1
+        # Had the quiet one been alive after all, it learns why its request ended...
+        got = quiet.collect({"q"})
+        assert got["q"][-1].finish_reason == FinishReason.ABORT and "was dropped" in got["q"][-1].error
+        # ...and speaking again takes it back (it proved its token at HELLO).
+        assert quiet.utility("ping").result == "pong"
+        assert len(c.proc._clients) == 2
     finally:
         c.stop()
+
+
+def test_goodbye_detaches_for_good(core):
+    a = core.frontend()
+    a.send(EngineCoreRequestType.ADD, request("g", [1], max_tokens=1000))
+    a.inp.send(EngineCoreRequestType.GOODBYE.value)
+    deadline = time.monotonic() + 3
+    while core.proc._clients or core.proc.engine_core.reqs:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # After GOODBYE the identity is a stranger: it must HELLO again.
+    a.send(EngineCoreRequestType.UTILITY, UtilityRequest(0, 5, "ping"))
+    while True:
+        try:
+            kind, outs = a.recv(timeout_s=0.5)
+        except TimeoutError:
+            break
+        assert outs is None or outs.utility_output is None
 
 
 def test_fatal_step_error_sends_engine_dead_to_every_frontend_and_exits_nonzero():

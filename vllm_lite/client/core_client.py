@@ -555,6 +555,7 @@ class AsyncMPClient(_MPClientBase):
                     pass
         self._loop = loop
         self._outputs = asyncio.Queue()
+        self._last_heard = time.monotonic()  # silence counts from now, not from the handshake
         while old_queue is not None and not old_queue.empty():
             self._outputs.put_nowait(old_queue.get_nowait())
         self._tasks.append(loop.create_task(self._receive_loop(), name="core-client-output"))

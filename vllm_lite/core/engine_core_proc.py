@@ -51,6 +51,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -78,6 +79,8 @@ logger = logging.getLogger(__name__)
 
 # How often the idle loop wakes to check heartbeats, the parent and signals.
 _IDLE_POLL_S = 0.2
+# How many dropped frontends the core remembers (to take them back if they were only slow).
+_MAX_REMEMBERED_DROPPED = 1024
 # How long the output thread retries a READY for a frontend whose output DEALER is still connecting.
 _READY_RETRY_S = 5.0
 
@@ -204,6 +207,8 @@ class EngineCoreProc:
         self._clients_by_index: dict[int, _Client] = {}
         self._next_client_index = 0
         self._owner: dict[str, _Client] = {}  # live request id -> its frontend
+        # Frontends dropped for silence, identity -> name: taken back if they speak again.
+        self._dropped: OrderedDict[bytes, str] = OrderedDict()
         self._last_seen: dict[bytes, float] = {}  # written by the input thread
         self._stop_threads = threading.Event()
         self._sigterm = False
@@ -352,6 +357,9 @@ class EngineCoreProc:
         for pos, (identity, kind, payload) in enumerate(items):
             if kind is EngineCoreRequestType.HELLO:
                 self._handle_hello(identity, payload)
+            elif kind is EngineCoreRequestType.HEARTBEAT:
+                if self._client(identity, "HEARTBEAT") is not None:
+                    self.output_queue.put((identity, EngineCoreOutputType.HEARTBEAT, None))
             elif kind is EngineCoreRequestType.ABORT:
                 for rid in payload:
                     aborted_after[rid] = pos
@@ -369,12 +377,25 @@ class EngineCoreProc:
             if kind is EngineCoreRequestType.GOODBYE:
                 client = self._clients.get(identity)
                 if client is not None:
-                    self._drop_client(client, "it said GOODBYE")
+                    self._drop_client(client, "it said GOODBYE", may_return=False)
 
     def _client(self, identity: bytes, what: str) -> Optional[_Client]:
         client = self._clients.get(identity)
+        if client is None and identity in self._dropped:
+            # Dropped for silence but alive after all (e.g. its event loop started late): it proved
+            # its token at HELLO, so take it back. Its old requests already ended with ABORT outputs.
+            client = self._register(identity, self._dropped.pop(identity))
+            logger.info("Frontend %r came back; re-attached as client %d.", client.name, client.index)
         if client is None:
             self._drop_log.warn("Dropped %s from frontend %s that has not said HELLO.", what, identity.hex())
+        return client
+
+    def _register(self, identity: bytes, name: str) -> _Client:
+        client = _Client(identity, self._next_client_index, name)
+        self._next_client_index += 1
+        self._clients[identity] = client
+        self._clients_by_index[client.index] = client
+        self._last_seen[identity] = time.monotonic()
         return client
 
     def _handle_hello(self, identity: bytes, hello: HelloRequest) -> None:
@@ -394,10 +415,8 @@ class EngineCoreProc:
             return
         client = self._clients.get(identity)
         if client is None:
-            client = _Client(identity, self._next_client_index, hello.client_name)
-            self._next_client_index += 1
-            self._clients[identity] = client
-            self._clients_by_index[client.index] = client
+            self._dropped.pop(identity, None)
+            client = self._register(identity, hello.client_name)
             logger.info("Frontend %r attached as client %d.", hello.client_name, client.index)
         self._last_seen[identity] = time.monotonic()
         facts = self.model_facts
@@ -506,16 +525,25 @@ class EngineCoreProc:
             if silent > timeout:
                 self._drop_client(client, f"silent for {silent:.1f} s (heartbeat timeout {timeout} s)")
 
-    def _drop_client(self, client: _Client, why: str) -> None:
+    def _drop_client(self, client: _Client, why: str, may_return: bool = True) -> None:
         logger.warning("Dropping frontend %r (client %d): %s; aborting its %d requests.",
                        client.name, client.index, why, len(client.request_ids))
         if client.request_ids:
-            self.engine_core.abort_requests(sorted(client.request_ids))
-            for rid in client.request_ids:
+            ids = sorted(client.request_ids)
+            self.engine_core.abort_requests(ids)
+            for rid in ids:
                 self._owner.pop(rid, None)
+            # If it is alive after all, it learns why its requests ended instead of waiting forever.
+            message = f"aborted by the engine core: this frontend was dropped ({why})"
+            outs = [EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT, error=message) for rid in ids]
+            self.output_queue.put((client.identity, EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(outputs=outs)))
         del self._clients[client.identity]
         del self._clients_by_index[client.index]
         self._last_seen.pop(client.identity, None)
+        if may_return:
+            self._dropped[client.identity] = client.name
+            while len(self._dropped) > _MAX_REMEMBERED_DROPPED:
+                self._dropped.popitem(last=False)
 
     # ------------------------------------------------------------------ shutdown
     def _close(self, dead: bool) -> None:
@@ -581,12 +609,13 @@ class EngineCoreProc:
                 except Exception as e:  # noqa: BLE001 -- whatever a peer sends, it never kills the core
                     self._drop_log.warn("Dropped malformed message from %s: %s", identity.hex(), e)
                     continue
-                if identity in self._clients:  # only attached frontends are tracked and answered
+                if identity in self._clients:  # attached: tracked, and heartbeats answered right here
                     self._last_seen[identity] = time.monotonic()
                     if kind is heartbeat:
                         self.output_queue.put((identity, EngineCoreOutputType.HEARTBEAT, None))
-                if kind is not heartbeat:
-                    self.input_queue.put((identity, kind, payload))
+                        continue
+                # Everything else goes to the loop, which also decides about unknown frontends.
+                self.input_queue.put((identity, kind, payload))
         finally:
             sock.close(linger=0)
 
