@@ -3,8 +3,10 @@
 * ``InprocClient``: the EngineCore lives in this process; ``get_output()`` runs
   one step. For tests and debugging.
 * ``SyncMPClient``: spawns a private core (``EngineCoreProc``) with ``ipc://``
-  sockets in a private temp dir, or attaches to a running one (``addresses``).
-  A background thread receives outputs into a queue; ``get_output()`` blocks.
+  sockets in a private temp dir, or attaches to a running one
+  (``addresses=CoreAddresses.from_base(...)``, ``auth_token``), heartbeating as
+  the core asks and saying GOODBYE on shutdown. A background thread receives
+  outputs into a queue; ``get_output()`` blocks.
 * ``AsyncMPClient``: the same over asyncio sockets, for ``AsyncLLM``.
 
 Socket protocol: see ``vllm_lite.core.engine_core_proc``. Engine death (the

@@ -34,9 +34,16 @@ Lifecycle: SIGTERM stops new work, drains running requests for at most
 ``drain_timeout_s``, aborts the rest and exits 0. A fatal error in the loop sends
 ``EngineCoreOutputs(engine_dead=True)`` to every frontend and exits 1. A
 frontend silent for longer than ``heartbeat_timeout_s`` (any message counts) is
-dropped and its requests aborted. A private core (``parent_pid`` set) exits when
-its parent process is gone. Startup failures are reported on ``ready_pipe``
-(JSON bytes, never pickle) so the parent raises with the original message.
+dropped and its requests aborted (with ABORT outputs sent to it, in case it was
+only slow; if it speaks again it is taken back). GOODBYE detaches at once. A
+private core (``parent_pid`` set) exits when its parent process is gone.
+Startup failures are reported on ``ready_pipe`` (JSON bytes, never pickle) so
+the parent raises with the original message. Sockets are bound before the
+model loads, so a busy address fails at once.
+
+A daemon runs ``EngineCoreProc.run_engine_core(config, CoreAddresses.from_base(addr),
+CoreProcOptions(auth_token=..., handle_sigint=True))`` in the foreground; it
+ends the process itself (``os._exit``) once everything is closed.
 """
 
 from __future__ import annotations
