@@ -49,7 +49,7 @@ class ParentRequest:
     def child_params(self, index: int) -> SamplingParams:
         """n=1 copy of the params; a seeded request gives each child its own seed so samples differ."""
         p = self.sampling_params
-        seed = p.seed + index if p.seed is not None else None
+        seed = (p.seed + index) % (1 << 64) if p.seed is not None else None
         # replace() re-runs __post_init__ on a copy; the frontend-filled fields ride along.
         return msgspec.structs.replace(p, n=1, best_of=None, seed=seed)
 

@@ -86,7 +86,7 @@ class EngineCore:
     def _utilities(self) -> dict[str, Callable[..., Any]]:
         return {
             "ping": lambda: True,
-            "get_stats": lambda: _stats_dict(self.scheduler.make_stats()),
+            "get_stats": lambda: _stats_dict(self.scheduler.make_stats(reset=False)),
             "reset_prefix_cache": self.scheduler.reset_prefix_cache,
             "get_num_free_blocks": lambda: self.scheduler.num_free_blocks,
             "get_num_total_blocks": lambda: self.scheduler.num_total_blocks,

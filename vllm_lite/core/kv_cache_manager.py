@@ -86,9 +86,11 @@ class KVCacheManager:
             self.prefix_cache_queries += num_queried_tokens
             self.prefix_cache_hits += num_hit_tokens
 
-    def take_prefix_cache_stats(self) -> tuple[int, int]:
+    def take_prefix_cache_stats(self, reset: bool = True) -> tuple[int, int]:
+        """(queries, hits) in tokens since the last reset."""
         out = (self.prefix_cache_queries, self.prefix_cache_hits)
-        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        if reset:
+            self.prefix_cache_queries = self.prefix_cache_hits = 0
         return out
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

@@ -151,9 +151,12 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
-    def make_stats(self) -> SchedulerStats:
-        queries, hits = self.kv_cache_manager.take_prefix_cache_stats()
-        preemptions, self._num_preemptions = self._num_preemptions, 0
+    def make_stats(self, reset: bool = True) -> SchedulerStats:
+        """Stats for an outputs batch; counters are per batch (reset=False peeks without consuming them)."""
+        queries, hits = self.kv_cache_manager.take_prefix_cache_stats(reset)
+        preemptions = self._num_preemptions
+        if reset:
+            self._num_preemptions = 0
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.swapped),
