@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -250,6 +251,7 @@ class ThreadedCore:
         self.proc.request_shutdown()
         self.thread.join(10)
         self.ctx.destroy(linger=0)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
         assert not self.thread.is_alive()
 
 
