@@ -27,6 +27,8 @@ import math
 import os
 import pkgutil
 import random
+import re
+import subprocess
 import sys
 import time
 import warnings
@@ -103,10 +105,12 @@ def _stdlib_modules() -> Iterator[object]:
 
 
 def _signature(obj: object) -> str:
+    """The signature text, minus memory addresses (`<object object at 0x...>`) that change per run."""
     try:
-        return str(inspect.signature(obj))  # type: ignore[arg-type]
+        sig = str(inspect.signature(obj))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return ""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", sig)
 
 
 def _docstring_docs(mod: object) -> Iterator[Doc]:
@@ -163,6 +167,28 @@ def collect_corpus(min_chars: int = 40) -> list[Doc]:
         except Exception:  # noqa: BLE001 - a module with a broken __getattr__ must not stop us
             continue
     return docs
+
+
+def collect_corpus_isolated() -> list[Doc]:
+    """collect_corpus in a fresh `python -I` with a fixed hash seed.
+
+    Why: what the stdlib exposes depends on what is already imported (torch and
+    transformers patch and register things), and imports can have side effects.
+    A clean interpreter makes the corpus a function of the Python install alone.
+    """
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import train_default_model as t; "
+        "json.dump([[d.title, d.body, d.question] for d in t.collect_corpus()], sys.stdout)"
+    )
+    env = {"PYTHONHASHSEED": "0", "PATH": os.environ.get("PATH", ""), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-I", "-W", "ignore", "-c", code, os.path.dirname(os.path.abspath(__file__))],
+        capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"corpus collection failed:\n{proc.stderr[-2000:]}")
+    # Modules may print while imported; the JSON is the last line.
+    return [Doc(*row) for row in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
 def render(doc: Doc, as_chat: bool, max_answer_chars: int = 1200) -> str:
@@ -343,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--warmup must be at least 10 with --minutes (the timing probe runs inside it), got {args.warmup}")
 
     t0 = time.time()
-    docs = collect_corpus()
+    docs = collect_corpus_isolated()
     log(f"corpus: {len(docs)} documents, {sum(len(d.body) for d in docs) / 1e6:.2f} M chars ({time.time() - t0:.0f}s)")
 
     order = list(range(len(docs)))
@@ -449,24 +475,42 @@ def save(model, hf_tok, args: argparse.Namespace, stats: dict, eot: int, im_end:
     model.save_pretrained(args.out)
     write_generation_config(args.out, eot, im_end)
     hf_tok.save_pretrained(args.out)
-    # transformers < 4.49 reads the chat template only from tokenizer_config.json.
-    tc_path = os.path.join(args.out, "tokenizer_config.json")
-    with open(tc_path) as f:
-        tc = json.load(f)
-    tc["chat_template"] = CHAT_TEMPLATE
-    with open(tc_path, "w") as f:
-        json.dump(tc, f, indent=2, sort_keys=True)
+    make_portable(args.out)
+    write_training_md(args, stats)
+
+
+def _update_json(path: str, updates: dict) -> None:
+    with open(path) as f:
+        data = json.load(f)
+    data.update(updates)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
-    # Keep config.json explicit about dtype under both spellings, for older readers.
-    cfg_path = os.path.join(args.out, "config.json")
+
+
+def make_portable(out: str) -> None:
+    """Spell config and tokenizer files so transformers 4.45+ reads them too, not only v5.
+
+    v5 writes `rope_parameters`, `dtype`, `extra_special_tokens`, a `TokenizersBackend`
+    class and a separate chat_template.jinja; older readers want `rope_theta`,
+    `torch_dtype`, `additional_special_tokens`, `PreTrainedTokenizerFast` and the
+    template inside tokenizer_config.json. Both spellings are kept.
+    """
+    cfg_path = os.path.join(out, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    cfg["torch_dtype"] = "bfloat16"
-    cfg["dtype"] = "bfloat16"
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-        f.write("\n")
-    write_training_md(args, stats)
+    rope = cfg.get("rope_parameters") or {}
+    _update_json(cfg_path, {
+        "dtype": "bfloat16",
+        "torch_dtype": "bfloat16",
+        "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+    })
+    _update_json(os.path.join(out, "tokenizer_config.json"), {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
+        "additional_special_tokens": [IM_START, IM_END],
+        "extra_special_tokens": [IM_START, IM_END],
+    })
 
 
 def write_generation_config(out: str, eot: int, im_end: int) -> None:
@@ -490,8 +534,10 @@ def write_generation_config(out: str, eot: int, im_end: int) -> None:
 
 
 def write_training_md(args: argparse.Namespace, s: dict) -> None:
-    cmd = (f"python scripts/train_default_model.py --out {args.out} --steps {s['steps']} --seed {args.seed} "
-           f"--threads {args.threads}")
+    # Every hyperparameter spelled out, so the command survives changes to the defaults.
+    flags = {k: v for k, v in vars(args).items() if k not in ("out", "minutes", "steps")}
+    parts = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in flags.items() if v is not False]
+    cmd = f"python scripts/train_default_model.py --out {args.out} --steps {s['steps']} " + " ".join(parts)
     samples = "\n".join(f"- `{p}` → {t!r}" for p, t in s["samples"])
     samples_rp = "\n".join(f"- `{p}` → {t!r}" for p, t in s["samples_rp"])
     text = f"""# vllm-lite default model
