@@ -19,7 +19,7 @@ import torch
 from vllm_lite.client.core_client import InprocClient, SyncMPClient
 from vllm_lite.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from vllm_lite.core.serialization import MsgpackDecoder, MsgpackEncoder
+from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.worker.step import LogprobsTensors
 

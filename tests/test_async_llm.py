@@ -25,7 +25,7 @@ from vllm_lite.core.messages import (
     HelloRequest,
     UtilityRequest,
 )
-from vllm_lite.core.serialization import MsgpackEncoder
+from vllm_lite.serialization import MsgpackEncoder
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
 from vllm_lite.testing.checkpoints import get_checkpoint
 

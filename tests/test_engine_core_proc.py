@@ -38,7 +38,7 @@ from vllm_lite.core.messages import (
     SchedulerStats,
     UtilityRequest,
 )
-from vllm_lite.core.serialization import MsgpackDecoder, MsgpackEncoder
+from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.worker.step import LogprobsTensors
 

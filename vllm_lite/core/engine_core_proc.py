@@ -80,7 +80,7 @@ from vllm_lite.core.messages import (
     UtilityOutput,
     UtilityRequest,
 )
-from vllm_lite.core.serialization import MsgpackDecoder, MsgpackEncoder
+from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 

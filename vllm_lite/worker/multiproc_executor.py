@@ -30,7 +30,7 @@ import torch.distributed as dist
 import zmq
 
 from vllm_lite.config import VllmConfig, encode_vllm_config
-from vllm_lite.core.serialization import MsgpackDecoder, MsgpackEncoder
+from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 from vllm_lite.worker import tp_protocol as P
 from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
 from vllm_lite.worker.tp_worker_proc import RankSpec, run_rank, worker_threads

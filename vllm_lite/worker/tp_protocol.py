@@ -2,7 +2,7 @@
 
 One ZMQ ROUTER socket on the executor; each rank connects a DEALER whose
 identity is `rank_identity(rank)`. A message is `[type byte, *msgpack frames]`
-(core.serialization: typed msgspec, tensors as raw frames, never pickle).
+(vllm_lite.serialization: typed msgspec, tensors as raw frames, never pickle).
 Rendezvous and configuration go through torch.distributed's TCPStore, which
 the executor hosts at master_addr:master_port.
 """

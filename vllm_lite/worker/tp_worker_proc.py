@@ -77,7 +77,7 @@ class _RankProcess:
         import zmq
 
         from vllm_lite.config import decode_vllm_config
-        from vllm_lite.core.serialization import MsgpackDecoder, MsgpackEncoder
+        from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
         from vllm_lite.worker import tp_protocol as P
         from vllm_lite.worker.step import SchedulerOutput
 
