@@ -542,8 +542,9 @@ def write_training_md(args: argparse.Namespace, s: dict) -> None:
     samples_rp = "\n".join(f"- `{p}` → {t!r}" for p, t in s["samples_rp"])
     text = f"""# vllm-lite default model
 
-A tiny Llama-architecture model bundled so that `vllm-lite generate "..."` and
-`LLM()` work on a fresh install with no download. It was trained by
+A tiny Llama-architecture model bundled so that `vllm-lite generate "..."` works
+on a fresh install with no download (`vllm_lite.default_model.default_model_path()`
+gives its directory; it is used whenever no model is named). It was trained by
 `scripts/train_default_model.py` on text that ships with CPython: the
 `pydoc_data.topics` help pages and the docstrings of the standard library
 (modules, classes, functions, methods), {s['n_docs']} documents after removing
@@ -573,7 +574,8 @@ at temperature 0.7, top-p 0.9 unless told otherwise):
 
 {samples_rp}
 
-Reproduce exactly (deterministic given seed, step count and thread count):
+Reproduce exactly (deterministic given seed, step count and thread count, on
+the same CPU, Python and library versions):
 
     {cmd}
 

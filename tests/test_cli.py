@@ -20,7 +20,7 @@ from vllm_lite.default_model import default_model_path
 from vllm_lite.entrypoints.cli import build_parser, main
 from vllm_lite.entrypoints.cli.chat import ChatSession, chat_loop
 from vllm_lite.entrypoints.cli.sampling_args import sampling_params_from
-from vllm_lite.entrypoints.cli.streaming import stream_request
+from vllm_lite.entrypoints.cli.streaming import RequestFailedError, stream_request
 from vllm_lite.outputs import CompletionOutput, RequestOutput
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
 
@@ -63,6 +63,7 @@ class FakeEngine:
     added: list[tuple[str, object, SamplingParams]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     interrupt_at: int | None = None
+    fail_prompts_containing: str | None = None  # the engine errors out such requests
     _step: int = 0
 
     def add_request(self, request_id, prompt, params) -> None:
@@ -88,6 +89,10 @@ class FakeEngine:
         text = self.deltas[i] if delta else "".join(self.deltas[: i + 1])
         comp = CompletionOutput(0, text, [i] if delta else list(range(i + 1)), None, None,
                                 "stop" if finished else None)
+        if self.fail_prompts_containing and self.fail_prompts_containing in str(self.added[-1][1]):
+            self._step = len(self.deltas)
+            comp = CompletionOutput(0, "", [], None, None, "abort")
+            return [RequestOutput(rid, None, [1], None, [comp], True, error="ValueError: boom")]
         if not delta and not finished:
             return []
         return [RequestOutput(rid, None, [1], None, [comp], finished)]
@@ -178,6 +183,12 @@ def test_stream_request_aborts_the_request_on_keyboard_interrupt():
     assert engine.aborted == ["r"]
 
 
+def test_stream_request_raises_request_failed_on_an_engine_error():
+    engine = FakeEngine(["a"], fail_prompts_containing="x")
+    with pytest.raises(RequestFailedError, match="boom"):
+        stream_request(engine, "r", "x", SamplingParams(output_kind=RequestOutputKind.DELTA), io.StringIO())
+
+
 # ---------------------------------------------------------------------------- chat loop
 @pytest.fixture(scope="module")
 def default_tokenizer():
@@ -223,6 +234,19 @@ def test_chat_loop_answers_each_line_resets_and_stops_at_exit(default_tokenizer)
     # After /reset the second prompt does not carry the first exchange.
     assert "first" in engine.added[0][1] and "first" not in engine.added[1][1]
     assert [r for r, _, _ in engine.added] == ["chat-0", "chat-1"]
+
+
+def test_chat_loop_reports_a_failed_or_too_long_message_and_goes_on(default_tokenizer):
+    engine = FakeEngine(["fine"], fail_prompts_containing="poison")
+    session = ChatSession(default_tokenizer, 64, 16)
+    inp = io.StringIO("poison\n" + "word " * 200 + "\nhello\n")
+    out, err = io.StringIO(), io.StringIO()
+    n = chat_loop(engine, session, SamplingParams(output_kind=RequestOutputKind.DELTA), inp, out, False, err)
+    assert n == 1 and out.getvalue() == "fine\n"
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 2 and "boom" in lines[0] and "max_model_len=64" in lines[1]
+    # The failed exchange is not kept as history.
+    assert "poison" not in engine.added[-1][1]
 
 
 def test_chat_loop_ends_on_eof(default_tokenizer):

@@ -73,6 +73,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # Bad input (flags, prompt, model path): one clear line, no traceback.
         print(f"vllm-lite {args.subcommand}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        # The engine failed the request or died (EngineDeadError is a RuntimeError too).
+        print(f"vllm-lite {args.subcommand}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -60,9 +60,18 @@ class ChatSession:
         self.turns += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply.strip()}]
 
 
-def chat_loop(engine: Any, session: ChatSession, params: Any, inp: TextIO, out: TextIO, interactive: bool) -> int:
-    """Read, generate, stream, repeat; returns the number of replies given."""
-    from vllm_lite.entrypoints.cli.streaming import stream_request
+def chat_loop(
+    engine: Any, session: ChatSession, params: Any, inp: TextIO, out: TextIO, interactive: bool,
+    err: Optional[TextIO] = None,
+) -> int:
+    """Read, generate, stream, repeat; returns the number of replies given.
+
+    A message that cannot be served (too long, rejected by the engine) is reported
+    on `err` and the conversation goes on; a dead engine ends it.
+    """
+    from vllm_lite.entrypoints.cli.streaming import RequestFailedError, stream_request
+
+    err = err or sys.stderr
 
     replies = 0
     while True:
@@ -83,8 +92,14 @@ def chat_loop(engine: Any, session: ChatSession, params: Any, inp: TextIO, out: 
             session.reset()
             out.write("(conversation reset)\n")
             continue
-        prompt = session.prompt_for(text)
-        result = stream_request(engine, f"chat-{replies}", prompt, params, out)
+        try:
+            prompt = session.prompt_for(text)
+            result = stream_request(engine, f"chat-{replies}", prompt, params, out)
+        except (ValueError, RequestFailedError) as e:
+            out.flush()
+            err.write(f"error: {e}\n")
+            err.flush()
+            continue
         out.write("\n")
         out.flush()
         session.record(text, result.text)

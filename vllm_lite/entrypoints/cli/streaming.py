@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, TextIO
 
 
+class RequestFailedError(RuntimeError):
+    """The engine reported an error for this request only (the engine itself is still up)."""
+
+
 @dataclass
 class StreamResult:
     """What came back, and how fast (for --verbose)."""
@@ -45,7 +49,7 @@ def stream_request(engine: Any, request_id: str, prompt: Any, params: Any, out: 
                 if ro.request_id != request_id:
                     continue
                 if ro.error:
-                    raise RuntimeError(f"request {request_id} failed in the engine: {ro.error}")
+                    raise RequestFailedError(f"request {request_id} failed in the engine: {ro.error}")
                 comp = ro.outputs[0]
                 piece = comp.text
                 if delta:
