@@ -157,6 +157,17 @@ def test_sampling_flags_override_model_defaults_and_unset_flags_keep_them():
     assert greedy.temperature == 0.0 and greedy.repetition_penalty == 1.15
 
 
+def test_engine_args_default_to_the_bundled_model_and_carry_engine_flags():
+    from vllm_lite.entrypoints.cli.engine_args import engine_args_from
+
+    parser, _ = build_parser()
+    ea = engine_args_from(parser.parse_args(["chat", "--dtype", "float32", "-tp", "2", "--seed", "5"]))
+    assert ea.model == default_model_path() and ea.served_model_name == "vllm-lite-default"
+    assert (ea.dtype, ea.tensor_parallel_size, ea.seed) == ("float32", 2, 5)
+    ea = engine_args_from(parser.parse_args(["generate", "p", "--model", "/some/dir", "--max-model-len", "128"]))
+    assert ea.model == "/some/dir" and ea.served_model_name is None and ea.max_model_len == 128
+
+
 # ---------------------------------------------------------------------------- streaming loop
 def test_stream_request_writes_each_delta_as_it_arrives():
     engine = FakeEngine(["The", " for", " statement", " is"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from vllm_lite.entrypoints.cli.parallel_args import add_parallel_args, parallel_kwargs_from
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -22,6 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--multiprocess", action=argparse.BooleanOptionalAction, default=True,
         help="Run the engine core in its own process (--no-multiprocess: in this one, for debugging).",
     )
+    add_parallel_args(parser)
 
 
 def engine_args_from(args: argparse.Namespace) -> Any:
@@ -48,6 +51,7 @@ def engine_args_from(args: argparse.Namespace) -> Any:
         num_threads=args.num_threads,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         served_model_name=served_name,
+        **parallel_kwargs_from(args),
     )
 
 
