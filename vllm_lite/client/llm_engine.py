@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import msgspec
 
@@ -37,6 +37,35 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool = True) -> "LLMEngine":
         return cls(engine_args.create_engine_config(), multiprocess_mode=multiprocess_mode)
+
+    @classmethod
+    def attach(
+        cls,
+        address: str,
+        auth_token: Optional[str] = None,
+        *,
+        data_parallel_size: int = 1,
+        client_name: str = "",
+        **client_kwargs: Any,
+    ) -> "LLMEngine":
+        """Attach to a running engine core (``vllm-lite serve``) at ``tcp://HOST:PORT`` or ``ipc:///PATH``.
+
+        ``data_parallel_size`` > 1 (or a comma-separated list of addresses) attaches to
+        every core of a data-parallel daemon and spreads requests over them. The
+        tokenizer comes from the path the core reports, so this process must see the
+        same files. ``shutdown()`` detaches (the core keeps serving others).
+        """
+        from vllm_lite.client.dp_client import make_attached_client
+
+        client = make_attached_client(
+            address, auth_token, data_parallel_size=data_parallel_size, asyncio_mode=False,
+            client_name=client_name, **client_kwargs,
+        )
+        try:
+            return cls(attached_frontend_config(client), client=client)
+        except BaseException:
+            client.shutdown()
+            raise
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -117,3 +146,21 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+def attached_frontend_config(client: Any) -> VllmConfig:
+    """The frontend's config for an attached core, from the facts its handshake reported.
+
+    The frontend computes nothing on a device, so it is always a CPU config.
+    """
+    facts = client.model_facts
+    config = EngineArgs(
+        model=client.model_path,
+        tokenizer=client.tokenizer_path or None,
+        max_model_len=facts["max_model_len"],
+        block_size=facts["block_size"],
+        device="cpu",
+    ).create_engine_config()
+    if facts["model"] != config.model_config.model:
+        config.model_config.served_model_name = facts["model"]
+    return config

@@ -22,16 +22,45 @@ class LLM:
 
     `multiprocess=True` (the default) runs the engine core in its own process;
     `multiprocess=False` keeps it in this process for debugging. Results are the same.
+    `LLM(engine_address="tcp://127.0.0.1:8100", auth_token=...)` attaches to a running
+    `vllm-lite serve` daemon instead (its engine arguments are the daemon's; `shutdown()`
+    detaches). With no model and no address, the bundled default model is used.
     """
 
-    def __init__(self, model: str, *, multiprocess: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        *,
+        multiprocess: bool = True,
+        engine_address: Optional[Union[str, Sequence[str]]] = None,
+        auth_token: Optional[str] = None,
+        data_parallel_size: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        self._counter = itertools.count()
+        if engine_address is not None:
+            if model is not None or kwargs:
+                given = (["model"] if model is not None else []) + sorted(kwargs)
+                raise TypeError(
+                    f"LLM(engine_address=...) attaches to a running core whose engine arguments are fixed by the "
+                    f"daemon; do not also pass {given}."
+                )
+            self.engine_args = None
+            self.llm_engine = LLMEngine.attach(engine_address, auth_token, data_parallel_size=data_parallel_size)
+            return
+        if auth_token is not None:
+            raise TypeError("auth_token is only for LLM(engine_address=...): a private engine core makes its own.")
         fields = EngineArgs.__dataclass_fields__
         unknown = sorted(set(kwargs) - set(fields))
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(fields)}")
-        self.engine_args = EngineArgs(model=model, **kwargs)
+        if model is None:
+            from vllm_lite.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+            model = default_model_path()
+            kwargs.setdefault("served_model_name", DEFAULT_MODEL_NAME)
+        self.engine_args = EngineArgs(model=model, data_parallel_size=data_parallel_size, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess_mode=multiprocess)
-        self._counter = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()

@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_lite.entrypoints.cli.generate",
     "vllm_lite.entrypoints.cli.chat",
     "vllm_lite.entrypoints.cli.worker",
+    "vllm_lite.entrypoints.cli.serve",
 )
 
 PARSER_REGISTRARS: tuple[str, ...] = (

@@ -1,0 +1,500 @@
+"""`vllm-lite serve`: a real daemon process with real frontend processes attached (Python and HTTP).
+
+Every daemon here is `python -m vllm_lite.entrypoints.cli serve ...` on a tiny random
+checkpoint; frontends are separate Python processes (LLMEngine.attach), the daemon's
+own HTTP frontends, and this test process. Greedy outputs are checked against
+LLM(multiprocess=False) on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from vllm_lite import LLM, SamplingParams
+from vllm_lite.client.core_client import SyncMPClient
+from vllm_lite.client.exceptions import EngineHandshakeError
+from vllm_lite.client.llm_engine import LLMEngine
+from vllm_lite.core.engine_core_proc import CoreAddresses
+from vllm_lite.core.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutputType,
+    EngineCoreRequestType,
+    HandshakeReply,
+    HelloRequest,
+)
+from vllm_lite.entrypoints.serve_daemon import check_bind_allowed, find_free_port_run, is_loopback_host
+from vllm_lite.testing.checkpoints import get_checkpoint
+
+TOKEN = "s3cret-token"
+HEARTBEAT_S = 2.0
+PROMPTS_A = ["The for statement", "Hello world, this is frontend A", "def f(x): return"]
+PROMPTS_B = ["Exceptions are raised", "while True:", "class Foo(object):", "import sys"]
+PROMPTS_HTTP = ["The with statement", "Lambda expressions"]
+LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)  # many full KV blocks
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def long_ckpt(tmp_path_factory) -> str:
+    """The tiny llama with room for 8k positions: a frontend's long requests outlive the heartbeat timeout."""
+    src = get_checkpoint("llama")
+    dst = str(tmp_path_factory.mktemp("serve") / "llama-8k")
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = 8192
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def reference(long_ckpt):
+    """Greedy token ids and texts from an in-process engine (the oracle for every frontend)."""
+    llm = LLM(long_ckpt, multiprocess=False)
+    cache: dict[tuple[str, int], tuple[list[int], str]] = {}
+
+    def get(prompt: str, max_tokens: int) -> tuple[list[int], str]:
+        key = (prompt, max_tokens)
+        if key not in cache:
+            out = llm.generate(prompt, greedy(max_tokens), use_tqdm=False)[0].outputs[0]
+            cache[key] = (list(out.token_ids), out.text)
+        return cache[key]
+
+    yield get
+    llm.shutdown()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+class Daemon:
+    """A `vllm-lite serve` process: stdout lines on a queue, stderr in a file."""
+
+    def __init__(self, args: list[str], log_path: str, env: Optional[dict[str, str]] = None) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", *args],
+            stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, **(env or {})},
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def expect_line(self, needle: str, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.log()}")
+                continue
+            if needle in line:
+                return line
+        raise AssertionError(f"no stdout line with {needle!r} within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+# A frontend process: attaches, waits for "go" on stdin, sends its prompts, reports every output it received.
+FRONTEND_SCRIPT = r"""
+import json, sys
+import torch
+torch.set_num_threads(1)
+from vllm_lite.client.llm_engine import LLMEngine
+from vllm_lite.sampling_params import SamplingParams
+
+spec = json.loads(sys.argv[1])
+eng = LLMEngine.attach(spec["address"], spec["token"], client_name=spec["name"])
+raw_ids = set()
+get_output = eng.engine_core.get_output
+def spy(*a, **k):
+    outs = get_output(*a, **k)
+    raw_ids.update(o.request_id for o in outs.outputs)
+    return outs
+eng.engine_core.get_output = spy
+print(json.dumps({"event": "attached"}), flush=True)
+sys.stdin.readline()
+ids = []
+for i, prompt in enumerate(spec["prompts"]):
+    rid = f"req-{i}"  # the same ids in every frontend: the core keeps them apart
+    eng.add_request(rid, prompt, SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True))
+    ids.append(rid)
+results, announced = {}, False
+while eng.has_unfinished_requests():
+    for out in eng.step():
+        if not announced:
+            print(json.dumps({"event": "streaming"}), flush=True)
+            announced = True
+        if out.finished:
+            results[out.request_id] = {"token_ids": list(out.outputs[0].token_ids),
+                                       "finish_reason": out.outputs[0].finish_reason,
+                                       "cached": out.num_cached_tokens}
+print(json.dumps({"event": "done", "raw_ids": sorted(raw_ids), "results": results}), flush=True)
+eng.shutdown()
+"""
+
+
+class Frontend:
+    def __init__(self, name: str, address: str, prompts: list[str], max_tokens: int, token: str = TOKEN) -> None:
+        spec = {"name": name, "address": address, "token": token, "prompts": prompts, "max_tokens": max_tokens}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", FRONTEND_SCRIPT, json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.events.put(json.loads(line))
+
+    def expect(self, event: str, timeout: float = 90.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                msg = self.events.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"frontend exited with {self.proc.returncode} before {event!r}")
+                continue
+            if msg["event"] == event:
+                return msg
+        raise AssertionError(f"frontend did not report {event!r} within {timeout} s")
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.05) -> float:
+    """Poll until cond() is true; returns the seconds it took."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(interval)
+    return time.monotonic() - t0
+
+
+def http_complete(base_url: str, prompt: str, max_tokens: int) -> str:
+    r = httpx.post(f"{base_url}/v1/completions", timeout=60.0, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+# ---------------------------------------------------------------------------------------------- the shared daemon
+
+
+@pytest.fixture(scope="module")
+def daemon(long_ckpt, tmp_path_factory):
+    port = find_free_port_run("127.0.0.1", 2)
+    api_port = find_free_port_run("127.0.0.1", 1)
+    d = Daemon(
+        [long_ckpt, "--port", str(port), "--auth-token", TOKEN, "--heartbeat-timeout", str(HEARTBEAT_S),
+         "--api-port", str(api_port), "--num-threads", "1", "--shutdown-timeout", "5"],
+        str(tmp_path_factory.mktemp("serve-log") / "daemon.log"),
+    )
+    listening = d.expect_line("vllm-lite engine core listening on")
+    d.expect_line("vllm-lite OpenAI API on")
+    d.address, d.base_url, d.listening = f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{api_port}", listening
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def probe(daemon):
+    """This test process attached too: utility calls (free blocks, frontends) straight to the core."""
+    client = SyncMPClient(addresses=CoreAddresses.from_base(daemon.address), auth_token=TOKEN, client_name="probe")
+    yield client
+    client.shutdown()
+
+
+def test_serve_prints_where_it_listens_with_model_and_kv_blocks(daemon, long_ckpt):
+    line = daemon.listening
+    assert line.startswith(f"vllm-lite engine core listening on {daemon.address} (model {long_ckpt}, ")
+    assert " KV blocks of 16 tokens" in line
+
+
+def test_two_python_frontends_and_http_share_the_core_each_sees_only_its_own_outputs_and_kill_9_frees_blocks(
+    daemon, probe, reference
+):
+    a = Frontend("frontend-a", daemon.address, PROMPTS_A, max_tokens=24)
+    b = Frontend("frontend-b", daemon.address, PROMPTS_B, max_tokens=24)
+    # The victim streams 4 requests of 6000 tokens: left alone they would run for many seconds.
+    k = Frontend("victim", daemon.address, ["Hello"] * 4, max_tokens=6000)
+    try:
+        for f in (a, b, k):
+            f.expect("attached")
+        names = sorted(f["name"] for f in probe.call_utility("list_frontends"))
+        assert {"frontend-a", "frontend-b", "victim", "probe"} <= set(names)
+        assert any(n.startswith("http") for n in names)  # the daemon's own HTTP frontend
+
+        total = probe.call_utility("get_num_total_blocks")
+        k.go()
+        k.expect("streaming")
+        assert probe.call_utility("get_num_free_blocks") < total  # the victim holds blocks now
+
+        # Everyone at once: A, B and two HTTP requests run while the victim is killed mid-stream.
+        with ThreadPoolExecutor(len(PROMPTS_HTTP)) as pool:
+            a.go()
+            b.go()
+            http = [pool.submit(http_complete, daemon.base_url, p, 24) for p in PROMPTS_HTTP]
+            k.proc.kill()  # kill -9: no GOODBYE, just silence
+            killed_at = time.monotonic()
+            texts = [f.result(timeout=60) for f in http]
+        done_a, done_b = a.expect("done"), b.expect("done")
+
+        # The victim's requests were aborted and every block came back within the heartbeat timeout.
+        freed_after = wait_for(
+            lambda: probe.call_utility("get_num_unfinished_requests") == 0
+            and probe.call_utility("get_num_free_blocks") == total,
+            timeout=HEARTBEAT_S + 6, what="the killed frontend's blocks to be freed",
+        )
+        assert time.monotonic() - killed_at <= HEARTBEAT_S + 3.0, f"freed only after {freed_after:.1f} s"
+        assert "victim" not in [f["name"] for f in probe.call_utility("list_frontends")]
+        assert "Dropping frontend 'victim'" in daemon.log()
+
+        # Each frontend got outputs for its own requests only, all complete and equal to the oracle.
+        for done, prompts in ((done_a, PROMPTS_A), (done_b, PROMPTS_B)):
+            ids = [f"req-{i}" for i in range(len(prompts))]
+            assert done["raw_ids"] == sorted(ids)
+            for rid, prompt in zip(ids, prompts):
+                got = done["results"][rid]
+                assert got["finish_reason"] == "length"
+                assert got["token_ids"] == reference(prompt, 24)[0], (rid, prompt)
+        for prompt, text in zip(PROMPTS_HTTP, texts):
+            assert text == reference(prompt, 24)[1]
+    finally:
+        for f in (a, b, k):
+            f.close()
+
+
+def test_prefix_cache_is_shared_between_frontends(daemon, reference):
+    first = Frontend("prefix-first", daemon.address, [LONG_PROMPT], max_tokens=4)
+    try:
+        first.expect("attached")
+        first.go()
+        res = first.expect("done")["results"]["req-0"]
+        assert res["token_ids"] == reference(LONG_PROMPT, 4)[0]
+    finally:
+        first.close()
+    # A different frontend (this process) sends the same long prompt: its blocks are already cached.
+    llm = LLM(engine_address=daemon.address, auth_token=TOKEN)
+    try:
+        out = llm.generate(LONG_PROMPT, greedy(4), use_tqdm=False)[0]
+        n_prompt = len(out.prompt_token_ids)
+        assert n_prompt >= 64
+        assert out.num_cached_tokens >= 16 * ((n_prompt - 1) // 16) > 0
+        assert list(out.outputs[0].token_ids) == reference(LONG_PROMPT, 4)[0]
+    finally:
+        llm.shutdown()
+
+
+def test_wrong_or_missing_token_is_refused_with_a_clear_error_and_a_daemon_log_line(daemon):
+    with pytest.raises(EngineHandshakeError, match="refused this frontend: wrong auth token"):
+        LLMEngine.attach(daemon.address, "not-the-token", client_name="intruder")
+    with pytest.raises(EngineHandshakeError, match="wrong auth token"):
+        LLM(engine_address=daemon.address)
+    wait_for(lambda: "Refused frontend 'intruder'" in daemon.log(), 5, "the refusal log line")
+    assert "wrong auth token" in daemon.log()
+
+
+def test_wrong_protocol_version_is_refused_with_a_reason(daemon):
+    ctx = zmq.Context()
+    addrs = CoreAddresses.from_base(daemon.address)
+    ident = os.urandom(16)
+    socks = []
+    try:
+        for addr in (addrs.output, addrs.input):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, ident)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addr)
+            socks.append(s)
+        out, inp = socks
+        hello = HelloRequest(protocol_version=PROTOCOL_VERSION + 100, auth_token=TOKEN, client_name="old-frontend")
+        inp.send_multipart([EngineCoreRequestType.HELLO.value, msgspec.msgpack.encode(hello)])
+        assert out.poll(10_000), "no handshake reply"
+        frames = out.recv_multipart()
+        assert frames[0] == EngineCoreOutputType.REFUSED.value
+        reply = msgspec.msgpack.decode(frames[1], type=HandshakeReply)
+        assert not reply.accepted and "protocol version mismatch" in reply.reason
+    finally:
+        for s in socks:
+            s.close()
+        ctx.term()
+    wait_for(lambda: "Refused frontend 'old-frontend'" in daemon.log(), 5, "the refusal log line")
+
+
+def test_llm_with_engine_address_rejects_engine_arguments(daemon):
+    with pytest.raises(TypeError, match="fixed by the daemon"):
+        LLM(engine_address=daemon.address, auth_token=TOKEN, max_model_len=128)
+
+
+# ---------------------------------------------------------------------------------------------- bind policy
+
+
+def test_loopback_detection():
+    assert is_loopback_host("127.0.0.1") and is_loopback_host("127.3.2.1") and is_loopback_host("::1")
+    assert is_loopback_host("localhost") and is_loopback_host("[::1]")
+    assert not is_loopback_host("0.0.0.0") and not is_loopback_host("10.1.2.3") and not is_loopback_host("::")
+    check_bind_allowed("tcp://127.0.0.1:5000", None)
+    check_bind_allowed("ipc:///tmp/x", None)
+    check_bind_allowed("tcp://0.0.0.0:5000", "tok")
+    with pytest.raises(ValueError, match="without an auth token"):
+        check_bind_allowed("tcp://0.0.0.0:5000", None)
+
+
+def test_serve_refuses_a_non_loopback_bind_without_a_token(long_ckpt):
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LITE_AUTH_TOKEN"}
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", long_ckpt, "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert res.returncode == 2
+    assert "refusing to bind the engine core to '0.0.0.0' without an auth token" in res.stderr
+    assert "listening" not in res.stdout
+    assert time.monotonic() - t0 < 30  # refused before any model loads
+
+
+# ---------------------------------------------------------------------------------------------- lifecycle
+
+
+def test_sigterm_drains_running_requests_aborts_past_the_timeout_and_exits_0(long_ckpt, tmp_path, reference):
+    port = find_free_port_run("127.0.0.1", 2)
+    d = Daemon([long_ckpt, "--port", str(port), "--num-threads", "1", "--shutdown-timeout", "3"],
+               str(tmp_path / "daemon.log"))
+    try:
+        d.expect_line("listening on")
+        eng = LLMEngine.attach(f"tcp://127.0.0.1:{port}")
+        try:
+            eng.add_request("short", "The for statement", greedy(200))
+            eng.add_request("endless", "Hello", greedy(7000))  # far more than 3 s of decoding
+            outs: dict[str, Any] = {}
+            first = True
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if first:
+                        d.proc.send_signal(signal.SIGTERM)
+                        sigterm_at = time.monotonic()
+                        first = False
+                        time.sleep(0.5)
+                        # Draining: running requests go on, but nobody new gets in.
+                        with pytest.raises(EngineHandshakeError, match="shutting down"):
+                            LLMEngine.attach(f"tcp://127.0.0.1:{port}", handshake_timeout_s=5)
+                    if out.finished:
+                        outs[out.request_id] = out
+            # The short one drained to its end; the endless one was aborted at the drain deadline.
+            assert outs["short"].outputs[0].finish_reason == "length"
+            assert list(outs["short"].outputs[0].token_ids) == reference("The for statement", 200)[0]
+            assert outs["endless"].outputs[0].finish_reason == "abort"
+            assert len(outs["endless"].outputs[0].token_ids) < 7000
+            assert d.proc.wait(20) == 0
+            assert time.monotonic() - sigterm_at < 3 + 10
+        finally:
+            eng.shutdown()
+        assert "draining running requests for up to 3.0 s" in d.log()
+    finally:
+        d.stop()
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            kids += [int(x) for x in f.read().split()]
+    return kids
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down_non_zero(long_ckpt, tmp_path,
+                                                                                           reference):
+    port = find_free_port_run("127.0.0.1", 2)
+    api_port = find_free_port_run("127.0.0.1", 1)
+    d = Daemon([long_ckpt, "--port", str(port), "--api-port", str(api_port), "--api-servers", "2",
+                "--num-threads", "1"], str(tmp_path / "daemon.log"))
+    try:
+        line = d.expect_line("listening on")
+        assert "(2 HTTP frontends sharing the port)" in d.expect_line("OpenAI API on")
+        core_pid = int(line.rsplit("pid ", 1)[1].rstrip(")"))
+        probe = SyncMPClient(addresses=CoreAddresses.from_base(f"tcp://127.0.0.1:{port}"), client_name="probe")
+        try:
+            names = sorted(f["name"] for f in probe.call_utility("list_frontends"))
+            assert names == ["http-0", "http-1", "probe"]
+        finally:
+            probe.shutdown()
+        prompts = (PROMPTS_A + PROMPTS_B)[:6]
+        with ThreadPoolExecutor(6) as pool:
+            texts = list(pool.map(lambda p: http_complete(f"http://127.0.0.1:{api_port}", p, 16), prompts))
+        assert texts == [reference(p, 16)[1] for p in prompts]
+        frontends = [p for p in _children(d.proc.pid) if "serve_frontend" in _cmdline(p)]
+        assert len(frontends) == 2
+
+        os.kill(core_pid, signal.SIGKILL)
+        code = d.proc.wait(30)
+        assert code != 0
+        assert all(_gone(p) for p in frontends)
+        log = d.log()
+        assert "Engine core 0 exited unexpectedly" in log
+        assert "HTTP frontend 0 exited with code 1" in log and "HTTP frontend 1 exited with code 1" in log
+    finally:
+        d.stop()

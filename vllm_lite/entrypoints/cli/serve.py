@@ -1,0 +1,170 @@
+"""`vllm-lite serve [MODEL]`: run engine core(s) that frontends attach to (see `serve_daemon`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from vllm_lite.entrypoints.cli.parallel_args import add_parallel_args, parallel_kwargs_from
+from vllm_lite.entrypoints.cli.types import CLISubcommand
+
+EPILOG = """\
+examples:
+  vllm-lite serve MODEL_DIR --port 8100
+      then, from other processes: LLM(engine_address="tcp://127.0.0.1:8100"),
+      AsyncLLM.attach("tcp://127.0.0.1:8100"), vllm-lite api-server --engine tcp://127.0.0.1:8100
+  vllm-lite serve MODEL_DIR --api-port 8000 --api-servers 2
+      the core plus 2 OpenAI HTTP frontends sharing port 8000
+  vllm-lite serve MODEL_DIR --host 0.0.0.0 --auth-token SECRET
+      any non-loopback bind needs a token
+
+A tcp address uses two ports, P and P+1 (and P+2r, P+2r+1 for data-parallel rank r).
+"""
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+class ServeCommand(CLISubcommand):
+    name = "serve"
+    help = "Run a long-lived engine core that frontends (Python or HTTP) attach to."
+
+    def add_parser(self, subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+        from vllm_lite.entrypoints.serve_daemon import (
+            DEFAULT_HEARTBEAT_TIMEOUT_S,
+            DEFAULT_PORT,
+            DEFAULT_SHUTDOWN_TIMEOUT_S,
+        )
+
+        p = subparsers.add_parser(
+            self.name, help=self.help, description=self.help, epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument("model", nargs="?", default=None,
+                       help="Local checkpoint directory (default: the bundled vllm-lite model).")
+        d = p.add_argument_group("daemon")
+        d.add_argument("--host", default="127.0.0.1", help="Address the core binds (default: loopback only).")
+        d.add_argument("--port", type=int, default=None,
+                       help=f"First of the two TCP ports the core binds (default {DEFAULT_PORT}; 0: pick free ones).")
+        d.add_argument("--address", default=None, metavar="ADDRESS",
+                       help="Bind this tcp://HOST:PORT or ipc:///PATH instead of --host/--port.")
+        d.add_argument("--auth-token", default=os.environ.get("VLLM_LITE_AUTH_TOKEN"),
+                       help="Frontends must present this token (default: $VLLM_LITE_AUTH_TOKEN). "
+                            "Required to bind a non-loopback address.")
+        d.add_argument("--heartbeat-timeout", type=_positive_float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                       help="Seconds of silence after which a frontend is dropped and its requests aborted.")
+        d.add_argument("--shutdown-timeout", type=_non_negative_float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="On SIGTERM/SIGINT, seconds to let running requests finish before aborting them.")
+        d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="Independent engine cores (own KV cache each); frontends spread requests over them.")
+        h = p.add_argument_group("HTTP frontends")
+        h.add_argument("--api-port", type=int, default=None,
+                       help="Also start OpenAI-compatible HTTP frontends on this port.")
+        h.add_argument("--api-host", default="127.0.0.1", help="Address the HTTP frontends listen on.")
+        h.add_argument("--api-servers", type=int, default=1,
+                       help="HTTP frontend processes, all attached to the core(s), sharing --api-port.")
+        h.add_argument("--api-key", default=os.environ.get("VLLM_LITE_API_KEY"),
+                       help="Require 'Authorization: Bearer KEY' on the HTTP API (default: $VLLM_LITE_API_KEY).")
+        h.add_argument("--served-model-name", nargs="+", default=None, help="Model name(s) the HTTP API reports.")
+        h.add_argument("--uvicorn-log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug"])
+        e = p.add_argument_group("engine")
+        e.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
+        e.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32 (float16 becomes bfloat16 on CPU).")
+        e.add_argument("--device", default="auto", help="auto, cpu or cuda[:N].")
+        e.add_argument("--seed", type=int, default=0)
+        e.add_argument("--max-model-len", type=int, default=None)
+        e.add_argument("--block-size", type=int, default=16)
+        e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+        e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        e.add_argument("--max-num-batched-tokens", type=int, default=None)
+        e.add_argument("--max-num-seqs", type=int, default=128)
+        e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        e.add_argument("--num-threads", type=int, default=None, help="Torch threads per engine core.")
+        add_parallel_args(p)
+        return p
+
+    def run(self, args: argparse.Namespace) -> int:
+        import sys
+
+        from vllm_lite.client.exceptions import EngineStartupError
+        from vllm_lite.entrypoints.serve_daemon import run_serve
+
+        cfg = serve_config_from(args)
+        try:
+            return run_serve(cfg)
+        except (EngineStartupError, RuntimeError) as e:
+            print(f"vllm-lite serve: error: {e}", file=sys.stderr)
+            return 1
+
+
+def serve_config_from(args: argparse.Namespace):
+    """ServeConfig from the parsed flags (ValueError on bad ones, before anything starts)."""
+    from vllm_lite.config import EngineArgs
+    from vllm_lite.default_model import DEFAULT_MODEL_NAME, default_model_path
+    from vllm_lite.entrypoints.serve_daemon import ServeConfig, make_address
+
+    model, served = args.model, args.served_model_name
+    engine_name = None
+    if not model:
+        model = default_model_path()
+        engine_name = DEFAULT_MODEL_NAME
+    elif served:
+        engine_name = served[0]
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be at least 2, got {args.max_model_len}.")
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}.")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}.")
+    if args.port is not None and not 0 <= args.port < 65535:
+        raise ValueError(f"--port must be 0..65534, got {args.port}.")
+    if args.address and (args.port is not None or args.host != "127.0.0.1"):
+        raise ValueError("pass either --address or --host/--port, not both.")
+    engine_args = EngineArgs(
+        model=model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        scheduling_policy=args.scheduling_policy,
+        num_threads=args.num_threads,
+        served_model_name=engine_name,
+        data_parallel_size=args.data_parallel_size,
+        **parallel_kwargs_from(args),
+    )
+    return ServeConfig(
+        engine_args=engine_args,
+        address=make_address(args.host, args.port, args.address),
+        auth_token=args.auth_token or None,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        data_parallel_size=args.data_parallel_size,
+        api_port=args.api_port,
+        api_host=args.api_host,
+        api_servers=args.api_servers,
+        api_key=args.api_key or None,
+        served_model_names=list(served or []),
+        uvicorn_log_level=args.uvicorn_log_level,
+    )
+
+
+def subcommands() -> list[CLISubcommand]:
+    return [ServeCommand()]
