@@ -15,7 +15,11 @@ route each new request:
   follow-ups, a common system prompt) hit that core's prefix cache;
 * otherwise least-loaded: the core with the fewest requests this frontend has
   in flight there plus the running + waiting requests its latest scheduler
-  stats report (which include other frontends' work).
+  stats report (which include other frontends' work). Stats arrive with every
+  step's outputs and are also polled (``get_stats``) every ``stats_interval_s``,
+  so a core this frontend has no work on is not judged by stale numbers.
+  A sticky core much busier than the least-loaded one (``sticky_slack``) loses
+  the prefix to it.
 
 Outputs of all cores are merged into one stream; a request id lives on one
 core, so aborts go only there. Any core dying makes the whole client dead.
@@ -162,9 +166,11 @@ class NamespacedClient(EngineCoreClient):
 class _Router:
     """Which core a new request goes to (see the module docstring). Not thread-safe: callers lock."""
 
-    def __init__(self, num_cores: int, block_size: int) -> None:
+    def __init__(self, num_cores: int, block_size: int, sticky_slack: int = 32) -> None:
         self.num_cores = num_cores
         self.block_size = max(1, block_size)
+        # A cached prefix is worth waiting behind this many more requests than the least-loaded core has.
+        self.sticky_slack = sticky_slack
         self.in_flight = [0] * num_cores  # this frontend's requests per core
         self.core_load = [0] * num_cores  # running + waiting, from each core's latest stats
         self.owner: dict[str, int] = {}  # live request id -> core
@@ -177,12 +183,15 @@ class _Router:
         head = ",".join(map(str, token_ids[: self.block_size])).encode()
         return hashlib.blake2b(head, digest_size=16).digest()
 
+    def load(self, core: int) -> int:
+        return self.in_flight[core] + self.core_load[core]
+
     def route(self, request: EngineCoreRequest) -> int:
         key = self._prefix_key(request.prompt_token_ids)
+        least = min(range(self.num_cores), key=lambda i: (self.load(i), self.routed[i]))
         core = self.sticky.get(key) if key is not None else None
-        if core is None:
-            loads = [self.in_flight[i] + self.core_load[i] for i in range(self.num_cores)]
-            core = min(range(self.num_cores), key=lambda i: (loads[i], self.routed[i]))
+        if core is None or self.load(core) > self.load(least) + self.sticky_slack:
+            core = least  # new prefix, or its core is far busier than the rest: re-home it
         if key is not None:
             self.sticky[key] = core
             self.sticky.move_to_end(key)
@@ -206,6 +215,10 @@ class _Router:
             if core is not None:
                 groups.setdefault(core, []).append(rid)
         return groups
+
+    def set_load(self, core: int, stats: dict[str, Any]) -> None:
+        """A core's load from a polled ``get_stats`` (other frontends' requests included)."""
+        self.core_load[core] = int(stats.get("num_running_reqs", 0)) + int(stats.get("num_waiting_reqs", 0))
 
     def observe(self, core: int, outs: EngineCoreOutputs) -> None:
         """Book finished requests and the core's latest load."""
@@ -233,7 +246,13 @@ def _merged_facts(clients: Sequence[Any]) -> dict[str, Any]:
 class DPCoreClient(EngineCoreClient):
     """A blocking client over several attached data-parallel cores (one SyncMPClient each)."""
 
-    def __init__(self, addresses: Sequence[str], auth_token: Optional[str] = None, **client_kwargs: Any) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        auth_token: Optional[str] = None,
+        stats_interval_s: float = 0.5,
+        **client_kwargs: Any,
+    ) -> None:
         self.clients: list[SyncMPClient] = []
         try:
             for addr in addresses:
@@ -249,15 +268,27 @@ class DPCoreClient(EngineCoreClient):
         self.client_index = first.client_index
         self.model_path, self.tokenizer_path = first.model_path, first.tokenizer_path
         self.router = _Router(len(self.clients), int(self.model_facts["block_size"]))
+        self.stats_interval_s = stats_interval_s
         self._lock = threading.Lock()
         self._merged: queue.Queue[Union[EngineCoreOutputs, Exception]] = queue.Queue()
         self._closed = False
-        self._pumps = [
+        self._stop = threading.Event()
+        self._threads = [
             threading.Thread(target=self._pump, args=(i,), name=f"dp-client-pump-{i}", daemon=True)
             for i in range(len(self.clients))
-        ]
-        for t in self._pumps:
+        ] + [threading.Thread(target=self._poll_stats, name="dp-client-stats", daemon=True)]
+        for t in self._threads:
             t.start()
+
+    def _poll_stats(self) -> None:
+        while not self._stop.wait(self.stats_interval_s):
+            for core, client in enumerate(self.clients):
+                try:
+                    stats = client.call_utility("get_stats")
+                except Exception:  # noqa: BLE001 -- a dead core is reported by its pump
+                    return
+                with self._lock:
+                    self.router.set_load(core, stats)
 
     def _pump(self, core: int) -> None:
         """Move one core's outputs onto the merged queue, booking finishes and load on the way."""
@@ -317,6 +348,7 @@ class DPCoreClient(EngineCoreClient):
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
         for c in self.clients:
             c.shutdown()
         self._merged.put(EngineDeadError("This engine core client was shut down."))
@@ -325,7 +357,13 @@ class DPCoreClient(EngineCoreClient):
 class AsyncDPCoreClient(EngineCoreClient):
     """The asyncio version, for AsyncLLM and the HTTP frontends (one AsyncMPClient per core)."""
 
-    def __init__(self, addresses: Sequence[str], auth_token: Optional[str] = None, **client_kwargs: Any) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        auth_token: Optional[str] = None,
+        stats_interval_s: float = 0.5,
+        **client_kwargs: Any,
+    ) -> None:
         self.clients: list[AsyncMPClient] = []
         try:
             for addr in addresses:
@@ -341,6 +379,7 @@ class AsyncDPCoreClient(EngineCoreClient):
         self.client_index = first.client_index
         self.model_path, self.tokenizer_path = first.model_path, first.tokenizer_path
         self.router = _Router(len(self.clients), int(self.model_facts["block_size"]))
+        self.stats_interval_s = stats_interval_s
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._merged: Optional[asyncio.Queue] = None
         self._tasks: list[asyncio.Task] = []
@@ -358,6 +397,18 @@ class AsyncDPCoreClient(EngineCoreClient):
         while old is not None and not old.empty():
             self._merged.put_nowait(old.get_nowait())
         self._tasks = [loop.create_task(self._pump(i), name=f"dp-client-pump-{i}") for i in range(len(self.clients))]
+        self._tasks.append(loop.create_task(self._poll_stats(), name="dp-client-stats"))
+
+    async def _poll_stats(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.stats_interval_s)
+            for core, client in enumerate(self.clients):
+                try:
+                    self.router.set_load(core, await client.call_utility_async("get_stats"))
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 -- a dead core is reported by its pump
+                    return
 
     async def _pump(self, core: int) -> None:
         client = self.clients[core]
