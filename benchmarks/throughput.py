@@ -40,11 +40,14 @@ def matmul_tflops(dtype: torch.dtype, threads: int, n: int = 1024, reps: int = 1
     return 2 * n**3 * reps / dt / 1e12
 
 
-def run_ours(model: str, prompts: list[list[int]], out_len: int, dtype: str, multiprocess: bool) -> dict:
+def run_ours(
+    model: str, prompts: list[list[int]], out_len: int, dtype: str, multiprocess: bool, num_threads: int | None
+) -> dict:
     from vllm_lite import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype=dtype, multiprocess=multiprocess, max_model_len=512, max_num_seqs=64)
+    llm = LLM(model=model, dtype=dtype, multiprocess=multiprocess, max_model_len=512, max_num_seqs=64,
+              num_threads=num_threads)
     ready = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -56,9 +59,10 @@ def run_ours(model: str, prompts: list[list[int]], out_len: int, dtype: str, mul
     return {"tokens_per_s": n_out / dt, "elapsed_s": dt, "output_tokens": n_out, "startup_s": ready}
 
 
-def run_hf(model: str, prompts: list[list[int]], out_len: int, dtype: torch.dtype, batch: int) -> dict:
+def run_hf(model: str, prompts: list[list[int]], out_len: int, dtype: torch.dtype, batch: int, threads: int) -> dict:
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(threads)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
     pad = 0
     n_out = 0
@@ -87,6 +91,9 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--inprocess", action="store_true", help="run the engine core in this process")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--num-threads", type=int, default=None, help="engine-core torch threads (default: its policy)")
+    ap.add_argument("--hf-threads", type=int, default=None,
+                    help="torch threads for Hugging Face (default: the engine core's policy, all cores but one)")
     args = ap.parse_args()
     if args.model is None:
         from vllm_lite.testing.checkpoints import get_checkpoint
@@ -96,13 +103,15 @@ def main() -> None:
         cfg = json.load(f)
     prompts = make_prompts(args.num_prompts, 32, 256, cfg["vocab_size"], seed=0)
 
-    ours = run_ours(args.model, prompts, args.output_len, args.dtype, not args.inprocess)
+    ours = run_ours(args.model, prompts, args.output_len, args.dtype, not args.inprocess, args.num_threads)
     result: dict = {"benchmark": "throughput", "model": os.path.basename(args.model.rstrip("/")), "dtype": args.dtype,
                     "num_prompts": args.num_prompts, "output_len": args.output_len,
                     "vllm_lite_tokens_per_s": round(ours["tokens_per_s"], 1),
                     "vllm_lite_startup_s": round(ours["startup_s"], 2)}
     if not args.skip_hf:
-        hf = run_hf(args.model, prompts, args.output_len, getattr(torch, args.dtype), args.hf_batch)
+        hf_threads = args.hf_threads or args.num_threads or max(1, (os.cpu_count() or 1) - 1)
+        hf = run_hf(args.model, prompts, args.output_len, getattr(torch, args.dtype), args.hf_batch, hf_threads)
+        result["hf_threads"] = hf_threads
         result["hf_tokens_per_s"] = round(hf["tokens_per_s"], 1)
         result["ratio"] = round(ours["tokens_per_s"] / hf["tokens_per_s"], 2)
     # Fraction of the compute limit: 2 * params FLOPs per token against the measured matmul rate.
