@@ -498,3 +498,45 @@ def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down
         assert "HTTP frontend 0 exited with code 1" in log and "HTTP frontend 1 exited with code 1" in log
     finally:
         d.stop()
+
+
+def test_serve_without_model_uses_the_bundled_default_on_an_ipc_address_and_sigterm_stops_all_cleanly(tmp_path):
+    from vllm_lite.default_model import DEFAULT_MODEL_NAME
+
+    address = f"ipc://{tmp_path}/core"
+    api_port = find_free_port_run("127.0.0.1", 1)
+    d = Daemon(["--address", address, "--api-port", str(api_port), "--num-threads", "1"], str(tmp_path / "d.log"))
+    try:
+        line = d.expect_line("listening on")
+        assert line.startswith(f"vllm-lite engine core listening on {address} (model {DEFAULT_MODEL_NAME}, ")
+        d.expect_line("OpenAI API on")
+        r = httpx.post(f"http://127.0.0.1:{api_port}/v1/completions", timeout=60.0,
+                       json={"prompt": "The for statement", "max_tokens": 4, "temperature": 0.0})
+        assert r.status_code == 200 and r.json()["model"] == DEFAULT_MODEL_NAME
+        with LLM(engine_address=address) as llm:
+            assert len(llm.generate("Hello", greedy(3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0
+        log = d.log()
+        # The frontend knew the core's exit was on purpose: a clean exit, no "engine died".
+        assert "HTTP frontend 0 exited with code 0" in log and "engine died" not in log
+    finally:
+        d.stop()
+
+
+def test_killing_the_serve_process_leaves_no_core_or_frontend_behind(long_ckpt, tmp_path):
+    port = find_free_port_run("127.0.0.1", 2)
+    api_port = find_free_port_run("127.0.0.1", 1)
+    d = Daemon([long_ckpt, "--port", str(port), "--api-port", str(api_port), "--num-threads", "1"],
+               str(tmp_path / "d.log"))
+    try:
+        line = d.expect_line("listening on")
+        d.expect_line("OpenAI API on")
+        core_pid = int(line.rsplit("pid ", 1)[1].rstrip(")"))
+        frontends = [p for p in _children(d.proc.pid) if "serve_frontend" in _cmdline(p)]
+        assert len(frontends) == 1
+        d.proc.kill()
+        d.proc.wait(10)
+        wait_for(lambda: _gone(core_pid) and all(_gone(p) for p in frontends), 15, "the orphans to exit")
+    finally:
+        d.stop()

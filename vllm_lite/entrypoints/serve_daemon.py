@@ -53,6 +53,8 @@ AUTH_TOKEN_ENV = "VLLM_LITE_AUTH_TOKEN"
 _POLL_S = 0.1
 # Grace for HTTP frontends to finish after the cores are gone, before SIGKILL.
 _FRONTEND_STOP_S = 15.0
+# After a core died: time the HTTP frontends get to notice and exit 1 themselves before SIGTERM.
+_FRONTEND_SELF_EXIT_S = 5.0
 # Extra time a core gets past its drain timeout (closing sockets, freeing the model) before SIGKILL.
 _CORE_EXIT_GRACE_S = 15.0
 
@@ -452,6 +454,11 @@ class ServeSupervisor:
                 logger.error("Engine core %d did not exit in time: killing it.", core.rank)
                 core.proc.kill()
                 core.proc.join(5.0)
+        if failed and any(not c.proc.is_alive() for c in self.cores):
+            # They watch the cores and exit 1 on their own (so their own supervisor, if any, sees the failure).
+            deadline = time.monotonic() + _FRONTEND_SELF_EXIT_S
+            while time.monotonic() < deadline and any(fe.proc.poll() is None for fe in self.frontends):
+                time.sleep(_POLL_S)
         for fe in self.frontends:
             if fe.proc.poll() is None:
                 fe.proc.send_signal(signal.SIGTERM)
