@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_lite.worker.models.cpu_prepack import linear
 from vllm_lite.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 
 
@@ -67,9 +68,14 @@ def _divide(total: int, tp: int, what: str) -> int:
 class ColumnParallelLinear(nn.Linear):
     """Output rows split across ranks: rank r computes out[:, r*n/tp : (r+1)*n/tp]."""
 
+    supports_prepack = True  # forward goes through cpu_prepack.linear
+
     def __init__(self, in_features: int, out_features: int, bias: bool, what: str = "out_features") -> None:
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         super().__init__(in_features, _divide(out_features, self.tp_size, what), bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self, self.bias)
 
     def load_weight(self, param: torch.Tensor, loaded: Any) -> None:
         n = param.shape[0]
@@ -80,14 +86,16 @@ class ColumnParallelLinear(nn.Linear):
 class RowParallelLinear(nn.Linear):
     """Input columns split across ranks; partial products all-reduced, bias added once after the sum."""
 
+    supports_prepack = True  # forward goes through cpu_prepack.linear
+
     def __init__(self, in_features: int, out_features: int, bias: bool, what: str = "in_features") -> None:
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         super().__init__(_divide(in_features, self.tp_size, what), out_features, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+            return linear(x, self, self.bias)
+        y = tensor_model_parallel_all_reduce(linear(x, self, None))
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, param: torch.Tensor, loaded: Any) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_lite.worker.models.cpu_prepack import linear
 from vllm_lite.worker.models.parallel_linear import copy_checked, loaded_shape, read_shard
 from vllm_lite.worker.parallel_state import (
     get_tp_rank,
@@ -61,7 +62,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 def lm_head_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
     """Full-vocab float32 logits [T, vocab] on every rank."""
-    logits = F.linear(hidden, head.weight)
+    logits = linear(hidden, head, None)
     if head.tp_size == 1:
         return logits.float()
     return tensor_model_parallel_all_gather(logits, dim=-1)[:, : head.vocab_size].float()

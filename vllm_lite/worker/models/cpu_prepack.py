@@ -1,0 +1,66 @@
+"""oneDNN weight prepacking for bfloat16 linear layers on CPU.
+
+`F.linear` on CPU re-lays-out the weight for oneDNN on every call; for
+decode-sized batches that dominates. Packing each weight once after loading
+gives bit-identical bfloat16 results and measured 1.2-3x faster matmuls here
+for 1-64 rows (e.g. 768x3072 at 16 rows: 113 -> 183 GFLOP/s). float32 is left
+alone: its packed kernel rounds differently, and float32 is our exactness path.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "packed_weight"
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+
+
+def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
+    """Attach a packed copy of every bfloat16 CPU weight used as a matmul; returns how many.
+
+    The original weight of a parallel linear layer is released (it is never read
+    again); the LM head's is kept, as a tied head shares it with the embedding.
+    """
+    head = getattr(model, "lm_head", None)
+    n = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu":
+            continue
+        # Only layers whose forward goes through `linear()` below, and the LM head.
+        is_linear = getattr(module, "supports_prepack", False)
+        if not (is_linear or module is head):
+            continue
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+        except (RuntimeError, AttributeError) as e:  # a torch without oneDNN bf16 support
+            logger.info("weight prepacking unavailable (%s); using plain F.linear", e)
+            return n
+        setattr(module, _ATTR, packed)
+        if is_linear:
+            module.weight.data = torch.empty((0, w.shape[1]), dtype=w.dtype)
+        n += 1
+    if n:
+        logger.info("prepacked %d bfloat16 linear weights for oneDNN", n)
+    return n
+
+
+def linear(x: torch.Tensor, module: nn.Module, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """F.linear through the packed weight when there is one."""
+    packed = getattr(module, _ATTR, None)
+    if packed is None:
+        return F.linear(x, module.weight, bias)
+    if x.dim() != 2:
+        shape = x.shape
+        return linear(x.reshape(-1, shape[-1]), module, bias).view(*shape[:-1], -1)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
