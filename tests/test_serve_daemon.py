@@ -540,3 +540,18 @@ def test_killing_the_serve_process_leaves_no_core_or_frontend_behind(long_ckpt, 
         wait_for(lambda: _gone(core_pid) and all(_gone(p) for p in frontends), 15, "the orphans to exit")
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--address", "tcp://127.0.0.1:7000", "--port", "7000"], "either --address or --host/--port"),
+    (["--api-port", "8000", "--api-servers", "0"], "api_servers must be a positive integer"),
+    (["--data-parallel-size", "0"], "--data-parallel-size must be at least 1"),
+    (["--address", "http://127.0.0.1:7000"], "engine address must be tcp://HOST:PORT or ipc:///PATH"),
+    (["--port", "65534", "--data-parallel-size", "2"], "need ports up to 65537"),
+])
+def test_serve_rejects_bad_flags_before_starting_anything(long_ckpt, capsys, flags, message):
+    from vllm_lite.entrypoints.cli import main
+
+    assert main(["serve", long_ckpt, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-lite serve: error: ") and message in err

@@ -10,8 +10,10 @@ Process tree (the ``serve`` process itself never loads the model; it supervises)
   Ctrl-C reaches only the supervisor, which then stops everything in order.
 * The HTTP frontends share ONE listening socket: the supervisor binds
   ``--api-host:--api-port`` once (a busy port fails before the model loads) and
-  every frontend inherits it and accepts on it; the kernel hands each new
-  connection to whichever frontend accepts first, so an idle one wins.
+  every frontend inherits it and accepts on it; each new connection goes to
+  whichever frontend's event loop gets to ``accept()`` first, so a frontend busy
+  detokenizing takes fewer new connections. (Chosen over SO_REUSEPORT: one bind,
+  no other process can join the port, and a frontend restart loses no backlog.)
 * Stop (SIGTERM / SIGINT): the cores stop taking new requests and drain running
   ones for at most ``shutdown_timeout_s``; when they have exited, the HTTP
   frontends are stopped; exit 0.
