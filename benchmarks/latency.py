@@ -47,6 +47,7 @@ def run_ours(model: str, prompt: list[int], out_len: int, dtype: str, multiproce
 def run_hf(model: str, prompt: list[int], out_len: int, dtype: torch.dtype, iters: int) -> dict:
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))  # the engine core's thread policy
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
     ids = torch.tensor([prompt])
     per_tok, ttfts = [], []
