@@ -117,11 +117,13 @@ def main() -> None:
     # Fraction of the compute limit: 2 * params FLOPs per token against the measured matmul rate.
     n_params = _count_params(cfg)
     achieved = 2 * n_params * ours["tokens_per_s"] / 1e12
-    limit = matmul_tflops(getattr(torch, args.dtype), threads=os.cpu_count() or 1)
+    core_threads = args.num_threads or max(1, (os.cpu_count() or 1) - 1)
+    limit = matmul_tflops(getattr(torch, args.dtype), threads=core_threads)
     result["model_params_m"] = round(n_params / 1e6, 1)
     result["achieved_tflops"] = round(achieved, 4)
     result["matmul_tflops_limit"] = round(limit, 3)
     result["fraction_of_limit"] = round(achieved / limit, 3)
+    result["core_threads"] = core_threads
     result["peak_rss_mb_this_process"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     result["peak_rss_mb_children"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
     print(json.dumps(result))
