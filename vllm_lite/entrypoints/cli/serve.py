@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from vllm_lite.entrypoints.cli.parallel_args import add_parallel_args, parallel_kwargs_from
+from vllm_lite.entrypoints.cli.engine_args import add_engine_args, engine_kwargs_from
 from vllm_lite.entrypoints.cli.types import CLISubcommand
 
 EPILOG = """\
@@ -79,20 +79,7 @@ class ServeCommand(CLISubcommand):
         h.add_argument("--served-model-name", nargs="+", default=None, help="Model name(s) the HTTP API reports.")
         h.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug"])
-        e = p.add_argument_group("engine")
-        e.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
-        e.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32 (float16 becomes bfloat16 on CPU).")
-        e.add_argument("--device", default="auto", help="auto, cpu or cuda[:N].")
-        e.add_argument("--seed", type=int, default=0)
-        e.add_argument("--max-model-len", type=int, default=None)
-        e.add_argument("--block-size", type=int, default=16)
-        e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-        e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        e.add_argument("--max-num-batched-tokens", type=int, default=None)
-        e.add_argument("--max-num-seqs", type=int, default=128)
-        e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-        e.add_argument("--num-threads", type=int, default=None, help="Torch threads per engine core.")
-        add_parallel_args(p)
+        add_engine_args(p, model_option=False, seed=True, multiprocess=False)
         return p
 
     def run(self, args: argparse.Namespace) -> int:
@@ -122,10 +109,6 @@ def serve_config_from(args: argparse.Namespace):
         engine_name = DEFAULT_MODEL_NAME
     elif served:
         engine_name = served[0]
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise ValueError(f"--max-model-len must be at least 2, got {args.max_model_len}.")
-    if args.num_threads is not None and args.num_threads < 1:
-        raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}.")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}.")
     if args.port is not None and not 0 <= args.port < 65535:
@@ -133,22 +116,8 @@ def serve_config_from(args: argparse.Namespace):
     if args.address and (args.port is not None or args.host != "127.0.0.1"):
         raise ValueError("pass either --address or --host/--port, not both.")
     engine_args = EngineArgs(
-        model=model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        scheduling_policy=args.scheduling_policy,
-        num_threads=args.num_threads,
-        served_model_name=engine_name,
-        data_parallel_size=args.data_parallel_size,
-        **parallel_kwargs_from(args),
+        model=model, served_model_name=engine_name, data_parallel_size=args.data_parallel_size,
+        **engine_kwargs_from(args),
     )
     return ServeConfig(
         engine_args=engine_args,

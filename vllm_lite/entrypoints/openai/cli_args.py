@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from vllm_lite.config import EngineArgs
+from vllm_lite.entrypoints.cli.engine_args import add_engine_args, engine_kwargs_from
 
 
 def _positive_float(text: str) -> float:
@@ -51,22 +52,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Attach to a running `vllm-lite serve` core at ADDRESS instead of spawning one.",
     )
     eng.add_argument("--auth-token", default=os.environ.get("VLLM_LITE_AUTH_TOKEN"), help="Token for --engine.")
-    eng.add_argument("--tokenizer", default=None)
-    eng.add_argument("--dtype", default="auto")
-    eng.add_argument("--seed", type=int, default=0)
-    eng.add_argument("--max-model-len", type=int, default=None)
-    eng.add_argument("--block-size", type=int, default=16)
-    eng.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    eng.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-        help="Reuse KV blocks of shared prompt prefixes.",
-    )
-    eng.add_argument("--max-num-batched-tokens", type=int, default=None)
-    eng.add_argument("--max-num-seqs", type=int, default=128)
-    eng.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    eng.add_argument("--tensor-parallel-size", type=int, default=1)
-    eng.add_argument("--device", default="auto")
-    eng.add_argument("--num-threads", type=int, default=None)
+    add_engine_args(parser, model_option=False, seed=True, multiprocess=False)
     return parser
 
 
@@ -74,23 +60,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     if not args.model:
         raise ValueError("--model is required (or --engine ADDRESS to attach to a running core).")
     names = args.served_model_name or []
-    return EngineArgs(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        scheduling_policy=args.scheduling_policy,
-        tensor_parallel_size=args.tensor_parallel_size,
-        device=args.device,
-        num_threads=args.num_threads,
-        served_model_name=names[0] if names else None,
-    )
+    return EngineArgs(model=args.model, served_model_name=names[0] if names else None, **engine_kwargs_from(args))
 
 
 def add_api_server_parser(subparsers: Any) -> argparse.ArgumentParser:
