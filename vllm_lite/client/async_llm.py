@@ -17,14 +17,13 @@ from typing import Any, AsyncGenerator, Iterable, Optional, Union
 
 import msgspec
 
-from vllm_lite.client.core_client import AsyncMPClient, EngineCoreClient, make_client
+from vllm_lite.client.core_client import EngineCoreClient, make_client
 from vllm_lite.client.exceptions import EngineDeadError
 from vllm_lite.client.output_processor import OutputProcessor, RequestOutputCollector
 from vllm_lite.client.parallel_sampling import ParentRequest
 from vllm_lite.client.processor import PromptType, Processor
 from vllm_lite.client.tokenizer import get_tokenizer
 from vllm_lite.config import EngineArgs, ModelConfig, VllmConfig
-from vllm_lite.core.engine_core_proc import CoreAddresses
 from vllm_lite.core.messages import EngineCoreRequest, SchedulerStats
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import SamplingParams
@@ -67,25 +66,22 @@ class AsyncLLM:
         return cls(engine_args.create_engine_config(), **kwargs)
 
     @classmethod
-    def attach(cls, address: str, auth_token: Optional[str] = None, **kwargs: Any) -> "AsyncLLM":
+    def attach(
+        cls, address: str, auth_token: Optional[str] = None, *, data_parallel_size: int = 1, **kwargs: Any
+    ) -> "AsyncLLM":
         """Attach to a running engine core (``vllm-lite serve``) at ``tcp://HOST:PORT`` or ``ipc:///PATH``.
 
-        The tokenizer and model config come from the paths the core reports, so
-        this frontend must see the same files (same host or shared storage).
+        Request ids get this frontend's private namespace in the shared core, and with
+        ``data_parallel_size`` > 1 requests are spread over the daemon's cores. The
+        tokenizer and model config come from the paths the core reports, so this
+        frontend must see the same files (same host or shared storage).
         """
-        client = AsyncMPClient(addresses=CoreAddresses.from_base(address), auth_token=auth_token)
+        from vllm_lite.client.dp_client import make_attached_client
+        from vllm_lite.client.llm_engine import attached_frontend_config
+
+        client = make_attached_client(address, auth_token, data_parallel_size=data_parallel_size, asyncio_mode=True)
         try:
-            facts = client.model_facts
-            config = EngineArgs(
-                model=client.model_path,
-                tokenizer=client.tokenizer_path or None,
-                max_model_len=facts["max_model_len"],
-                block_size=facts["block_size"],
-                device="cpu",  # the frontend computes nothing; the core owns the device
-            ).create_engine_config()
-            if facts["model"] != config.model_config.model:
-                config.model_config.served_model_name = facts["model"]
-            return cls(config, client=client, **kwargs)
+            return cls(attached_frontend_config(client), client=client, **kwargs)
         except BaseException:
             client.shutdown()
             raise

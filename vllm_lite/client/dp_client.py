@@ -243,6 +243,34 @@ def _merged_facts(clients: Sequence[Any]) -> dict[str, Any]:
     return facts
 
 
+def _attach_all(client_cls: Any, addresses: Sequence[str], auth_token: Optional[str], kwargs: dict) -> list:
+    """One attached client per core; all or none (a failure shuts down the ones already made)."""
+    clients: list = []
+    try:
+        for addr in addresses:
+            clients.append(client_cls(addresses=CoreAddresses.from_base(addr), auth_token=auth_token, **kwargs))
+    except BaseException:
+        for c in clients:
+            c.shutdown()
+        raise
+    return clients
+
+
+def _init_from_clients(dp: Any, stats_interval_s: float) -> None:
+    """Facts, identity and router of a DP client, from its attached per-core clients."""
+    try:
+        dp.model_facts = _merged_facts(dp.clients)
+    except BaseException:
+        for c in dp.clients:
+            c.shutdown()
+        raise
+    first = dp.clients[0]
+    dp.client_index = first.client_index
+    dp.model_path, dp.tokenizer_path = first.model_path, first.tokenizer_path
+    dp.router = _Router(len(dp.clients), int(dp.model_facts["block_size"]))
+    dp.stats_interval_s = stats_interval_s
+
+
 class DPCoreClient(EngineCoreClient):
     """A blocking client over several attached data-parallel cores (one SyncMPClient each)."""
 
@@ -253,22 +281,8 @@ class DPCoreClient(EngineCoreClient):
         stats_interval_s: float = 0.5,
         **client_kwargs: Any,
     ) -> None:
-        self.clients: list[SyncMPClient] = []
-        try:
-            for addr in addresses:
-                self.clients.append(
-                    SyncMPClient(addresses=CoreAddresses.from_base(addr), auth_token=auth_token, **client_kwargs)
-                )
-            self.model_facts = _merged_facts(self.clients)
-        except BaseException:
-            for c in self.clients:
-                c.shutdown()
-            raise
-        first = self.clients[0]
-        self.client_index = first.client_index
-        self.model_path, self.tokenizer_path = first.model_path, first.tokenizer_path
-        self.router = _Router(len(self.clients), int(self.model_facts["block_size"]))
-        self.stats_interval_s = stats_interval_s
+        self.clients: list[SyncMPClient] = _attach_all(SyncMPClient, addresses, auth_token, client_kwargs)
+        _init_from_clients(self, stats_interval_s)
         self._lock = threading.Lock()
         self._merged: queue.Queue[Union[EngineCoreOutputs, Exception]] = queue.Queue()
         self._closed = False
@@ -364,22 +378,8 @@ class AsyncDPCoreClient(EngineCoreClient):
         stats_interval_s: float = 0.5,
         **client_kwargs: Any,
     ) -> None:
-        self.clients: list[AsyncMPClient] = []
-        try:
-            for addr in addresses:
-                self.clients.append(
-                    AsyncMPClient(addresses=CoreAddresses.from_base(addr), auth_token=auth_token, **client_kwargs)
-                )
-            self.model_facts = _merged_facts(self.clients)
-        except BaseException:
-            for c in self.clients:
-                c.shutdown()
-            raise
-        first = self.clients[0]
-        self.client_index = first.client_index
-        self.model_path, self.tokenizer_path = first.model_path, first.tokenizer_path
-        self.router = _Router(len(self.clients), int(self.model_facts["block_size"]))
-        self.stats_interval_s = stats_interval_s
+        self.clients: list[AsyncMPClient] = _attach_all(AsyncMPClient, addresses, auth_token, client_kwargs)
+        _init_from_clients(self, stats_interval_s)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._merged: Optional[asyncio.Queue] = None
         self._tasks: list[asyncio.Task] = []

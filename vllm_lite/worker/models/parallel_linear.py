@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_lite.worker.models.cpu_prepack import linear
