@@ -45,7 +45,7 @@ PROMPTS = [
 
 
 def engine_args(model: str) -> EngineArgs:
-    return EngineArgs(model=model, max_model_len=256, num_threads=1, kv_cache_memory_bytes=32 << 20, max_num_seqs=256)
+    return EngineArgs(model=model, dtype="float32", max_model_len=256, num_threads=1, kv_cache_memory_bytes=32 << 20, max_num_seqs=256)
 
 
 def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, **kw) -> SamplingParams:

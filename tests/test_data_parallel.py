@@ -122,7 +122,7 @@ def ckpt() -> str:
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
-    llm = LLM(ckpt, multiprocess=False)
+    llm = LLM(ckpt, multiprocess=False, dtype="float32")
     cache: dict = {}
 
     def get(prompt: str, n: int):
@@ -143,7 +143,8 @@ def dp_daemon(ckpt, tmp_path_factory):
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", ckpt, "--data-parallel-size", "2",
-         "--port", str(port), "--api-port", str(api_port), "--num-threads", "1", "--heartbeat-timeout", "3"],
+         "--port", str(port), "--api-port", str(api_port), "--num-threads", "1", "--heartbeat-timeout", "3",
+         "--dtype", "float32"],
         stdout=subprocess.PIPE, stderr=log, text=True,
     )
     lines: queue.Queue[str] = queue.Queue()

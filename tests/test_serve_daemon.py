@@ -68,7 +68,7 @@ def long_ckpt(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def reference(long_ckpt):
     """Greedy token ids and texts from an in-process engine (the oracle for every frontend)."""
-    llm = LLM(long_ckpt, multiprocess=False)
+    llm = LLM(long_ckpt, multiprocess=False, dtype="float32")
     cache: dict[tuple[str, int], tuple[list[int], str]] = {}
 
     def get(prompt: str, max_tokens: int) -> tuple[list[int], str]:
@@ -93,7 +93,8 @@ class Daemon:
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", *args],
+            # float32: outputs are compared with an in-process float32 reference.
+            [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", *args, "--dtype", "float32"],
             stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, **(env or {})},
         )
         self.lines: queue.Queue[str] = queue.Queue()
@@ -395,7 +396,8 @@ def test_serve_refuses_a_non_loopback_bind_without_a_token(long_ckpt):
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LITE_AUTH_TOKEN"}
     t0 = time.monotonic()
     res = subprocess.run(
-        [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", long_ckpt, "--host", "0.0.0.0", "--port", "0"],
+        [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", long_ckpt, "--host", "0.0.0.0", "--port", "0",
+         "--dtype", "float32"],
         capture_output=True, text=True, timeout=60, env=env,
     )
     assert res.returncode == 2
