@@ -109,3 +109,37 @@ def test_text_prompts_and_request_output_fields() -> None:
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
         assert o.metrics is not None and o.metrics.arrival_time <= o.metrics.first_token_time <= o.metrics.finished_time
     llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_greedy_matches_hf_under_forced_preemption(mode: str, caching: bool, monkeypatch) -> None:
+    """A KV cache so small that requests are preempted many times still gives HF's exact tokens."""
+    from vllm_lite.core.sched.scheduler import Scheduler
+
+    path = get_checkpoint("qwen2")
+    preempted: list[str] = []
+    original = Scheduler._preempt
+
+    def counting(self, req, swap_out):
+        preempted.append(req.request_id)
+        original(self, req, swap_out)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    llm = LLM(model=path, dtype="float32", multiprocess=False, max_model_len=136, block_size=4,
+              max_num_batched_tokens=24, enable_prefix_caching=caching, preemption_mode=mode)
+    per_block = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.kv_cache_bytes_per_block()
+    llm.shutdown()
+    # 35 usable blocks of 4 tokens (one max_model_len sequence fits) for 8 requests growing to 35-133 tokens.
+    llm = LLM(model=path, dtype="float32", multiprocess=False, max_model_len=136, block_size=4,
+              max_num_batched_tokens=24, enable_prefix_caching=caching, preemption_mode=mode,
+              kv_cache_memory_bytes=per_block * 36, swap_space=per_block * 200 / (1 << 30))
+    prompts = _prompts(llm.get_tokenizer())
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert len(preempted) >= 5, f"only {len(preempted)} preemptions: the cache was not small enough"
+    for p, o in zip(prompts, outs):
+        want, _ = hf_greedy(path, p, NEW_TOKENS, torch.float32)
+        assert o.outputs[0].token_ids == want, f"prompt of {len(p)} tokens diverged from HF under preemption"
+    assert llm.llm_engine.call_utility("get_num_free_blocks") == llm.llm_engine.call_utility("get_num_total_blocks")
+    llm.shutdown()
