@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of the unshared workload per side")
     args = ap.parse_args()
     if args.model is None:
         from vllm_lite.testing.checkpoints import get_checkpoint
@@ -56,8 +57,19 @@ def main() -> None:
 
     on = run(args.model, shared, args.output_len, args.dtype, True)
     off = run(args.model, shared, args.output_len, args.dtype, False)
-    u_on = run(args.model, unshared, args.output_len, args.dtype, True)
-    u_off = run(args.model, unshared, args.output_len, args.dtype, False)
+    # The unshared cost is small: interleave repeats (alternating order) and keep each side's best run,
+    # so machine noise does not swamp it.
+    u_on = u_off = None
+    for i in range(args.repeats):
+        # Alternate which side runs first, so run order does not bias the comparison.
+        if i % 2:
+            b = run(args.model, unshared, args.output_len, args.dtype, False)
+            a = run(args.model, unshared, args.output_len, args.dtype, True)
+        else:
+            a = run(args.model, unshared, args.output_len, args.dtype, True)
+            b = run(args.model, unshared, args.output_len, args.dtype, False)
+        u_on = a if u_on is None or a["tokens_per_s"] > u_on["tokens_per_s"] else u_on
+        u_off = b if u_off is None or b["tokens_per_s"] > u_off["tokens_per_s"] else u_off
     print(json.dumps({
         "benchmark": "prefix_cache", "dtype": args.dtype,
         "shared_ttft_ms_on": round(on["ttft_ms"], 1), "shared_ttft_ms_off": round(off["ttft_ms"], 1),
