@@ -274,7 +274,9 @@ class EngineCoreProc:
     ) -> None:
         """Process target: build the core, report ready (or the startup error) on ``ready_pipe``, serve."""
         if not logging.getLogger().handlers:
-            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [core] %(message)s")
+            from vllm_lite.logging_utils import configure_process_logging
+
+            configure_process_logging("core")
         options = options or CoreProcOptions()
         stop_early = {"flag": False}
 

@@ -495,7 +495,9 @@ class ServeSupervisor:
 def run_serve(cfg: ServeConfig, out: TextIO = sys.stdout) -> int:
     """`vllm-lite serve` in the foreground: start, print where it listens, serve until stopped."""
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [serve] %(message)s")
+        from vllm_lite.logging_utils import configure_process_logging
+
+        configure_process_logging("serve")
     sup = ServeSupervisor(cfg, out)
     sup.install_signal_handlers()
     try:

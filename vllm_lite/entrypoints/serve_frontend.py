@@ -143,7 +143,9 @@ async def serve(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     from vllm_lite.client.core_client import set_frontend_thread_policy
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [http %(process)d] %(message)s")
+    from vllm_lite.logging_utils import configure_process_logging
+
+    configure_process_logging("http %(process)d")
     args = make_parser().parse_args(argv)
     if not args.engine:
         print("serve_frontend: --engine ADDRESS is required", file=sys.stderr)

@@ -55,7 +55,9 @@ def worker_threads(ranks_on_node: int) -> int:
 def run_rank(spec: RankSpec) -> None:
     """Process target. Never returns normally: exits 0 on shutdown, 1 on error."""
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp{spec.rank}] %(message)s")
+        from vllm_lite.logging_utils import configure_process_logging
+
+        configure_process_logging(f"tp{spec.rank}")
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine (or `vllm-lite worker`) decides when we stop

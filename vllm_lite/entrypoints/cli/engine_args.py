@@ -75,7 +75,20 @@ def engine_args_from(args: argparse.Namespace) -> Any:
 
 
 def build_engine(args: argparse.Namespace) -> Any:
-    """An LLMEngine (spawns the engine core unless --no-multiprocess)."""
+    """An LLMEngine (spawns the engine core unless --no-multiprocess).
+
+    The core's INFO lines would interleave with the streamed text in a terminal, so an
+    interactive command's core logs warnings and errors only unless $VLLM_LITE_LOG_LEVEL says otherwise.
+    """
+    import os
+
     from vllm_lite.client.llm_engine import LLMEngine
 
-    return LLMEngine.from_engine_args(engine_args_from(args), multiprocess_mode=args.multiprocess)
+    quiet = "VLLM_LITE_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["VLLM_LITE_LOG_LEVEL"] = "WARNING"  # read by the core process as it starts
+    try:
+        return LLMEngine.from_engine_args(engine_args_from(args), multiprocess_mode=args.multiprocess)
+    finally:
+        if quiet:
+            del os.environ["VLLM_LITE_LOG_LEVEL"]
