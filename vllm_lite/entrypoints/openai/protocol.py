@@ -176,14 +176,8 @@ class CompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
-class CompletionResponseStreamChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[list[int]] = None
-    prompt_token_ids: Optional[list[int]] = None
+class CompletionResponseStreamChoice(CompletionResponseChoice):
+    """A streamed choice carries the same fields (text is the new piece)."""
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
