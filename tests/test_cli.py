@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from vllm_lite.testing.english import english_fraction, known_words
 from vllm_lite.default_model import default_model_path
 from vllm_lite.entrypoints.cli import build_parser, main
 from vllm_lite.entrypoints.cli.chat import ChatSession, chat_loop
@@ -28,23 +28,6 @@ E2E_TIMEOUT = 600  # engine start-up is slow when the machine is shared
 
 
 # ---------------------------------------------------------------------------- helpers
-def _known_words() -> set[str]:
-    """Words of the training text: pydoc topics plus whole-word tokens of the model's BPE vocabulary."""
-    from pydoc_data.topics import topics
-    from transformers import AutoTokenizer
-
-    words = {w.lower() for text in topics.values() for w in re.findall(r"[A-Za-z]+", text)}
-    tok = AutoTokenizer.from_pretrained(default_model_path())
-    for piece in tok.get_vocab():
-        if piece.startswith("Ġ") and piece[1:].isalpha():
-            words.add(piece[1:].lower())
-    return words
-
-
-def _english_fraction(text: str, known: set[str]) -> float:
-    words = [re.sub(r"[^A-Za-z]", "", w).lower() for w in text.split()]
-    words = [w for w in words if w]
-    return sum(w in known for w in words) / max(1, len(words))
 
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -276,7 +259,7 @@ def test_generate_with_no_model_prints_english_like_text():
     text = proc.stdout.strip()
     words = text.split()
     assert len(words) >= 8, text
-    frac = _english_fraction(text, _known_words())
+    frac = english_fraction(text, known_words())
     assert frac >= 0.7, (frac, text)
     assert len(set(words)) >= len(words) / 3, f"degenerate repetition: {text!r}"
 
@@ -290,4 +273,4 @@ def test_chat_answers_one_line_from_stdin_and_exits_on_eof():
     assert reply.endswith("\n") and reply.count("\n") >= 1
     assert "<|im_" not in reply  # special tokens are not printed
     assert len(reply.split()) >= 3, reply
-    assert _english_fraction(reply, _known_words()) >= 0.6, reply
+    assert english_fraction(reply, known_words()) >= 0.6, reply

@@ -13,6 +13,7 @@ import zipfile
 import pytest
 import torch
 
+from vllm_lite.testing.english import english_fraction, known_words
 from vllm_lite.default_model import DEFAULT_MODEL_NAME, default_model_path, resolve_model
 
 # Python-documentation-style English written for this test: not in the training corpus.
@@ -24,25 +25,6 @@ UNSEEN_TEXT = (
     "supplied to customize the sort order, and the reverse flag can be set to request the "
     "result in descending order. Raise a ValueError if the argument is not a valid string."
 )
-
-
-def _known_words() -> set[str]:
-    """Words of the training text: pydoc topics plus whole-word tokens of the model's BPE vocabulary."""
-    from pydoc_data.topics import topics
-    from transformers import AutoTokenizer
-
-    words = {w.lower() for text in topics.values() for w in re.findall(r"[A-Za-z]+", text)}
-    tok = AutoTokenizer.from_pretrained(default_model_path())
-    for piece in tok.get_vocab():
-        if piece.startswith("Ġ") and piece[1:].isalpha():
-            words.add(piece[1:].lower())
-    return words
-
-
-def _english_fraction(text: str, known: set[str]) -> float:
-    words = [re.sub(r"[^A-Za-z]", "", w).lower() for w in text.split()]
-    words = [w for w in words if w]
-    return sum(w in known for w in words) / max(1, len(words))
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +154,7 @@ def test_engine_greedy_matches_transformers_and_reads_as_english(path, tokenizer
         text = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
     finally:
         llm.llm_engine.shutdown()
-    assert _english_fraction(text, _known_words()) >= 0.7, text
+    assert english_fraction(text, known_words()) >= 0.7, text
 
 
 # ---------------------------------------------------------------------------- packaging

@@ -20,6 +20,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
+from vllm_lite.testing.processes import rank_children
 from vllm_lite import LLM, SamplingParams  # noqa: E402
 from vllm_lite.testing.checkpoints import get_checkpoint  # noqa: E402
 
@@ -85,31 +86,6 @@ def test_engine_refuses_a_nonzero_node_rank_and_a_missing_master_port():
         LLM(path, tensor_parallel_size=3, nnodes=2, master_port=29500, **ENGINE_KW)
 
 
-def _is_rank_process(pid: int) -> bool:
-    """A spawned multiprocessing child (not multiprocessing's resource tracker)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read()
-    except OSError:
-        return False
-    return b"spawn_main" in cmd and b"resource_tracker" not in cmd
-
-
-def _children(pid: int) -> list[int]:
-    """Tensor-parallel rank processes started by process `pid`, oldest first."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z" and _is_rank_process(int(entry)):
-                out.append(int(entry))
-    return sorted(out)
-
-
 def test_killing_the_remote_nodes_rank_gives_engine_dead_error_within_5s():
     from vllm_lite.client.exceptions import EngineDeadError
     from vllm_lite.client.llm_engine import LLMEngine
@@ -128,7 +104,7 @@ def test_killing_the_remote_nodes_rank_gives_engine_dead_error_within_5s():
         produced = 0
         while produced < 3:
             produced += sum(len(o.outputs[0].token_ids) > 0 for o in engine.step())
-        remote_ranks = _children(node1.pid)
+        remote_ranks = rank_children(node1.pid)
         assert len(remote_ranks) == 1
         os.kill(remote_ranks[0], signal.SIGKILL)
         t0 = time.monotonic()

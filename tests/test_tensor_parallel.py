@@ -19,6 +19,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
+from vllm_lite.testing.processes import rank_children
 from vllm_lite import LLM, SamplingParams  # noqa: E402
 from vllm_lite.client.exceptions import EngineDeadError  # noqa: E402
 from vllm_lite.config import EngineArgs  # noqa: E402
@@ -193,31 +194,6 @@ def test_indivisible_head_count_is_a_clear_error(tmp_path):
         QKVLinear(48, 16, 3, 1, bias=False)
 
 
-def _is_rank_process(pid: int) -> bool:
-    """A spawned multiprocessing child (not multiprocessing's resource tracker)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read()
-    except OSError:
-        return False
-    return b"spawn_main" in cmd and b"resource_tracker" not in cmd
-
-
-def _children(pid: int) -> list[int]:
-    """Tensor-parallel rank processes started by process `pid`, oldest first."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z" and _is_rank_process(int(entry)):
-                out.append(int(entry))
-    return sorted(out)
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -234,7 +210,7 @@ def test_killing_a_tp_worker_mid_run_raises_engine_dead_error_within_5s(victim):
     engine = LLMEngine.from_engine_args(args)
     try:
         core_pid = engine.engine_core.proc.pid
-        workers = _children(core_pid)
+        workers = rank_children(core_pid)
         assert len(workers) == 2, f"expected two TP worker processes under the core, found {workers}"
         engine.add_request("r0", "Once upon a time", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         produced = 0
