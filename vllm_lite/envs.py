@@ -1,0 +1,116 @@
+"""Every environment variable vllm-lite reads, in one place (as vLLM's ``envs.py``).
+
+Read them as attributes: ``from vllm_lite import envs; envs.VLLM_LITE_PREPACK``. Each access
+reads the environment afresh, so a subprocess started with a changed environment sees its own
+values; nothing caches a value at import time. Code elsewhere in ``vllm_lite/`` never calls
+``os.environ``/``os.getenv`` for these; it asks this module. Names that are not ours (``CXX``,
+``HF_HUB_OFFLINE``, ``TRITON_INTERPRET``) are read here too, with the meaning their owners give them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+
+def _str(name: str, default: Optional[str]) -> Callable[[], Optional[str]]:
+    return lambda: os.environ.get(name, default)
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    def read() -> bool:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        return raw.strip().lower() not in ("0", "false", "no", "off")
+
+    return read
+
+
+def _float(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"${name} must be a number, got {raw!r}.") from None
+
+    return read
+
+
+# name -> (reader, one-line doc). The doc is what `python -m vllm_lite.envs` prints.
+_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
+    "VLLM_LITE_LOG_LEVEL": (
+        lambda: os.environ.get("VLLM_LITE_LOG_LEVEL", "INFO").upper(),
+        "Log level of every vllm-lite process (default INFO); a child process is told its level as an "
+        "argument by the launcher, so this is read only in the process the user started.",
+    ),
+    "VLLM_LITE_ATTENTION_BACKEND": (
+        _str("VLLM_LITE_ATTENTION_BACKEND", None),
+        "Force an attention backend (torch, cpu, triton); unset: chosen by the platform.",
+    ),
+    "VLLM_LITE_PREPACK": (
+        _flag("VLLM_LITE_PREPACK", True),
+        "Prepack bfloat16 linear weights for oneDNN on CPU at load (default on; 0 turns it off).",
+    ),
+    "VLLM_LITE_CACHE_DIR": (
+        _str("VLLM_LITE_CACHE_DIR", None),
+        "Where built native kernels are cached (default ~/.cache/vllm_lite).",
+    ),
+    "VLLM_LITE_AUTH_TOKEN": (
+        _str("VLLM_LITE_AUTH_TOKEN", None),
+        "Default for --auth-token: the token frontends must present to an engine core.",
+    ),
+    "VLLM_LITE_API_KEY": (
+        _str("VLLM_LITE_API_KEY", None),
+        "Default for --api-key: the bearer key HTTP clients must present.",
+    ),
+    "VLLM_LITE_TP_STARTUP_TIMEOUT_S": (
+        _float("VLLM_LITE_TP_STARTUP_TIMEOUT_S", 600.0),
+        "Seconds tensor-parallel ranks may take to join and load (default 600).",
+    ),
+    "VLLM_LITE_TP_STEP_TIMEOUT_S": (
+        _float("VLLM_LITE_TP_STEP_TIMEOUT_S", 600.0),
+        "Seconds one tensor-parallel step may take before the engine is declared dead (default 600).",
+    ),
+    "VLLM_LITE_TEST_CACHE": (
+        _str("VLLM_LITE_TEST_CACHE", None),
+        "Where tests and benchmarks cache the checkpoints they build (default ~/.cache/vllm_lite_test).",
+    ),
+    "HF_HUB_OFFLINE": (
+        _flag("HF_HUB_OFFLINE", False),
+        "Hugging Face's own switch: never reach the hub (the test suite sets it).",
+    ),
+    "TRITON_INTERPRET": (
+        _flag("TRITON_INTERPRET", False),
+        "Triton's own switch: run Triton kernels in its interpreter (tests on CPU).",
+    ),
+    "CXX": (
+        _str("CXX", "c++"),
+        "The C++ compiler that builds the native CPU kernels (default c++).",
+    ),
+}
+
+# Names children must never inherit from a parent's environment: secrets travel by other means.
+SECRET_VARIABLES = ("VLLM_LITE_AUTH_TOKEN", "VLLM_LITE_API_KEY")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARIABLES:
+        return _VARIABLES[name][0]()
+    raise AttributeError(f"module 'vllm_lite.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(_VARIABLES) + ["SECRET_VARIABLES", "describe"])
+
+
+def describe() -> str:
+    """One line per variable: name, current value, doc."""
+    return "\n".join(f"{name}={__getattr__(name)!r}\n    {doc}" for name, (_, doc) in _VARIABLES.items())
+
+
+if __name__ == "__main__":
+    print(describe())
