@@ -13,60 +13,9 @@ from typing import Any, Optional
 
 import torch
 
-_STR_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 (or AMX) in this CPU's flags: bfloat16 matmuls then run ~2x float32 here."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        pass
-    return False
-
-
-def _fast_half(device: torch.device) -> Optional[torch.dtype]:
-    """The 16-bit dtype 'auto' turns a float32 checkpoint into on this device, if any (as vLLM does)."""
-    if device.type == "cpu":
-        return torch.bfloat16 if cpu_has_native_bf16() else None
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return None
-
-
-def resolve_dtype(dtype: str | torch.dtype, config_dtype: Optional[str], device: torch.device) -> torch.dtype:
-    """'auto' takes the checkpoint's dtype, but runs a float32 checkpoint in bfloat16 where the hardware
-    does bf16 natively (CPUs with AVX-512 BF16, CUDA); float16 becomes bfloat16 on CPU (fp16 matmuls
-    crawl there). Ask for "float32" for exact float32."""
-    if isinstance(dtype, torch.dtype):
-        out = dtype
-    elif dtype == "auto":
-        out = _STR_DTYPES.get(str(config_dtype).replace("torch.", ""), torch.float32) if config_dtype else torch.float32
-        if out == torch.float32:
-            out = _fast_half(device) or torch.float32
-    elif dtype in _STR_DTYPES:
-        out = _STR_DTYPES[dtype]
-    else:
-        raise ValueError(f"dtype must be one of 'auto', {sorted(_STR_DTYPES)}, got {dtype!r}.")
-    if device.type == "cpu" and out == torch.float16:
-        out = torch.bfloat16
-    return out
+from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
+from vllm_lite.dtype_policy import resolve_dtype
+from vllm_lite.platform import resolve_device
 
 
 @dataclass

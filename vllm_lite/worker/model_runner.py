@@ -9,7 +9,6 @@ context, and samples only the rows whose prompt is complete.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Optional
 
@@ -22,7 +21,7 @@ from vllm_lite.worker.attention.layer import Attention
 from vllm_lite.worker.forward_context import set_forward_context
 from vllm_lite.worker.input_batch import InputBatch
 from vllm_lite.worker.model_loader import load_model
-from vllm_lite.worker.models.cpu_prepack import can_prepack, prepack_linear_weights
+from vllm_lite.worker.models.cpu_prepack import maybe_prepack
 from vllm_lite.worker.parallel_state import broadcast_from_driver, get_tp_rank, get_tp_size
 from vllm_lite.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from vllm_lite.worker.sampling_state import SamplingState
@@ -51,8 +50,7 @@ class GPUModelRunner:
 
         t0 = time.perf_counter()
         self.model = load_model(mc, device)
-        if can_prepack(device, self.dtype) and os.environ.get("VLLM_LITE_PREPACK", "1") != "0":
-            prepack_linear_weights(self.model, batch_hint=min(self.max_num_reqs, 64))
+        maybe_prepack(self.model, device, self.dtype, batch_hint=min(self.max_num_reqs, 64))
         self.load_time_s = time.perf_counter() - t0
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.vocab_size = mc.vocab_size

@@ -5,6 +5,10 @@ decode-sized batches that dominates. Packing each weight once after loading
 gives bit-identical bfloat16 results and measured 1.2-3x faster matmuls here
 for 1-64 rows (e.g. 768x3072 at 16 rows: 113 -> 183 GFLOP/s). float32 is left
 alone: its packed kernel rounds differently, and float32 is our exactness path.
+
+Whether oneDNN's bf16 reorder runs on this CPU is the platform module's probe (AVX2-only CPUs
+refuse it at run time although torch reports oneDNN available); where it does not, nothing is
+packed, `linear` stays plain F.linear, and one log line says so.
 """
 
 from __future__ import annotations
@@ -16,13 +20,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_lite import envs, platform
+
 logger = logging.getLogger(__name__)
 
 _ATTR = "packed_weight"
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """A `dtype` model on `device` can be prepacked here: bf16 on a CPU whose oneDNN packs bf16."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and platform.onednn_bf16_prepack().ok
+
+
+def maybe_prepack(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int = 64) -> int:
+    """Prepack a freshly loaded model where it applies (bf16 on CPU, $VLLM_LITE_PREPACK on); returns how many."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or not envs.VLLM_LITE_PREPACK:
+        return 0
+    return prepack_linear_weights(model, batch_hint)
 
 
 def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
@@ -30,7 +44,12 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
 
     The original weight of a parallel linear layer is released (it is never read
     again); the LM head's is kept, as a tied head shares it with the embedding.
+    Where oneDNN cannot pack bf16 on this CPU, packs nothing and logs that once.
     """
+    support = platform.onednn_bf16_prepack()
+    if not support.ok:
+        logger.info("weight prepacking unavailable (%s); using plain F.linear", support.reason)
+        return 0
     head = getattr(model, "lm_head", None)
     n = 0
     for module in model.modules():
@@ -43,9 +62,9 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
             continue
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
-        except (RuntimeError, AttributeError) as e:  # a torch without oneDNN bf16 support
-            logger.info("weight prepacking unavailable (%s); using plain F.linear", e)
-            return n
+        except RuntimeError as e:  # the probe passed but this shape did not: keep the rest plain
+            logger.warning("weight prepacking stopped after %d weights (%s); the rest use plain F.linear", n, e)
+            break
         setattr(module, _ATTR, packed)
         if is_linear:
             module.weight.data = torch.empty((0, w.shape[1]), dtype=w.dtype)
