@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from vllm_lite import envs
+
 CACHE_VERSION = "v1"
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt")
 SIZES = ("tiny", "100m")
@@ -192,7 +194,7 @@ def build_checkpoint(
 
 
 def cache_dir() -> str:
-    return os.environ.get("VLLM_LITE_TEST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vllm_lite_test")
+    return envs.VLLM_LITE_TEST_CACHE or os.path.join(os.path.expanduser("~"), ".cache", "vllm_lite_test")
 
 
 def get_checkpoint(arch: str, size: str = "tiny") -> str:

@@ -1,9 +1,10 @@
 """Builds (once) and loads vllm-lite's C++ CPU kernels, exposed as torch.ops.vllm_lite.*.
 
-The sources ship inside the package (vllm_lite/csrc). The shared library is
-compiled with torch's extension tools on first use into a cache directory
-keyed by everything that changes the binary (sources, torch version, flags,
-CPU features), so later processes only load it. A file lock makes two
+The C++ sources live in the repository's top-level csrc/; a wheel ships a copy
+as vllm_lite/_csrc (setup.py's build step), found when there is no source tree.
+The shared library is compiled with torch's extension tools on first use into
+a cache directory keyed by everything that changes the binary (sources, torch
+version, flags, CPU features), so later processes only load it. A file lock makes two
 processes that start cold at once build it a single time. Any failure (no
 compiler, compile error) is logged and reported as False so callers fall
 back to the PyTorch reference backend instead of crashing.
@@ -15,9 +16,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
-import os
 import platform
-import shutil
 import sys
 import threading
 from pathlib import Path
@@ -25,9 +24,14 @@ from typing import Iterator, Optional
 
 import torch
 
+from vllm_lite import envs
+from vllm_lite import platform as host
+
 logger = logging.getLogger(__name__)
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+_PACKAGE_DIR = Path(__file__).resolve().parents[2]  # vllm_lite/
+# Where the sources may be, in order: a source tree or editable install, then an installed wheel.
+CSRC_CANDIDATES = (_PACKAGE_DIR.parent / "csrc", _PACKAGE_DIR / "_csrc")
 EXTRA_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 EXTRA_LDFLAGS = ["-fopenmp"]
 OP_NAMES = ("paged_attention", "write_kv", "copy_blocks", "swap_blocks")
@@ -38,24 +42,25 @@ _loaded: Optional[bool] = None
 
 def cache_dir() -> Path:
     """Where built kernels live: $VLLM_LITE_CACHE_DIR or ~/.cache/vllm_lite/ext."""
-    env = os.environ.get("VLLM_LITE_CACHE_DIR")
+    env = envs.VLLM_LITE_CACHE_DIR
     return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm_lite" / "ext"
 
 
+def csrc_dir() -> Path:
+    """The directory holding the C++ sources (see CSRC_CANDIDATES); raises if neither has them."""
+    for d in CSRC_CANDIDATES:
+        if (d / "torch_bindings.cpp").is_file():
+            return d
+    raise FileNotFoundError(f"vllm-lite's C++ sources are in none of {[str(d) for d in CSRC_CANDIDATES]}")
+
+
 def source_files() -> list[Path]:
-    return sorted(p for p in CSRC_DIR.iterdir() if p.suffix in (".cpp", ".h"))
+    return sorted(p for p in csrc_dir().iterdir() if p.suffix in (".cpp", ".h"))
 
 
 def _cpu_flags() -> str:
     """CPU feature flags: -march=native binds the binary to them."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return " ".join(host.cpu_flags()) or platform.processor()
 
 
 def build_key() -> str:
@@ -78,10 +83,6 @@ def ops_available() -> bool:
         return all(hasattr(ns, name) for name in OP_NAMES)
     except RuntimeError:
         return False
-
-
-def _compiler() -> Optional[str]:
-    return shutil.which(os.environ.get("CXX", "c++"))
 
 
 @contextlib.contextmanager
@@ -111,8 +112,8 @@ def _build_or_load() -> None:
             except OSError as e:  # e.g. a build killed while linking left a truncated file
                 logger.warning("cached CPU kernels at %s are unusable (%s); rebuilding", lib, e)
                 lib.unlink()
-        if _compiler() is None:
-            raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX', 'c++')!r})")
+        if host.cxx_compiler() is None:
+            raise RuntimeError(f"no C++ compiler found (CXX={envs.CXX!r})")
         from torch.utils.cpp_extension import load
 
         logger.warning("building vllm-lite CPU kernels (first use, ~30 s)...")
@@ -121,7 +122,7 @@ def _build_or_load() -> None:
             sources=[str(p) for p in source_files() if p.suffix == ".cpp"],
             extra_cflags=EXTRA_CFLAGS,
             extra_ldflags=EXTRA_LDFLAGS,
-            extra_include_paths=[str(CSRC_DIR)],
+            extra_include_paths=[str(csrc_dir())],
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
@@ -137,6 +138,7 @@ def load_cpu_ops() -> bool:
             return _loaded
         if ops_available():
             _loaded = True
+            host.record_native_kernels(True)
             return True
         try:
             _build_or_load()
@@ -146,4 +148,5 @@ def load_cpu_ops() -> bool:
         except Exception as e:  # noqa: BLE001 - any build failure means: use the reference backend
             logger.warning("vllm-lite CPU kernels unavailable (%s); falling back to the PyTorch reference backend", e)
             _loaded = False
+        host.record_native_kernels(_loaded)
         return _loaded

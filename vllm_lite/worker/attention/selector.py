@@ -6,11 +6,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
 
+from vllm_lite import envs
 from vllm_lite.worker.attention.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,8 @@ def get_attn_backend(device: torch.device | str, name: Optional[str] = None) -> 
     device = torch.device(device)
     if name is not None:
         forced = _check_name(name, "attention backend name")
-    elif os.environ.get(ENV_VAR):
-        forced = _check_name(os.environ[ENV_VAR], ENV_VAR)
+    elif envs.VLLM_LITE_ATTENTION_BACKEND:
+        forced = _check_name(envs.VLLM_LITE_ATTENTION_BACKEND, ENV_VAR)
     else:
         forced = None
     if forced is not None:
