@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from vllm_lite.testing.attention_oracle import random_attention_case, reference_paged_attention
 from vllm_lite.testing.paged import make_attention_metadata, random_block_tables, slot_mapping_for
 from vllm_lite.worker.attention.torch_ref import TorchRefBackend
 
@@ -110,13 +111,27 @@ def test_write_kv_places_rows_at_their_slots():
     assert cache.abs().sum(dim=(-1, -2)).count_nonzero() == 6  # 3 keys + 3 values, nothing else
 
 
-def test_plan_is_rebuilt_for_new_step_metadata():
-    # Same backend object across two steps with different shapes must not reuse a stale plan.
+# Steps one backend object sees in a row, as the runner drives it: each layer of a step calls
+# forward with the same metadata, and the next step brings new metadata. Steps 1-3 keep the token
+# count and the decode/prefill split, so a stale plan raises nothing and silently attends over the
+# old lengths; step 4 changes the shapes outright.
+_PLAN_STEPS = [
+    ([3, 1], [3, 5]),
+    ([1, 1, 2], [4, 6, 2]),
+    ([1, 1, 2], [5, 7, 4]),
+    ([1, 1, 2], [6, 8, 6]),
+    ([4, 1, 1, 1], [9, 2, 10, 30]),
+]
+
+
+def test_plan_is_rebuilt_for_each_new_step_and_matches_the_oracle():
+    """One backend across steps whose plans differ: every layer of every step equals the float64 oracle."""
     backend = TorchRefBackend()
-    for qls, sls in [([3, 1], [3, 5]), ([1, 1, 2], [4, 6, 2])]:
-        tables, nb = random_block_tables(sls, 2)
-        md = make_attention_metadata(qls, sls, tables, 2)
-        cache = torch.randn(2, nb, 2, 1, HEAD)
-        q = torch.randn(md.num_actual_tokens, 2, HEAD)
-        out = backend.forward(q, cache, md, 0.25)
-        assert out.shape == q.shape and torch.isfinite(out).all()
+    for step, (qls, sls) in enumerate(_PLAN_STEPS):
+        query, cache, md = random_attention_case(qls, sls, 4, 2, HEAD, block_size=2, dtype=torch.float32, seed=step)
+        for layer in range(2):  # two layers: the second reuses the step's plan with another cache and query
+            q = query if layer == 0 else query.flip(0).contiguous()
+            c = cache if layer == 0 else cache * -0.5
+            out = backend.forward(q, c, md, 0.25)
+            ref = reference_paged_attention(q, c, md, 0.25)
+            torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, msg=f"step {step} layer {layer}")
