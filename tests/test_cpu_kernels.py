@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,3 +223,66 @@ def test_missing_compiler_falls_back_with_a_warning(tmp_path):
     proc = _run_loader({"VLLM_LITE_CACHE_DIR": str(tmp_path), "CXX": "/nonexistent/c++"})
     assert "RESULT False" in proc.stdout, proc.stderr
     assert "falling back to the PyTorch reference" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- where the sources live
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_sources_live_in_the_top_level_csrc_and_the_package_holds_only_python():
+    assert cpu_kernels.csrc_dir() == REPO / "csrc"
+    names = {p.name for p in cpu_kernels.source_files()}
+    assert {"attention.cpp", "cache_ops.cpp", "torch_bindings.cpp", "ops.h", "cpu_common.h"} <= names
+    native = [p for p in (REPO / "vllm_lite").rglob("*") if p.suffix in (".cpp", ".h", ".cu", ".cc")]
+    assert native == []
+
+
+def test_loader_reports_its_result_to_the_platform_module(backend):
+    from vllm_lite import platform
+
+    assert platform.native_kernels_loaded() is True and platform.native_kernels().ok
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_sources_and_an_installed_copy_loads_the_same_kernels(backend, tmp_path):
+    """A regular (non-editable) install has no repository beside it: the wheel carries the sources as
+    vllm_lite/_csrc, and the loader there hashes them to the same key, so it loads the cached build."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
+        shutil.copy(REPO / name, src)
+    shutil.copytree(REPO / "csrc", src / "csrc")
+    shutil.copytree(REPO / "vllm_lite", src / "vllm_lite",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "build", "assets"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist")],
+        cwd=src, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for p in cpu_kernels.source_files():
+        assert f"vllm_lite/_csrc/{p.name}" in names, p.name
+    assert not [n for n in names if n.startswith("csrc/")]  # nothing outside the package
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = textwrap.dedent(
+        """
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        import vllm_lite
+        from vllm_lite.worker.attention import cpu_kernels
+        print(vllm_lite.__file__)
+        print(cpu_kernels.csrc_dir())
+        print(cpu_kernels.build_key())
+        print(cpu_kernels.load_cpu_ops())
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pkg_file, csrc, key, loaded = out.stdout.split()
+    assert pkg_file == str(site / "vllm_lite" / "__init__.py")
+    assert csrc == str(site / "vllm_lite" / "_csrc")
+    assert key == cpu_kernels.build_key()
+    assert loaded == "True" and "loaded cached CPU kernels" in out.stderr
