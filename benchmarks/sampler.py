@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+from vllm_lite.platform import resolve_device
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.worker.sampler import Sampler
 from vllm_lite.worker.sampling_state import SamplingState
@@ -47,7 +48,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=resolve_device("auto").type)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
