@@ -20,7 +20,7 @@ from vllm_lite.testing.paged import PagedModelDriver
 from vllm_lite.worker.attention.torch_ref import TorchRefBackend
 from vllm_lite.worker.model_loader import load_model
 from vllm_lite.worker.models import cpu_prepack
-from vllm_lite.worker.models.cpu_prepack import can_prepack, maybe_prepack, prepack_linear_weights
+from vllm_lite.worker.models.cpu_prepack import maybe_prepack, prepack_linear_weights
 
 CPU = torch.device("cpu")
 LOGGER = "vllm_lite.worker.models.cpu_prepack"
@@ -48,12 +48,6 @@ def _assert_equal(arch: str, plain: list[torch.Tensor], other: list[torch.Tensor
         assert torch.equal(a, b), f"{arch}: logits differ by {(a - b).abs().max().item()}"
 
 
-def test_can_prepack_follows_the_platform_probe() -> None:
-    assert can_prepack(CPU, torch.bfloat16) == platform.onednn_bf16_prepack().ok
-    assert not can_prepack(CPU, torch.float32)  # float32 keeps the exact HF path
-    assert not can_prepack(torch.device("cuda"), torch.bfloat16)
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "opt"])  # tied head; OPT's unpacked project_in/out stay plain
 def test_this_host_packs_bit_exactly_or_falls_back_to_plain_linear(arch, caplog) -> None:
     plain = _logits(_model(arch))
@@ -76,7 +70,6 @@ def test_fallback_when_onednn_cannot_pack_bf16(monkeypatch, caplog) -> None:
     plain = _logits(_model("qwen2"))
     model = _model("qwen2")
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    assert not can_prepack(CPU, torch.bfloat16)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         assert maybe_prepack(model, CPU, torch.bfloat16) == 0
     assert _packed_modules(model) == []
@@ -90,7 +83,7 @@ def test_prepack_applies_only_to_bf16_on_cpu_and_can_be_turned_off(monkeypatch) 
     calls: list[int] = []
     monkeypatch.setattr(cpu_prepack, "prepack_linear_weights", lambda model, batch_hint=64: calls.append(batch_hint) or 1)
     model = torch.nn.Linear(2, 2)
-    assert maybe_prepack(model, CPU, torch.float32) == 0
+    assert maybe_prepack(model, CPU, torch.float32) == 0  # float32 keeps the exact HF path
     assert maybe_prepack(model, torch.device("meta"), torch.bfloat16) == 0
     monkeypatch.setenv("VLLM_LITE_PREPACK", "0")
     assert maybe_prepack(model, CPU, torch.bfloat16) == 0

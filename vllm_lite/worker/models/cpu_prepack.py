@@ -27,11 +27,6 @@ logger = logging.getLogger(__name__)
 _ATTR = "packed_weight"
 
 
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """A `dtype` model on `device` can be prepacked here: bf16 on a CPU whose oneDNN packs bf16."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and platform.onednn_bf16_prepack().ok
-
-
 def maybe_prepack(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int = 64) -> int:
     """Prepack a freshly loaded model where it applies (bf16 on CPU, $VLLM_LITE_PREPACK on); returns how many."""
     if device.type != "cpu" or dtype != torch.bfloat16 or not envs.VLLM_LITE_PREPACK:
