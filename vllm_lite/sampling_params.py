@@ -193,9 +193,9 @@ class SamplingParams(
             not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self._all_stop_token_ids
         ):
             raise bad("all_stop_token_ids", self._all_stop_token_ids, "must contain only non-negative integers")
-        if self.n > 1 and self.temperature < _SAMPLING_EPS and self.seed is None:
-            # vLLM allows it (all n samples identical); keep it allowed.
-            pass
+        if self.best_of is not None and self.best_of > 1 and self.temperature < _SAMPLING_EPS:
+            # As vLLM: greedy samples are all the same sequence, so there is nothing to pick the best of.
+            raise bad("best_of", self.best_of, "must be 1 when using greedy sampling (temperature 0)")
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Token-id fields must name real tokens; called by the frontend once the model is known."""
@@ -216,6 +216,11 @@ class SamplingParams(
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine generates: best_of when set (the top n are returned), else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def all_stop_token_ids(self) -> list[int]:

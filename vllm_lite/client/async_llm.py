@@ -152,7 +152,7 @@ class AsyncLLM:
         self, prompt_text: Optional[str], request: EngineCoreRequest, queue: RequestOutputCollector
     ) -> None:
         params = request.sampling_params
-        if params.n == 1:
+        if params.num_samples == 1:
             pieces = [(request, None, 0)]
         else:
             parent, children = ParentRequest.make_child_requests(request.request_id, params)

@@ -100,7 +100,7 @@ class LLMEngine:
         request_id = request.request_id
         if request_id in getattr(self.output_processor, "request_states", {}):
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is still running")
-        if request.sampling_params.n == 1:
+        if request.sampling_params.num_samples == 1:
             self.output_processor.add_request(request, prompt_text)
             self.engine_core.add_request(request)
             return

@@ -258,8 +258,8 @@ class OutputProcessor:
         """Start tracking a core request (for n > 1: each child, with its parent and index)."""
         rid = request.request_id
         if parent_req is not None:
-            if not 0 <= request_index < parent_req.n:
-                raise ValueError(f"request_index must be in [0, {parent_req.n}), got {request_index!r}.")
+            if not 0 <= request_index < parent_req.num_children:
+                raise ValueError(f"request_index must be in [0, {parent_req.num_children}), got {request_index!r}.")
             known = self.parent_requests.get(parent_req.request_id)
             if known is not None and known is not parent_req or parent_req.request_id in self.request_states:
                 raise ValueError(f"request_id {parent_req.request_id!r} is already in use by an unfinished request.")

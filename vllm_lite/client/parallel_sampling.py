@@ -1,12 +1,17 @@
-"""n > 1: one user request fans out into n independent core requests.
+"""n > 1 or best_of > 1: one user request fans out into independent core requests.
 
 The core only knows n=1 requests, so each sample is its own child (sharing the
 prompt, hence its prefix-cached blocks). The parent gathers the children's
-`CompletionOutput`s back into one `RequestOutput` for the caller.
+`CompletionOutput`s back into one `RequestOutput` for the caller. With best_of > n
+(as vLLM): best_of children run, and once all have finished the parent returns the
+n with the highest cumulative logprob, best first; nothing is emitted before then,
+since a ranking needs every sequence complete.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Optional
 
 import msgspec
@@ -23,16 +28,19 @@ class ParentRequest:
     """Tracks the children of an n > 1 request and merges their outputs."""
 
     def __init__(self, request_id: str, params: SamplingParams) -> None:
-        if params.n < 2:
-            raise ValueError(f"ParentRequest needs n >= 2, got n={params.n!r}.")
+        if params.num_samples < 2:
+            raise ValueError(f"ParentRequest needs n >= 2 or best_of >= 2, got n={params.n!r}.")
         self.request_id = request_id
         self.sampling_params = params
         self.n = params.n
+        self.num_children = params.num_samples
+        # best_of > n: rank the finished children and keep the top n.
+        self.ranked = self.num_children > self.n
         self.output_kind = params.output_kind
-        self.child_ids = [child_request_id(request_id, i) for i in range(self.n)]
+        self.child_ids = [child_request_id(request_id, i) for i in range(self.num_children)]
         self.unfinished: set[str] = set(self.child_ids)
         # Latest CompletionOutput per child index (CUMULATIVE snapshots / FINAL_ONLY results).
-        self._latest: list[Optional[CompletionOutput]] = [None] * self.n
+        self._latest: list[Optional[CompletionOutput]] = [None] * self.num_children
         # DELTA outputs received in the current batch, not yet emitted.
         self._pending: dict[int, CompletionOutput] = {}
         # DELTA: the shared prompt's logprobs were already emitted by one child.
@@ -44,14 +52,21 @@ class ParentRequest:
     ) -> tuple["ParentRequest", list[tuple[str, SamplingParams]]]:
         """The parent plus (child id, child params) for each sample; pass the already-processed params."""
         parent = ParentRequest(request_id, params)
-        return parent, [(parent.child_ids[i], parent.child_params(i)) for i in range(parent.n)]
+        return parent, [(parent.child_ids[i], parent.child_params(i)) for i in range(parent.num_children)]
 
     def child_params(self, index: int) -> SamplingParams:
-        """n=1 copy of the params; a seeded request gives each child its own seed so samples differ."""
+        """n=1 copy of the params; a seeded request gives each child its own seed so samples differ.
+
+        A ranked child reports its final output only, and at least the sampled token's logprob
+        (logprobs=0) so that its cumulative logprob exists to rank by.
+        """
         p = self.sampling_params
         seed = (p.seed + index) % (1 << 64) if p.seed is not None else None
+        extra: dict = {}
+        if self.ranked:
+            extra = dict(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=p.logprobs if p.logprobs is not None else 0)
         # replace() re-runs __post_init__ on a copy; the frontend-filled fields ride along.
-        return msgspec.structs.replace(p, n=1, best_of=None, seed=seed)
+        return msgspec.structs.replace(p, n=1, best_of=None, seed=seed, **extra)
 
     @property
     def finished(self) -> bool:
@@ -61,7 +76,7 @@ class ParentRequest:
         """Record one child's output of this batch (its `index` is the child index)."""
         if completion.finished():
             self.unfinished.discard(child_id)
-        if self.output_kind == RequestOutputKind.DELTA:
+        if self.output_kind == RequestOutputKind.DELTA and not self.ranked:
             prev = self._pending.get(completion.index)
             self._pending[completion.index] = completion if prev is None else merge_delta(prev, completion)
         else:
@@ -73,6 +88,8 @@ class ParentRequest:
         FINAL_ONLY: all n once every child finished. CUMULATIVE: the latest snapshot of
         every child heard from. DELTA: the new pieces of the children that moved.
         """
+        if self.ranked:
+            return self._best_n() if self.finished else None
         if self.output_kind == RequestOutputKind.DELTA:
             if not self._pending:
                 return None
@@ -82,6 +99,18 @@ class ParentRequest:
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
         out = [c for c in self._latest if c is not None]
+        return out or None
+
+    def _best_n(self) -> Optional[list[CompletionOutput]]:
+        """The n finished children with the highest cumulative logprob, re-indexed 0..n-1 best first."""
+        done = [c for c in self._latest if c is not None]
+        # Stable sort: equal scores keep child order. An aborted child may lack a score: it ranks last.
+        done.sort(key=lambda c: c.cumulative_logprob if c.cumulative_logprob is not None else -math.inf, reverse=True)
+        keep_logprobs = self.sampling_params.logprobs is not None
+        out = [
+            dataclasses.replace(c, index=i, logprobs=c.logprobs if keep_logprobs else None)
+            for i, c in enumerate(done[: self.n])
+        ]
         return out or None
 
 

@@ -92,6 +92,7 @@ class SamplingRequestFields(OpenAIBaseModel):
         prompt_logprobs: Optional[int],
         defaults: Optional[SamplingParams],
         stream: bool,
+        best_of: Optional[int] = None,
     ) -> SamplingParams:
         """SamplingParams for this request; SamplingParams' own checks raise ValueError/TypeError."""
         base = defaults or SamplingParams()
@@ -104,6 +105,7 @@ class SamplingRequestFields(OpenAIBaseModel):
             raise ValueError("stream_options is only allowed when stream is true.")
         return SamplingParams(
             n=self.n,
+            best_of=best_of,
             temperature=pick("temperature"),
             top_p=pick("top_p"),
             top_k=pick("top_k"),

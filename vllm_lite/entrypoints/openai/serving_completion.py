@@ -37,8 +37,12 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine()
         if request.suffix:
             raise BadRequestError("suffix is not supported.", param="suffix")
-        if request.best_of is not None and request.best_of != request.n:
-            raise BadRequestError(f"best_of must equal n ({request.n}) here, got {request.best_of!r}.", param="best_of")
+        if request.stream and request.best_of is not None and request.best_of > request.n:
+            # As OpenAI: the best n of best_of are known only once all finish, so nothing can stream.
+            raise BadRequestError(
+                f"best_of ({request.best_of}) > n ({request.n}) cannot be streamed; set stream to false.",
+                param="best_of",
+            )
         if request.logprobs is not None and request.logprobs < 0:
             raise BadRequestError(f"logprobs must be non-negative, got {request.logprobs!r}.", param="logprobs")
         prompts = self._prompts(request)
@@ -51,6 +55,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None else None,
                 defaults=self.default_sampling_params,
                 stream=request.stream,
+                best_of=request.best_of,
             )
             self.validate_request(p.token_ids, params)
             params_list.append(params)
