@@ -3,7 +3,7 @@
 Every request uses all penalties, temperature, top-k and top-p, so the sampler does its
 full work. The benchmark runs an in-process LLM and wraps, inside the real engine:
 - `runner.sampler.forward` (the sampler call in GPUModelRunner.execute_model),
-- `runner.sampling_state.make_metadata` / `append_token_ids` (the per-step sampling bookkeeping),
+- `runner.input_batch.sampling.make_metadata` / `append_token_ids` (the per-step sampling bookkeeping),
 - `engine_core.step` (schedule -> execute_model -> update: the whole step) and
   `executor.execute_model` (the worker part),
 and reports the sampler's share over pure-decode steps (every one of the 64 rows decoding).
@@ -99,7 +99,7 @@ def main() -> None:
     runner = core.executor.worker.model_runner
     timers = _Timers(args.batch)
     runner.sampler.forward = timers.wrap("sampler", runner.sampler.forward)
-    state = runner.sampling_state
+    state = runner.input_batch.sampling
     state.make_metadata = timers.wrap("make_metadata", state.make_metadata)
     state.append_token_ids = timers.wrap("append_token_ids", state.append_token_ids)
     core.executor.execute_model = timers.wrap_execute(core.executor.execute_model)

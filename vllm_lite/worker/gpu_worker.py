@@ -7,20 +7,32 @@ import logging
 import torch
 
 from vllm_lite.config import VllmConfig
+from vllm_lite.worker.kv_cache_sizing import describe_kv_cache, kv_budget_from_utilization, num_kv_blocks
 from vllm_lite.worker.model_runner import GPUModelRunner
 from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-# Default KV-cache budget where the user gives none.
+# KV-cache budget on CPU where the user gives none (CUDA profiles the card instead).
 _CPU_DEFAULT_KV_BYTES = 2 << 30
-_CUDA_DEFAULT_FRACTION = 0.8
+
+
+def indexed_device(device: torch.device, local_rank: int = 0) -> torch.device:
+    """The device with an explicit index where CUDA needs one (`cuda` -> `cuda:local_rank`).
+
+    `torch.cuda.set_device`, NCCL and memory queries reject or misplace an index-less CUDA device.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", local_rank)
+    return device
 
 
 class GPUWorker:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.config = vllm_config
-        self.device = vllm_config.device_config.device
+        self.device = indexed_device(vllm_config.device_config.device)
+        vllm_config.device_config.device = self.device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(vllm_config.model_config.seed)
@@ -30,27 +42,35 @@ class GPUWorker:
         """(device blocks, host swap blocks) from the memory budget, capped at what can ever be used."""
         cc, sc = self.config.cache_config, self.config.scheduler_config
         per_block = self.model_runner.kv_cache_bytes_per_block()
-        budget = cc.kv_cache_memory_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * _CUDA_DEFAULT_FRACTION)
-            else:
-                budget = _CPU_DEFAULT_KV_BYTES
-        blocks_per_seq = -(-sc.max_model_len // cc.block_size)
-        useful = blocks_per_seq * sc.max_num_seqs + 1  # +1: the null block
-        num_gpu = min(budget // per_block, useful)
-        if num_gpu < blocks_per_seq + 1:
-            need = (blocks_per_seq + 1) * per_block
-            raise ValueError(
-                f"KV cache too small: {budget} bytes hold {budget // per_block} blocks of {cc.block_size} tokens, "
-                f"but one max_model_len={sc.max_model_len} sequence needs {blocks_per_seq + 1} blocks "
-                f"({need} bytes). Raise kv_cache_memory_bytes or lower max_model_len."
-            )
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profiled_cuda_budget()
+        else:
+            budget = _CPU_DEFAULT_KV_BYTES
+        num_gpu = num_kv_blocks(budget, per_block, cc.block_size, sc.max_model_len, sc.max_num_seqs)
+        logger.info(describe_kv_cache(num_gpu, per_block, cc.block_size, sc.max_model_len))
         num_cpu = 0
         if cc.preemption_mode == "swap":
-            num_cpu = min(cc.swap_space_bytes // per_block, useful)
+            blocks_per_seq = -(-sc.max_model_len // cc.block_size)
+            num_cpu = min(cc.swap_space_bytes // per_block, blocks_per_seq * sc.max_num_seqs + 1)
         return int(num_gpu), int(num_cpu)
+
+    def _profiled_cuda_budget(self) -> int:
+        """gpu_memory_utilization of the card, less what is in use after loading the weights, less the
+        peak activations of a profiling pass at the largest step (vLLM's determine_num_available_blocks)."""
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = self.model_runner.profile_run()
+        torch.cuda.empty_cache()
+        utilization = self.config.cache_config.gpu_memory_utilization
+        budget = kv_budget_from_utilization(total, utilization, total - free, peak)
+        logger.debug(
+            "memory on %s: %.2f GiB total x %.2f, %.2f GiB in use after loading, %.2f GiB peak activations",
+            self.device, total / (1 << 30), utilization, (total - free) / (1 << 30), peak / (1 << 30),
+        )
+        return budget
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_gpu_blocks, num_cpu_blocks)

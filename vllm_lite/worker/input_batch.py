@@ -1,9 +1,13 @@
 """The worker's persistent batch: one row per live request, kept across steps.
 
 Rows are updated in place from the scheduler's diff; removing a request moves
-the last row into its hole so rows 0..num_reqs-1 stay dense. Token ids, block
-tables and progress live in numpy arrays so building a step's inputs is a
-handful of vectorised numpy ops and one copy to the device.
+the last row into its hole (condensing) so rows 0..num_reqs-1 stay dense. Token
+ids, block tables and progress live in numpy arrays so building a step's inputs
+is a handful of vectorised numpy ops and one copy to the device.
+
+The batch also owns the rows' sampling state (`SamplingState`): adding,
+removing, condensing and recording sampled tokens happen here, in one place,
+so the token rows and the sampler's rows can never drift apart.
 """
 
 from __future__ import annotations
@@ -11,12 +15,26 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
+import torch
 
 from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.worker.sampling_metadata import SamplingMetadata
+from vllm_lite.worker.sampling_state import SamplingState
+from vllm_lite.worker.step import NewRequestData
+
+# Per-row scalars that move with a row when the batch condenses.
+_ROW_SCALARS = ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks")
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_blocks_per_req = max_blocks_per_req
@@ -29,38 +47,54 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.sampling = SamplingState(max_num_reqs, vocab_size, max_model_len, device)
 
     @property
     def num_reqs(self) -> int:
         return len(self.req_id_to_row)
 
-    def add_request(
-        self,
-        req_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
-        params: SamplingParams,
-        block_ids: list[int],
-        num_computed_tokens: int,
-    ) -> int:
-        """Put a request in the first free row; returns the row."""
+    # ------------------------------------------------------------------ the scheduler's diff
+    def add_request(self, new: NewRequestData) -> int:
+        """Put a request (new, or re-sent after preemption) in the first free row; returns the row.
+
+        Raises ValueError for a request whose sampling parameters cannot run here; the batch
+        is then unchanged.
+        """
+        req_id = new.req_id
         if req_id in self.req_id_to_row:
             raise ValueError(f"request {req_id!r} is already in the batch")
         row = self.num_reqs
         if row >= self.max_num_reqs:
             raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows)")
-        n_prompt, n_out = len(prompt_token_ids), len(output_token_ids)
+        n_prompt, n_out = len(new.prompt_token_ids), len(new.output_token_ids)
+        if n_prompt + n_out > self.max_model_len:
+            raise ValueError(f"request {req_id!r} holds {n_prompt + n_out} tokens > max_model_len={self.max_model_len}")
+        if len(new.block_ids) > self.max_blocks_per_req:
+            raise RuntimeError(f"request {req_id!r} would hold {len(new.block_ids)} blocks > max {self.max_blocks_per_req}")
+        try:  # first, since it validates the parameters
+            self.sampling.add_request(
+                row, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_id
+            )
+        except BaseException:
+            self.sampling.remove_request(row)
+            raise
         self.req_ids[row] = req_id
         self.req_id_to_row[req_id] = row
-        self.params[row] = params
-        self.token_ids[row, :n_prompt] = prompt_token_ids
-        self.token_ids[row, n_prompt : n_prompt + n_out] = output_token_ids
+        self.params[row] = new.sampling_params
+        self.token_ids[row, :n_prompt] = new.prompt_token_ids
+        self.token_ids[row, n_prompt : n_prompt + n_out] = new.output_token_ids
         self.num_prompt_tokens[row] = n_prompt
         self.num_tokens[row] = n_prompt + n_out
-        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
-        self.append_block_ids(row, block_ids)
+        self.append_block_ids(row, new.block_ids)
         return row
+
+    def update_request(self, req_id: str, new_block_ids: list[int], num_computed_tokens: int) -> None:
+        """A request already in the batch: its newly allocated blocks and the scheduler's progress."""
+        row = self.req_id_to_row[req_id]
+        self.append_block_ids(row, new_block_ids)
+        self.num_computed_tokens[row] = num_computed_tokens
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:
@@ -72,27 +106,50 @@ class InputBatch:
         self.block_table[row, start:end] = block_ids
         self.num_blocks[row] = end
 
-    def remove_request(self, req_id: str) -> Optional[tuple[int, int]]:
-        """Drop a request; returns (moved_from_row, moved_to_row) if the last row filled the hole."""
+    def remove_request(self, req_id: str) -> bool:
+        """Drop a request and condense (the last row fills its hole); False if it was not here."""
         row = self.req_id_to_row.pop(req_id, None)
         if row is None:
-            return None
+            return False
         last = self.num_reqs  # index of the last occupied row before removal
+        self.sampling.remove_request(row)
         self.req_ids[row] = None
         self.params[row] = None
-        if row == last:
-            return None
-        moved_id = self.req_ids[last]
+        if row != last:
+            self._move_row(last, row)
+        return True
+
+    def _move_row(self, src: int, dst: int) -> None:
+        """Condensing: the request in row src moves to the empty row dst, sampling state included."""
+        moved_id = self.req_ids[src]
         assert moved_id is not None
-        self.req_ids[row] = moved_id
-        self.req_id_to_row[moved_id] = row
-        self.params[row] = self.params[last]
-        n = int(self.num_tokens[last])
-        self.token_ids[row, :n] = self.token_ids[last, :n]
-        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks):
-            arr[row] = arr[last]
-        nb = int(self.num_blocks[last])
-        self.block_table[row, :nb] = self.block_table[last, :nb]
-        self.req_ids[last] = None
-        self.params[last] = None
-        return last, row
+        self.req_ids[dst], self.req_ids[src] = moved_id, None
+        self.req_id_to_row[moved_id] = dst
+        self.params[dst], self.params[src] = self.params[src], None
+        n = int(self.num_tokens[src])
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        nb = int(self.num_blocks[src])
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for name in _ROW_SCALARS:
+            arr = getattr(self, name)
+            arr[dst] = arr[src]
+        self.sampling.move_row(src, dst)
+
+    # ------------------------------------------------------------------ per step
+    def rows_of(self, req_ids: list[str]) -> np.ndarray:
+        """int64 rows of the given requests, in the given order."""
+        return np.fromiter((self.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+
+    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """The sampler's batched inputs for these rows, in this order (row i -> logits row i)."""
+        return self.sampling.make_metadata(rows)
+
+    def record_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one sampled token per (distinct) row, to the token rows and to the sampling state."""
+        rows = np.asarray(rows, dtype=np.int64)
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        pos = self.num_tokens[rows]
+        ok = pos < self.max_model_len
+        self.token_ids[rows[ok], pos[ok]] = token_ids[ok]
+        self.num_tokens[rows[ok]] += 1
+        self.sampling.append_token_ids(rows, token_ids)

@@ -1,31 +1,35 @@
 """GPUModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
 
-It keeps the persistent `InputBatch`, builds the flattened inputs with numpy
-(token ids, positions, slot mapping, block tables, query start offsets),
-copies them to the device once, runs the model under the step's forward
-context, and samples only the rows whose prompt is complete.
+A step reads top-down: apply the scheduler's diff to the persistent `InputBatch`
+(which owns the rows' sampling state too), build the flattened inputs with numpy
+(`step_inputs`), copy them to the device once, run the model under the step's
+forward context, sample only the rows whose prompt is complete, build the output.
+`profile_run` runs the same path once at the largest shapes, for KV-cache sizing.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
 from vllm_lite.config import VllmConfig
-from vllm_lite.worker.attention.backend import AttentionBackend, AttentionMetadata
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.worker.attention.backend import AttentionBackend
 from vllm_lite.worker.attention.layer import Attention
 from vllm_lite.worker.forward_context import set_forward_context
 from vllm_lite.worker.input_batch import InputBatch
+from vllm_lite.worker.kv_cache_sizing import measure_peak_allocated
 from vllm_lite.worker.model_loader import load_model
 from vllm_lite.worker.models.cpu_prepack import maybe_prepack
 from vllm_lite.worker.parallel_state import broadcast_from_driver, get_tp_rank, get_tp_size
 from vllm_lite.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
-from vllm_lite.worker.sampling_state import SamplingState
-from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput, SchedulerOutput
+from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from vllm_lite.worker.step_inputs import StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +61,9 @@ class GPUModelRunner:
         self.backend = _get_backend(device)
         self.sampler = Sampler()
         self.tp_size, self.is_driver = get_tp_size(), get_tp_rank() == 0
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
-        self.sampling_state = SamplingState(self.max_num_reqs, self.vocab_size, self.max_model_len, device)
+        self.input_batch = InputBatch(
+            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.vocab_size, device
+        )
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
         # Reused host buffers for step inputs (no per-step allocation of large arrays).
@@ -83,37 +88,61 @@ class GPUModelRunner:
             for a in self.attn_layers
         ] if num_cpu_blocks > 0 else []
 
+    # ------------------------------------------------------------------ profiling
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Run one step at the largest shapes the scheduler can build and return its peak activation
+        bytes (CUDA; 0 elsewhere).
+
+        max_num_batched_tokens (at most max_model_len each) are spread over max_num_seqs requests that
+        all sample, through the real step path on a scratch batch and a scratch KV cache that are
+        dropped afterwards, so the runner's batch, its cache binding and the RNG streams are unchanged.
+        """
+        num_tokens = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
+        num_reqs = min(self.max_num_reqs, num_tokens)
+        per_req = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        per_req[: num_tokens % num_reqs] += 1
+        blocks = -(-per_req // self.block_size)
+        longest = int(per_req.max())
+        batch = InputBatch(num_reqs, longest + 1, -(-(longest + 1) // self.block_size), self.vocab_size, self.device)
+        # Sampling that sorts the whole vocabulary: the sampler's largest working set.
+        params = SamplingParams(temperature=1.0, top_p=0.95)
+        first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]])
+        for i in range(num_reqs):
+            batch.add_request(NewRequestData(
+                req_id=f"profile-{i}", prompt_token_ids=[0] * int(per_req[i]), output_token_ids=[],
+                sampling_params=params, block_ids=list(range(int(first_block[i]), int(first_block[i] + blocks[i]))),
+                num_computed_tokens=0,
+            ))
+        scheduled = {f"profile-{i}": int(per_req[i]) for i in range(num_reqs)}
+        bound = [layer.kv_cache for layer in self.attn_layers]
+        rng_devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        try:
+            for layer in self.attn_layers:
+                layer.kv_cache = torch.zeros(
+                    (2, int(blocks.sum()), self.block_size, layer.num_kv_heads, layer.head_size),
+                    dtype=self.dtype, device=self.device,
+                )
+            with torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
+                with measure_peak_allocated(self.device) as peak:
+                    self._run_step(batch, scheduled)
+        finally:
+            for layer, cache in zip(self.attn_layers, bound):
+                layer.kv_cache = cache
+        return peak.peak_bytes
+
     # ------------------------------------------------------------------ state diff
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's diff to the persistent batch (which keeps the sampling rows in step)."""
         batch = self.input_batch
         for req_id in so.finished_req_ids:
-            row = batch.req_id_to_row.get(req_id)
-            if row is None:
-                continue
-            moved = batch.remove_request(req_id)
-            self.sampling_state.remove_request(row)
-            if moved is not None:
-                self.sampling_state.move_row(moved[0], moved[1])
+            batch.remove_request(req_id)
         for new in so.scheduled_new_reqs:
-            if new.req_id in batch.req_id_to_row:  # re-sent after preemption without a finish notice
-                row = batch.req_id_to_row[new.req_id]
-                moved = batch.remove_request(new.req_id)
-                self.sampling_state.remove_request(row)
-                if moved is not None:
-                    self.sampling_state.move_row(moved[0], moved[1])
-            row = batch.add_request(
-                new.req_id, new.prompt_token_ids, new.output_token_ids, new.sampling_params,
-                new.block_ids, new.num_computed_tokens,
-            )
-            self.sampling_state.add_request(
-                row, new.sampling_params, new.prompt_token_ids, new.output_token_ids,
-                new.eos_token_id,
-            )
+            batch.remove_request(new.req_id)  # re-sent after preemption without a finish notice
+            batch.add_request(new)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-            row = batch.req_id_to_row[req_id]
-            batch.append_block_ids(row, new_blocks)
-            batch.num_computed_tokens[row] = num_computed
+            batch.update_request(req_id, new_blocks, num_computed)
 
     def _move_blocks(self, so: SchedulerOutput) -> None:
         if so.blocks_to_swap_out:
@@ -130,88 +159,42 @@ class GPUModelRunner:
         self._move_blocks(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
-        batch = self.input_batch
+        return self._run_step(self.input_batch, so.num_scheduled_tokens)
 
-        # Scheduled rows in batch-row order.
-        req_ids = [r for r in so.num_scheduled_tokens]
-        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        order = np.argsort(rows, kind="stable")
-        rows = rows[order]
-        req_ids = [req_ids[i] for i in order]
-        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        num_reqs = len(req_ids)
-        total = int(num_sched.sum())
-
-        computed = batch.num_computed_tokens[rows]
-        cu = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=cu[1:])
-        # Position of every token: its request's computed count + offset within this step.
-        req_of_tok = np.repeat(np.arange(num_reqs), num_sched)
-        offs = self._arange[:total] - np.repeat(cu[:-1], num_sched)
-        positions = computed[req_of_tok] + offs
-        tok_rows = rows[req_of_tok]
-        input_ids = batch.token_ids[tok_rows, positions]
-        block_idx = batch.block_table[tok_rows, positions // self.block_size].astype(np.int64)
-        slot_mapping = block_idx * self.block_size + positions % self.block_size
-        seq_lens = computed + num_sched
-        max_blocks = int(-(-seq_lens.max() // self.block_size))
-        block_table = batch.block_table[rows, :max_blocks]
-
-        dev = self.device
-        qsl_cpu = torch.from_numpy(cu.astype(np.int32))
-        seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        md = AttentionMetadata(
-            num_actual_tokens=total,
-            num_reqs=num_reqs,
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_cpu.to(dev, non_blocking=True),
-            block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_cpu,
-        )
-        input_ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
-        positions_t = torch.from_numpy(positions).to(dev, non_blocking=True)
-        with set_forward_context(md, self.backend):
-            hidden = self.model(input_ids_t, positions_t)
-
-        # Rows whose known tokens are all computed after this step sample a new token.
-        num_known = batch.num_tokens[rows]
-        sampling = seq_lens >= num_known
-        prompt_lp = self._prompt_logprobs(req_ids, rows, computed, num_sched, cu, hidden)
-
-        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
-        logprobs: Optional[LogprobsTensors] = None
-        if sampling.any():
-            s_idx = np.nonzero(sampling)[0]
-            s_rows = rows[s_idx]
-            logits_idx = torch.from_numpy(cu[1:][s_idx] - 1).to(dev)
-            logits = self.model.compute_logits(hidden[logits_idx])
-            out = None
-            if self.is_driver:  # under tensor parallelism only rank 0 samples; the others take its tokens
-                out = self.sampler(logits, self.sampling_state.make_metadata(s_rows))
-            sampled = self._share_sampled(out, len(s_idx)).cpu().numpy()
-            # Record the new tokens in the persistent batch (the scheduler does the same on its side).
-            pos = batch.num_tokens[s_rows]
-            ok = pos < self.max_model_len
-            batch.token_ids[s_rows[ok], pos[ok]] = sampled[ok]
-            batch.num_tokens[s_rows[ok]] += 1
-            self.sampling_state.append_token_ids(s_rows, sampled)
-            for i, tok in zip(s_idx.tolist(), sampled.tolist()):
-                sampled_lists[i] = [tok]
-            if out is not None and out.logprobs_tensors is not None:
-                logprobs = _scatter_rows(out.logprobs_tensors, s_idx, num_reqs)
+    def _run_step(self, batch: InputBatch, num_scheduled_tokens: dict[str, int]) -> ModelRunnerOutput:
+        """Prepare inputs, run the model, sample, and report: one forward pass over `batch`."""
+        inputs = build_step_inputs(batch, num_scheduled_tokens, self.block_size, self._arange)
+        hidden = self._run_model(inputs)
+        prompt_lp = self._prompt_logprobs(batch, inputs, hidden)
+        sampled = self._sample(batch, inputs, hidden)
         # Advance progress locally; the scheduler re-sends the authoritative value next step.
-        batch.num_computed_tokens[rows] = seq_lens
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled_lists,
-            logprobs=logprobs,
-            prompt_logprobs_dict=prompt_lp,
-        )
+        batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
+        return _build_output(inputs, sampled, prompt_lp)
+
+    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states [T, hidden] of every scheduled token."""
+        input_ids, positions, md = inputs.to_device(self.device)
+        with set_forward_context(md, self.backend):
+            return self.model(input_ids, positions)
+
+    def _sample(self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor) -> "_Sampled":
+        """Sample one token for each row whose prompt is complete, and record it in the batch."""
+        sampling = inputs.sampling_mask(batch.num_tokens[inputs.rows])
+        s_idx = np.nonzero(sampling)[0]
+        if len(s_idx) == 0:
+            return _Sampled(s_idx, np.zeros(0, np.int64), None)
+        s_rows = inputs.rows[s_idx]
+        logits_idx = torch.from_numpy(inputs.query_start_loc[1:][s_idx] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[logits_idx])
+        out = None
+        if self.is_driver:  # under tensor parallelism only rank 0 samples; the others take its tokens
+            out = self.sampler(logits, batch.sampling_metadata(s_rows))
+        sampled = self._share_sampled(out, len(s_idx)).cpu().numpy()
+        batch.record_sampled(s_rows, sampled)  # the scheduler records the same on its side
+        logprobs = None
+        if out is not None and out.logprobs_tensors is not None:
+            logprobs = _scatter_rows(out.logprobs_tensors, s_idx, inputs.num_reqs)
+        return _Sampled(s_idx, sampled, logprobs)
 
     def _share_sampled(self, out: Optional[SamplerOutput], n: int) -> torch.Tensor:
         """The sampled token ids [n], identical on every tensor-parallel rank (rank 0's); free at TP=1."""
@@ -221,27 +204,50 @@ class GPUModelRunner:
         return broadcast_from_driver(None if out is None else out.sampled_token_ids, (n,), torch.int64, self.device)
 
     def _prompt_logprobs(
-        self, req_ids: list[str], rows: np.ndarray, computed: np.ndarray, num_sched: np.ndarray,
-        cu: np.ndarray, hidden: torch.Tensor,
+        self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor
     ) -> dict[str, Optional[LogprobsTensors]]:
         """Logprobs of each prompt token given its prefix, for requests that asked for them."""
         out: dict[str, Optional[LogprobsTensors]] = {}
-        batch = self.input_batch
-        for i, row in enumerate(rows.tolist()):
+        for i, row in enumerate(inputs.rows.tolist()):
             params = batch.params[row]
             if params is None or params.prompt_logprobs is None:
                 continue
             n_prompt = int(batch.num_prompt_tokens[row])
-            start = int(computed[i])
+            start = int(inputs.num_computed[i])
             if start >= n_prompt - 1:
                 continue
             # Positions p in this chunk with a prompt token at p + 1.
-            end = min(start + int(num_sched[i]), n_prompt - 1)
-            tok_slice = torch.arange(int(cu[i]), int(cu[i]) + (end - start), device=hidden.device)
+            end = min(start + int(inputs.num_scheduled[i]), n_prompt - 1)
+            first = int(inputs.query_start_loc[i])
+            tok_slice = torch.arange(first, first + (end - start), device=hidden.device)
             targets = torch.from_numpy(batch.token_ids[row, start + 1 : end + 1].copy()).to(hidden.device)
             logits = self.model.compute_logits(hidden[tok_slice])
-            out[req_ids[i]] = compute_prompt_logprobs(logits, targets, params.prompt_logprobs)
+            out[inputs.req_ids[i]] = compute_prompt_logprobs(logits, targets, params.prompt_logprobs)
         return out
+
+
+@dataclass
+class _Sampled:
+    """This step's sampled tokens: batch indices that sampled, their token ids, their logprobs."""
+
+    index: np.ndarray  # int64 [S] positions in the step's request order
+    token_ids: np.ndarray  # int64 [S]
+    logprobs: Optional[LogprobsTensors]  # rows aligned with the step's requests, or None
+
+
+def _build_output(
+    inputs: StepInputs, sampled: _Sampled, prompt_lp: dict[str, Optional[LogprobsTensors]]
+) -> ModelRunnerOutput:
+    sampled_lists: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
+    for i, tok in zip(sampled.index.tolist(), sampled.token_ids.tolist()):
+        sampled_lists[i] = [tok]
+    return ModelRunnerOutput(
+        req_ids=inputs.req_ids,
+        req_id_to_index={r: i for i, r in enumerate(inputs.req_ids)},
+        sampled_token_ids=sampled_lists,
+        logprobs=sampled.logprobs,
+        prompt_logprobs_dict=prompt_lp,
+    )
 
 
 def _scatter_rows(lp: LogprobsTensors, idx: np.ndarray, n: int) -> LogprobsTensors:

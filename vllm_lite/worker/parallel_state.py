@@ -32,11 +32,14 @@ def init_distributed(
     store: dist.Store,
     backend: str = "gloo",
     timeout_s: float = 600.0,
+    device: Optional[torch.device] = None,
 ) -> None:
     """Join the tensor-parallel group (one group: TP is the whole world) through a rendezvous store.
 
     The store is a torch.distributed TCPStore client (or any Store): every rank
-    must pass one connected to the same server.
+    must pass one connected to the same server. Under NCCL the group is bound to
+    this rank's CUDA device (`device`, else the current one), which must carry an
+    index: NCCL guesses the device from the global rank otherwise, wrong off node 0.
     """
     global _TP_RANK, _TP_SIZE
     if not isinstance(world_size, int) or world_size < 1:
@@ -45,12 +48,26 @@ def init_distributed(
         raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}.")
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process.")
+    device_id = nccl_device(device) if backend == "nccl" else None
+    if device_id is not None:
+        torch.cuda.set_device(device_id)
     dist.init_process_group(
         backend=backend, store=store, world_size=world_size, rank=rank,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id,
     )
     _TP_RANK, _TP_SIZE = rank, world_size
-    logger.info("rank %d/%d joined the %s tensor-parallel group", rank, world_size, backend)
+    logger.info("rank %d/%d joined the %s tensor-parallel group%s", rank, world_size, backend,
+                f" on {device_id}" if device_id is not None else "")
+
+
+def nccl_device(device: Optional[torch.device]) -> torch.device:
+    """The indexed CUDA device an NCCL rank binds to: `device` if given, else the current CUDA device."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"an NCCL rank needs an indexed CUDA device (cuda:N), got {device}.")
+    return device
 
 
 def destroy_distributed() -> None:

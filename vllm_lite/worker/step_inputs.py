@@ -1,0 +1,100 @@
+"""One step's flattened model inputs, built from the persistent batch with numpy.
+
+Scheduled requests are laid out in batch-row order; request i owns tokens
+query_start_loc[i]:query_start_loc[i+1]. Everything is computed on the host in
+a few vectorised ops, then copied to the device once (`to_device`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_lite.worker.attention.backend import AttentionMetadata
+from vllm_lite.worker.input_batch import InputBatch
+
+
+@dataclass
+class StepInputs:
+    """Host-side (numpy) inputs of one forward pass."""
+
+    req_ids: list[str]  # scheduled requests, in batch-row order
+    rows: np.ndarray  # int64 [B] their batch rows, ascending
+    num_scheduled: np.ndarray  # int64 [B] tokens run this step
+    query_start_loc: np.ndarray  # int64 [B+1]
+    num_computed: np.ndarray  # int64 [B] tokens already in the KV cache before this step
+    seq_lens: np.ndarray  # int64 [B] tokens in the KV cache after this step
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    block_table: np.ndarray  # int32 [B, max blocks any scheduled request needs]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def sampling_mask(self, num_tokens_known: np.ndarray) -> np.ndarray:
+        """bool [B]: rows whose known tokens are all computed after this step, so they sample one more."""
+        return self.seq_lens >= num_tokens_known
+
+    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, attention metadata) on the device, each copied once, asynchronously."""
+        qsl_cpu = torch.from_numpy(self.query_start_loc.astype(np.int32))
+        seq_cpu = torch.from_numpy(self.seq_lens.astype(np.int32))
+        md = AttentionMetadata(
+            num_actual_tokens=self.num_tokens,
+            num_reqs=self.num_reqs,
+            max_query_len=int(self.num_scheduled.max()),
+            max_seq_len=int(self.seq_lens.max()),
+            query_start_loc=qsl_cpu.to(device, non_blocking=True),
+            seq_lens=seq_cpu.to(device, non_blocking=True),
+            block_table=torch.from_numpy(np.ascontiguousarray(self.block_table)).to(device, non_blocking=True),
+            slot_mapping=torch.from_numpy(self.slot_mapping).to(device, non_blocking=True),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_cpu,
+        )
+        input_ids = torch.from_numpy(self.input_ids).to(device, non_blocking=True)
+        positions = torch.from_numpy(self.positions).to(device, non_blocking=True)
+        return input_ids, positions, md
+
+
+def build_step_inputs(
+    batch: InputBatch, num_scheduled_tokens: dict[str, int], block_size: int, arange: np.ndarray
+) -> StepInputs:
+    """Flatten the scheduled requests' tokens; `arange` is a reused 0..N int64 buffer (N >= tokens)."""
+    req_ids = list(num_scheduled_tokens)
+    rows = batch.rows_of(req_ids)
+    order = np.argsort(rows, kind="stable")
+    rows = rows[order]
+    req_ids = [req_ids[i] for i in order]
+    num_sched = np.fromiter((num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+    total = int(num_sched.sum())
+
+    computed = batch.num_computed_tokens[rows]
+    cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
+    np.cumsum(num_sched, out=cu[1:])
+    # Position of every token: its request's computed count + its offset within this step.
+    req_of_tok = np.repeat(np.arange(len(req_ids)), num_sched)
+    positions = computed[req_of_tok] + arange[:total] - np.repeat(cu[:-1], num_sched)
+    tok_rows = rows[req_of_tok]
+    block_idx = batch.block_table[tok_rows, positions // block_size].astype(np.int64)
+    seq_lens = computed + num_sched
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    return StepInputs(
+        req_ids=req_ids,
+        rows=rows,
+        num_scheduled=num_sched,
+        query_start_loc=cu,
+        num_computed=computed,
+        seq_lens=seq_lens,
+        input_ids=batch.token_ids[tok_rows, positions],
+        positions=positions,
+        slot_mapping=block_idx * block_size + positions % block_size,
+        block_table=batch.block_table[rows, :max_blocks],
+    )
