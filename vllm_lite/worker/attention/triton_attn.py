@@ -15,10 +15,9 @@ inputs use exact ("ieee") dots.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from vllm_lite import envs
 from vllm_lite.worker.attention.backend import AttentionBackend, AttentionMetadata
 
 try:
@@ -32,10 +31,60 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return bool(envs.TRITON_INTERPRET)
 
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _attend_key_tile(
+        m_i,
+        l_i,
+        acc,
+        q,
+        pos,
+        row_ok,
+        start_n,
+        num_keys,
+        kv_ptr,
+        table_row_ptr,  # this request's block-table row
+        kv_half,
+        kvh,
+        offs_d,
+        d_ok,
+        scale,
+        BLOCK_SIZE: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_SIZE: tl.constexpr,
+        TILE_N: tl.constexpr,
+        DOT_IN_BF16: tl.constexpr,
+    ):
+        """One online-softmax step over keys [start_n, start_n + TILE_N): returns the new (m_i, l_i, acc)."""
+        offs_n = start_n + tl.arange(0, TILE_N)
+        n_ok = offs_n < num_keys
+        blk = tl.load(table_row_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+        tok_off = (blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_SIZE) + kvh * HEAD_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(kv_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptr + kv_half + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_IN_BF16:
+            s = tl.dot(q, tl.trans(k))
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        s = s * scale
+        allowed = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :] & row_ok[:, None]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_IN_BF16:
+            pv = tl.dot(p.to(v.dtype), v)
+        else:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        return m_new, l_i, acc
 
     @triton.jit
     def _paged_attention_kernel(
@@ -62,6 +111,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr,
         DOT_IN_BF16: tl.constexpr,
+        INTERPRET: tl.constexpr,
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -107,32 +157,22 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-        for start_n in range(0, num_keys, TILE_N):
-            offs_n = start_n + tl.arange(0, TILE_N)
-            n_ok = offs_n < num_keys
-            blk = tl.load(block_table_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
-            tok_off = (blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_SIZE) + kvh * HEAD_SIZE
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(kv_ptr + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(kv_ptr + kv_half + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if DOT_IN_BF16:
-                s = tl.dot(q, tl.trans(k))
-            else:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            s = s * scale
-            allowed = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :] & row_ok[:, None]
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_IN_BF16:
-                pv = tl.dot(p.to(v.dtype), v)
-            else:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        if INTERPRET:
+            # Triton 3.6's interpreter keeps scalars as 1-element arrays that range() cannot take as a
+            # bound; a while loop only needs their truth value. Compiled, the for loop stays (scf.for).
+            start_n = 0
+            while start_n < num_keys:
+                m_i, l_i, acc = _attend_key_tile(
+                    m_i, l_i, acc, q, pos, row_ok, start_n, num_keys, kv_ptr, block_table_ptr + b * stride_bt,
+                    kv_half, kvh, offs_d, d_ok, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, TILE_N, DOT_IN_BF16,
+                )
+                start_n += TILE_N
+        else:
+            for start_n in range(0, num_keys, TILE_N):
+                m_i, l_i, acc = _attend_key_tile(
+                    m_i, l_i, acc, q, pos, row_ok, start_n, num_keys, kv_ptr, block_table_ptr + b * stride_bt,
+                    kv_half, kvh, offs_d, d_ok, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, TILE_N, DOT_IN_BF16,
+                )
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
@@ -262,6 +302,7 @@ class TritonBackend(AttentionBackend):
             BLOCK_M=block_m,
             TILE_N=self.tile_n,
             DOT_IN_BF16=(q.dtype == torch.bfloat16 and not interpreting()),
+            INTERPRET=interpreting(),
         )
         return out
 
