@@ -2,15 +2,15 @@
 
 * ``InprocClient``: the EngineCore lives in this process; ``get_output()`` runs
   one step. For tests and debugging.
-* ``SyncMPClient``: spawns a private core (``EngineCoreProc``) with ``ipc://``
-  sockets in a private temp dir, or attaches to a running one
+* ``SyncMPClient``: starts a private core (``EngineCoreProc``, through
+  ``vllm_lite.launcher``) with ``ipc://`` sockets in a private temp dir, or attaches to a running one
   (``addresses=CoreAddresses.from_base(...)``, ``auth_token``), heartbeating as
   the core asks and saying GOODBYE on shutdown. A background thread receives
   outputs into a queue; ``get_output()`` blocks.
 * ``AsyncMPClient``: the same over asyncio sockets, for ``AsyncLLM``.
 
 Socket protocol: see ``vllm_lite.core.engine_core_proc``. Engine death (the
-process exits -- watched through its sentinel --, the core says
+process exits -- watched through its launcher fd --, the core says
 ``engine_dead``, or an attached core goes silent) fails every pending and
 future call with ``EngineDeadError`` instead of hanging.
 """
@@ -20,19 +20,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import queue
 import secrets
+import select
 import shutil
-import tempfile
 import threading
 import time
 import uuid
 import weakref
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import msgspec
@@ -41,13 +40,15 @@ import zmq
 import zmq.asyncio
 
 from vllm_lite.client.exceptions import EngineDeadError, EngineHandshakeError, EngineStartupError
-from vllm_lite.config import VllmConfig
-from vllm_lite.core.engine_core_proc import CoreAddresses, CoreProcOptions, EngineCoreProc
+from vllm_lite import launcher
+from vllm_lite.config import VllmConfig, encode_vllm_config
 from vllm_lite.core.messages import (
     PROTOCOL_VERSION,
+    EngineCoreArgs,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreOutputType,
+    EngineCoreReady,
     EngineCoreRequest,
     EngineCoreRequestType,
     FinishReason,
@@ -56,6 +57,7 @@ from vllm_lite.core.messages import (
     UtilityOutput,
     UtilityRequest,
 )
+from vllm_lite.endpoints import CoreAddresses, private_core_addresses, private_ipc_dir
 from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
@@ -135,15 +137,17 @@ def _error_output(request_id: str, message: str) -> EngineCoreOutput:
 class InprocClient(EngineCoreClient):
     """EngineCore in this process, no sockets: ``get_output()`` runs one step."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_core_cls: Optional[type] = None) -> None:
-        if engine_core_cls is None:
-            from vllm_lite.core.engine_core import EngineCore
-
-            engine_core_cls = EngineCore
-        self.engine_core = engine_core_cls(vllm_config)
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.engine_core = self._make_engine_core(vllm_config)
         self.model_facts = dict(self.engine_core.model_facts)
         self.client_index = 0
         self._errors: list[EngineCoreOutput] = []
+
+    def _make_engine_core(self, vllm_config: VllmConfig) -> Any:
+        """The engine to drive (a subclass may drive another with EngineCore's interface)."""
+        from vllm_lite.core.engine_core import EngineCore
+
+        return EngineCore(vllm_config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         request.client_index = self.client_index
@@ -175,84 +179,71 @@ class InprocClient(EngineCoreClient):
 # ---------------------------------------------------------------------------- process clients: shared parts
 
 
+ENGINE_CORE_MODULE = "vllm_lite.core.engine_core_main"
+
+
+@dataclass
+class PrivateCore:
+    """A core process started for one frontend: the process, its socket dir, addresses and token."""
+
+    proc: launcher.ChildProcess
+    tmpdir: str
+    addresses: CoreAddresses
+    auth_token: str
+    ready: EngineCoreReady
+
+
 def spawn_private_core(
     vllm_config: VllmConfig,
-    engine_core_cls: Optional[type] = None,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-) -> tuple[multiprocessing.process.BaseProcess, str, CoreAddresses, str]:
-    """Start an EngineCoreProc for this frontend alone; return (process, temp dir, addresses, auth token).
+    module: str = ENGINE_CORE_MODULE,
+) -> PrivateCore:
+    """Start an engine-core process for this frontend alone (``python -m module``) and wait until it serves.
 
-    Waits until the core is ready. A core that fails to start is reaped and its
-    error raised here as EngineStartupError carrying the original message.
+    A core that fails to start is reaped and its error raised here as EngineStartupError
+    carrying the original message (its traceback text on ``__cause__.traceback``).
     """
-    tmpdir = tempfile.mkdtemp(prefix="vllm-lite-")  # mode 0700: only we can reach the sockets
-    addresses = CoreAddresses(input=f"ipc://{tmpdir}/input.sock", output=f"ipc://{tmpdir}/output.sock")
+    tmpdir = private_ipc_dir()  # mode 0700: only we can reach the sockets
+    addresses = private_core_addresses(tmpdir)
     token = secrets.token_hex(16)
-    options = CoreProcOptions(
+    args = EngineCoreArgs(
+        vllm_config=encode_vllm_config(vllm_config),
+        input_address=addresses.input,
+        output_address=addresses.output,
         auth_token=token,
-        heartbeat_timeout_s=None,  # one frontend, watched through parent_pid instead
+        heartbeat_timeout_s=None,  # one frontend, which the launcher watches instead
         drain_timeout_s=0.0,  # nobody is left to read drained outputs
-        parent_pid=os.getpid(),
-        cleanup_dir=tmpdir,
-        engine_core_cls=engine_core_cls,
     )
-    ctx = multiprocessing.get_context("spawn")
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(
-        target=EngineCoreProc.run_engine_core,
-        args=(vllm_config, addresses, options, writer),
-        name="VllmLiteEngineCore",
-    )
+    proc: Optional[launcher.ChildProcess] = None
     try:
-        proc.start()
-        writer.close()
-        ready = multiprocessing.connection.wait([reader, proc.sentinel], timeout=startup_timeout_s)
-        message: Optional[dict[str, Any]] = None
-        if reader in ready:
-            try:
-                message = msgspec.json.decode(reader.recv_bytes())
-            except EOFError:
-                message = None
-        if message is None or message.get("status") != "ready":
-            if message is None and not ready:
-                error = f"Engine core did not become ready within {startup_timeout_s:.0f} s."
-            elif message is None:
-                proc.join(5.0)
-                error = f"Engine core process exited with code {proc.exitcode} during startup."
-            else:
-                error = str(message.get("error", "unknown error"))
-            _stop_process(proc, grace_s=1.0)
-            raise EngineStartupError(f"Engine core failed to start: {error}")
-    except BaseException:
-        _stop_process(proc, grace_s=1.0)
+        proc = launcher.start_child(module, args, EngineCoreReady, name="engine-core", cleanup_paths=[tmpdir])
+        ready = proc.wait_ready(startup_timeout_s)
+    except BaseException as e:
+        if proc is not None:
+            proc.stop(grace_s=1.0)
         shutil.rmtree(tmpdir, ignore_errors=True)
+        if isinstance(e, launcher.ChildStartupError):
+            raise EngineStartupError(f"Engine core failed to start: {e.exc_type}: {e.message}") from e
         raise
-    finally:
-        reader.close()
-    return proc, tmpdir, addresses, token
-
-
-def _stop_process(proc: multiprocessing.process.BaseProcess, grace_s: float = 5.0) -> None:
-    """SIGTERM, wait, SIGKILL, reap: never leaves a zombie."""
-    if proc.pid is None:
-        return
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(grace_s)
-    if proc.is_alive():
-        proc.kill()
-    proc.join(5.0)
+    return PrivateCore(proc, tmpdir, addresses, token, ready)
 
 
 def _cleanup(
-    proc: Optional[multiprocessing.process.BaseProcess],
+    proc: Optional[launcher.ChildProcess],
     tmpdir: Optional[str],
     sockets: list[zmq.Socket],
     ctx: zmq.Context,
+    stop: threading.Event,
+    threads: list[threading.Thread],
 ) -> None:
-    # Stop the core first: while our sockets are still open it can flush to us and exit at once.
+    """Close a client, also at interpreter exit: its threads first, so none sees the core stop as a death."""
+    stop.set()
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join(timeout=2.0)
+    # Then the core: while our sockets are still open it can flush to us and exit at once.
     if proc is not None:
-        _stop_process(proc)
+        proc.stop()
     for s in sockets:
         s.close()  # LINGER is 0 unless a GOODBYE is on its way
     ctx.term()
@@ -270,21 +261,19 @@ class _MPClientBase(EngineCoreClient):
         addresses: Optional[CoreAddresses] = None,
         auth_token: Optional[str] = None,
         client_name: str = "",
-        engine_core_cls: Optional[type] = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         engine_silence_timeout_s: float = DEFAULT_ENGINE_SILENCE_TIMEOUT_S,
     ) -> None:
-        self.proc: Optional[multiprocessing.process.BaseProcess] = None
+        self.proc: Optional[launcher.ChildProcess] = None
         self.tmpdir: Optional[str] = None
         if addresses is None:
             if vllm_config is None:
                 raise ValueError("Pass vllm_config (spawn a private core) or addresses (attach to a running core).")
             if vllm_config.device_config.device.type == "cpu":
                 set_frontend_thread_policy()
-            self.proc, self.tmpdir, addresses, auth_token = spawn_private_core(
-                vllm_config, engine_core_cls, startup_timeout_s
-            )
+            core = self._spawn_core(vllm_config, startup_timeout_s)
+            self.proc, self.tmpdir, addresses, auth_token = core.proc, core.tmpdir, core.addresses, core.auth_token
         self.addresses = addresses
         self._auth_token = auth_token
         self.engine_silence_timeout_s = engine_silence_timeout_s
@@ -292,8 +281,12 @@ class _MPClientBase(EngineCoreClient):
         self._zmq = zmq.Context()
         self._in_sync = self._zmq.socket(zmq.DEALER)
         self._out_sync = self._zmq.socket(zmq.DEALER)
+        # Set, and the client's threads joined, before anything else closes (see _cleanup).
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
         self._finalizer = weakref.finalize(
-            self, _cleanup, self.proc, self.tmpdir, [self._in_sync, self._out_sync], self._zmq
+            self, _cleanup, self.proc, self.tmpdir, [self._in_sync, self._out_sync], self._zmq,
+            self._stop, self._threads,
         )
         try:
             for sock, addr in ((self._out_sync, addresses.output), (self._in_sync, addresses.input)):
@@ -323,6 +316,10 @@ class _MPClientBase(EngineCoreClient):
         self._dead: Optional[EngineDeadError] = None
         self._closed = False
         self._last_heard = time.monotonic()
+
+    def _spawn_core(self, vllm_config: VllmConfig, startup_timeout_s: float) -> PrivateCore:
+        """Start this client's private core (a subclass may start another entry module)."""
+        return spawn_private_core(vllm_config, startup_timeout_s)
 
     def _handshake(self, auth_token: Optional[str], client_name: str, timeout_s: float) -> HandshakeReply:
         hello = HelloRequest(protocol_version=PROTOCOL_VERSION, auth_token=auth_token, client_name=client_name)
@@ -406,8 +403,8 @@ class SyncMPClient(_MPClientBase):
         self._outputs: queue.Queue[Union[EngineCoreOutputs, Exception]] = queue.Queue()
         self._calls: dict[int, Future] = {}
         self._calls_lock = threading.Lock()
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._receive_loop, name="core-client-output", daemon=True)
+        self._threads.append(self._thread)
         self._thread.start()
 
     def _send(self, frames: list[Any]) -> None:
@@ -450,8 +447,9 @@ class SyncMPClient(_MPClientBase):
     def _receive_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._out_sync, zmq.POLLIN)
-        if self.proc is not None:
-            poller.register(self.proc.sentinel, zmq.POLLIN)
+        proc_fd = self.proc.fileno() if self.proc is not None else None
+        if proc_fd is not None:
+            poller.register(proc_fd, zmq.POLLIN)
         next_heartbeat = time.monotonic()
         try:
             while not self._stop.is_set():
@@ -464,7 +462,7 @@ class SyncMPClient(_MPClientBase):
                             break
                 if self._stop.is_set():
                     return
-                if self.proc is not None and self.proc.sentinel in events:
+                if proc_fd is not None and proc_fd in events:
                     # Deliver whatever the core managed to send before it died, then fail everyone.
                     while self._out_sync.poll(50):
                         self._handle(self._out_sync.recv_multipart(copy=False))
@@ -552,7 +550,7 @@ class AsyncMPClient(_MPClientBase):
             self._calls.clear()
             if self.proc is not None and not self._loop.is_closed():
                 try:
-                    self._loop.remove_reader(self.proc.sentinel)
+                    self._loop.remove_reader(self.proc.fileno())
                 except (NotImplementedError, ValueError, RuntimeError):
                     pass
         self._loop = loop
@@ -564,12 +562,12 @@ class AsyncMPClient(_MPClientBase):
         if self.heartbeat_timeout_s or self.proc is None:
             self._tasks.append(loop.create_task(self._heartbeat_loop(), name="core-client-heartbeat"))
         if self.proc is not None:
-            sentinel = self.proc.sentinel
+            proc_fd = self.proc.fileno()
             try:
-                loop.add_reader(sentinel, self._on_process_exit)
+                loop.add_reader(proc_fd, self._on_process_exit)
             except NotImplementedError:  # event loops without add_reader: a thread waits instead
                 threading.Thread(
-                    target=lambda: (multiprocessing.connection.wait([sentinel]),
+                    target=lambda: (select.select([proc_fd], [], []),
                                     loop.call_soon_threadsafe(self._on_process_exit)),
                     daemon=True,
                 ).start()
@@ -644,7 +642,7 @@ class AsyncMPClient(_MPClientBase):
     def _on_process_exit(self) -> None:
         if self._loop is not None and self.proc is not None:
             try:
-                self._loop.remove_reader(self.proc.sentinel)
+                self._loop.remove_reader(self.proc.fileno())
             except (NotImplementedError, ValueError, RuntimeError):
                 pass
         if self._closed:
@@ -688,7 +686,7 @@ class AsyncMPClient(_MPClientBase):
             in_loop = _running_loop() is loop
             if self.proc is not None:
                 try:
-                    loop.remove_reader(self.proc.sentinel)
+                    loop.remove_reader(self.proc.fileno())
                 except (NotImplementedError, ValueError, RuntimeError):
                     pass
             for task in self._tasks:

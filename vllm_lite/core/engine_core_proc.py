@@ -35,15 +35,12 @@ Lifecycle: SIGTERM stops new work, drains running requests for at most
 ``EngineCoreOutputs(engine_dead=True)`` to every frontend and exits 1. A
 frontend silent for longer than ``heartbeat_timeout_s`` (any message counts) is
 dropped and its requests aborted (with ABORT outputs sent to it, in case it was
-only slow; if it speaks again it is taken back). GOODBYE detaches at once. A
-private core (``parent_pid`` set) exits when its parent process is gone.
-Startup failures are reported on ``ready_pipe`` (JSON bytes, never pickle) so
-the parent raises with the original message. Sockets are bound before the
-model loads, so a busy address fails at once.
+only slow; if it speaks again it is taken back). GOODBYE detaches at once.
+Sockets are bound before the model loads, so a busy address fails at once.
 
-A daemon runs ``EngineCoreProc.run_engine_core(config, CoreAddresses.from_base(addr),
-CoreProcOptions(auth_token=..., handle_sigint=True))`` in the foreground; it
-ends the process itself (``os._exit``) once everything is closed.
+The process is started by ``vllm_lite.launcher`` (``python -m vllm_lite.core.engine_core_main``,
+arguments ``EngineCoreArgs``); ``run_engine_core`` answers ``EngineCoreReady`` or the start-up
+error with its traceback, and the launcher ends the process when its parent dies.
 """
 
 from __future__ import annotations
@@ -52,27 +49,26 @@ import hmac
 import logging
 import os
 import queue
-import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import msgspec
 import torch
 import zmq
 
-from vllm_lite.config import VllmConfig
+from vllm_lite.config import VllmConfig, decode_vllm_config
 from vllm_lite.core.messages import (
     PROTOCOL_VERSION,
+    EngineCoreArgs,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreOutputType,
     EngineCoreRequest,
+    EngineCoreReady,
     EngineCoreRequestType,
     FinishReason,
     HandshakeReply,
@@ -80,7 +76,11 @@ from vllm_lite.core.messages import (
     UtilityOutput,
     UtilityRequest,
 )
+from vllm_lite.endpoints import CoreAddresses
 from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
+
+if TYPE_CHECKING:
+    from vllm_lite.launcher import ChildChannel
 
 logger = logging.getLogger(__name__)
 
@@ -93,27 +93,6 @@ _READY_RETRY_S = 5.0
 
 
 @dataclass
-class CoreAddresses:
-    """ZMQ endpoints the core binds: frontends connect a DEALER to each."""
-
-    input: str
-    output: str
-
-    @staticmethod
-    def from_base(address: str) -> "CoreAddresses":
-        """One user-facing address -> the socket pair: ``tcp://host:P`` -> ports P (input) and P+1
-        (output); ``ipc:///path`` -> ``/path.in`` and ``/path.out``."""
-        if address.startswith("tcp://"):
-            host, sep, port = address[len("tcp://"):].rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
-                raise ValueError(f"engine address must look like tcp://HOST:PORT (PORT < 65535), got {address!r}.")
-            return CoreAddresses(input=f"tcp://{host}:{port}", output=f"tcp://{host}:{int(port) + 1}")
-        if address.startswith("ipc://") and len(address) > len("ipc://"):
-            return CoreAddresses(input=f"{address}.in", output=f"{address}.out")
-        raise ValueError(f"engine address must be tcp://HOST:PORT or ipc:///PATH, got {address!r}.")
-
-
-@dataclass
 class CoreProcOptions:
     """Knobs of the serving process (not of the model)."""
 
@@ -123,14 +102,11 @@ class CoreProcOptions:
     heartbeat_timeout_s: Optional[float] = 10.0
     # On SIGTERM, let running requests finish for at most this long.
     drain_timeout_s: float = 30.0
-    # Private core: exit when this process (the frontend that spawned us) is gone.
-    parent_pid: Optional[int] = None
-    # Private core: the parent's socket temp dir, removed here if the parent died without doing so.
-    cleanup_dir: Optional[str] = None
     # SIGINT too stops the core (daemon). A private core ignores it: its parent decides.
     handle_sigint: bool = False
-    # Test hook: a class with EngineCore's interface to use instead of the real one.
-    engine_core_cls: Optional[type] = None
+    # Listening sockets a parent bound for us (input, output): served on instead of binding again.
+    input_fd: Optional[int] = None
+    output_fd: Optional[int] = None
 
 
 def set_core_thread_policy(vllm_config: VllmConfig) -> int:
@@ -246,12 +222,7 @@ class EngineCoreProc:
         # Sockets first (a busy port fails in milliseconds, not after loading the model); frontends
         # that connect meanwhile wait in the input queue until the loop starts.
         try:
-            core_cls = self.options.engine_core_cls
-            if core_cls is None:
-                from vllm_lite.core.engine_core import EngineCore
-
-                core_cls = EngineCore
-            self.engine_core = core_cls(vllm_config)
+            self.engine_core = self._make_engine_core(vllm_config)
             self.model_facts: dict[str, Any] = dict(self.engine_core.model_facts)
         except BaseException:
             self._stop_socket_threads()
@@ -264,46 +235,25 @@ class EngineCoreProc:
         self._input_thread.join(timeout=2.0)
         self._zmq.term()
 
-    # ------------------------------------------------------------------ process entry point
-    @staticmethod
-    def run_engine_core(
-        vllm_config: VllmConfig,
-        addresses: CoreAddresses,
-        options: Optional[CoreProcOptions] = None,
-        ready_pipe: Any = None,
-    ) -> None:
-        """Process target: build the core, report ready (or the startup error) on ``ready_pipe``, serve."""
-        if not logging.getLogger().handlers:
-            from vllm_lite.logging_utils import configure_process_logging
+    def _make_engine_core(self, vllm_config: VllmConfig) -> Any:
+        """The engine this process serves (a subclass may serve another with EngineCore's interface)."""
+        from vllm_lite.core.engine_core import EngineCore
 
-            configure_process_logging("core")
-        options = options or CoreProcOptions()
-        stop_early = {"flag": False}
+        return EngineCore(vllm_config)
 
-        def early_term(signum: int, frame: Any) -> None:
-            stop_early["flag"] = True
-            raise SystemExit(0)
+    def ready_message(self, vllm_config: VllmConfig) -> EngineCoreReady:
+        """What the launcher tells our parent once we serve."""
+        import vllm_lite
 
-        signal.signal(signal.SIGTERM, early_term)
-        if not options.handle_sigint:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            proc = EngineCoreProc(vllm_config, addresses, options)
-        except BaseException as e:  # noqa: BLE001 -- report every startup failure to the parent
-            if isinstance(e, SystemExit) and stop_early["flag"]:
-                sys.exit(0)
-            logger.error("Engine core failed to start:\n%s", traceback.format_exc())
-            _send_ready(ready_pipe, {"status": "failed", "error": f"{type(e).__name__}: {e}",
-                                     "traceback": traceback.format_exc()})
-            sys.exit(1)
-        proc.install_signal_handlers()
-        _send_ready(ready_pipe, {"status": "ready", "model_facts": proc.model_facts})
-        code = proc.run_busy_loop()
-        # Everything is closed by now; skip interpreter teardown (seconds with torch loaded).
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        facts = self.model_facts
+        return EngineCoreReady(
+            model=str(facts.get("model", "")), model_path=self._model_path, tokenizer=self._tokenizer,
+            max_model_len=int(facts.get("max_model_len", 0)), block_size=int(facts.get("block_size", 0)),
+            num_gpu_blocks=int(facts.get("num_gpu_blocks", 0)),
+            num_cpu_blocks=int(vllm_config.cache_config.num_cpu_blocks or 0),
+            vocab_size=int(facts.get("vocab_size", 0)),
+            vllm_lite_version=str(vllm_lite.__version__), torch_version=str(torch.__version__),
+        )
 
     def install_signal_handlers(self) -> None:
         """SIGTERM (and SIGINT for a daemon): stop taking work, drain, exit 0. Main thread only."""
@@ -338,12 +288,6 @@ class EngineCoreProc:
                         break
                 if self.engine_core.has_unfinished_requests():
                     self._route_outputs(self.engine_core.step())
-        except _ParentGone:
-            logger.info("Parent process is gone: engine core exiting.")
-            self._close(dead=False)
-            if self.options.cleanup_dir:
-                shutil.rmtree(self.options.cleanup_dir, ignore_errors=True)
-            return 0
         except BaseException:  # noqa: BLE001 -- any failure here kills the engine, loudly
             logger.error("Fatal error in the engine core busy loop:\n%s", traceback.format_exc())
             self._close(dead=True)
@@ -521,15 +465,13 @@ class EngineCoreProc:
         self._owner.clear()
 
     def _housekeeping(self) -> None:
-        """At most a few times a second: parent alive? frontends alive?"""
+        """At most a few times a second: socket threads alive? frontends alive?"""
         now = time.monotonic()
         if now - self._last_housekeeping < _IDLE_POLL_S:
             return
         self._last_housekeeping = now
         if not (self._input_thread.is_alive() and self._output_thread.is_alive()):
             raise RuntimeError("an engine core socket thread died (see its traceback above)")
-        if self.options.parent_pid is not None and os.getppid() != self.options.parent_pid:
-            raise _ParentGone()
         timeout = self.options.heartbeat_timeout_s
         if not timeout:
             return
@@ -571,10 +513,15 @@ class EngineCoreProc:
             logger.exception("EngineCore.shutdown() failed.")
 
     # ------------------------------------------------------------------ socket threads
-    def _bind(self, address: str, linger: int, mandatory: bool = False, sndhwm: Optional[int] = None) -> zmq.Socket:
-        """A bound ROUTER socket, or an exception with nothing left open (so the context can terminate)."""
+    def _bind(self, address: str, linger: int, mandatory: bool = False, sndhwm: Optional[int] = None,
+              fd: Optional[int] = None) -> zmq.Socket:
+        """A bound ROUTER socket, or an exception with nothing left open (so the context can terminate).
+
+        ``fd``: a listening socket our parent already bound to ``address`` (no bind-and-release race)."""
         sock = self._zmq.socket(zmq.ROUTER)
         try:
+            if fd is not None:
+                sock.setsockopt(zmq.USE_FD, fd)
             sock.setsockopt(zmq.LINGER, linger)
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             if mandatory:
@@ -589,7 +536,7 @@ class EngineCoreProc:
 
     def _input_thread_main(self, ready: threading.Event, errors: list[BaseException]) -> None:
         try:
-            sock = self._bind(self.addresses.input, linger=0)
+            sock = self._bind(self.addresses.input, linger=0, fd=self.options.input_fd)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
             ready.set()
@@ -636,7 +583,7 @@ class EngineCoreProc:
         try:
             # No send limit: with ROUTER_MANDATORY a full pipe would block every frontend's outputs
             # behind one slow reader (a reader that stops altogether is dropped by the heartbeat watch).
-            sock = self._bind(self.addresses.output, linger=2000, mandatory=True, sndhwm=0)
+            sock = self._bind(self.addresses.output, linger=2000, mandatory=True, sndhwm=0, fd=self.options.output_fd)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
             ready.set()
@@ -704,16 +651,34 @@ class EngineCoreProc:
 _NOTHING = object()
 
 
-class _ParentGone(Exception):
-    """The frontend that spawned this private core has exited."""
+def run_engine_core(args: EngineCoreArgs, channel: "ChildChannel", proc_cls: type = EngineCoreProc) -> int:
+    """An engine-core process's life: build the core, answer ready (or the start-up error), serve.
 
+    Returns the exit code (0 clean, 1 fatal); ``launcher.run_child`` exits with it.
+    """
+    stop_early = {"flag": False}
 
-def _send_ready(pipe: Any, message: dict[str, Any]) -> None:
-    if pipe is None:
-        return
+    def early_term(signum: int, frame: Any) -> None:
+        stop_early["flag"] = True
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, early_term)
+    if not args.handle_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    options = CoreProcOptions(
+        auth_token=args.auth_token, heartbeat_timeout_s=args.heartbeat_timeout_s,
+        drain_timeout_s=args.drain_timeout_s, handle_sigint=args.handle_sigint,
+        input_fd=args.input_fd, output_fd=args.output_fd,
+    )
     try:
-        pipe.send_bytes(msgspec.json.encode(message))
-    except (OSError, ValueError):
-        pass  # parent already gone
-    finally:
-        pipe.close()
+        vllm_config = decode_vllm_config(args.vllm_config)
+        proc = proc_cls(vllm_config, CoreAddresses(args.input_address, args.output_address), options)
+    except BaseException as e:  # noqa: BLE001 -- every start-up failure goes to the parent
+        if isinstance(e, SystemExit) and stop_early["flag"]:
+            return 0
+        logger.error("Engine core failed to start:\n%s", traceback.format_exc())
+        channel.failed(e)
+        return 1
+    proc.install_signal_handlers()
+    channel.ready(proc.ready_message(vllm_config))
+    return proc.run_busy_loop()

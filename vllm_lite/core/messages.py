@@ -150,3 +150,51 @@ class HandshakeReply(msgspec.Struct, omit_defaults=True):
     # host builds its tokenizer and Processor from these.
     model_path: str = ""
     tokenizer: str = ""
+
+
+# ---------------------------------------------------------------------------- engine-core process start-up (launcher)
+
+
+class EngineCoreArgs(msgspec.Struct, kw_only=True):
+    """Everything an engine-core process is started with (one struct over the launcher's pipe, never argv)."""
+
+    vllm_config: bytes  # config.encode_vllm_config(...)
+    input_address: str
+    output_address: str
+    # Listening sockets the parent bound for us (``tcp://...:0``): served on instead of binding again.
+    input_fd: Optional[int] = None
+    output_fd: Optional[int] = None
+    # None: any frontend may attach. Else HELLO must carry this token.
+    auth_token: Optional[str] = None
+    # Drop a frontend after this much silence; None: never (a private core has one frontend).
+    heartbeat_timeout_s: Optional[float] = 10.0
+    # On SIGTERM, let running requests finish for at most this long.
+    drain_timeout_s: float = 30.0
+    # SIGINT too stops the core (daemon). A private core ignores it: its parent decides.
+    handle_sigint: bool = False
+
+
+class EngineCoreReady(msgspec.Struct, kw_only=True):
+    """An engine-core process's answer once it serves: the model facts, its KV size and versions."""
+
+    model: str
+    model_path: str
+    tokenizer: str
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int = 0
+    vocab_size: int
+    protocol_version: int = PROTOCOL_VERSION
+    vllm_lite_version: str = ""
+    torch_version: str = ""
+
+    def model_facts(self) -> dict[str, Any]:
+        """The facts frontends read (the same keys a handshake gives)."""
+        return {
+            "model": self.model,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "vocab_size": self.vocab_size,
+        }
