@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from vllm_lite import LLM
 from vllm_lite.client.beam_search import BeamSearch
 from vllm_lite.outputs import CompletionOutput, Logprob, RequestOutput
-from vllm_lite.sampling_params import BeamSearchParams
+from vllm_lite.sampling_params import BeamSearchParams, SamplingParams
 from vllm_lite.testing.checkpoints import EOS_ID, PAD_ID, get_checkpoint
 
 PROMPTS = [
@@ -27,18 +27,59 @@ def llama_path() -> str:
     return get_checkpoint("llama")
 
 
-@pytest.fixture(scope="module")
-def eos_prone_path(tmp_path_factory, llama_path) -> str:
-    """The tiny Llama with EOS's output row swapped with a token it likes, so beams end with EOS often."""
-    path = str(tmp_path_factory.mktemp("eos-prone") / "model")
-    shutil.copytree(llama_path, path)
+# The EOS chain crafted into the tiny Llama: each prompt's last token -> TRIGGER -> EOS, each by a clear margin.
+EOS_PROMPTS = PROMPTS + ["The while statement", "Names refer to objects"]
+TRIGGER_TEXT = " end"
+MIN_MARGIN = 1.5  # nats between the crafted winner and the runner-up; float32 rounding is ~1e-5
+
+
+def _trigger_id(tokenizer) -> int:
+    return tokenizer(TRIGGER_TEXT, add_special_tokens=False)["input_ids"][-1]
+
+
+def _craft_eos_chain(path: str, last_ids: list[int], trigger: int, strength: float = 20.0, gain: float = 1.6) -> None:
+    """Rewrite the Llama checkpoint at path so the premise of the EOS tests holds by construction.
+
+    Two residual dimensions become private channels: no attention or MLP output writes them, the
+    embedding writes `strength` into one only for the prompts' last tokens and into the other only
+    for `trigger`, and the LM head reads them only into `trigger`'s and EOS's logits. So after any
+    prompt-final token `trigger` wins and EOS is the clear runner-up (a one-token hypothesis), and
+    after `trigger` EOS wins, on every device and torch. [trigger, EOS] is then the best-scoring
+    hypothesis for every length penalty the tests use (its log-probability is near 0; any other
+    beam pays ~6 nats a token), so it is always among the returned beams.
+    """
     files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
     assert len(files) == 1
     weights = load_file(os.path.join(path, files[0]))
-    head = weights["lm_head.weight"]
-    # 529 is a frequent continuation of these prompts under the random weights.
-    head[[EOS_ID, 529]] = head[[529, EOS_ID]].clone()
+    hidden = weights["model.norm.weight"].shape[0]
+    to_trigger, to_eos = hidden - 2, hidden - 1
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[[to_trigger, to_eos]] = 0
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    embed[:, [to_trigger, to_eos]] = 0
+    embed[last_ids, to_trigger] = strength
+    embed[trigger, to_eos] = strength
+    weights["model.norm.weight"][[to_trigger, to_eos]] = 1.0
+    head[:, [to_trigger, to_eos]] = 0
+    head[trigger, to_trigger] = gain
+    head[EOS_ID, to_trigger] = gain / 2
+    head[EOS_ID, to_eos] = gain
     save_file(weights, os.path.join(path, files[0]), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def eos_prone_path(tmp_path_factory, llama_path) -> str:
+    """The tiny Llama with an EOS chain crafted in (see _craft_eos_chain), so beams end with EOS by construction."""
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("eos-prone") / "model")
+    shutil.copytree(llama_path, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    last_ids = sorted({tok(p)["input_ids"][-1] for p in EOS_PROMPTS})
+    trigger = _trigger_id(tok)
+    assert trigger not in last_ids and trigger != EOS_ID
+    _craft_eos_chain(path, last_ids, trigger)
     return path
 
 
@@ -111,7 +152,7 @@ def test_beam_search_with_eos_matches_hf_for_length_penalty_and_early_stopping(
     llm = LLM(model=eos_prone_path, dtype="float32", multiprocess=False, max_model_len=256)
     hf, tok = _hf_model(eos_prone_path), llm.get_tokenizer()
     params = BeamSearchParams(beam_width=width, max_tokens=new_tokens, length_penalty=length_penalty)
-    prompts = PROMPTS + ["The while statement", "Names refer to objects"]
+    prompts = EOS_PROMPTS
     outs = llm.beam_search(prompts, params, early_stopping=early_stopping)
     saw_eos = False
     for prompt, out in zip(prompts, outs):
@@ -121,7 +162,38 @@ def test_beam_search_with_eos_matches_hf_for_length_penalty_and_early_stopping(
             ends_eos = seq.output_token_ids[-1] == EOS_ID
             saw_eos |= ends_eos
             assert seq.finish_reason == ("stop" if ends_eos else "length")
-    assert saw_eos, "the EOS-prone checkpoint should end some beams with EOS"
+    assert saw_eos, "the EOS-chain checkpoint should end some beams with EOS"
+    llm.shutdown()
+
+
+def _assert_ranked_with_margin(logprobs: torch.Tensor, ranked: list[int]) -> None:
+    """`ranked` are the top tokens in that order, each ahead of the next by MIN_MARGIN nats."""
+    top = logprobs.topk(len(ranked) + 1)
+    assert top.indices[: len(ranked)].tolist() == ranked, f"expected {ranked} on top, got {top.indices.tolist()}"
+    gaps = (top.values[:-1] - top.values[1:]).tolist()
+    assert min(gaps) >= MIN_MARGIN, f"margins {gaps} below {MIN_MARGIN} nats"
+
+
+def test_eos_chain_checkpoint_premise_holds_in_hf_and_in_the_engine(eos_prone_path: str) -> None:
+    """The premise of the EOS tests, checked: from every prompt trigger then EOS win by a clear margin (HF and ours)."""
+    import torch.nn.functional as F
+
+    llm = LLM(model=eos_prone_path, dtype="float32", multiprocess=False, max_model_len=256)
+    hf, tok = _hf_model(eos_prone_path), llm.get_tokenizer()
+    trigger = _trigger_id(tok)
+    outs = llm.generate(EOS_PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2))
+    for prompt, out in zip(EOS_PROMPTS, outs):
+        ids = tok(prompt)["input_ids"]
+        with torch.no_grad():
+            for context, ranked in ((ids, [trigger, EOS_ID]), (ids + [trigger], [EOS_ID])):
+                logits = hf(torch.tensor([context])).logits[0, -1]
+                _assert_ranked_with_margin(F.log_softmax(logits, -1), ranked)
+        seq = out.outputs[0]
+        assert seq.token_ids == [trigger, EOS_ID] and seq.finish_reason == "stop"
+        for step, winner in zip(seq.logprobs, (trigger, EOS_ID)):
+            best = max(step.values(), key=lambda lp: lp.logprob)
+            runner_up = max(lp.logprob for tok_id, lp in step.items() if tok_id != winner)
+            assert best is step[winner] and best.logprob - runner_up >= MIN_MARGIN
     llm.shutdown()
 
 
