@@ -7,6 +7,7 @@ bundled default model (no --model), as a user on a fresh install would.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -17,7 +18,8 @@ import pytest
 
 from vllm_lite.testing.english import english_fraction, known_words
 from vllm_lite.default_model import default_model_path
-from vllm_lite.entrypoints.cli import build_parser, main
+from vllm_lite.entrypoints.cli import SUBCOMMANDS, build_parser, main
+from vllm_lite.entrypoints.cli import generate as generate_module
 from vllm_lite.entrypoints.cli.chat import ChatSession, chat_loop
 from vllm_lite.entrypoints.cli.sampling_args import sampling_params_from
 from vllm_lite.entrypoints.cli.streaming import RequestFailedError, stream_request
@@ -101,12 +103,19 @@ def test_console_script_entry_point_is_cli_main():
     assert eps[0].load() is main
 
 
-def test_parser_has_generate_chat_and_api_server_subcommands():
+def test_one_registry_holds_every_subcommand():
+    from vllm_lite.entrypoints.cli.types import CLISubcommand
+
     parser, by_name = build_parser()
-    assert {"generate", "chat"} <= set(by_name)
+    assert set(by_name) == {"generate", "chat", "serve", "api-server", "worker"}
+    assert all(isinstance(cmd, CLISubcommand) for cmd in SUBCOMMANDS)
+    assert [cmd.name for cmd in SUBCOMMANDS] == list(by_name)
     help_text = parser.format_help()
-    for name in ("generate", "chat", "api-server"):
+    for name in by_name:
         assert name in help_text
+    for name, cmd in by_name.items():
+        args = parser.parse_args([name, "p"] if name == "generate" else [name])
+        assert args.func == cmd.run
 
 
 def test_no_subcommand_prints_help_and_returns_2(capsys):
@@ -149,6 +158,31 @@ def test_engine_args_default_to_the_bundled_model_and_carry_engine_flags():
     assert (ea.dtype, ea.tensor_parallel_size, ea.seed) == ("float32", 2, 5)
     ea = engine_args_from(parser.parse_args(["generate", "p", "--model", "/some/dir", "--max-model-len", "128"]))
     assert ea.model == "/some/dir" and ea.served_model_name is None and ea.max_model_len == 128
+
+
+def test_generate_quiets_the_engine_with_the_logger_level_not_the_environment(monkeypatch, capsys):
+    seen = {}
+
+    class Processor:
+        @staticmethod
+        def get_default_sampling_params():
+            return None
+
+    def fake_build_engine(args):
+        seen["level"] = logging.getLogger("vllm_lite").level
+        seen["env"] = dict(os.environ)
+        engine = FakeEngine(["hi"])
+        engine.processor = Processor()
+        engine.shutdown = lambda: None
+        return engine
+
+    monkeypatch.setattr(generate_module, "build_engine", fake_build_engine)
+    logger = logging.getLogger("vllm_lite")
+    level_before, env_before = logger.level, dict(os.environ)
+    assert main(["generate", "x"]) == 0
+    assert seen == {"level": logging.WARNING, "env": env_before}
+    assert main(["generate", "x", "--log-level", "debug"]) == 0 and seen["level"] == logging.DEBUG
+    assert logger.level == level_before and capsys.readouterr().out == "hi\nhi\n"
 
 
 # ---------------------------------------------------------------------------- streaming loop

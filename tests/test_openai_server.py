@@ -485,12 +485,13 @@ def _hanging_engine(ckpt: str) -> FakeAsyncLLM:
 
 def test_vllm_lite_cli_has_api_server_subcommand_with_engine_args(ckpt: str) -> None:
     from vllm_lite.entrypoints.cli import build_parser
-    from vllm_lite.entrypoints.openai.cli_args import engine_args_from_cli, run_api_server
+    from vllm_lite.entrypoints.openai.cli_args import engine_args_from_cli
 
-    parser, _ = build_parser()
+    parser, by_name = build_parser()
     args = parser.parse_args(["api-server", "--model", ckpt, "--port", "9123", "--api-key", "k",
                               "--served-model-name", "a", "b", "--max-model-len", "64", "--no-enable-prefix-caching"])
-    assert args.func is run_api_server
+    run_api_server = by_name["api-server"].run
+    assert args.func == run_api_server
     assert (args.port, args.api_key, args.served_model_name) == (9123, "k", ["a", "b"])
     ea = engine_args_from_cli(args)
     assert (ea.model, ea.max_model_len, ea.enable_prefix_caching, ea.served_model_name) == (ckpt, 64, False, "a")

@@ -6,10 +6,12 @@ happens in `ModelConfig.from_pretrained_dir`, never in the hot path.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -135,33 +137,111 @@ class VllmConfig:
     device_config: DeviceConfig
 
 
+_DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def parse_device_name(text: str) -> str:
+    """The --device flag's value, checked for form (whether CUDA is there is checked at engine start)."""
+    if not _DEVICE_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"invalid device {text!r} (auto, cpu, cuda or cuda:N)")
+    return text
+
+
 @dataclass
 class EngineArgs:
-    """Every engine knob a user can set, with vLLM's names."""
+    """Every engine knob a user can set, with vLLM's names.
 
-    model: str
-    tokenizer: Optional[str] = None
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: Optional[int] = None
-    block_size: int = 16
-    kv_cache_memory_bytes: Optional[int] = None
-    enable_prefix_caching: bool = True
-    swap_space: float = 1.0  # GiB of host memory for swapped-out blocks
-    preemption_mode: str = "recompute"
-    max_num_batched_tokens: Optional[int] = None
-    max_num_seqs: int = 128
-    long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    device: str = "auto"
-    num_threads: Optional[int] = None
-    served_model_name: Optional[str] = None
+    Each field's `help` (and `aliases`, `choices`) is its CLI flag's: `add_cli_args` generates
+    `--field-name` for every field, so a new field is a new flag with nothing else to write.
+    """
+
+    model: str = field(metadata={
+        "help": "Local checkpoint directory (default: the bundled vllm-lite model, no download).",
+        "aliases": ("-m",)})
+    tokenizer: Optional[str] = field(default=None, metadata={"help": "Tokenizer directory (default: the model's)."})
+    dtype: str = field(default="auto", metadata={
+        "help": "Compute dtype; auto follows the checkpoint and what the device computes fast.",
+        "choices": ("auto", *_STR_DTYPES)})
+    seed: int = field(default=0, metadata={"help": "Engine seed (torch's RNG in the engine core)."})
+    max_model_len: Optional[int] = field(default=None, metadata={
+        "help": "Context length: prompt plus output tokens (default: the model's max_position_embeddings)."})
+    block_size: int = field(default=16, metadata={"help": "Tokens per KV-cache block (a power of two)."})
+    kv_cache_memory_bytes: Optional[int] = field(default=None, metadata={
+        "help": "KV cache size in bytes (default: a size for the device)."})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "Reuse KV blocks of shared prompt prefixes."})
+    swap_space: float = field(default=1.0, metadata={
+        "help": "GiB of host memory for swapped-out KV blocks (--preemption-mode swap)."})
+    preemption_mode: str = field(default="recompute", metadata={
+        "help": "When KV blocks run out: drop and re-prefill (recompute), or swap blocks to host memory.",
+        "choices": ("recompute", "swap")})
+    max_num_batched_tokens: Optional[int] = field(default=None, metadata={
+        "help": "Token budget per engine step (default: max(2048, min(max_model_len, 8192)))."})
+    max_num_seqs: int = field(default=128, metadata={"help": "Most requests running at once."})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "Most tokens of one prompt prefilled per step (0: no cap)."})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "fcfs: arrival order; priority: lowest priority value first, then arrival.",
+        "choices": ("fcfs", "priority")})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "Ranks the model is split over (one process each).", "aliases": ("-tp",)})
+    data_parallel_size: int = field(default=1, metadata={
+        "help": "Independent engine cores (own model copy and KV cache each); requests are spread over them.",
+        "aliases": ("-dp",)})
+    nnodes: int = field(default=1, metadata={"help": "Machines the tensor-parallel ranks are spread over (evenly)."})
+    node_rank: int = field(default=0, metadata={
+        "help": "This machine's index: 0 runs the engine, 1..nnodes-1 run `vllm-lite worker`."})
+    master_addr: str = field(default="127.0.0.1", metadata={
+        "help": "Node 0's address, reachable from every node."})
+    master_port: int = field(default=0, metadata={
+        "help": "torch.distributed rendezvous (TCPStore) port on node 0 (0: a free one; set it when --nnodes > 1)."})
+    device: str = field(default="auto", metadata={
+        "help": "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.", "type": parse_device_name,
+        "metavar": "{auto,cpu,cuda,cuda:N}"})
+    num_threads: Optional[int] = field(default=None, metadata={
+        "help": "Torch threads per engine core (default: all cores but one on CPU, shared out under data parallel)."})
+    served_model_name: Optional[str] = field(default=None, metadata={
+        "help": "Model name(s) the engine reports; the first is the engine's, all are accepted by the HTTP API "
+                "(default: the model path).", "nargs": "+"})
+
+    @classmethod
+    def add_cli_args(
+        cls,
+        parser: argparse.ArgumentParser,
+        *,
+        exclude: Sequence[str] = (),
+        only: Optional[Sequence[str]] = None,
+        positional_model: bool = False,
+    ) -> None:
+        """Add a flag for every field (group "engine"); `exclude`: fields the caller defines itself;
+        `only`: just these fields. `positional_model`: MODEL is an optional positional argument
+        (`vllm-lite serve MODEL`) instead of --model.
+        """
+        from vllm_lite.cli_flags import add_dataclass_args
+
+        group = parser.add_argument_group("engine")
+        add_dataclass_args(
+            group, cls, exclude=exclude, only=only, positional=("model",) if positional_model else ()
+        )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineArgs":
+        """EngineArgs from parsed flags (fields the namespace lacks keep their defaults; `overrides` win).
+
+        No model means the bundled default model; a list of served names gives the engine the first.
+        """
+        from vllm_lite.cli_flags import dataclass_kwargs_from
+
+        kwargs = {**dataclass_kwargs_from(args, cls), **overrides}
+        names = kwargs.get("served_model_name")
+        if isinstance(names, (list, tuple)):
+            kwargs["served_model_name"] = names[0] if names else None
+        if not kwargs.get("model"):
+            from vllm_lite.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+            kwargs["model"] = default_model_path()
+            kwargs["served_model_name"] = kwargs.get("served_model_name") or DEFAULT_MODEL_NAME
+        return cls(**kwargs)
 
     def create_engine_config(self) -> VllmConfig:
         hf = ModelConfig.read_hf_config(self.model)
@@ -171,6 +251,10 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, hf.get("torch_dtype") or hf.get("dtype"), device)
         max_pos = hf.get("max_position_embeddings") or 2048
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}.")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads!r}.")
         max_model_len = self.max_model_len or max_pos
         if max_model_len > max_pos:
             raise ValueError(
@@ -231,6 +315,34 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),
         )
+
+    def create_dp_engine_configs(self) -> list[VllmConfig]:
+        """One VllmConfig per data-parallel rank: its own device (cuda:r) or a share of the CPU threads.
+
+        Validates once, with a clear error, before any process starts. Each rank's
+        tensor-parallel group gets its own rendezvous port (master_port + 10 r).
+        """
+        import dataclasses
+
+        base = self.create_engine_config()
+        dp = self.data_parallel_size
+        if dp == 1:
+            return [base]
+        configs = []
+        for rank in range(dp):
+            kw: dict[str, Any] = {}
+            if base.device_config.device.type == "cuda":
+                kw["device"] = f"cuda:{rank}"
+            elif self.num_threads is None:
+                try:
+                    ncpu = len(os.sched_getaffinity(0))
+                except AttributeError:
+                    ncpu = os.cpu_count() or 1
+                kw["num_threads"] = max(1, ncpu // dp)
+            if self.master_port:
+                kw["master_port"] = self.master_port + 10 * rank
+            configs.append(dataclasses.replace(self, **kw).create_engine_config())
+        return configs
 
 
 # ---------------------------------------------------------------------------- wire form (JSON, no pickle)

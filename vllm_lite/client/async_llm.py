@@ -62,8 +62,19 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> "AsyncLLM":
-        """Spawn a private engine core for these arguments."""
-        return cls(engine_args.create_engine_config(), **kwargs)
+        """Spawn a private engine core for these arguments (data_parallel_size D > 1: D cores, requests routed)."""
+        configs = engine_args.create_dp_engine_configs()
+        if len(configs) == 1 or "client" in kwargs:
+            return cls(configs[0], **kwargs)
+        from vllm_lite.client.private_dp import make_private_dp_client
+
+        log_stats = kwargs.pop("log_stats", False)
+        client = make_private_dp_client(configs, asyncio_mode=True, **kwargs)  # the rest are client options
+        try:
+            return cls(configs[0], client=client, log_stats=log_stats)
+        except BaseException:
+            client.shutdown()
+            raise
 
     @classmethod
     def attach(

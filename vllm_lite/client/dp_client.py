@@ -279,9 +279,14 @@ class DPCoreClient(EngineCoreClient):
         addresses: Sequence[str],
         auth_token: Optional[str] = None,
         stats_interval_s: float = 0.5,
+        *,
+        clients: Optional[Sequence[SyncMPClient]] = None,
         **client_kwargs: Any,
     ) -> None:
-        self.clients: list[SyncMPClient] = _attach_all(SyncMPClient, addresses, auth_token, client_kwargs)
+        # `clients`: already-connected per-core clients (private cores this frontend started) to route over.
+        self.clients: list[SyncMPClient] = (
+            list(clients) if clients is not None else _attach_all(SyncMPClient, addresses, auth_token, client_kwargs)
+        )
         _init_from_clients(self, stats_interval_s)
         self._lock = threading.Lock()
         self._merged: queue.Queue[Union[EngineCoreOutputs, Exception]] = queue.Queue()
@@ -376,9 +381,14 @@ class AsyncDPCoreClient(EngineCoreClient):
         addresses: Sequence[str],
         auth_token: Optional[str] = None,
         stats_interval_s: float = 0.5,
+        *,
+        clients: Optional[Sequence[AsyncMPClient]] = None,
         **client_kwargs: Any,
     ) -> None:
-        self.clients: list[AsyncMPClient] = _attach_all(AsyncMPClient, addresses, auth_token, client_kwargs)
+        # `clients`: already-connected per-core clients (private cores this frontend started) to route over.
+        self.clients: list[AsyncMPClient] = (
+            list(clients) if clients is not None else _attach_all(AsyncMPClient, addresses, auth_token, client_kwargs)
+        )
         _init_from_clients(self, stats_interval_s)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._merged: Optional[asyncio.Queue] = None

@@ -36,7 +36,23 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool = True) -> "LLMEngine":
-        return cls(engine_args.create_engine_config(), multiprocess_mode=multiprocess_mode)
+        """Start a private engine core (or, with data_parallel_size D > 1, D of them, requests routed over them)."""
+        configs = engine_args.create_dp_engine_configs()
+        if len(configs) == 1:
+            return cls(configs[0], multiprocess_mode=multiprocess_mode)
+        if not multiprocess_mode:
+            raise ValueError(
+                f"data_parallel_size={len(configs)} runs one engine core process per rank; "
+                "it cannot run in this process (multiprocess=False)."
+            )
+        from vllm_lite.client.private_dp import make_private_dp_client
+
+        client = make_private_dp_client(configs, asyncio_mode=False)
+        try:
+            return cls(configs[0], client=client)
+        except BaseException:
+            client.shutdown()
+            raise
 
     @classmethod
     def attach(

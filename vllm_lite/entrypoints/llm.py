@@ -22,6 +22,8 @@ class LLM:
 
     `multiprocess=True` (the default) runs the engine core in its own process;
     `multiprocess=False` keeps it in this process for debugging. Results are the same.
+    `data_parallel_size=D` starts D private cores (a model copy and KV cache each; CPU threads
+    shared out, or one CUDA device each) and spreads requests over them.
     `LLM(engine_address="tcp://127.0.0.1:8100", auth_token=...)` attaches to a running
     `vllm-lite serve` daemon instead (its engine arguments are the daemon's; `shutdown()`
     detaches). With no model and no address, the bundled default model is used.
@@ -39,8 +41,9 @@ class LLM:
     ) -> None:
         self._counter = itertools.count()
         if engine_address is not None:
-            if model is not None or kwargs:
-                given = (["model"] if model is not None else []) + sorted(kwargs)
+            if model is not None or kwargs or not multiprocess:
+                given = (["model"] if model is not None else []) + (["multiprocess"] if not multiprocess else [])
+                given += sorted(kwargs)
                 raise TypeError(
                     f"LLM(engine_address=...) attaches to a running core whose engine arguments are fixed by the "
                     f"daemon; do not also pass {given}."

@@ -188,35 +188,6 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-# ---------------------------------------------------------------------------- per-core configs
-
-
-def core_configs(engine_args: EngineArgs, data_parallel_size: int) -> list[VllmConfig]:
-    """One VllmConfig per data-parallel rank: own device (cuda:r) or a share of the CPU threads."""
-    import dataclasses
-
-    configs = []
-    base = engine_args.create_engine_config()  # validates once, with a clear error, before any process starts
-    for rank in range(data_parallel_size):
-        if data_parallel_size == 1:
-            configs.append(base)
-            continue
-        kw: dict[str, Any] = {}
-        dev = base.device_config.device
-        if dev.type == "cuda":
-            kw["device"] = f"cuda:{rank}"
-        elif engine_args.num_threads is None:
-            try:
-                ncpu = len(os.sched_getaffinity(0))
-            except AttributeError:
-                ncpu = os.cpu_count() or 1
-            kw["num_threads"] = max(1, ncpu // data_parallel_size)
-        if engine_args.master_port:
-            kw["master_port"] = engine_args.master_port + 10 * rank  # each rank's TP group rendezvous
-        configs.append(dataclasses.replace(engine_args, **kw).create_engine_config())
-    return configs
-
-
 def _core_process_main(config: VllmConfig, addresses: Any, options: Any, ready_pipe: Any) -> None:
     """Core process target: own process group (Ctrl-C goes to the supervisor), then serve."""
     from vllm_lite.core.engine_core_proc import EngineCoreProc
@@ -290,7 +261,7 @@ class ServeSupervisor:
         from vllm_lite.core.engine_core_proc import CoreAddresses, CoreProcOptions
 
         cfg = self.cfg
-        configs = core_configs(cfg.engine_args, cfg.data_parallel_size)
+        configs = cfg.engine_args.create_dp_engine_configs()  # validates before any process starts
         if cfg.api_port is not None:
             self.http_socket = bind_http_socket(cfg.api_host, cfg.api_port)
         self.address = resolve_port_zero(cfg.address, cfg.data_parallel_size)

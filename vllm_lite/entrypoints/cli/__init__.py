@@ -1,39 +1,30 @@
-"""`vllm-lite` command line: one module per subcommand, dispatched by argparse.
+"""`vllm-lite` command line: every subcommand is one `CLISubcommand` in `SUBCOMMANDS`.
 
-To add a subcommand (e.g. `serve`), either write `vllm_lite/entrypoints/cli/serve.py`
-with `subcommands() -> list[CLISubcommand]` and add its module name to
-`SUBCOMMAND_MODULES`, or add "module:function" to `PARSER_REGISTRARS` for a
-function that takes the subparsers and sets `func` (run with the namespace;
-its return value, if an int, is the exit code). Modules should import heavy
-things (torch, the engine) inside the run function, so `vllm-lite --help` stays fast.
+To add a subcommand, write a module here with a `CLISubcommand` subclass and add an
+instance to `SUBCOMMANDS`. Its `run(args)` returns the exit code. Subcommand modules
+import heavy things (the engine, the server) inside `run`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Optional, Sequence
 
+from vllm_lite.entrypoints.cli.api_server import ApiServerCommand
+from vllm_lite.entrypoints.cli.chat import ChatCommand
+from vllm_lite.entrypoints.cli.generate import GenerateCommand
+from vllm_lite.entrypoints.cli.serve import ServeCommand
 from vllm_lite.entrypoints.cli.types import CLISubcommand
+from vllm_lite.entrypoints.cli.worker import WorkerCommand
 
-SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "vllm_lite.entrypoints.cli.generate",
-    "vllm_lite.entrypoints.cli.chat",
-    "vllm_lite.entrypoints.cli.worker",
-    "vllm_lite.entrypoints.cli.serve",
+SUBCOMMANDS: tuple[CLISubcommand, ...] = (
+    GenerateCommand(),
+    ChatCommand(),
+    ServeCommand(),
+    ApiServerCommand(),
+    WorkerCommand(),
 )
-
-PARSER_REGISTRARS: tuple[str, ...] = (
-    "vllm_lite.entrypoints.openai.cli_args:add_api_server_parser",
-)
-
-
-def load_subcommands() -> list[CLISubcommand]:
-    cmds: list[CLISubcommand] = []
-    for name in SUBCOMMAND_MODULES:
-        cmds.extend(importlib.import_module(name).subcommands())
-    return cmds
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, CLISubcommand]]:
@@ -46,14 +37,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, CLISubcommand]]:
     parser.add_argument("--version", action="version", version=f"vllm-lite {__version__}")
     sub = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
     by_name: dict[str, CLISubcommand] = {}
-    for cmd in load_subcommands():
+    for cmd in SUBCOMMANDS:
         if cmd.name in by_name:
             raise RuntimeError(f"two CLI subcommands are named {cmd.name!r}")
         cmd.add_parser(sub).set_defaults(func=cmd.run)
         by_name[cmd.name] = cmd
-    for spec in PARSER_REGISTRARS:
-        module, _, func = spec.partition(":")
-        getattr(importlib.import_module(module), func)(sub)
     return parser, by_name
 
 

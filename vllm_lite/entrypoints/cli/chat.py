@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any, Optional, TextIO
 
-from vllm_lite.entrypoints.cli.engine_args import add_engine_args, build_engine
+from vllm_lite.entrypoints.cli.engine_args import add_engine_args, build_engine, vllm_lite_log_level
 from vllm_lite.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from
 from vllm_lite.entrypoints.cli.types import CLISubcommand
 
@@ -114,10 +114,14 @@ class ChatCommand(CLISubcommand):
         p = subparsers.add_parser(self.name, help=self.help, description=self.help)
         p.add_argument("--system", default=None, help="A system message to start the conversation with.")
         add_sampling_args(p, default_max_tokens=128)
-        add_engine_args(p)
+        add_engine_args(p, exclude=("seed",), multiprocess=True, log_level="warning")  # --seed: sampling
         return p
 
     def run(self, args: argparse.Namespace) -> int:
+        with vllm_lite_log_level(args.log_level):
+            return self._chat(args)
+
+    def _chat(self, args: argparse.Namespace) -> int:
         from vllm_lite.sampling_params import RequestOutputKind
 
         sampling_params_from(args, None, RequestOutputKind.DELTA)  # bad flags fail before the engine starts
@@ -137,6 +141,3 @@ class ChatCommand(CLISubcommand):
             engine.shutdown()
         return 0
 
-
-def subcommands() -> list[CLISubcommand]:
-    return [ChatCommand()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_lite.entrypoints.cli.engine_args import add_engine_args, build_engine
+from vllm_lite.entrypoints.cli.engine_args import add_engine_args, build_engine, vllm_lite_log_level
 from vllm_lite.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from
 from vllm_lite.entrypoints.cli.types import CLISubcommand
 
@@ -25,10 +25,14 @@ class GenerateCommand(CLISubcommand):
         p.add_argument("--echo", action="store_true", help="Print the prompt before the completion.")
         p.add_argument("--verbose", "-v", action="store_true", help="Print token count and speed to stderr.")
         add_sampling_args(p, default_max_tokens=64)
-        add_engine_args(p)
+        add_engine_args(p, exclude=("seed",), multiprocess=True, log_level="warning")  # --seed: sampling
         return p
 
     def run(self, args: argparse.Namespace) -> int:
+        with vllm_lite_log_level(args.log_level):
+            return self._generate(args)
+
+    def _generate(self, args: argparse.Namespace) -> int:
         from vllm_lite.sampling_params import RequestOutputKind
         from vllm_lite.entrypoints.cli.streaming import stream_request
 
@@ -59,6 +63,3 @@ class GenerateCommand(CLISubcommand):
             )
         return 0
 
-
-def subcommands() -> list[CLISubcommand]:
-    return [GenerateCommand()]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from vllm_lite.entrypoints.cli.engine_args import add_engine_args, engine_kwargs_from
+from vllm_lite import envs
+from vllm_lite.entrypoints.cli.engine_args import add_engine_args
 from vllm_lite.entrypoints.cli.types import CLISubcommand
 
 EPILOG = """\
@@ -51,35 +51,30 @@ class ServeCommand(CLISubcommand):
             self.name, help=self.help, description=self.help, epilog=EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        p.add_argument("model", nargs="?", default=None,
-                       help="Local checkpoint directory (default: the bundled vllm-lite model).")
         d = p.add_argument_group("daemon")
         d.add_argument("--host", default="127.0.0.1", help="Address the core binds (default: loopback only).")
         d.add_argument("--port", type=int, default=None,
                        help=f"First of the two TCP ports the core binds (default {DEFAULT_PORT}; 0: pick free ones).")
         d.add_argument("--address", default=None, metavar="ADDRESS",
                        help="Bind this tcp://HOST:PORT or ipc:///PATH instead of --host/--port.")
-        d.add_argument("--auth-token", default=os.environ.get("VLLM_LITE_AUTH_TOKEN"),
+        d.add_argument("--auth-token", default=envs.VLLM_LITE_AUTH_TOKEN,
                        help="Frontends must present this token (default: $VLLM_LITE_AUTH_TOKEN). "
                             "Required to bind a non-loopback address.")
         d.add_argument("--heartbeat-timeout", type=_positive_float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
                        help="Seconds of silence after which a frontend is dropped and its requests aborted.")
         d.add_argument("--shutdown-timeout", type=_non_negative_float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                        help="On SIGTERM/SIGINT, seconds to let running requests finish before aborting them.")
-        d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                       help="Independent engine cores (own KV cache each); frontends spread requests over them.")
         h = p.add_argument_group("HTTP frontends")
         h.add_argument("--api-port", type=int, default=None,
                        help="Also start OpenAI-compatible HTTP frontends on this port.")
         h.add_argument("--api-host", default="127.0.0.1", help="Address the HTTP frontends listen on.")
         h.add_argument("--api-servers", type=int, default=1,
                        help="HTTP frontend processes, all attached to the core(s), sharing --api-port.")
-        h.add_argument("--api-key", default=os.environ.get("VLLM_LITE_API_KEY"),
+        h.add_argument("--api-key", default=envs.VLLM_LITE_API_KEY,
                        help="Require 'Authorization: Bearer KEY' on the HTTP API (default: $VLLM_LITE_API_KEY).")
-        h.add_argument("--served-model-name", nargs="+", default=None, help="Model name(s) the HTTP API reports.")
         h.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug"])
-        add_engine_args(p, model_option=False, seed=True, multiprocess=False)
+        add_engine_args(p, positional_model=True)  # MODEL, -dp, --served-model-name, ... with the engine flags
         return p
 
     def run(self, args: argparse.Namespace) -> int:
@@ -99,26 +94,15 @@ class ServeCommand(CLISubcommand):
 def serve_config_from(args: argparse.Namespace):
     """ServeConfig from the parsed flags (ValueError on bad ones, before anything starts)."""
     from vllm_lite.config import EngineArgs
-    from vllm_lite.default_model import DEFAULT_MODEL_NAME, default_model_path
     from vllm_lite.entrypoints.serve_daemon import ServeConfig, make_address
 
-    model, served = args.model, args.served_model_name
-    engine_name = None
-    if not model:
-        model = default_model_path()
-        engine_name = DEFAULT_MODEL_NAME
-    elif served:
-        engine_name = served[0]
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}.")
     if args.port is not None and not 0 <= args.port < 65535:
         raise ValueError(f"--port must be 0..65534, got {args.port}.")
     if args.address and (args.port is not None or args.host != "127.0.0.1"):
         raise ValueError("pass either --address or --host/--port, not both.")
-    engine_args = EngineArgs(
-        model=model, served_model_name=engine_name, data_parallel_size=args.data_parallel_size,
-        **engine_kwargs_from(args),
-    )
+    engine_args = EngineArgs.from_cli_args(args)  # no MODEL: the bundled default model
     return ServeConfig(
         engine_args=engine_args,
         address=make_address(args.host, args.port, args.address),
@@ -130,10 +114,7 @@ def serve_config_from(args: argparse.Namespace):
         api_host=args.api_host,
         api_servers=args.api_servers,
         api_key=args.api_key or None,
-        served_model_names=list(served or []),
+        served_model_names=list(args.served_model_name or []),
         uvicorn_log_level=args.uvicorn_log_level,
     )
 
-
-def subcommands() -> list[CLISubcommand]:
-    return [ServeCommand()]

@@ -1,4 +1,4 @@
-"""The shape of one `vllm-lite` subcommand, so new ones (serve, api-server, worker) plug in alike."""
+"""The shape of one `vllm-lite` subcommand, so every subcommand plugs in alike."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import argparse
 class CLISubcommand:
     """One subcommand: declares its arguments, then runs with the parsed namespace.
 
-    Modules under `vllm_lite.entrypoints.cli` expose `subcommands() -> list[CLISubcommand]`
-    and are listed in `SUBCOMMAND_MODULES` in the package's `__init__`.
+    Every subcommand is one instance in `SUBCOMMANDS` in the package's `__init__`. Its module
+    imports heavy things (torch, the engine) inside `run`, so `vllm-lite --help` stays quick.
     """
 
     name: str = ""

@@ -15,8 +15,11 @@ import argparse
 import sys
 from typing import Optional
 
-from vllm_lite.entrypoints.cli.parallel_args import add_parallel_args
 from vllm_lite.entrypoints.cli.types import CLISubcommand
+
+
+# The engine flags a worker node takes (the rest come from node 0's engine).
+WORKER_ENGINE_FIELDS = ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port")
 
 
 class WorkerCommand(CLISubcommand):
@@ -28,7 +31,11 @@ class WorkerCommand(CLISubcommand):
             self.name, help=self.help, description=self.help,
             epilog="example: vllm-lite worker --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500",
         )
-        add_parallel_args(p, worker=True)
+        from vllm_lite.config import EngineArgs
+
+        EngineArgs.add_cli_args(p, only=WORKER_ENGINE_FIELDS)
+        # A worker node takes the engine's sizes from node 0: -tp is only checked, and node 0 is the engine's.
+        p.set_defaults(tensor_parallel_size=None, node_rank=1, master_port=None)
         p.add_argument("--model", "-m", default=None,
                        help="This node's path to the engine's checkpoint (default: the engine's path).")
         p.add_argument("--connect-timeout", type=float, default=300.0,
@@ -100,13 +107,3 @@ def run_worker_node(args: argparse.Namespace) -> int:
         p.join()
     codes = [p.exitcode for p in procs]
     return 0 if all(c == 0 for c in codes) else 1
-
-
-def subcommands() -> list[CLISubcommand]:
-    return [WorkerCommand()]
-
-
-if __name__ == "__main__":  # `python -m vllm_lite.entrypoints.cli.worker ...`
-    from vllm_lite.entrypoints.cli import main
-
-    sys.exit(main(["worker", *sys.argv[1:]]))

@@ -306,10 +306,10 @@ def build_engine(args: Any) -> Any:
     from vllm_lite.entrypoints.openai.cli_args import engine_args_from_cli
 
     if getattr(args, "engine", None):
-        attach = getattr(AsyncLLM, "attach", None)
-        if attach is None:
-            raise RuntimeError("This AsyncLLM cannot attach to a running core yet (AsyncLLM.attach is missing).")
-        return attach(args.engine, auth_token=getattr(args, "auth_token", None))
+        return AsyncLLM.attach(
+            args.engine, auth_token=getattr(args, "auth_token", None),
+            data_parallel_size=getattr(args, "data_parallel_size", 1),
+        )
     return AsyncLLM.from_engine_args(engine_args_from_cli(args))
 
 
@@ -345,10 +345,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     import argparse
     import sys
 
-    from vllm_lite.entrypoints.openai.cli_args import make_arg_parser
+    from vllm_lite.entrypoints.openai.cli_args import check_api_server_args, make_arg_parser
 
     parser = make_arg_parser(argparse.ArgumentParser(description="vllm-lite OpenAI-compatible server"))
     args = parser.parse_args(argv)
+    try:
+        check_api_server_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     sys.exit(run_server(args))
 
 

@@ -1,17 +1,19 @@
-"""`vllm-lite api-server`: argument parsing for the OpenAI-compatible server.
+"""Flags of the OpenAI-compatible server (`vllm-lite api-server`, and each `serve` HTTP frontend).
 
-Kept apart from the main CLI so the `vllm-lite` entry point can register the
-subcommand with two lines (`add_api_server_parser(subparsers)`).
+Parsing only: it imports nothing of the server, so the server and the CLI both import it.
+Engine flags are EngineArgs' own (`EngineArgs.add_cli_args`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from typing import Any
 
+from vllm_lite import envs
+from vllm_lite.cli_flags import flag_name, flag_specs
 from vllm_lite.config import EngineArgs
-from vllm_lite.entrypoints.cli.engine_args import add_engine_args, engine_kwargs_from
+
+# Engine flags that still mean something when attaching to a running core (--engine).
+_ATTACH_FIELDS = ("model", "data_parallel_size", "served_model_name")
 
 
 def _positive_float(text: str) -> float:
@@ -28,12 +30,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
         "--api-key",
-        default=os.environ.get("VLLM_LITE_API_KEY"),
+        default=envs.VLLM_LITE_API_KEY,
         help="Require 'Authorization: Bearer KEY' on API routes (default: $VLLM_LITE_API_KEY, else open).",
-    )
-    srv.add_argument(
-        "--served-model-name", nargs="+", default=None,
-        help="Model name(s) clients use; the first is reported in responses (default: the model path).",
     )
     srv.add_argument(
         "--health-stuck-timeout", type=_positive_float, default=60.0,
@@ -44,43 +42,37 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Seconds to keep answering 503 after the engine died before exiting with code 1.",
     )
     srv.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-
-    eng = parser.add_argument_group("engine")
-    eng.add_argument("--model", default=None, help="Local checkpoint directory (spawns a private engine core).")
-    eng.add_argument(
+    att = parser.add_argument_group("attach (instead of --model)")
+    att.add_argument(
         "--engine", default=None, metavar="ADDRESS",
-        help="Attach to a running `vllm-lite serve` core at ADDRESS instead of spawning one.",
+        help="Attach to a running `vllm-lite serve` core at ADDRESS instead of spawning one (with -dp D: its D cores).",
     )
-    eng.add_argument("--auth-token", default=os.environ.get("VLLM_LITE_AUTH_TOKEN"), help="Token for --engine.")
-    add_engine_args(parser, model_option=False, seed=True, multiprocess=False)
+    att.add_argument("--auth-token", default=envs.VLLM_LITE_AUTH_TOKEN,
+                     help="Token for --engine (default: $VLLM_LITE_AUTH_TOKEN).")
+    EngineArgs.add_cli_args(parser)
     return parser
 
 
-def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
-    if not args.model:
-        raise ValueError("--model is required (or --engine ADDRESS to attach to a running core).")
-    names = args.served_model_name or []
-    return EngineArgs(model=args.model, served_model_name=names[0] if names else None, **engine_kwargs_from(args))
-
-
-def add_api_server_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `api-server` on the main CLI's subparsers; `args.func(args)` runs it."""
-    parser = subparsers.add_parser(
-        "api-server",
-        help="Run the OpenAI-compatible HTTP server.",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health, /metrics.",
-    )
-    make_arg_parser(parser)
-    parser.set_defaults(func=run_api_server)
-    return parser
-
-
-def run_api_server(args: argparse.Namespace) -> int:
-    """Run until shutdown; returns the exit code: 1 when the engine died (so a supervisor restarts the server)."""
-    from vllm_lite.entrypoints.openai.api_server import run_server
-
+def check_api_server_args(args: argparse.Namespace) -> None:
+    """ValueError unless exactly one of --model and --engine is given, and no engine flag would be ignored."""
     if not args.model and not args.engine:
         raise ValueError("pass --model PATH (spawn an engine core) or --engine ADDRESS (attach to one).")
     if args.model and args.engine:
         raise ValueError("pass only one of --model and --engine.")
-    return run_server(args)
+    if args.engine:
+        ignored = [
+            flag_name(spec.name) for spec in flag_specs(EngineArgs)
+            if spec.name not in _ATTACH_FIELDS and getattr(args, spec.name, None) != spec.kwargs["default"]
+        ]
+        if ignored:
+            raise ValueError(
+                f"{', '.join(ignored)}: a running core's engine arguments are fixed by its daemon; "
+                "drop them with --engine."
+            )
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs for the private core of `api-server --model PATH`."""
+    if not args.model:
+        raise ValueError("--model is required (or --engine ADDRESS to attach to a running core).")
+    return EngineArgs.from_cli_args(args)

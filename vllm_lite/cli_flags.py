@@ -1,0 +1,123 @@
+"""argparse flags generated from a dataclass's fields, so each knob has one name, one default, one help.
+
+A field's flag is its name with dashes (``max_model_len`` -> ``--max-model-len``). Its
+``field(metadata=...)`` may carry ``help`` (required for a documented flag), ``aliases``
+(extra spellings such as ``-tp``), ``choices`` (a fixed set of values), ``type`` (a parser
+for the text, when the annotation's type is not enough) and ``metavar``. Types come from
+the annotation: ``bool`` becomes ``--x/--no-x``, ``Optional[T]`` parses ``T`` and defaults to
+None, ``Literal[...]`` gives the choices. Only the standard library is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any, Callable, Iterable, Literal, Optional, Union
+
+_MISSING = dataclasses.MISSING
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagSpec:
+    """How one dataclass field appears on the command line."""
+
+    name: str
+    flags: tuple[str, ...]
+    kwargs: dict[str, Any]
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    """The field's default value (calling its default_factory), or MISSING for a required field."""
+    if f.default is not _MISSING:
+        return f.default
+    if f.default_factory is not _MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return _MISSING
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """(T, True) for Optional[T]; (tp, False) otherwise."""
+    if typing.get_origin(tp) is Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _flag_kwargs(f: dataclasses.Field, tp: Any) -> dict[str, Any]:
+    """argparse keyword arguments for one field (annotation resolved to `tp`)."""
+    meta = f.metadata
+    base, optional = _unwrap_optional(tp)
+    default = field_default(f)
+    kwargs: dict[str, Any] = {"dest": f.name, "help": meta.get("help", "")}
+    kwargs["default"] = None if default is _MISSING else default
+    if base is bool:
+        if optional:
+            raise TypeError(f"field {f.name!r}: Optional[bool] has no clear flag form; use bool.")
+        kwargs["action"] = argparse.BooleanOptionalAction
+        return kwargs
+    choices: Optional[Iterable[Any]] = meta.get("choices")
+    if typing.get_origin(base) is Literal:
+        choices = choices or typing.get_args(base)
+        base = type(typing.get_args(base)[0])
+    parse: Optional[Callable[[str], Any]] = meta.get("type")
+    if parse is None:
+        if base not in (int, float, str):
+            raise TypeError(f"field {f.name!r}: type {tp!r} needs a 'type' parser in its metadata.")
+        parse = base
+    kwargs["type"] = parse
+    if choices is not None:
+        kwargs["choices"] = list(choices)
+    if "metavar" in meta:
+        kwargs["metavar"] = meta["metavar"]
+    if "nargs" in meta:
+        kwargs["nargs"] = meta["nargs"]
+    return kwargs
+
+
+def flag_specs(cls: type) -> list[FlagSpec]:
+    """One FlagSpec per field of the dataclass `cls`, in field order."""
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        flags = (flag_name(f.name), *f.metadata.get("aliases", ()))
+        specs.append(FlagSpec(f.name, flags, _flag_kwargs(f, hints[f.name])))
+    return specs
+
+
+def add_dataclass_args(
+    group: Union[argparse.ArgumentParser, "argparse._ArgumentGroup"],
+    cls: type,
+    *,
+    exclude: Iterable[str] = (),
+    only: Optional[Iterable[str]] = None,
+    positional: Iterable[str] = (),
+) -> list[FlagSpec]:
+    """Add a flag for each field of `cls` to `group`; returns the specs added.
+
+    `exclude`: fields the caller defines itself (or does not want); `only`: just these;
+    `positional`: fields taken as an optional positional argument instead of a flag.
+    """
+    skip, keep, pos = set(exclude), None if only is None else set(only), set(positional)
+    added = []
+    for spec in flag_specs(cls):
+        if spec.name in skip or (keep is not None and spec.name not in keep):
+            continue
+        kwargs = dict(spec.kwargs)
+        if spec.name in pos:
+            dest = kwargs.pop("dest")
+            group.add_argument(dest, nargs="?", **kwargs)
+        else:
+            group.add_argument(*spec.flags, **kwargs)
+        added.append(spec)
+    return added
+
+
+def dataclass_kwargs_from(namespace: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """Keyword arguments for `cls` from the fields `namespace` has (absent ones keep their defaults)."""
+    return {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls) if hasattr(namespace, f.name)}
