@@ -7,9 +7,17 @@ import time
 from typing import Any, Callable
 
 from vllm_lite.config import VllmConfig
-from vllm_lite.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from vllm_lite.core.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from vllm_lite.core.request import Request, RequestStatus
+from vllm_lite.core.request_validation import RequestLimits, validate_request
 from vllm_lite.core.sched.scheduler import Scheduler
+from vllm_lite.core.step_recovery import RecoveredStep, recover_failed_step
 from vllm_lite.worker.executor import get_executor_class
 
 logger = logging.getLogger("vllm_lite.engine_core")
@@ -28,6 +36,8 @@ class EngineCore:
         self.executor.initialize_cache(num_gpu, num_cpu)
         self.scheduler = Scheduler(vllm_config)
         mc = vllm_config.model_config
+        # The scheduler's max_model_len: the configured one, capped by what the KV cache holds.
+        self.request_limits = RequestLimits(vocab_size=mc.vocab_size, max_model_len=self.scheduler.max_model_len)
         self.model_facts: dict[str, Any] = {
             "model": mc.name,
             "max_model_len": mc.max_model_len,
@@ -45,19 +55,11 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Validate and queue; a bad request raises ValueError and leaves everything else untouched."""
+        """Validate against the model and queue; a bad request raises ValueError and leaves everything else untouched."""
+        validate_request(request, self.request_limits)
         rid = request.request_id
         if self.scheduler.get_request(rid) is not None:
             raise ValueError(f"duplicate request id {rid!r}: a request with this id is still running")
-        n = len(request.prompt_token_ids)
-        max_len = self.config.model_config.max_model_len
-        if n == 0:
-            raise ValueError(f"request {rid!r}: prompt is empty")
-        if n >= max_len:
-            raise ValueError(f"request {rid!r}: prompt of {n} tokens leaves no room in max_model_len={max_len}")
-        vocab = self.config.model_config.vocab_size
-        if vocab and (min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab):
-            raise ValueError(f"request {rid!r}: prompt token id out of vocabulary (size {vocab})")
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -71,8 +73,19 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return {}
         scheduler_output = self.scheduler.schedule()
-        model_output = self.executor.execute_model(scheduler_output)
+        recovered = None
+        try:
+            model_output = self.executor.execute_model(scheduler_output)
+        except Exception as exc:
+            # Defence in depth (validation should have stopped it): pin the failure to its request(s),
+            # or let it kill the core as before when it belongs to none.
+            recovered = recover_failed_step(self.scheduler, self.executor, scheduler_output, exc)
+            if recovered is None:
+                raise
+            model_output = recovered.model_output
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if recovered is not None:
+            _add_error_outputs(outputs, recovered)
         self._stats_log.record(scheduler_output.total_num_scheduled_tokens, outputs)
         return outputs
 
@@ -96,6 +109,16 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _add_error_outputs(outputs: dict[int, EngineCoreOutputs], recovered: RecoveredStep) -> None:
+    """One ERROR output per culprit, to the frontend that sent it."""
+    for rid, (client, message) in recovered.failed.items():
+        out = EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, error=message)
+        if client in outputs:
+            outputs[client].outputs.append(out)
+        else:
+            outputs[client] = EngineCoreOutputs(outputs=[out])
 
 
 def _stats_dict(stats: SchedulerStats) -> dict[str, Any]:
