@@ -32,6 +32,7 @@ from vllm_lite.core.engine_core_proc import CoreAddresses
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from vllm_lite.entrypoints.serve_daemon import find_free_port_run
 from vllm_lite.testing.checkpoints import get_checkpoint
+from vllm_lite.testing.devices import requires_cuda_devices
 
 PROMPTS = [
     "The for statement", "Hello world", "def f(x): return", "Exceptions are raised",
@@ -120,9 +121,15 @@ def ckpt() -> str:
     return get_checkpoint("llama")
 
 
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=requires_cuda_devices(2))])
+def dp_device(request) -> str:
+    """CPU cores run everywhere; CUDA data parallelism puts each core on its own device (cuda:r)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference(ckpt):
-    llm = LLM(ckpt, multiprocess=False, dtype="float32")
+def reference(ckpt, dp_device):
+    llm = LLM(ckpt, multiprocess=False, dtype="float32", device=dp_device)
     cache: dict = {}
 
     def get(prompt: str, n: int):
@@ -136,7 +143,7 @@ def reference(ckpt):
 
 
 @pytest.fixture(scope="module")
-def dp_daemon(ckpt, tmp_path_factory):
+def dp_daemon(ckpt, dp_device, tmp_path_factory):
     port = find_free_port_run("127.0.0.1", 4)
     api_port = find_free_port_run("127.0.0.1", 1)
     log_path = str(tmp_path_factory.mktemp("dp") / "serve.log")
@@ -144,7 +151,7 @@ def dp_daemon(ckpt, tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", ckpt, "--data-parallel-size", "2",
          "--port", str(port), "--api-port", str(api_port), "--num-threads", "1", "--heartbeat-timeout", "3",
-         "--dtype", "float32"],
+         "--dtype", "float32", "--device", dp_device],
         stdout=subprocess.PIPE, stderr=log, text=True,
     )
     lines: queue.Queue[str] = queue.Queue()

@@ -25,7 +25,8 @@ from vllm_lite import LLM, SamplingParams  # noqa: E402
 from vllm_lite.testing.checkpoints import get_checkpoint  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumps over", "def fibonacci(n):\n    return"]
-ENGINE_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 24, max_num_seqs=8)
+# CPU ranks (gloo): both loopback "nodes" would put their rank on cuda:0 of this one host.
+ENGINE_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 24, max_num_seqs=8, device="cpu")
 
 
 def _free_port() -> int:

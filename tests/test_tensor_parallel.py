@@ -24,6 +24,7 @@ from vllm_lite import LLM, SamplingParams  # noqa: E402
 from vllm_lite.client.exceptions import EngineDeadError  # noqa: E402
 from vllm_lite.config import EngineArgs  # noqa: E402
 from vllm_lite.testing.checkpoints import ARCHS, get_checkpoint  # noqa: E402
+from vllm_lite.testing.devices import requires_cuda_devices  # noqa: E402
 from vllm_lite.worker import parallel_state  # noqa: E402
 from vllm_lite.worker.models.parallel_linear import MergedLinear, QKVLinear, RowParallelLinear  # noqa: E402
 from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
@@ -33,7 +34,8 @@ PROMPTS = [
     "def fibonacci(n):\n    return",
     "In the beginning there was a long prompt that spans more than one KV block of sixteen tokens, so",
 ]
-ENGINE_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 24, max_num_seqs=8)
+# CPU ranks (gloo) run everywhere; the CUDA variants need one device per rank.
+ENGINE_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 24, max_num_seqs=8, device="cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -167,12 +169,14 @@ def _assert_same_generations(got, want) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda_devices(2))])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tp2_greedy_outputs_and_logprobs_equal_tp1(arch):
+def test_tp2_greedy_outputs_and_logprobs_equal_tp1(arch, device):
     path = get_checkpoint(arch)
-    with LLM(path, multiprocess=False, **ENGINE_KW) as ref_llm:
+    kw = dict(ENGINE_KW, device=device)
+    with LLM(path, multiprocess=False, **kw) as ref_llm:
         want = _greedy(ref_llm)
-    with LLM(path, tensor_parallel_size=2, **ENGINE_KW) as llm:
+    with LLM(path, tensor_parallel_size=2, **kw) as llm:
         got = _greedy(llm)
     _assert_same_generations(got, want)
 
@@ -187,7 +191,7 @@ def test_indivisible_head_count_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=r"num_attention_heads=3 is not divisible by tensor_parallel_size=2"):
-        LLM(str(tmp_path), tensor_parallel_size=2, dtype="float32")
+        LLM(str(tmp_path), tensor_parallel_size=2, dtype="float32", device="cpu")
     assert time.monotonic() - t0 < 5, "the error must come before any process is started"
     _as_rank(0, 2)
     with pytest.raises(ValueError, match="num_attention_heads=3"):
