@@ -7,19 +7,16 @@ KV blocks freed) and engine death (503, exit code 1) are checked end to end.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
-import time
 
 import httpx
-import msgspec
 import openai
 import pytest
 
 from vllm_lite.testing.checkpoints import get_checkpoint
-
-from openai_server_harness import ServerProcess, ServerThread
+from vllm_lite.testing.openai_server import ServerProcess, ServerThread
+from vllm_lite.testing.waiting import wait_until
 
 MODEL = "tiny-llama"
 API_KEY = "test-key"
@@ -27,6 +24,9 @@ MAX_MODEL_LEN = 256
 ENGINE_KW = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
 PROMPTS = ["Hello world", "The quick brown fox", "def main():"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+# n=2 seeded: sample j draws with seed + j; 8 tokens from a random-weight model's near-uniform
+# distribution over its vocabulary, so two samples that agree mean one seed was used twice.
+SAMPLED = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +44,19 @@ def reference(ckpt: str) -> dict:
         tok = llm.get_tokenizer()
         chat_text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
         chat_ids = tok.encode(chat_text, add_special_tokens=False)
-        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
         outs = llm.generate(PROMPTS + [{"prompt_token_ids": chat_ids}], sp, use_tqdm=False)
+        (sampled,) = llm.generate("Once", SamplingParams(n=2, **SAMPLED), use_tqdm=False)
+        (chat_sampled,) = llm.generate({"prompt_token_ids": chat_ids}, SamplingParams(n=2, **SAMPLED), use_tqdm=False)
     finally:
         llm.shutdown()
     return {
         "completions": [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs[:-1]],
         "chat": (outs[-1].outputs[0].token_ids, outs[-1].outputs[0].text),
+        # Per position: the chosen token's logprob and the top-3 {token id: logprob}.
+        "logprobs": [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs],
+        "sampled": [list(c.token_ids) for c in sampled.outputs],
+        "chat_sampled": [c.text for c in chat_sampled.outputs],
     }
 
 
@@ -145,36 +151,56 @@ def test_stop_string_truncates_the_text_and_reports_it(client: openai.OpenAI, re
 # ---------------------------------------------------------------------------- n, logprobs
 
 
-def test_n2_seeded_sampling_gives_two_choices(client: openai.OpenAI) -> None:
-    resp = client.completions.create(model=MODEL, prompt="Once", n=2, temperature=1.0, seed=7, max_tokens=8,
-                                     extra_body={"ignore_eos": True})
-    assert sorted(c.index for c in resp.choices) == [0, 1]
+def test_n2_seeded_sampling_gives_two_different_samples_equal_to_offline(client: openai.OpenAI, reference: dict) -> None:
+    kwargs = dict(model=MODEL, prompt="Once", n=2, temperature=1.0, seed=7, max_tokens=8,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    resp = client.completions.create(**kwargs)
+    assert [c.index for c in resp.choices] == [0, 1]
+    ids = [c.model_extra["token_ids"] for c in resp.choices]
+    assert ids == reference["sampled"]  # sample j is offline sample j: same seeds, same draws
+    assert ids[0] != ids[1]  # each sample has its own seed
     assert resp.usage.completion_tokens == 16
-    again = client.completions.create(model=MODEL, prompt="Once", n=2, temperature=1.0, seed=7, max_tokens=8,
-                                      extra_body={"ignore_eos": True})
-    assert [c.text for c in again.choices] == [c.text for c in resp.choices]  # seeded: reproducible
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, max_tokens=4, temperature=1.0)
-    assert sorted(c.index for c in chat.choices) == [0, 1]
+    again = client.completions.create(**kwargs)
+    assert [c.model_extra["token_ids"] for c in again.choices] == ids  # seeded: reproducible
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, max_tokens=8, temperature=1.0, seed=7,
+                                          extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert [c.message.content for c in chat.choices] == reference["chat_sampled"]
+    assert chat.choices[0].message.content != chat.choices[1].message.content
 
 
-def test_completion_logprobs_shape(client: openai.OpenAI) -> None:
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def test_completion_logprobs_equal_offline_logprobs(client: openai.OpenAI, reference: dict, ckpt: str) -> None:
+    from vllm_lite.client.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(ckpt)
     resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], logprobs=3, **GREEDY)
     lp = resp.choices[0].logprobs
+    ids, _ = reference["completions"][0]
+    offline = reference["logprobs"][0]
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
-    for chosen_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
-        assert chosen_lp <= 0.0
-        assert 3 <= len(top) <= 4  # top-3 plus the chosen token when it is not among them
-        assert max(top.values()) == pytest.approx(chosen_lp, abs=1e-4)  # greedy picks the top token
+    assert lp.tokens == [_token_text(tok, t) for t in ids]
+    # Offline ran in-process, the server's core in its own process: float32 kernels may round an ulp apart.
+    assert lp.token_logprobs == pytest.approx([step[t] for step, t in zip(offline, ids)], abs=1e-5)
+    for top, step in zip(lp.top_logprobs, offline):
+        # Greedy picks the top token, so the top-3 hold the chosen one: exactly 3 entries.
+        assert top == pytest.approx({_token_text(tok, t): v for t, v in step.items()}, abs=1e-5)
 
 
-def test_chat_logprobs_shape(client: openai.OpenAI) -> None:
+def test_chat_logprobs_equal_offline_logprobs(client: openai.OpenAI, reference: dict) -> None:
     resp = client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=2, **GREEDY)
     content = resp.choices[0].logprobs.content
+    ids, _ = reference["chat"]
+    offline = reference["logprobs"][-1]
     assert len(content) == 12
-    for item in content:
-        assert len(item.top_logprobs) == 2
-        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
-        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-4)
+    for item, step, t in zip(content, offline, ids):
+        assert item.logprob == pytest.approx(step[t], abs=1e-5)
+        best_two = sorted(step.values(), reverse=True)[:2]
+        assert [x.logprob for x in item.top_logprobs] == pytest.approx(best_two, abs=1e-5)
+        assert item.top_logprobs[0].token == item.token  # greedy: the chosen token ranks first
 
 
 # ---------------------------------------------------------------------------- rules
@@ -228,14 +254,12 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_frees_blocks(server
             got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
             assert got
     # The connection is closed with most of the 236 tokens still to go.
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    def drained() -> bool:
         unfinished = server.call(lambda: engine.call_utility_async("get_num_unfinished_requests"))
         free = server.call(lambda: engine.call_utility_async("get_num_free_blocks"))
-        if unfinished == 0 and free == total:
-            break
-        time.sleep(0.1)
-    assert (unfinished, free) == (0, total)
+        return (unfinished, free) == (0, total)
+
+    wait_until(drained, 60, "the abandoned request is aborted and its blocks freed", interval_s=0.1)
     text = httpx.get(server.base_url + "/metrics").text
     assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny-llama"}' in text
 
@@ -257,18 +281,13 @@ def test_killed_core_gives_503_and_the_server_exits_nonzero(ckpt: str) -> None:
         assert r.status_code == 200
         (core,) = srv.core_pids()
         os.kill(core, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        status = None
-        while time.monotonic() < deadline:
-            try:
-                status = httpx.get(srv.base_url + "/health", timeout=5).status_code
-            except httpx.HTTPError:
-                break  # already exiting
-            if status == 503:
-                break
-            time.sleep(0.1)
-        assert status == 503
-        assert srv.proc.wait(30) == 1
+
+        def health_503() -> bool:
+            return httpx.get(srv.base_url + "/health", timeout=5).status_code == 503
+
+        # --engine-dead-grace 2: the server answers 503 for 2 s before it exits.
+        wait_until(health_503, 60, "/health reports the dead engine", interval_s=0.05)
+        assert srv.proc.wait(60) == 1
     finally:
         srv.kill()
 
@@ -277,21 +296,21 @@ def test_killed_core_gives_503_and_the_server_exits_nonzero(ckpt: str) -> None:
 
 
 def test_api_server_attaches_to_a_running_core_and_leaves_it_running(ckpt: str, reference: dict, tmp_path) -> None:
-    from vllm_lite.config import EngineArgs
-    from vllm_lite.core.engine_core_proc import CoreAddresses, CoreProcOptions, EngineCoreProc
+    from vllm_lite import launcher
+    from vllm_lite.client.core_client import ENGINE_CORE_MODULE
+    from vllm_lite.config import EngineArgs, encode_vllm_config
+    from vllm_lite.core.messages import EngineCoreArgs, EngineCoreReady
+    from vllm_lite.endpoints import CoreAddresses
 
     base = f"ipc://{tmp_path}/core"
-    ctx = multiprocessing.get_context("spawn")
-    reader, writer = ctx.Pipe(duplex=False)
-    core = ctx.Process(
-        target=EngineCoreProc.run_engine_core,
-        args=(EngineArgs(model=ckpt, **ENGINE_KW).create_engine_config(), CoreAddresses.from_base(base),
-              CoreProcOptions(auth_token="core-token"), writer),
+    addresses = CoreAddresses.from_base(base)
+    args = EngineCoreArgs(
+        vllm_config=encode_vllm_config(EngineArgs(model=ckpt, **ENGINE_KW).create_engine_config()),
+        input_address=addresses.input, output_address=addresses.output, auth_token="core-token",
     )
-    core.start()
-    writer.close()
+    core = launcher.start_child(ENGINE_CORE_MODULE, args, EngineCoreReady, name="engine-core")
     try:
-        assert reader.poll(300) and msgspec.json.decode(reader.recv_bytes())["status"] == "ready"
+        core.wait_ready(300)
         srv = ServerProcess(["--engine", base, "--auth-token", "core-token", "--served-model-name", MODEL])
         try:
             client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -304,5 +323,4 @@ def test_api_server_attaches_to_a_running_core_and_leaves_it_running(ckpt: str, 
             srv.kill()
         assert core.is_alive()  # the core serves other frontends; the server only detached
     finally:
-        core.terminate()
-        core.join(30)
+        core.stop()

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import socket
 from typing import Any
 
 import httpx
 import pytest
 
+import vllm_lite
 from vllm_lite.client.exceptions import EngineDeadError
+from vllm_lite.entrypoints.openai import health
 from vllm_lite.entrypoints.openai.api_server import build_app
 from vllm_lite.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm_lite.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm_lite.testing.checkpoints import get_checkpoint
-
-from openai_fake_engine import FakeAsyncLLM, fake_logprob, fake_token
+from vllm_lite.testing.openai_fake_engine import FakeAsyncLLM, fake_logprob, fake_token
+from vllm_lite.testing.openai_server import ServerThread
+from vllm_lite.testing.waiting import async_wait_until, wait_until
 
 MODEL = "tiny-llama"
 
@@ -138,13 +141,47 @@ def test_completion_echo_prepends_prompt_and_its_logprobs(engine: FakeAsyncLLM) 
                 {"prompt": "Hello world", "max_tokens": 2, "echo": True, "logprobs": 1})
     assert resp.status_code == 200, resp.text
     (choice,) = resp.json()["choices"]
-    gen = engine.tokenizer.decode(expected_ids(engine, "Hello world", 2))
-    assert choice["text"] == "Hello world" + gen or choice["text"].endswith(gen)
-    n_prompt = len(engine.tokenizer.encode("Hello world"))
+    gen_ids = expected_ids(engine, "Hello world", 2)
+    assert choice["text"] == "Hello world" + engine.tokenizer.decode(gen_ids)
+    prompt_ids = engine.tokenizer.encode("Hello world")
+    n_prompt = len(prompt_ids)
     lp = choice["logprobs"]
-    assert len(lp["tokens"]) == n_prompt + 2
-    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert all(x is not None for x in lp["token_logprobs"][1:])
+    # The prompt's first token has no logprob; the fake gives prompt position p + 1 fake_logprob(p),
+    # and generated token k fake_logprob(k).
+    assert lp["token_logprobs"] == pytest.approx(
+        [None] + [fake_logprob(p) for p in range(n_prompt - 1)] + [fake_logprob(0), fake_logprob(1)]
+    )
+    assert lp["top_logprobs"][0] is None
+    all_ids = prompt_ids + gen_ids
+    assert lp["tokens"][1:] == [engine.tokenizer.decode([t]) for t in all_ids[1:]]
+    for tok, chosen, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert top == pytest.approx({tok: chosen})  # logprobs=1: the chosen token is also the top one
+    offsets = [0]
+    for tok in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(tok))
+    assert lp["text_offset"] == offsets
+
+
+def test_completion_echo_without_logprobs_streams_the_prompt_first(engine: FakeAsyncLLM) -> None:
+    events = sse_events(post(build_app(engine, MODEL), "/v1/completions",
+                             {"prompt": "Hello world", "max_tokens": 3, "echo": True, "stream": True}))
+    assert events[-1] == "[DONE]"
+    text = "".join(ev["choices"][0]["text"] for ev in events[:-1])
+    assert text == "Hello world" + engine.tokenizer.decode(expected_ids(engine, "Hello world", 3))
+    assert events[0]["choices"][0]["text"].startswith("Hello world")
+
+
+def test_completion_best_of_reaches_the_engine_and_cannot_stream(engine: FakeAsyncLLM) -> None:
+    app = build_app(engine, MODEL)
+    resp = post(app, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "n": 1, "best_of": 3, "temperature": 1.0})
+    assert resp.status_code == 200, resp.text
+    (_, params), = engine.requests.values()
+    assert (params.n, params.best_of, params.num_samples) == (1, 3, 3)
+    err = assert_openai_error(post(app, "/v1/completions", {"prompt": "Hi", "n": 1, "best_of": 3, "stream": True}), 400)
+    assert err["param"] == "best_of"
+    err = assert_openai_error(post(app, "/v1/completions", {"prompt": "Hi", "best_of": 2, "temperature": 0}), 400)
+    assert "best_of" in err["message"] and "greedy" in err["message"]
+    assert len(engine.requests) == 1  # neither rejected request reached the engine
 
 
 def test_completion_stream_deltas_join_to_full_text_and_usage_comes_last(engine: FakeAsyncLLM) -> None:
@@ -204,7 +241,8 @@ def test_chat_content_parts_are_joined(engine: FakeAsyncLLM) -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert post(build_app(engine, MODEL), "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).status_code == 200
     (prompt, _), = engine.requests.values()
-    assert "a\nb" in prompt["prompt"]
+    joined = [{"role": "user", "content": "a\nb"}]
+    assert prompt["prompt"] == engine.tokenizer.apply_chat_template(joined, tokenize=False, add_generation_prompt=True)
 
 
 def test_chat_image_content_part_is_400(engine: FakeAsyncLLM) -> None:
@@ -348,14 +386,28 @@ def test_engine_dying_mid_request_is_503(engine: FakeAsyncLLM) -> None:
     assert app.state.engine_dead
 
 
-def test_health_is_503_when_requests_pend_and_no_step_finishes(engine: FakeAsyncLLM) -> None:
-    app = build_app(engine, MODEL, health_stuck_timeout_s=0.2)
+class _Clock:
+    """A monotonic clock the test moves by hand, so 'no step for longer than the limit' needs no waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_health_is_503_when_requests_pend_and_no_step_finishes(engine: FakeAsyncLLM, monkeypatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(health, "time", clock)
+    app = build_app(engine, MODEL, health_stuck_timeout_s=5.0)
 
     async def scenario() -> tuple[int, int, int]:
         first = (await call(app, "GET", "/health")).status_code
         engine.stuck = True
         await call(app, "GET", "/health")  # sees pending work at this step count
-        await asyncio.sleep(0.3)
+        clock.now += 4.9
+        assert (await call(app, "GET", "/health")).status_code == 200  # within the limit
+        clock.now += 0.2
         stuck = (await call(app, "GET", "/health"))
         engine.step_counter += 1  # progress again
         recovered = (await call(app, "GET", "/health")).status_code
@@ -373,12 +425,11 @@ def test_stream_closed_early_aborts_the_request(engine: FakeAsyncLLM) -> None:
         resp = await serving.create_completion(CompletionRequest(prompt="Hi", stream=True, max_tokens=5))
         it = resp.body_iterator
         task = asyncio.ensure_future(it.__anext__())
-        await asyncio.sleep(0.05)
-        assert engine.running
+        await async_wait_until(lambda: engine.running, 30, "the request reaches the engine")
         task.cancel()  # what Starlette does when the client goes away
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: engine.aborted and not engine.running, 30, "the request is aborted")
 
     run(scenario())
     assert len(engine.aborted) == 1 and engine.aborted[0].startswith("cmpl-")
@@ -410,7 +461,7 @@ def test_models_version_tokenize_detokenize(engine: FakeAsyncLLM) -> None:
     app = build_app(engine, [MODEL, "alias"])
     models = run(call(app, "GET", "/v1/models")).json()
     assert [m["id"] for m in models["data"]] == [MODEL, "alias"] and models["data"][0]["max_model_len"] == 128
-    assert run(call(app, "GET", "/version")).json()["version"]
+    assert run(call(app, "GET", "/version")).json()["version"] == vllm_lite.__version__
     tok = post(app, "/tokenize", {"prompt": "Hello world"}).json()
     assert tok["tokens"] == engine.tokenizer.encode("Hello world") and tok["count"] == len(tok["tokens"])
     assert tok["max_model_len"] == 128
@@ -441,7 +492,8 @@ def test_metrics_count_tokens_finish_reasons_and_engine_gauges(engine: FakeAsync
     assert value(f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}') == 2
     assert value(f"vllm:time_to_first_token_seconds_count{label}") == 2
     assert value(f"vllm:e2e_request_latency_seconds_count{label}") == 2
-    assert value(f"vllm:inter_token_latency_seconds_count{label}") >= 2
+    # One observation each: the whole request's mean gap (3 tokens, final only) and the stream's second token.
+    assert value(f"vllm:inter_token_latency_seconds_count{label}") == 2
     assert value(f"vllm:kv_cache_usage_perc{label}") == 0.25
 
 
@@ -460,19 +512,19 @@ def test_protocol_builds_sampling_params_with_vllm_extensions() -> None:
 
 
 def test_live_server_disconnect_while_queued_aborts_the_request(ckpt: str) -> None:
-    from openai_server_harness import ServerThread
-
     srv = ServerThread(lambda: _hanging_engine(ckpt), served_model_name=MODEL)
     try:
         for stream in (True, False):
             before = len(srv.engine.aborted)
-            body = {"prompt": "Hi", "max_tokens": 5, "stream": stream}
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(srv.base_url + "/v1/completions", json=body, timeout=0.5)
-            end = time.monotonic() + 5
-            while time.monotonic() < end and (len(srv.engine.aborted) == before or srv.engine.running):
-                time.sleep(0.05)
-            assert len(srv.engine.aborted) > before and not srv.engine.running
+            body = json.dumps({"prompt": "Hi", "max_tokens": 5, "stream": stream}).encode()
+            head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n").encode()
+            # A raw connection, closed only once the request is known to be in the engine.
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as conn:
+                conn.sendall(head + body)
+                wait_until(lambda: srv.engine.running, 30, "the request reaches the engine")
+            wait_until(lambda: len(srv.engine.aborted) > before and not srv.engine.running, 30,
+                       "the server aborts the request of the client that left")
     finally:
         srv.stop()
 

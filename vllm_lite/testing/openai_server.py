@@ -1,48 +1,53 @@
-"""Run the real HTTP server (uvicorn on 127.0.0.1, random free port) for tests.
+"""Run the real HTTP server (uvicorn on 127.0.0.1) for tests, on a port nobody else can take.
 
 `ServerThread` serves in a background thread with its own event loop, so a
-test can reach the engine object (utility calls, core pid); `ServerProcess`
-runs `python -m vllm_lite.entrypoints.openai.api_server` as a child process,
-for what only a process shows (its exit code).
+test can reach the engine object (utility calls, core pid); it binds the
+listening socket once and hands it to uvicorn. `ServerProcess` runs
+`python -m vllm_lite.entrypoints.openai.api_server --port 0` as a child
+process, for what only a process shows (its exit code): the kernel picks the
+port at bind time and the server reports it in its start-up line, so there is
+no bind-and-release race with other tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
-import time
 from typing import Any, Callable, Optional
 
 import httpx
 
 from vllm_lite.entrypoints.openai.api_server import build_app, serve_app
+from vllm_lite.testing.waiting import wait_until
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# uvicorn's start-up line; with --port 0 it names the port the kernel chose.
+_RUNNING_ON = re.compile(rb"Uvicorn running on http://[^:]+:(\d+)")
 
 
 def wait_healthy(base_url: str, timeout_s: float, proc: Optional[subprocess.Popen] = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
+    """Poll /health until 200; fail at once if `proc` exits first."""
+    last: list[Any] = [None]
+
+    def healthy() -> bool:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited early with code {proc.returncode}")
         try:
             r = httpx.get(base_url + "/health", timeout=5)
-            if r.status_code == 200:
-                return
-            last = r.text
         except httpx.HTTPError as e:
-            last = e
-        time.sleep(0.2)
-    raise TimeoutError(f"server at {base_url} not healthy after {timeout_s} s: {last!r}")
+            last[0] = e
+            return False
+        last[0] = r.text
+        return r.status_code == 200
+
+    try:
+        wait_until(healthy, timeout_s, f"server at {base_url} healthy", interval_s=0.1)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}: last answer {last[0]!r}") from None
 
 
 class ServerThread:
@@ -107,22 +112,41 @@ class ServerThread:
 
 
 class ServerProcess:
-    """`python -m vllm_lite.entrypoints.openai.api_server ARGS` on a free port."""
+    """`python -m vllm_lite.entrypoints.openai.api_server ARGS --port 0`; the port is read from its start-up line."""
 
     def __init__(self, args: list[str], startup_timeout_s: float = 300.0) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_lite.entrypoints.openai.api_server", "--port", str(self.port),
-             "--uvicorn-log-level", "warning", *args],
+            [sys.executable, "-m", "vllm_lite.entrypoints.openai.api_server", *args, "--port", "0",
+             "--uvicorn-log-level", "info"],
             env=env,
+            stderr=subprocess.PIPE,
         )
+        self._port: Optional[int] = None
+        self._port_known = threading.Event()
+        self._reader = threading.Thread(target=self._relay_stderr, daemon=True, name="server-stderr")
+        self._reader.start()
         try:
+            if not self._port_known.wait(startup_timeout_s) or self._port is None:
+                raise RuntimeError(f"server did not report its port (exit code {self.proc.poll()})")
+            self.port = self._port
+            self.base_url = f"http://127.0.0.1:{self.port}"
             wait_healthy(self.base_url, startup_timeout_s, self.proc)
         except BaseException:
             self.kill()
             raise
+
+    def _relay_stderr(self) -> None:
+        """Copy the child's stderr to ours (pytest shows it on failure) and catch the port it reports."""
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if self._port is None:
+                m = _RUNNING_ON.search(line)
+                if m:
+                    self._port = int(m.group(1))
+                    self._port_known.set()
+            os.write(2, line)  # the fd, not sys.stderr: pytest may swap that object between tests
+        self._port_known.set()  # EOF: the child is gone; the waiter sees no port
 
     def core_pids(self) -> list[int]:
         """Children of the server process except multiprocessing's resource tracker: the engine core."""
