@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from vllm_lite import platform as _platform
 from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
 from vllm_lite.dtype_policy import resolve_dtype
 from vllm_lite.platform import resolve_device
@@ -51,6 +52,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: Optional[int] = None  # None: a default for the device
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card's total memory this engine may use
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 1 << 30
     preemption_mode: str = "recompute"  # or "swap"
@@ -122,6 +124,22 @@ def verify_parallel_config(pc: ParallelConfig, hf: dict[str, Any]) -> None:
             raise ValueError(f"{key}={v} is not divisible by tensor_parallel_size={tp}.")
 
 
+def verify_cuda_device_count(pc: ParallelConfig, device: torch.device, visible: int) -> None:
+    """Every rank on this node needs its own CUDA device: refuse more ranks than devices, before any
+    process starts (NCCL would fail later with "Duplicate GPU detected" or "invalid device ordinal")."""
+    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+    need = pc.ranks_per_node * dp
+    if need > visible:
+        where = f" ({pc.ranks_per_node} tensor-parallel ranks on each of {pc.nnodes} nodes)" if pc.nnodes > 1 else ""
+        raise ValueError(
+            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {need} CUDA devices on this node{where}, "
+            f"but {visible} {'is' if visible == 1 else 'are'} visible. Lower tensor_parallel_size or "
+            "data_parallel_size, or make more devices visible (CUDA_VISIBLE_DEVICES)."
+        )
+    if device.index is not None and device.index >= visible:
+        raise ValueError(f"device={device} does not exist: {visible} CUDA device(s) are visible.")
+
+
 @dataclass
 class DeviceConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -168,6 +186,9 @@ class EngineArgs:
     block_size: int = field(default=16, metadata={"help": "Tokens per KV-cache block (a power of two)."})
     kv_cache_memory_bytes: Optional[int] = field(default=None, metadata={
         "help": "KV cache size in bytes (default: a size for the device)."})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "CUDA: fraction of the card's total memory this engine may use (weights, activations and "
+                "KV cache); the KV cache gets what a profiling pass leaves. --kv-cache-memory-bytes overrides."})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "Reuse KV blocks of shared prompt prefixes."})
     swap_space: float = field(default=1.0, metadata={
@@ -277,6 +298,10 @@ class EngineArgs:
             master_port=self.master_port,
         )
         verify_parallel_config(parallel_config, hf)
+        if device.type == "cuda":
+            verify_cuda_device_count(parallel_config, device, _platform.cuda_device_count())
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
         if self.node_rank != 0:
             raise ValueError(
                 f"node_rank={self.node_rank}: the engine runs on node 0; start nodes 1..{self.nnodes - 1} "
@@ -301,6 +326,7 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
                 swap_space_bytes=int(self.swap_space * (1 << 30)),
                 preemption_mode=self.preemption_mode,
