@@ -146,7 +146,13 @@ def test_engine_greedy_matches_transformers_and_reads_as_english(path, tokenizer
     llm = LLM(model=path, dtype="float32", num_threads=1, multiprocess=False)
     try:
         out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0].outputs[0]
-        assert out.token_ids == ref[: len(out.token_ids)] and len(out.token_ids) >= 8
+        # The whole continuation, not a prefix: stopping early (or late) is a mismatch. HF stops on the
+        # same EOS ids and keeps the EOS token, as the engine does.
+        eos_ids = hf_model.generation_config.eos_token_id
+        eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
+        assert out.token_ids == ref
+        assert out.finish_reason == ("stop" if ref[-1] in eos_ids else "length")
+        assert len(ref) >= 8  # the premise: a continuation long enough to compare
         # With the model's own defaults (repetition penalty, mild sampling) the text is English-like.
         params = llm.get_default_sampling_params()
         assert params.repetition_penalty > 1.0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 
 import pytest
 import torch
@@ -135,15 +134,40 @@ def test_missing_directory_is_a_clear_error(tmp_path):
         safetensors_files(str(tmp_path / "nope"))
 
 
-def test_100m_checkpoint_loads_quickly():
+def test_100m_checkpoint_is_built_on_meta_then_filled_from_the_checkpoint(monkeypatch):
+    """What keeps loading fast, checked as behaviour (speed itself is measured in benchmarks/latency.py):
+    the module is constructed on the meta device (no storage, no random init), and every tensor that
+    comes back is real and holds the checkpoint's values."""
+    import vllm_lite.worker.model_loader as loader
+
     path = get_checkpoint("qwen2", size="100m")
     cfg = _config(path, "bfloat16")  # the checkpoint's own dtype (auto computes it in float32 on AVX2-only CPUs)
     assert cfg.dtype == torch.bfloat16
-    import transformers  # noqa: F401  (a one-time import cost, not loading)
+    built: list[torch.nn.Module] = []
+    real_get_model_class = loader.get_model_class
 
-    # CPU time, not wall time: other jobs share this machine; CPU time still catches a slow loader.
-    start = time.process_time()
+    def spying_get_model_class(archs):
+        cls = real_get_model_class(archs)
+
+        class Spy(cls):  # type: ignore[misc, valid-type]
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                built.append(self)
+                # Right after construction: nothing allocated, nothing initialised.
+                self._spy_devices = {t.device.type for t in [*self.parameters(), *self.buffers()]}
+
+        return Spy
+
+    monkeypatch.setattr(loader, "get_model_class", spying_get_model_class)
     model = load_model(cfg, torch.device("cpu"))
-    elapsed = time.process_time() - start
+    assert built == [model] and model._spy_devices == {"meta"}
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert {t.device.type for t in tensors} == {"cpu"}
     assert sum(p.numel() for p in model.parameters()) > 100_000_000
-    assert elapsed < 2.0, f"loading the 100M checkpoint took {elapsed:.2f}s of CPU"
+    params = dict(model.named_parameters())
+    checked = 0
+    for name, value in iterate_weights(path):
+        if name in params:  # names the model keeps as they are (fused projections are renamed)
+            assert torch.equal(params[name], value.to(cfg.dtype)), name
+            checked += 1
+    assert checked >= 3  # at least the embedding, a norm and the final norm
