@@ -1,0 +1,295 @@
+"""The CUDA check in one command: native Triton kernels, Hugging Face greedy match per architecture, the
+whole test suite and the GPU benchmark, summarised in one JSON file (pass/fail and figures per part).
+
+Run through scripts/gpu_check.sh on a CUDA machine (it installs missing wheels from .whl/ and sets
+HF_HUB_OFFLINE=1). The Hugging Face part also runs on CPU (`--device cpu --parts hf`), so it can be
+checked where no GPU is. The summary is rewritten after every part, so a run cut short still leaves
+the parts it finished. Exit status 0 only when every part that ran passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform as pyplatform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from typing import Any, Callable, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTS = ("triton", "hf", "suite", "bench")
+HD32 = "llama-hd32"  # a Llama with head_dim 32 (the tiny ones have 16), built here
+FLOAT32_LOGPROB_TOL = 1e-4
+NEW_TOKENS = 24
+
+
+def _env() -> dict[str, str]:
+    """The environment children run with: offline, unbuffered, and the source tree importable."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if REPO not in paths:
+        paths.append(REPO)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.pop("TRITON_INTERPRET", None)  # the native kernels must be compiled
+    return env
+
+
+def _versions() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"python": pyplatform.python_version(), "torch": torch.__version__,
+                            "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    for name in ("triton", "transformers", "numpy"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = None
+    return info
+
+
+# ------------------------------------------------------------------------------------------ pytest runs
+
+
+def _junit_summary(path: str) -> dict[str, Any]:
+    """Counts, failures (with the first lines of their text) and skips (with reasons) from a junit file."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures, skips = [], []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        kinds = {child.tag: child for child in case}
+        if "failure" in kinds or "error" in kinds:
+            key = "failed" if "failure" in kinds else "errors"
+            counts[key] += 1
+            node = kinds.get("failure", kinds.get("error"))
+            text = (node.get("message") or "") + "\n" + (node.text or "")
+            failures.append({"test": name, "text": text.strip()[-1500:]})
+        elif "skipped" in kinds:
+            counts["skipped"] += 1
+            skips.append({"test": name, "reason": kinds["skipped"].get("message", "")})
+        else:
+            counts["passed"] += 1
+    return {**counts, "failures": failures, "skips": skips}
+
+
+def _pytest(args: list[str], junit: str, log: str, timeout_s: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}", *args]
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    res: dict[str, Any] = {"command": " ".join(cmd[1:]), "exit_code": rc, "seconds": round(time.monotonic() - t0, 1),
+                           "log": log}
+    if os.path.exists(junit):
+        res.update(_junit_summary(junit))
+    ok = rc == 0 and res.get("failed", 1) == 0 and res.get("errors", 1) == 0
+    res["status"] = "pass" if ok else ("timeout" if rc is None else "fail")
+    return res
+
+
+def part_triton(args: argparse.Namespace) -> dict[str, Any]:
+    """tests/test_triton_kernels.py: the full matrix compiled on CUDA, plus the interpreter subprocess."""
+    res = _pytest(["tests/test_triton_kernels.py"], os.path.join(args.out, "triton.xml"),
+                  os.path.join(args.out, "triton.log"), args.part_timeout)
+    native = [s for s in res.get("skips", []) if "compiled_kernel_on_cuda" in s["test"]]
+    if args.device == "cuda" and native:
+        res["status"] = "fail"
+        res["note"] = f"{len(native)} native CUDA kernel cases were skipped"
+    return res
+
+
+def part_suite(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole test suite; skips are listed with their reasons (only multi-GPU ones are expected on 1 GPU)."""
+    extra = ["-n", str(args.suite_workers)] if args.suite_workers else []
+    res = _pytest(["tests", *extra, *args.suite_args], os.path.join(args.out, "suite.xml"),
+                  os.path.join(args.out, "suite.log"), args.suite_timeout)
+    res["skip_reasons"] = sorted({s["reason"] for s in res.get("skips", [])})
+    return res
+
+
+def part_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """benchmarks/gpu.py when it exists: its last JSON line is the figures."""
+    script = os.path.join(REPO, "benchmarks", "gpu.py")
+    if not os.path.exists(script):
+        return {"status": "absent", "note": "benchmarks/gpu.py does not exist yet"}
+    t0 = time.monotonic()
+    log = os.path.join(args.out, "bench.log")
+    try:
+        proc = subprocess.run([sys.executable, script], cwd=REPO, env=_env(), capture_output=True, text=True,
+                              timeout=args.part_timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "seconds": round(time.monotonic() - t0, 1)}
+    with open(log, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    figures = None
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                figures = json.loads(line)
+                break
+            except ValueError:
+                pass
+    ok = proc.returncode == 0 and figures is not None
+    return {"status": "pass" if ok else "fail", "exit_code": proc.returncode, "figures": figures,
+            "seconds": round(time.monotonic() - t0, 1), "log": log}
+
+
+# ------------------------------------------------------------------------------------- Hugging Face match
+
+
+def _checkpoint(name: str, scratch: str) -> str:
+    from vllm_lite.testing.checkpoints import build_checkpoint, get_checkpoint
+
+    if name == HD32:
+        path = os.path.join(scratch, HD32)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            build_checkpoint("llama", path, config_overrides={"head_dim": 32})
+        return path
+    return get_checkpoint(name)
+
+
+def _ours(path: str, prompts: list[list[int]], dtype: str, device: str, multiprocess: bool):
+    from vllm_lite import LLM, SamplingParams
+    from vllm_lite.testing.hf_oracle import GreedyRun
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    with LLM(model=path, dtype=dtype, device=device, multiprocess=multiprocess, max_model_len=512) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    runs = []
+    for out in outs:
+        c = out.outputs[0]
+        runs.append(GreedyRun(list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]))
+    return runs
+
+
+def _agreement(ours, oracle) -> dict[str, Any]:
+    from vllm_lite.testing.hf_oracle import compare_greedy
+
+    per = [compare_greedy(o, h, FLOAT32_LOGPROB_TOL) for o, h in zip(ours, oracle)]
+    total = sum(a.tokens for a in per)
+    return {
+        "exact": all(a.diverged_at is None for a in per),
+        "ties": sum(a.tie for a in per),
+        "mismatches": sum(a.diverged_at is not None and not a.tie for a in per),
+        "token_agreement": round(sum(a.matched_prefix for a in per) / max(total, 1), 4),
+        "max_logprob_err": max((a.max_logprob_err for a in per), default=0.0),
+        "diverged_at": [a.diverged_at for a in per],
+    }
+
+
+def _check_model(name: str, device: str, scratch: str) -> dict[str, Any]:
+    import torch
+
+    from vllm_lite.testing.hf_oracle import greedy_prompts, hf_greedy, load_hf_model
+
+    path = _checkpoint(name, scratch)
+    hf = load_hf_model(path, torch.float32, device)
+    from transformers import AutoTokenizer
+
+    prompts = greedy_prompts(AutoTokenizer.from_pretrained(path))
+    oracle = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    del hf
+    res: dict[str, Any] = {}
+    for mode, mp in (("inproc", False), ("multiprocess", True)):
+        a = _agreement(_ours(path, prompts, "float32", device, mp), oracle)
+        a["pass"] = a["mismatches"] == 0 and a["max_logprob_err"] <= FLOAT32_LOGPROB_TOL
+        res[f"float32_{mode}"] = a
+    bf16 = _agreement(_ours(path, prompts, "bfloat16", device, False), oracle)
+    bf16.pop("exact")
+    res["bfloat16_vs_hf_float32"] = bf16  # figures only: bf16 rounding moves near-ties
+    res["pass"] = res["float32_inproc"]["pass"] and res["float32_multiprocess"]["pass"]
+    return res
+
+
+def part_hf(args: argparse.Namespace) -> dict[str, Any]:
+    """Greedy tokens and chosen-token logprobs of our engine vs Hugging Face, float32, every architecture."""
+    from vllm_lite.testing.checkpoints import ARCHS
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    names = args.archs or [*ARCHS, HD32]
+    models: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        for name in names:
+            t0 = time.monotonic()
+            try:
+                models[name] = _check_model(name, args.device, scratch)
+            except Exception:  # noqa: BLE001 - one architecture's crash is that architecture's result
+                models[name] = {"pass": False, "error": traceback.format_exc(limit=-8)}
+            models[name]["seconds"] = round(time.monotonic() - t0, 1)
+            print(f"hf {name}: {'pass' if models[name]['pass'] else 'FAIL'}", flush=True)
+    return {
+        "status": "pass" if all(m["pass"] for m in models.values()) else "fail",
+        "device": args.device,
+        "new_tokens": NEW_TOKENS,
+        "float32_logprob_tol": FLOAT32_LOGPROB_TOL,
+        "models": models,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "triton": part_triton, "hf": part_hf, "suite": part_suite, "bench": part_bench,
+}
+
+
+def _write(path: str, summary: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu (the HF part only)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--archs", nargs="*", default=None, help=f"HF part: architectures (default: all and {HD32})")
+    p.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for the summary and logs ($OUT)")
+    p.add_argument("--summary", default="gpu_check.json", help="summary file name inside --out")
+    p.add_argument("--part-timeout", type=float, default=900.0, help="seconds for the triton and bench parts")
+    p.add_argument("--suite-timeout", type=float, default=3600.0, help="seconds for the whole suite")
+    p.add_argument("--suite-workers", type=int, default=0, help="pytest-xdist workers for the suite (0: none)")
+    p.add_argument("--suite-args", nargs=argparse.REMAINDER, default=[], help="extra pytest arguments (last)")
+    args = p.parse_args(argv)
+
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        p.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch sees no CUDA device")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, args.summary)
+    summary: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": args.device,
+                               "versions": _versions(), "parts": {}}
+    for name in parts:
+        print(f"== {name}", flush=True)
+        t0 = time.monotonic()
+        try:
+            result = RUNNERS[name](args)
+        except Exception:  # noqa: BLE001 - the summary records a crashed part instead of losing the rest
+            result = {"status": "error", "error": traceback.format_exc(limit=-8)}
+        result.setdefault("seconds", round(time.monotonic() - t0, 1))
+        summary["parts"][name] = result
+        summary["ok"] = all(r["status"] in ("pass", "absent") for r in summary["parts"].values())
+        _write(path, summary)
+        print(f"== {name}: {result['status']} ({result['seconds']} s)", flush=True)
+    print(f"summary: {path}", flush=True)
+    return 0 if summary.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The CUDA check in one command, from anywhere: native Triton kernel tests, Hugging Face greedy match on
+# every architecture (float32 in-process and multiprocess, bfloat16 figures), the whole suite and the GPU
+# benchmark, summarised in ONE JSON file: $OUT/gpu_check.json when $OUT is set, else ./gpu_check.json.
+#
+#     bash scripts/gpu_check.sh                          # everything
+#     bash scripts/gpu_check.sh --parts triton,hf        # a subset (triton, hf, suite, bench)
+#     bash scripts/gpu_check.sh --device cpu --parts hf  # the HF match on CPU
+#
+# No network: HF_HUB_OFFLINE=1, checkpoints are built locally. Where msgspec/pyzmq/fastapi/uvicorn are
+# missing (the GPU image), wheels are installed from .whl/ (fetch them on a machine with the package
+# index: `bash ../shared/gpu/wheels.sh` from the project root) into a private folder on PYTHONPATH.
+# The package itself is used from this source tree. Options go on to scripts/gpu_check.py (--help).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+py=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+
+need_wheels() { ! "$py" -c "import msgspec, zmq, fastapi, uvicorn, httpx" >/dev/null 2>&1; }
+if need_wheels; then
+  shopt -s nullglob
+  wheels=(.whl/*.whl)
+  if ((${#wheels[@]} == 0)); then
+    echo "gpu_check: msgspec/pyzmq/fastapi/uvicorn are missing and .whl/ holds no wheels;" >&2
+    echo "           fetch them where the package index is reachable: bash ../shared/gpu/wheels.sh" >&2
+    exit 2
+  fi
+  site=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  if need_wheels; then
+    echo "gpu_check: the wheels in .whl/ did not provide msgspec/pyzmq/fastapi/uvicorn/httpx" >&2
+    exit 2
+  fi
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+exec "$py" scripts/gpu_check.py "$@"
