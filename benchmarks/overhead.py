@@ -16,60 +16,11 @@ from typing import Any
 
 import torch
 
-from vllm_lite.client.core_client import InprocClient, SyncMPClient
-from vllm_lite.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
+from vllm_lite.testing.null_core import NullInprocClient, NullSyncMPClient, null_config
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.worker.step import LogprobsTensors
-
-
-class NullCore:
-    """EngineCore's interface doing no work: each step emits one token per running request."""
-
-    def __init__(self, vllm_config: VllmConfig) -> None:
-        self.model_facts = {"model": "null", "max_model_len": 1 << 20, "block_size": 16, "num_gpu_blocks": 0,
-                            "vocab_size": 32000}
-        self.reqs: dict[str, EngineCoreRequest] = {}
-        self.logprobs = int(vllm_config.model_config.hf_config.get("logprobs", 0))
-        self.step_s = float(vllm_config.model_config.hf_config.get("step_ms", 0.0)) / 1000
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self.reqs[request.request_id] = request
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.reqs.pop(rid, None)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.reqs)
-
-    def step(self) -> dict[int, EngineCoreOutputs]:
-        if self.step_s:
-            time.sleep(self.step_s)  # stands in for the model's forward pass (releases the GIL like it)
-        outs = []
-        for rid in self.reqs:
-            o = EngineCoreOutput(rid, [7])
-            if self.logprobs:
-                k = self.logprobs + 1
-                o.new_logprobs = LogprobsTensors(torch.zeros(1, k, dtype=torch.int64), torch.zeros(1, k), torch.ones(1, dtype=torch.int64))
-            outs.append(o)
-        return {0: EngineCoreOutputs(outputs=outs, scheduler_stats=SchedulerStats(num_running_reqs=len(outs)))}
-
-    def call_utility(self, method: str, args: list) -> Any:
-        if method == "ping":
-            return True
-        raise ValueError(f"unknown utility method {method!r}")
-
-    def shutdown(self) -> None:
-        pass
-
-
-def null_config(logprobs: int, step_ms: float = 0.0) -> VllmConfig:
-    return VllmConfig(
-        ModelConfig("null", "null", torch.float32, 1 << 20, {"logprobs": logprobs, "step_ms": step_ms}, "Null", 32000),
-        CacheConfig(), SchedulerConfig(), ParallelConfig(), DeviceConfig(num_threads=1),
-    )
 
 
 def batch_outputs(batch: int, logprobs: int) -> EngineCoreOutputs:
@@ -128,11 +79,11 @@ def main() -> None:
     result: dict[str, Any] = {"batch": args.batch, "logprobs": args.logprobs, "step_ms": args.step_ms}
     result["codec"] = {f"batch{b}": time_codec(b, args.logprobs) for b in (1, args.batch)}
 
-    inproc = InprocClient(null_config(args.logprobs, args.step_ms), engine_core_cls=NullCore)
+    inproc = NullInprocClient(null_config(args.logprobs, args.step_ms))
     result["inproc_step_us"] = 1e6 * time_steps(inproc, args.batch, args.steps)
     inproc.shutdown()
 
-    mp = SyncMPClient(null_config(args.logprobs, args.step_ms), engine_core_cls=NullCore)
+    mp = NullSyncMPClient(null_config(args.logprobs, args.step_ms))
     try:
         mp.call_utility("ping")
         t0 = time.perf_counter()

@@ -29,7 +29,6 @@ from vllm_lite import LLM, SamplingParams
 from vllm_lite.client.core_client import SyncMPClient
 from vllm_lite.client.exceptions import EngineHandshakeError
 from vllm_lite.client.llm_engine import LLMEngine
-from vllm_lite.core.engine_core_proc import CoreAddresses
 from vllm_lite.core.messages import (
     PROTOCOL_VERSION,
     EngineCoreOutputType,
@@ -37,7 +36,8 @@ from vllm_lite.core.messages import (
     HandshakeReply,
     HelloRequest,
 )
-from vllm_lite.entrypoints.serve_daemon import check_bind_allowed, find_free_port_run, is_loopback_host
+from vllm_lite.endpoints import CoreAddresses
+from vllm_lite.entrypoints.serve_daemon import check_bind_allowed, is_loopback_host
 from vllm_lite.testing.checkpoints import get_checkpoint
 
 TOKEN = "s3cret-token"
@@ -117,6 +117,16 @@ class Daemon:
             if needle in line:
                 return line
         raise AssertionError(f"no stdout line with {needle!r} within {timeout} s:\n{self.log()}")
+
+    def core_line(self) -> tuple[str, str]:
+        """(the core's address, its whole 'listening on' line), once it serves (`--port 0` picks the port)."""
+        line = self.expect_line("vllm-lite engine core listening on")
+        return line.split(" listening on ", 1)[1].split(" ", 1)[0], line
+
+    def api_url(self) -> tuple[str, str]:
+        """(the HTTP frontends' base URL, their whole line), once they serve (`--api-port 0` picks the port)."""
+        line = self.expect_line("vllm-lite OpenAI API on")
+        return line.split(" OpenAI API on ", 1)[1].split(" ", 1)[0], line
 
     def log(self) -> str:
         self._log.flush()
@@ -234,16 +244,13 @@ def http_complete(base_url: str, prompt: str, max_tokens: int) -> str:
 
 @pytest.fixture(scope="module")
 def daemon(long_ckpt, tmp_path_factory):
-    port = find_free_port_run("127.0.0.1", 2)
-    api_port = find_free_port_run("127.0.0.1", 1)
     d = Daemon(
-        [long_ckpt, "--port", str(port), "--auth-token", TOKEN, "--heartbeat-timeout", str(HEARTBEAT_S),
-         "--api-port", str(api_port), "--num-threads", "1", "--shutdown-timeout", "5"],
+        [long_ckpt, "--port", "0", "--auth-token", TOKEN, "--heartbeat-timeout", str(HEARTBEAT_S),
+         "--api-port", "0", "--num-threads", "1", "--shutdown-timeout", "5"],
         str(tmp_path_factory.mktemp("serve-log") / "daemon.log"),
     )
-    listening = d.expect_line("vllm-lite engine core listening on")
-    d.expect_line("vllm-lite OpenAI API on")
-    d.address, d.base_url, d.listening = f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{api_port}", listening
+    d.address, d.listening = d.core_line()
+    d.base_url, _ = d.api_url()
     yield d
     d.stop()
 
@@ -410,12 +417,11 @@ def test_serve_refuses_a_non_loopback_bind_without_a_token(long_ckpt):
 
 
 def test_sigterm_drains_running_requests_aborts_past_the_timeout_and_exits_0(long_ckpt, tmp_path, reference):
-    port = find_free_port_run("127.0.0.1", 2)
-    d = Daemon([long_ckpt, "--port", str(port), "--num-threads", "1", "--shutdown-timeout", "3"],
+    d = Daemon([long_ckpt, "--port", "0", "--num-threads", "1", "--shutdown-timeout", "3"],
                str(tmp_path / "daemon.log"))
     try:
-        d.expect_line("listening on")
-        eng = LLMEngine.attach(f"tcp://127.0.0.1:{port}")
+        address, _ = d.core_line()
+        eng = LLMEngine.attach(address)
         try:
             eng.add_request("short", "The for statement", greedy(200))
             eng.add_request("endless", "Hello", greedy(7000))  # far more than 3 s of decoding
@@ -430,7 +436,7 @@ def test_sigterm_drains_running_requests_aborts_past_the_timeout_and_exits_0(lon
                         time.sleep(0.5)
                         # Draining: running requests go on, but nobody new gets in.
                         with pytest.raises(EngineHandshakeError, match="shutting down"):
-                            LLMEngine.attach(f"tcp://127.0.0.1:{port}", handshake_timeout_s=5)
+                            LLMEngine.attach(address, handshake_timeout_s=5)
                     if out.finished:
                         outs[out.request_id] = out
             # The short one drained to its end; the endless one was aborted at the drain deadline.
@@ -470,15 +476,14 @@ def _gone(pid: int) -> bool:
 
 def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down_non_zero(long_ckpt, tmp_path,
                                                                                            reference):
-    port = find_free_port_run("127.0.0.1", 2)
-    api_port = find_free_port_run("127.0.0.1", 1)
-    d = Daemon([long_ckpt, "--port", str(port), "--api-port", str(api_port), "--api-servers", "2",
+    d = Daemon([long_ckpt, "--port", "0", "--api-port", "0", "--api-servers", "2",
                 "--num-threads", "1"], str(tmp_path / "daemon.log"))
     try:
-        line = d.expect_line("listening on")
-        assert "(2 HTTP frontends sharing the port)" in d.expect_line("OpenAI API on")
+        address, line = d.core_line()
+        base_url, api_line = d.api_url()
+        assert "(2 HTTP frontends sharing the port)" in api_line
         core_pid = int(line.rsplit("pid ", 1)[1].rstrip(")"))
-        probe = SyncMPClient(addresses=CoreAddresses.from_base(f"tcp://127.0.0.1:{port}"), client_name="probe")
+        probe = SyncMPClient(addresses=CoreAddresses.from_base(address), client_name="probe")
         try:
             names = sorted(f["name"] for f in probe.call_utility("list_frontends"))
             assert names == ["http-0", "http-1", "probe"]
@@ -486,7 +491,7 @@ def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down
             probe.shutdown()
         prompts = (PROMPTS_A + PROMPTS_B)[:6]
         with ThreadPoolExecutor(6) as pool:
-            texts = list(pool.map(lambda p: http_complete(f"http://127.0.0.1:{api_port}", p, 16), prompts))
+            texts = list(pool.map(lambda p: http_complete(base_url, p, 16), prompts))
         assert texts == [reference(p, 16)[1] for p in prompts]
         frontends = [p for p in _children(d.proc.pid) if "serve_frontend" in _cmdline(p)]
         assert len(frontends) == 2
@@ -506,13 +511,12 @@ def test_serve_without_model_uses_the_bundled_default_on_an_ipc_address_and_sigt
     from vllm_lite.default_model import DEFAULT_MODEL_NAME
 
     address = f"ipc://{tmp_path}/core"
-    api_port = find_free_port_run("127.0.0.1", 1)
-    d = Daemon(["--address", address, "--api-port", str(api_port), "--num-threads", "1"], str(tmp_path / "d.log"))
+    d = Daemon(["--address", address, "--api-port", "0", "--num-threads", "1"], str(tmp_path / "d.log"))
     try:
-        line = d.expect_line("listening on")
+        _, line = d.core_line()
         assert line.startswith(f"vllm-lite engine core listening on {address} (model {DEFAULT_MODEL_NAME}, ")
-        d.expect_line("OpenAI API on")
-        r = httpx.post(f"http://127.0.0.1:{api_port}/v1/completions", timeout=60.0,
+        base_url, _ = d.api_url()
+        r = httpx.post(f"{base_url}/v1/completions", timeout=60.0,
                        json={"prompt": "The for statement", "max_tokens": 4, "temperature": 0.0})
         assert r.status_code == 200 and r.json()["model"] == DEFAULT_MODEL_NAME
         with LLM(engine_address=address) as llm:
@@ -527,13 +531,10 @@ def test_serve_without_model_uses_the_bundled_default_on_an_ipc_address_and_sigt
 
 
 def test_killing_the_serve_process_leaves_no_core_or_frontend_behind(long_ckpt, tmp_path):
-    port = find_free_port_run("127.0.0.1", 2)
-    api_port = find_free_port_run("127.0.0.1", 1)
-    d = Daemon([long_ckpt, "--port", str(port), "--api-port", str(api_port), "--num-threads", "1"],
-               str(tmp_path / "d.log"))
+    d = Daemon([long_ckpt, "--port", "0", "--api-port", "0", "--num-threads", "1"], str(tmp_path / "d.log"))
     try:
-        line = d.expect_line("listening on")
-        d.expect_line("OpenAI API on")
+        _, line = d.core_line()
+        d.api_url()
         core_pid = int(line.rsplit("pid ", 1)[1].rstrip(")"))
         frontends = [p for p in _children(d.proc.pid) if "serve_frontend" in _cmdline(p)]
         assert len(frontends) == 1

@@ -77,6 +77,14 @@ def dp_core_addresses(base: str, data_parallel_size: int) -> list[str]:
     return [base] + [f"{base}-dp{r}" for r in range(1, data_parallel_size)]
 
 
+def check_bind_address(address: str, data_parallel_size: int) -> None:
+    """ValueError unless a daemon of ``data_parallel_size`` cores can bind at ``address``
+    (as ``dp_core_addresses`` demands, plus ``tcp://HOST:0``: free ports chosen at start)."""
+    if address.startswith("tcp://") and split_tcp(address)[1] == 0:
+        address = address[: -len("0")] + "1"  # the form and D are checked; the ports are chosen later
+    dp_core_addresses(address, data_parallel_size)
+
+
 def split_addresses(address: Union[str, Sequence[str]], data_parallel_size: int = 1) -> list[str]:
     """``address`` as a list of core addresses: a list as given, a comma-separated string, or a base + D."""
     if isinstance(address, str):

@@ -218,6 +218,16 @@ class ChildProcess(Generic[R]):
             raise ChildStartupError(self.name, "ProtocolError", f"malformed ready message: {e}") from None
         return self.ready_message
 
+    def startup_error(self) -> Optional[ChildStartupError]:
+        """For a child that has exited: why it never became ready (None if it had)."""
+        if self.ready_message is not None or self._status_fd is None:
+            return None
+        try:
+            self._read_status()
+        except ChildStartupError as e:
+            return e
+        return None
+
     # -------------------------------------------------------------- running
     def send_control(self, message: Control) -> bool:
         """Tell the running child something; False if it can no longer hear it."""
@@ -348,6 +358,12 @@ def wait_ready(children: Sequence[ChildProcess], timeout: Optional[float] = None
                 sel.unregister(key.fd)
                 child._read_status()
     return [c.ready_message for c in children]
+
+
+def wait_exited(children: Sequence[ChildProcess], timeout: float) -> bool:
+    """Wait up to ``timeout`` for every child to exit on its own (no signal); True if all did."""
+    deadline = time.monotonic() + timeout
+    return all(c.wait(max(0.0, deadline - time.monotonic())) is not None for c in children)
 
 
 def stop_all(children: Sequence[ChildProcess], grace_s: float = 5.0) -> None:

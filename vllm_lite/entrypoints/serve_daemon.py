@@ -8,6 +8,8 @@ Process tree (the ``serve`` process itself never loads the model; it supervises)
 
 * Each core and each HTTP frontend runs in its own process group, so a terminal
   Ctrl-C reaches only the supervisor, which then stops everything in order.
+* Every child is started by ``vllm_lite.launcher`` (``python -m ...``, typed arguments over
+  a pipe -- secrets included, never argv -- and a typed ready message or start-up error).
 * The HTTP frontends share ONE listening socket: the supervisor binds
   ``--api-host:--api-port`` once (a busy port fails before the model loads) and
   every frontend inherits it and accepts on it; each new connection goes to
@@ -19,8 +21,10 @@ Process tree (the ``serve`` process itself never loads the model; it supervises)
   frontends are stopped; exit 0.
 * Failure: a core or an HTTP frontend that exits on its own stops everything
   and the supervisor exits non-zero. The HTTP frontends watch the cores'
-  pids and exit 1 at once when one dies. Cores watch the supervisor's pid and
-  exit if it is killed, so nothing is left behind.
+  pids and exit 1 at once when one dies. Every child exits when the supervisor
+  is killed (the launcher's parent watch), so nothing is left behind.
+* ``--port 0``: the supervisor binds free ports once and hands the bound sockets to the
+  cores (``endpoints.resolve_port_zero``); nothing can take them in between.
 * Security: the cores bind loopback unless told otherwise, and binding any other
   address requires an auth token (refused with ValueError otherwise).
 """
@@ -29,25 +33,32 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import multiprocessing
-import multiprocessing.connection
-import os
+import select
 import signal
 import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, TextIO
 
-import msgspec
+from vllm_lite import launcher
+from vllm_lite.endpoints import DEFAULT_ENGINE_PORT as DEFAULT_PORT
+from vllm_lite.endpoints import (
+    CoreAddresses,
+    PortRun,
+    bind_listening_socket,
+    check_bind_address,
+    dp_core_addresses,
+    make_address,
+    resolve_port_zero,
+)
 
 if TYPE_CHECKING:  # the heavy imports (torch) wait until serving starts: `vllm-lite --help` stays fast
-    from vllm_lite.config import EngineArgs, VllmConfig
+    from vllm_lite.config import EngineArgs
+
+__all__ = ["DEFAULT_PORT", "ServeConfig", "ServeSupervisor", "make_address", "run_serve"]
 
 logger = logging.getLogger("vllm_lite.serve")
 
-DEFAULT_PORT = 8100
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 AUTH_TOKEN_ENV = "VLLM_LITE_AUTH_TOKEN"
@@ -92,10 +103,8 @@ class ServeConfig:
             raise ValueError(f"api_port must be 0..65535, got {self.api_port!r}.")
         if self.auth_token is not None and (not isinstance(self.auth_token, str) or not self.auth_token):
             raise ValueError("auth_token must be a non-empty string or None.")
-        from vllm_lite.client.dp_client import dp_core_addresses
-
         check_bind_allowed(self.address, self.auth_token)
-        dp_core_addresses(self.address, self.data_parallel_size)  # validates the form and the port range
+        check_bind_address(self.address, self.data_parallel_size)  # the form and the port range
 
 
 # ---------------------------------------------------------------------------- addresses
@@ -128,75 +137,12 @@ def check_bind_allowed(address: str, auth_token: Optional[str]) -> None:
             )
 
 
-def make_address(host: str, port: Optional[int], address: Optional[str]) -> str:
-    """The base address from --address, or from --host/--port."""
-    if address:
-        return address
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"tcp://{host}:{DEFAULT_PORT if port is None else port}"
-
-
-def find_free_port_run(host: str, count: int, attempts: int = 100) -> int:
-    """A port P such that P..P+count-1 are free on ``host`` right now (for --port 0)."""
-    h = host.strip("[]")
-    family = socket.AF_INET6 if ":" in h else socket.AF_INET
-    for _ in range(attempts):
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((h, 0))
-            first = s.getsockname()[1]
-        if first + count > 65535:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for p in range(first, first + count):
-                s = socket.socket(family, socket.SOCK_STREAM)
-                held.append(s)
-                s.bind((h, p))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError(f"could not find {count} consecutive free ports on {host}.")
-
-
-def resolve_port_zero(address: str, data_parallel_size: int) -> str:
-    """``tcp://HOST:0`` -> a free run of ports for every core's socket pair; others unchanged."""
-    if not address.startswith("tcp://"):
-        return address
-    host, _, port = address[len("tcp://"):].rpartition(":")
-    if port != "0":
-        return address
-    return f"tcp://{host}:{find_free_port_run(host, 2 * data_parallel_size)}"
-
-
 def bind_http_socket(host: str, port: int) -> socket.socket:
     """The listening socket every HTTP frontend inherits and accepts on."""
-    h = host.strip("[]")
-    family = socket.AF_INET6 if ":" in h else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((h, port))
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} for the HTTP API: {e}") from e
-    sock.set_inheritable(True)
-    return sock
-
-
-def _core_process_main(config: VllmConfig, addresses: Any, options: Any, ready_pipe: Any) -> None:
-    """Core process target: own process group (Ctrl-C goes to the supervisor), then serve."""
-    from vllm_lite.core.engine_core_proc import EngineCoreProc
-
-    try:
-        os.setpgrp()
-    except OSError:
-        pass
-    EngineCoreProc.run_engine_core(config, addresses, options, ready_pipe)
+        return bind_listening_socket(host, port)
+    except ValueError as e:
+        raise ValueError(f"{e} (for the HTTP API)") from None
 
 
 # ---------------------------------------------------------------------------- the supervisor
@@ -206,15 +152,14 @@ def _core_process_main(config: VllmConfig, addresses: Any, options: Any, ready_p
 class _Core:
     rank: int
     address: str
-    proc: Any  # multiprocessing Process
+    proc: launcher.ChildProcess
     facts: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class _Frontend:
     index: int
-    proc: subprocess.Popen
-    ready_fd: int
+    proc: launcher.ChildProcess
 
 
 class ServeSupervisor:
@@ -255,62 +200,45 @@ class ServeSupervisor:
             self._stop_all(failed=True)
             raise
 
+    def _check_stop(self) -> None:
+        if self._stop_signal is not None:
+            raise KeyboardInterrupt("stopped during startup")
+
     def _start(self) -> None:
-        from vllm_lite.client.dp_client import dp_core_addresses
+        from vllm_lite.client.core_client import ENGINE_CORE_MODULE
         from vllm_lite.client.exceptions import EngineStartupError
-        from vllm_lite.core.engine_core_proc import CoreAddresses, CoreProcOptions
+        from vllm_lite.config import encode_vllm_config
+        from vllm_lite.core.messages import EngineCoreArgs, EngineCoreReady
 
         cfg = self.cfg
         configs = cfg.engine_args.create_dp_engine_configs()  # validates before any process starts
         if cfg.api_port is not None:
             self.http_socket = bind_http_socket(cfg.api_host, cfg.api_port)
-        self.address = resolve_port_zero(cfg.address, cfg.data_parallel_size)
-        options = CoreProcOptions(
-            auth_token=cfg.auth_token,
-            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-            drain_timeout_s=cfg.shutdown_timeout_s,
-            parent_pid=os.getpid(),
-            handle_sigint=True,
-        )
-        ctx = multiprocessing.get_context("spawn")
-        readers = []
-        for rank, (addr, config) in enumerate(zip(dp_core_addresses(self.address, cfg.data_parallel_size), configs)):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_core_process_main,
-                args=(config, CoreAddresses.from_base(addr), options, writer),
-                name=f"VllmLiteEngineCore-{rank}",
-            )
-            proc.start()
-            writer.close()
-            self.cores.append(_Core(rank, addr, proc))
-            readers.append(reader)
+        self.address, reserved = resolve_port_zero(cfg.address, cfg.data_parallel_size)
+        try:
+            for rank, (addr, config) in enumerate(zip(dp_core_addresses(self.address, cfg.data_parallel_size), configs, strict=True)):
+                addresses = CoreAddresses.from_base(addr)
+                fds = _reserved_fds(reserved, rank)
+                args = EngineCoreArgs(
+                    vllm_config=encode_vllm_config(config), input_address=addresses.input,
+                    output_address=addresses.output, input_fd=fds[0], output_fd=fds[1],
+                    auth_token=cfg.auth_token, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                    drain_timeout_s=cfg.shutdown_timeout_s, handle_sigint=True,
+                )
+                # Own session: a terminal's Ctrl-C reaches only the supervisor, which stops everything in order.
+                proc = launcher.start_child(ENGINE_CORE_MODULE, args, EngineCoreReady, name=f"engine-core-{rank}",
+                                            new_session=True, pass_fds=[fd for fd in fds if fd is not None])
+                self.cores.append(_Core(rank, addr, proc))
+        finally:
+            if reserved is not None:
+                reserved.close()  # the cores hold the sockets now
         # Cores load in parallel; wait for every one (or the first failure, or a stop signal).
-        deadline = time.monotonic() + cfg.startup_timeout_s
-        pending = dict(zip(readers, self.cores))
-        while pending:
-            if self._stop_signal is not None:
-                raise KeyboardInterrupt("stopped during startup")
-            if time.monotonic() > deadline:
-                raise EngineStartupError(f"engine core did not become ready within {cfg.startup_timeout_s:.0f} s.")
-            waitables = list(pending) + [c.proc.sentinel for c in pending.values()]
-            ready = multiprocessing.connection.wait(waitables, timeout=_POLL_S)
-            for reader, core in list(pending.items()):
-                if reader not in ready and core.proc.sentinel not in ready:
-                    continue
-                del pending[reader]
-                try:
-                    message = msgspec.json.decode(reader.recv_bytes()) if reader.poll() else None
-                except (EOFError, OSError):
-                    message = None
-                reader.close()
-                if message is None:
-                    core.proc.join(5.0)
-                    message = {"status": "failed", "error": f"process exited with code {core.proc.exitcode}"}
-                if message.get("status") != "ready":
-                    raise EngineStartupError(f"engine core {core.rank} failed to start: {message.get('error')}")
-                core.facts = dict(message.get("model_facts") or {})
-        for core in self.cores:
+        try:
+            readies = launcher.wait_ready([c.proc for c in self.cores], cfg.startup_timeout_s, self._check_stop)
+        except launcher.ChildStartupError as e:
+            raise EngineStartupError(f"engine core failed to start: {e}") from e
+        for core, ready in zip(self.cores, readies, strict=True):
+            core.facts = ready.model_facts()
             f = core.facts
             rank = f" {core.rank}/{len(self.cores)}" if len(self.cores) > 1 else ""
             self._say(
@@ -324,63 +252,34 @@ class ServeSupervisor:
             self._say(f"vllm-lite data parallel: {len(self.cores)} engine cores; attach with "
                       f"engine_address={self.address!r}, data_parallel_size={len(self.cores)}")
 
-    def _frontend_command(self, index: int, ready_fd: int) -> list[str]:
-        cfg = self.cfg
-        assert self.http_socket is not None
-        cmd = [
-            sys.executable, "-m", "vllm_lite.entrypoints.serve_frontend",
-            "--engine", ",".join(c.address for c in self.cores),
-            "--listen-fd", str(self.http_socket.fileno()),
-            "--ready-fd", str(ready_fd),
-            "--core-pids", ",".join(str(c.proc.pid) for c in self.cores),
-            "--frontend-name", f"http-{index}",
-            "--control-stdin",
-            "--uvicorn-log-level", cfg.uvicorn_log_level,
-        ]
-        if cfg.served_model_names:
-            cmd += ["--served-model-name", *cfg.served_model_names]
-        return cmd
-
     def _start_frontends(self) -> None:
+        from vllm_lite.entrypoints.serve_frontend import FRONTEND_MODULE, FrontendArgs, FrontendReady
+
         cfg = self.cfg
         assert self.http_socket is not None
-        env = dict(os.environ)
-        # Secrets travel in the environment, not on the command line (which `ps` shows).
-        env.pop(AUTH_TOKEN_ENV, None)
-        env.pop("VLLM_LITE_API_KEY", None)
-        if cfg.auth_token:
-            env[AUTH_TOKEN_ENV] = cfg.auth_token
-        if cfg.api_key:
-            env["VLLM_LITE_API_KEY"] = cfg.api_key
+        listen_fd = self.http_socket.fileno()
         for i in range(cfg.api_servers):
-            r, w = os.pipe()
-            try:
-                proc = subprocess.Popen(
-                    self._frontend_command(i, w), env=env, pass_fds=(self.http_socket.fileno(), w),
-                    start_new_session=True, stdin=subprocess.PIPE,
-                )
-            finally:
-                os.close(w)
-            self.frontends.append(_Frontend(i, proc, r))
-        deadline = time.monotonic() + min(self.cfg.startup_timeout_s, 300.0)
-        waiting = {f.ready_fd: f for f in self.frontends}
-        while waiting:
-            if self._stop_signal is not None:
-                raise KeyboardInterrupt("stopped during startup")
-            if time.monotonic() > deadline:
-                raise RuntimeError("HTTP frontends did not start within the startup timeout.")
-            for fd in multiprocessing.connection.wait(list(waiting), timeout=_POLL_S):
-                fe = waiting.pop(fd)
-                data = os.read(fd, 16)
-                os.close(fd)
-                fe.ready_fd = -1
-                if not data:
-                    fe.proc.wait(5.0)
-                    raise RuntimeError(f"HTTP frontend {fe.index} exited with code {fe.proc.returncode} during startup.")
+            args = FrontendArgs(
+                engine=[c.address for c in self.cores], listen_fd=listen_fd,
+                core_pids=[c.proc.pid for c in self.cores], frontend_name=f"http-{i}",
+                auth_token=cfg.auth_token, api_key=cfg.api_key,  # in the typed args, never on the command line
+                served_model_names=list(cfg.served_model_names), uvicorn_log_level=cfg.uvicorn_log_level,
+            )
+            proc = launcher.start_child(FRONTEND_MODULE, args, FrontendReady, name=f"http-{i}",
+                                        pass_fds=[listen_fd], new_session=True)
+            self.frontends.append(_Frontend(i, proc))
+
+        def check() -> None:
+            self._check_stop()
             for core in self.cores:
                 if not core.proc.is_alive():
                     raise RuntimeError(f"engine core {core.rank} exited with code {core.proc.exitcode} during startup.")
-        host = self.cfg.api_host if ":" not in self.cfg.api_host else f"[{self.cfg.api_host}]"
+
+        try:
+            launcher.wait_ready([f.proc for f in self.frontends], min(cfg.startup_timeout_s, 300.0), check)
+        except launcher.ChildStartupError as e:
+            raise RuntimeError(f"HTTP frontend failed to start: {e}") from e
+        host = cfg.api_host if ":" not in cfg.api_host else f"[{cfg.api_host}]"
         port = self.http_socket.getsockname()[1]
         self._say(f"vllm-lite OpenAI API on http://{host}:{port} ({len(self.frontends)} HTTP frontend"
                   f"{'s' if len(self.frontends) != 1 else ''} sharing the port)")
@@ -388,6 +287,7 @@ class ServeSupervisor:
     # -------------------------------------------------------------- run
     def run(self) -> int:
         """Watch until a stop signal (-> drain, exit code 0) or a child's death (-> stop all, non-zero)."""
+        watched = [c.proc.fileno() for c in self.cores] + [f.proc.fileno() for f in self.frontends]
         while True:
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
@@ -399,59 +299,24 @@ class ServeSupervisor:
                                  core.rank, core.proc.exitcode)
                     return self._stop_all(failed=True)
             for fe in self.frontends:
-                if fe.proc.poll() is not None:
+                if not fe.proc.is_alive():
                     logger.error("HTTP frontend %d exited unexpectedly with code %s: stopping.",
-                                 fe.index, fe.proc.returncode)
+                                 fe.index, fe.proc.exitcode)
                     return self._stop_all(failed=True)
-            time.sleep(_POLL_S)
+            select.select(watched, [], [], _POLL_S)  # wakes on a child's exit; signals are seen within _POLL_S
 
     def _stop_all(self, failed: bool) -> int:
         """Cores first (they drain), then the HTTP frontends; returns the exit code."""
         if not failed:
             for fe in self.frontends:  # the cores' exit is about to be on purpose
-                try:
-                    assert fe.proc.stdin is not None
-                    fe.proc.stdin.write(b"stop\n")
-                    fe.proc.stdin.flush()
-                except (OSError, ValueError):
-                    pass
-        for core in self.cores:
-            if core.proc.is_alive():
-                core.proc.terminate()
-        deadline = time.monotonic() + self.cfg.shutdown_timeout_s + _CORE_EXIT_GRACE_S
-        for core in self.cores:
-            if core.proc.pid is None:
-                continue
-            core.proc.join(max(0.0, deadline - time.monotonic()))
-            if core.proc.is_alive():
-                logger.error("Engine core %d did not exit in time: killing it.", core.rank)
-                core.proc.kill()
-                core.proc.join(5.0)
-        if failed and any(not c.proc.is_alive() for c in self.cores):
+                fe.proc.send_control(launcher.Control("stop"))
+        launcher.stop_all([c.proc for c in self.cores], self.cfg.shutdown_timeout_s + _CORE_EXIT_GRACE_S)
+        if failed and self.frontends and any(c.proc.exitcode not in (0, None) for c in self.cores):
             # They watch the cores and exit 1 on their own (so their own supervisor, if any, sees the failure).
-            deadline = time.monotonic() + _FRONTEND_SELF_EXIT_S
-            while time.monotonic() < deadline and any(fe.proc.poll() is None for fe in self.frontends):
-                time.sleep(_POLL_S)
+            launcher.wait_exited([f.proc for f in self.frontends], _FRONTEND_SELF_EXIT_S)
+        launcher.stop_all([f.proc for f in self.frontends], _FRONTEND_STOP_S)
         for fe in self.frontends:
-            if fe.proc.poll() is None:
-                fe.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + _FRONTEND_STOP_S
-        for fe in self.frontends:
-            try:
-                fe.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.error("HTTP frontend %d did not exit in time: killing it.", fe.index)
-                fe.proc.kill()
-                fe.proc.wait(5.0)
-            logger.info("HTTP frontend %d exited with code %s.", fe.index, fe.proc.returncode)
-            if fe.ready_fd >= 0:
-                os.close(fe.ready_fd)
-                fe.ready_fd = -1
-            if fe.proc.stdin is not None:
-                try:
-                    fe.proc.stdin.close()
-                except OSError:
-                    pass
+            logger.info("HTTP frontend %d exited with code %s.", fe.index, fe.proc.exitcode)
         if self.http_socket is not None:
             self.http_socket.close()
             self.http_socket = None
@@ -461,6 +326,14 @@ class ServeSupervisor:
         for c in bad:
             logger.error("Engine core %d exited with code %s.", c.rank, c.proc.exitcode)
         return 1 if bad else 0
+
+
+def _reserved_fds(reserved: Optional[PortRun], rank: int) -> tuple[Optional[int], Optional[int]]:
+    """Core ``rank``'s (input, output) sockets from a port reservation, or (None, None) to bind itself."""
+    if reserved is None:
+        return None, None
+    fds = reserved.fds()
+    return fds[2 * rank], fds[2 * rank + 1]
 
 
 def run_serve(cfg: ServeConfig, out: TextIO = sys.stdout) -> int:

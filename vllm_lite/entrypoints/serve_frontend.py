@@ -2,44 +2,55 @@
 
 It is the OpenAI server (`build_app` / `serve_app`) with an AsyncLLM attached to
 the daemon's core(s), accepting on a listening socket the supervisor bound and
-passed down (``--listen-fd``), so N frontends share one port. It tells the
-supervisor it is serving by writing to ``--ready-fd``, and watches the cores'
-pids (``--core-pids``): when a core dies it exits 1 at once instead of waiting
-for a heartbeat to go unanswered -- unless the supervisor first wrote ``stop`` on
-its stdin (``--control-stdin``): then the cores are draining on purpose and
-their exit ends this frontend cleanly (exit 0). Secrets come from the environment
-(``VLLM_LITE_AUTH_TOKEN``, ``VLLM_LITE_API_KEY``), never from the command line.
+passed down (``FrontendArgs.listen_fd``), so N frontends share one port. It is
+started by the launcher (``python -m vllm_lite.entrypoints.serve_frontend``), gets
+its arguments -- secrets included -- as one typed struct over the launcher's pipe,
+and answers ``FrontendReady`` once uvicorn serves. It watches the cores' pids: when
+a core dies it exits 1 at once instead of waiting for a heartbeat to go unanswered --
+unless the supervisor first sent the ``stop`` control: then the cores are draining
+on purpose and their exit ends this frontend cleanly (exit 0).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import socket
-import sys
 from typing import Any, Callable, Optional
+
+import msgspec
+
+from vllm_lite.launcher import ChildChannel, Control, open_pidfd, run_child
 
 logger = logging.getLogger("vllm_lite.serve_frontend")
 
-
-def make_parser() -> argparse.ArgumentParser:
-    from vllm_lite.entrypoints.openai.cli_args import make_arg_parser
-
-    p = make_arg_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    g = p.add_argument_group("serve frontend")
-    g.add_argument("--listen-fd", type=int, required=True, help="Inherited listening socket to accept on.")
-    g.add_argument("--ready-fd", type=int, default=None, help="Pipe to write one byte to once serving.")
-    g.add_argument("--core-pids", default="", help="Comma-separated engine core pids to watch.")
-    g.add_argument("--control-stdin", action="store_true",
-                   help="The supervisor writes 'stop' on stdin before stopping the cores: their exit is then clean.")
-    g.add_argument("--frontend-name", default="", help="Name this frontend gives the core(s) (their logs show it).")
-    return p
+FRONTEND_MODULE = "vllm_lite.entrypoints.serve_frontend"
 
 
-def build_attached_engine(args: argparse.Namespace) -> Any:
-    """AsyncLLM attached to every core listed in ``--engine`` (comma-separated for data parallel)."""
+class FrontendArgs(msgspec.Struct, kw_only=True):
+    """What the supervisor starts an HTTP frontend with."""
+
+    engine: list[str]  # one address per data-parallel core
+    listen_fd: int  # the inherited listening socket
+    core_pids: list[int] = []
+    frontend_name: str = ""
+    auth_token: Optional[str] = None
+    api_key: Optional[str] = None
+    served_model_names: list[str] = []
+    uvicorn_log_level: str = "warning"
+    health_stuck_timeout_s: float = 60.0
+    engine_dead_grace_s: float = 1.0
+
+
+class FrontendReady(msgspec.Struct):
+    """The frontend serves HTTP on ``port``."""
+
+    port: int
+
+
+def build_attached_engine(args: FrontendArgs) -> Any:
+    """AsyncLLM attached to every core in ``args.engine`` (several for data parallel)."""
     from vllm_lite.client.async_llm import AsyncLLM
     from vllm_lite.client.dp_client import make_attached_client
     from vllm_lite.client.llm_engine import attached_frontend_config
@@ -57,21 +68,18 @@ def build_attached_engine(args: argparse.Namespace) -> Any:
 def watch_pids(loop: asyncio.AbstractEventLoop, pids: list[int], on_exit: Callable[[int], None]) -> list[int]:
     """Call ``on_exit(pid)`` on the loop when any of ``pids`` exits (Linux pidfds); returns fds to close."""
     fds: list[int] = []
-    pidfd_open = getattr(os, "pidfd_open", None)
     for pid in pids:
-        if pidfd_open is None:
-            break
-        try:
-            fd = pidfd_open(pid)
-        except OSError:  # already gone (or no pidfd support): treat as exited
-            loop.call_soon(on_exit, pid)
+        fd = open_pidfd(pid)
+        if fd is None:  # already gone, or no pidfd support: the heartbeat watch remains
+            if not os.path.exists(f"/proc/{pid}"):
+                loop.call_soon(on_exit, pid)
             continue
         fds.append(fd)
         loop.add_reader(fd, on_exit, pid)
     return fds
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> int:
     """Attach, serve HTTP on the inherited socket until told to stop or a core dies; the exit code."""
     from vllm_lite.entrypoints.openai.api_server import build_app, serve_app
 
@@ -83,10 +91,10 @@ async def serve(args: argparse.Namespace) -> int:
         await engine.call_utility_async("ping")
         app = build_app(
             engine,
-            args.served_model_name or None,
+            args.served_model_names or None,
             api_key=args.api_key,
-            health_stuck_timeout_s=args.health_stuck_timeout,
-            engine_dead_grace_s=args.engine_dead_grace,
+            health_stuck_timeout_s=args.health_stuck_timeout_s,
+            engine_dead_grace_s=args.engine_dead_grace_s,
         )
 
         stopping = {"flag": False}
@@ -103,18 +111,13 @@ async def serve(args: argparse.Namespace) -> int:
                 return
             loop.create_task(app.state.health_monitor.notify_dead(f"the engine core process (pid {pid}) exited"))
 
-        if args.control_stdin:
-            def on_control() -> None:
-                data = os.read(0, 64)
-                if not data or b"stop" in data:
-                    loop.remove_reader(0)
-                if b"stop" in data:
-                    stopping["flag"] = True
+        def on_control(message: Control) -> None:  # in the launcher's watch thread
+            if message.kind == "stop":
+                loop.call_soon_threadsafe(stopping.__setitem__, "flag", True)
 
-            loop.add_reader(0, on_control)
-
-        pids = [int(p) for p in args.core_pids.split(",") if p.strip()]
-        pidfds = watch_pids(loop, pids, core_exited)
+        if channel is not None:
+            channel.on_control(on_control)
+        pidfds = watch_pids(loop, args.core_pids, core_exited)
         sock = socket.socket(fileno=args.listen_fd)
         task = loop.create_task(serve_app(app, sock=sock, log_level=args.uvicorn_log_level))
         while not task.done():
@@ -122,10 +125,8 @@ async def serve(args: argparse.Namespace) -> int:
             if server is not None and getattr(server, "started", False):
                 break
             await asyncio.sleep(0.02)
-        if args.ready_fd is not None:
-            if not task.done():
-                os.write(args.ready_fd, b"R")
-            os.close(args.ready_fd)
+        if channel is not None and not task.done():
+            channel.ready(FrontendReady(port=sock.getsockname()[1]))
         return await task
     finally:
         for fd in pidfds:
@@ -140,19 +141,12 @@ async def serve(args: argparse.Namespace) -> int:
             logger.exception("engine shutdown failed")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def _main(args: FrontendArgs, channel: ChildChannel) -> int:
     from vllm_lite.client.core_client import set_frontend_thread_policy
 
-    from vllm_lite.logging_utils import configure_process_logging
-
-    configure_process_logging("http %(process)d")
-    args = make_parser().parse_args(argv)
-    if not args.engine:
-        print("serve_frontend: --engine ADDRESS is required", file=sys.stderr)
-        return 2
     set_frontend_thread_policy()
-    return asyncio.run(serve(args))
+    return asyncio.run(serve(args, channel))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_child(FrontendArgs, _main)

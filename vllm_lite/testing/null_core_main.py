@@ -1,0 +1,16 @@
+"""Entry point of a null engine-core process (benchmarks): ``python -m vllm_lite.testing.null_core_main``."""
+
+from __future__ import annotations
+
+from vllm_lite.core.engine_core_proc import run_engine_core
+from vllm_lite.core.messages import EngineCoreArgs
+from vllm_lite.launcher import ChildChannel, run_child
+from vllm_lite.testing.null_core import NullEngineCoreProc
+
+
+def _main(args: EngineCoreArgs, channel: ChildChannel) -> int:
+    return run_engine_core(args, channel, NullEngineCoreProc)
+
+
+if __name__ == "__main__":
+    run_child(EngineCoreArgs, _main)
