@@ -16,7 +16,10 @@ from vllm_lite.config import EngineArgs
 from vllm_lite.default_model import DEFAULT_MODEL_NAME, default_model_path
 from vllm_lite.entrypoints.cli import build_parser
 from vllm_lite.entrypoints.cli.engine_args import engine_args_from
-from vllm_lite.entrypoints.openai.cli_args import check_api_server_args, engine_args_from_cli
+from vllm_lite.entrypoints.openai.cli_args import (
+    check_api_server_args,
+    engine_args_from_cli,
+)
 
 FIELDS = dataclasses.fields(EngineArgs)
 
@@ -191,6 +194,6 @@ def test_engine_args_reject_bad_sizes_with_the_field_named():
     from vllm_lite.testing.checkpoints import get_checkpoint
 
     ckpt = get_checkpoint("llama")
-    for kw, name in ((dict(max_model_len=1), "max_model_len"), (dict(num_threads=0), "num_threads")):
+    for kw, name in (({"max_model_len": 1}, "max_model_len"), ({"num_threads": 0}, "num_threads")):
         with pytest.raises(ValueError, match=name):
             EngineArgs(model=ckpt, device="cpu", **kw).create_engine_config()

@@ -18,7 +18,7 @@ from vllm_lite.testing.checkpoints import get_checkpoint
 
 PROMPTS = ["The for statement", "Hello world", "def f(x): return", "Exceptions are raised",
            "while True:", "import sys"]
-ENGINE_KW = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8)
+ENGINE_KW = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "max_num_seqs": 8}
 
 
 def greedy(n: int = 8) -> SamplingParams:

@@ -11,8 +11,15 @@ import argparse
 import sys
 from typing import Any, Optional, TextIO
 
-from vllm_lite.entrypoints.cli.engine_args import add_engine_args, build_engine, vllm_lite_log_level
-from vllm_lite.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from
+from vllm_lite.entrypoints.cli.engine_args import (
+    add_engine_args,
+    build_engine,
+    vllm_lite_log_level,
+)
+from vllm_lite.entrypoints.cli.sampling_args import (
+    add_sampling_args,
+    sampling_params_from,
+)
 from vllm_lite.entrypoints.cli.types import CLISubcommand
 
 EXIT_COMMANDS = ("/exit", "/quit")

@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_lite.entrypoints.cli.engine_args import add_engine_args, build_engine, vllm_lite_log_level
-from vllm_lite.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from
+from vllm_lite.entrypoints.cli.engine_args import (
+    add_engine_args,
+    build_engine,
+    vllm_lite_log_level,
+)
+from vllm_lite.entrypoints.cli.sampling_args import (
+    add_sampling_args,
+    sampling_params_from,
+)
 from vllm_lite.entrypoints.cli.types import CLISubcommand
 
 
@@ -33,8 +40,8 @@ class GenerateCommand(CLISubcommand):
             return self._generate(args)
 
     def _generate(self, args: argparse.Namespace) -> int:
-        from vllm_lite.sampling_params import RequestOutputKind
         from vllm_lite.entrypoints.cli.streaming import stream_request
+        from vllm_lite.sampling_params import RequestOutputKind
 
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         if not prompt:
