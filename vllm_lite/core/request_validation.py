@@ -45,6 +45,7 @@ class RequestLimits:
     # stop_token_ids and the frontend's filled-in list (stop ids plus extra EOS ids).
     max_stop_token_ids: int = 1024
     max_bad_words: int = 1024
+    max_bad_word_chars: int = 1024
     # The frontend tokenizes each bad word twice (at text start and after a space).
     max_bad_words_token_ids: int = 2048
     max_cache_salt_chars: int = 1024
@@ -141,8 +142,12 @@ def _validate_sampling_params(p: SamplingParams, limits: RequestLimits) -> None:
     _validate_logit_bias(p.logit_bias, vocab)
     if p.bad_words is not None:
         _sized_list("bad_words", p.bad_words, limits.max_bad_words)
-        if any(type(w) is not str or not w for w in p.bad_words):
-            raise ValueError("bad_words must hold non-empty strings.")
+        for w in p.bad_words:
+            if type(w) is not str or not w or len(w) > limits.max_bad_word_chars:
+                raise ValueError(
+                    f"bad_words must hold non-empty strings of at most {limits.max_bad_word_chars} characters, "
+                    f"got {_short(w)}."
+                )
     if p._bad_words_token_ids is not None:
         seqs = _sized_list("bad_words_token_ids", p._bad_words_token_ids, limits.max_bad_words_token_ids)
         for seq in seqs:
