@@ -8,6 +8,9 @@
 // the item, stored transposed so scores for 16 keys are one vector FMA chain per row.
 // Two implementations of the key loop: AVX-512 intrinsics for head sizes 32/64/128/256
 // (registers hold scores and accumulators), and a portable loop for anything else.
+// A sliding window W (query at p sees keys in (p - W, p]) starts the key stream at the first key
+// any row of the item can see, so blocks before the window are never read (they may be freed);
+// logit soft-capping (Gemma 2) runs on the portable loop.
 
 #include "cpu_common.h"
 #include "ops.h"
@@ -49,7 +52,8 @@ struct Scratch {
 // Validates the batch on the host and lists the work items, largest first.
 std::vector<WorkItem> plan_items(const at::Tensor& block_table, const at::Tensor& seq_lens,
                                  const at::Tensor& query_start_loc, int64_t num_tokens,
-                                 int64_t block_size, int64_t num_blocks, int64_t tokens_per_item) {
+                                 int64_t block_size, int64_t num_blocks, int64_t tokens_per_item,
+                                 int64_t window) {
   const int64_t num_reqs = seq_lens.size(0);
   const int64_t max_blocks = block_table.size(1);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -69,7 +73,8 @@ std::vector<WorkItem> plan_items(const at::Tensor& block_table, const at::Tensor
     const int64_t need = (s_len + block_size - 1) / block_size;
     TORCH_CHECK_VALUE(need <= max_blocks, "seq_lens[", b, "] = ", s_len, " needs ", need,
                       " blocks but block_table has ", max_blocks, " columns");
-    for (int64_t j = 0; j < need; ++j) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, s_len - q_len - window + 1) / block_size : 0;
+    for (int64_t j = first; j < need; ++j) {
       const int32_t blk = bt[b * max_blocks + j];
       TORCH_CHECK_VALUE(blk >= 0 && blk < num_blocks, "block_table[", b, ", ", j, "] = ", blk,
                         " is outside the cache's ", num_blocks, " blocks");
@@ -78,7 +83,7 @@ std::vector<WorkItem> plan_items(const at::Tensor& block_table, const at::Tensor
     for (int64_t s = 0; s < q_len; s += tokens_per_item) {
       const int64_t e = std::min(q_len, s + tokens_per_item);
       items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(s), static_cast<int32_t>(e),
-                       (e - s) * (ctx + e)});
+                       (e - s) * (window > 0 ? std::min<int64_t>(ctx + e, window + e - s) : ctx + e)});
     }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -95,7 +100,10 @@ struct ItemView {
   int64_t block_size, blk_stride, tok_stride, kv_off;  // kv_off: this KV head's offset in a token row
   int64_t ctx;           // position of the item's first query token
   int64_t rows, group;   // rows = tokens * group; row r is token r / group
-  int64_t num_keys;      // keys 0..num_keys-1 are visible to some row
+  int64_t num_keys;      // keys key_begin..num_keys-1 are visible to some row
+  int64_t window;        // sliding window, 0 = none
+  int64_t key_begin;     // first key any row sees (0 without a window)
+  float soft_cap;        // 0 = none
 
   // Cache offsets of keys k0..k0+n-1, walking the block table without a division per key.
   void tile_offsets(int64_t k0, int64_t n, int64_t* offs) const {
@@ -113,13 +121,18 @@ struct ItemView {
   int64_t visible(int64_t r, int64_t k0, int64_t kn) const {
     return std::max<int64_t>(0, std::min(kn, ctx + r / group + 1 - k0));
   }
+  // First key of that tile row r may see (the window's lower edge), clamped to [0, kn].
+  int64_t first_visible(int64_t r, int64_t k0, int64_t kn) const {
+    if (window <= 0) return 0;
+    return std::max<int64_t>(0, std::min(kn, ctx + r / group - window + 1 - k0));
+  }
 };
 
 // Portable path: any head size, loops left to the compiler's auto-vectoriser.
 template <typename T>
 void key_loop_generic(const ItemView<T>& it, int64_t D, Scratch& s) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t k0 = 0; k0 < it.num_keys; k0 += kKeyTile) {
+  for (int64_t k0 = it.key_begin; k0 < it.num_keys; k0 += kKeyTile) {
     const int64_t kn = std::min(kKeyTile, it.num_keys - k0);
     // Gather the key tile (transposed: k_t[d][j]) and the value tile (v[j][d]) as float32.
     int64_t offs[kKeyTile];
@@ -137,7 +150,8 @@ void key_loop_generic(const ItemView<T>& it, int64_t D, Scratch& s) {
     }
     for (int64_t r = 0; r < it.rows; ++r) {
       const int64_t valid = it.visible(r, k0, kn);
-      if (valid == 0) continue;
+      const int64_t lo = it.first_visible(r, k0, kn);
+      if (valid <= lo) continue;
       float scores[kKeyTile];
       for (int64_t j = 0; j < kKeyTile; ++j) scores[j] = 0.0f;
       const float* qr = s.q.data() + r * D;
@@ -147,14 +161,17 @@ void key_loop_generic(const ItemView<T>& it, int64_t D, Scratch& s) {
 #pragma omp simd
         for (int64_t j = 0; j < kKeyTile; ++j) scores[j] += qd * kd[j];
       }
+      if (it.soft_cap > 0.0f) {
+        for (int64_t j = lo; j < valid; ++j) scores[j] = it.soft_cap * std::tanh(scores[j] / it.soft_cap);
+      }
       float tile_max = neg_inf;
-      for (int64_t j = 0; j < valid; ++j) tile_max = std::max(tile_max, scores[j]);
+      for (int64_t j = lo; j < valid; ++j) tile_max = std::max(tile_max, scores[j]);
       const float new_max = std::max(s.row_max[r], tile_max);
       const float alpha = std::exp(s.row_max[r] - new_max);  // 0 on the first tile
       float tile_sum = 0.0f;
 #pragma omp simd reduction(+ : tile_sum)
       for (int64_t j = 0; j < kKeyTile; ++j) {
-        const float p = j < valid ? fast_exp(scores[j] - new_max) : 0.0f;
+        const float p = (j >= lo && j < valid) ? fast_exp(scores[j] - new_max) : 0.0f;
         scores[j] = p;
         tile_sum += p;
       }
@@ -163,7 +180,7 @@ void key_loop_generic(const ItemView<T>& it, int64_t D, Scratch& s) {
       float* acc = s.acc.data() + r * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-      for (int64_t j = 0; j < valid; ++j) {
+      for (int64_t j = lo; j < valid; ++j) {
         const float p = scores[j];
         const float* vj = s.v.data() + j * D;
 #pragma omp simd
@@ -233,7 +250,7 @@ void key_loop_avx512(const ItemView<T>& it, Scratch& s) {
   float* kt = s.k_t.data();                 // [D][16] transposed keys
   alignas(64) float probs[kTile16];
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t k0 = 0; k0 < it.num_keys; k0 += kTile16) {
+  for (int64_t k0 = it.key_begin; k0 < it.num_keys; k0 += kTile16) {
     const int64_t kn = std::min(kTile16, it.num_keys - k0);
     int64_t offs[kTile16];
     it.tile_offsets(k0, kn, offs);
@@ -279,8 +296,9 @@ void key_loop_avx512(const ItemView<T>& it, Scratch& s) {
       for (int64_t i = 0; i < nr; ++i) {
         const int64_t r = r0 + i;
         const int64_t valid = it.visible(r, k0, kn);
-        if (valid == 0) continue;
-        const __mmask16 m = static_cast<__mmask16>((1u << valid) - 1u);
+        const int64_t lo = it.first_visible(r, k0, kn);
+        if (valid <= lo) continue;
+        const __mmask16 m = static_cast<__mmask16>(((1u << valid) - 1u) & ~((1u << lo) - 1u));
         const __m512 sv = _mm512_mask_blend_ps(m, neg_inf, sc[i]);
         const float new_max = std::max(s.row_max[r], _mm512_reduce_max_ps(sv));
         const float alpha = std::exp(s.row_max[r] - new_max);  // 0 on the first tile
@@ -292,7 +310,7 @@ void key_loop_avx512(const ItemView<T>& it, Scratch& s) {
         __m512 a[NC];
         const __m512 av = _mm512_set1_ps(alpha);
         for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), av);
-        for (int64_t j = 0; j < valid; ++j) {
+        for (int64_t j = lo; j < valid; ++j) {
           const __m512 pj = _mm512_set1_ps(probs[j]);
           const float* vj = vrow[j];
           for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * c), a[c]);
@@ -308,7 +326,7 @@ void key_loop_avx512(const ItemView<T>& it, Scratch& s) {
 template <typename T>
 void key_loop(const ItemView<T>& it, int64_t D, Scratch& s) {
 #if defined(__AVX512F__)
-  switch (D) {
+  if (it.soft_cap <= 0.0f) switch (D) {
     case 32: return key_loop_avx512<T, 2>(it, s);
     case 64: return key_loop_avx512<T, 4>(it, s);
     case 128: return key_loop_avx512<T, 8>(it, s);
@@ -322,7 +340,7 @@ void key_loop(const ItemView<T>& it, int64_t D, Scratch& s) {
 template <typename T>
 void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                       const at::Tensor& block_table, const at::Tensor& seq_lens,
-                      const at::Tensor& query_start_loc, float scale) {
+                      const at::Tensor& query_start_loc, float scale, int64_t window, float soft_cap) {
   const int64_t num_tokens = query.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t head_size = query.size(2);
@@ -334,7 +352,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t max_rows = tokens_per_item * group;
 
   const std::vector<WorkItem> items = plan_items(block_table, seq_lens, query_start_loc, num_tokens,
-                                                 block_size, num_blocks, tokens_per_item);
+                                                 block_size, num_blocks, tokens_per_item, window);
   const int64_t num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
   if (num_work == 0) return;
 
@@ -364,7 +382,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
       const int64_t ctx = sl[b] - q_len;  // position of the request's first query token
       ItemView<T> it{k_cache, k_cache + num_blocks * blk_stride, bt + b * max_blocks, block_size, blk_stride,
                      tok_stride, kvh * D, ctx + item.q_begin, (item.q_end - item.q_begin) * group, group,
-                     ctx + item.q_end};
+                     ctx + item.q_end, window,
+                     window > 0 ? std::max<int64_t>(0, ctx + item.q_begin - window + 1) : 0, soft_cap};
 
       // Load this item's query rows (row = token * group + head-in-group), pre-scaled, as float32.
       for (int64_t r = 0; r < it.rows; ++r) {
@@ -397,7 +416,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale) {
+                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                     double logits_soft_cap) {
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&out, "out"}, {&query, "query"},
                          {&kv_cache, "kv_cache"}, {&block_table, "block_table"}, {&seq_lens, "seq_lens"},
                          {&query_start_loc, "query_start_loc"}}) {
@@ -432,13 +452,16 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                     seq_lens.size(0) + 1, " entries, got ", query_start_loc.size(0));
   TORCH_CHECK_VALUE(block_table.size(0) >= seq_lens.size(0), "block_table has ", block_table.size(0),
                     " rows for ", seq_lens.size(0), " requests");
+  TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0 = none), got ", sliding_window);
+  TORCH_CHECK_VALUE(logits_soft_cap >= 0.0, "logits_soft_cap must be >= 0 (0 = none), got ", logits_soft_cap);
   const float s = static_cast<float>(scale);
+  const float cap = static_cast<float>(logits_soft_cap);
   switch (query.scalar_type()) {
     case at::kFloat:
-      attention_kernel<float>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s);
+      attention_kernel<float>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s, sliding_window, cap);
       break;
     case at::kBFloat16:
-      attention_kernel<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s);
+      attention_kernel<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s, sliding_window, cap);
       break;
     default:
       TORCH_CHECK_TYPE(false, "paged_attention supports float32 and bfloat16, got ", query.scalar_type());

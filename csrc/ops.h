@@ -10,9 +10,12 @@ namespace vllm_lite {
 // Causal paged attention over a mixed batch of prefill chunks and decodes.
 // out/query: [T, H, D]; kv_cache: [2, num_blocks, block_size, KVH, D];
 // block_table int32 [B, M]; seq_lens int32 [B]; query_start_loc int32 [B+1].
+// sliding_window W > 0: a query at position p sees keys in (p - W, p]; blocks before that are not read.
+// logits_soft_cap c > 0: scores become c * tanh(score / c). 0 turns either off.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale);
+                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                     double logits_soft_cap);
 
 // Scatter key/value rows [T, KVH, D] into the cache at slot_mapping (int64 [T]; negative = skip).
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,

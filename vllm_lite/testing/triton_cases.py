@@ -24,7 +24,11 @@ from typing import Callable, Optional
 import torch
 
 from vllm_lite import envs
-from vllm_lite.testing.attention_oracle import random_attention_case, reference_paged_attention
+from vllm_lite.testing.attention_oracle import (
+    poison_blocks_before_window,
+    random_attention_case,
+    reference_paged_attention,
+)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -48,12 +52,15 @@ class AttentionCase:
     tile_n: int = 16
     batch: tuple[tuple[int, ...], tuple[int, ...]] = MIXED
     seed: int = 0
+    window: Optional[int] = None  # sliding window; blocks before it hold NaN (they may be freed)
+    soft_cap: Optional[float] = None
 
     @property
     def name(self) -> str:
+        extra = (f"-w{self.window}" if self.window else "") + (f"-cap{self.soft_cap:g}" if self.soft_cap else "")
         return (
             f"attn-{self.dtype}-bs{self.block_size}-d{self.head_size}-gqa{self.gqa}"
-            f"-tile{self.tile_n}-q{sum(self.batch[0])}-s{self.seed}"
+            f"-tile{self.tile_n}-q{sum(self.batch[0])}-s{self.seed}{extra}"
         )
 
 
@@ -69,6 +76,8 @@ def attention_cases(full: bool) -> list[AttentionCase]:
             AttentionCase("bfloat16", 16, 64, 2),
             AttentionCase("bfloat16", 32, 128, 1),
             AttentionCase("bfloat16", 16, 64, 4, batch=SINGLE),
+            AttentionCase("float32", 16, 32, 2, batch=MIXED_LONG, window=20),
+            AttentionCase("float32", 8, 32, 1, batch=MIXED_LONG, seed=3, window=7, soft_cap=0.5),
         ]
     cases = []
     tiles = (16, 32, 64)
@@ -81,6 +90,16 @@ def attention_cases(full: bool) -> list[AttentionCase]:
     ):
         cases.append(AttentionCase(dtype, block_size, head_size, gqa, tiles[i % 3], MIXED_LONG, seed=i))
     cases += [AttentionCase(dt, 16, 64, 4, batch=SINGLE) for dt in DTYPES]
+    cases += [
+        AttentionCase(dt, bs, 64, g, tiles[i % 3], MIXED_LONG, seed=i, window=w, soft_cap=cap)
+        for i, (dt, bs, g, w, cap) in enumerate(
+            (dt, bs, g, w, cap)
+            for dt in DTYPES
+            for bs in (1, 16)
+            for g in (1, 4)
+            for w, cap in ((1, None), (20, None), (33, 0.5), (None, 0.5))
+        )
+    ]
     return cases
 
 
@@ -112,9 +131,11 @@ def check_attention(case: AttentionCase, device: str) -> None:
         case.block_size, dtype, seed=case.seed,
     )
     scale = 1.0 / math.sqrt(case.head_size)
-    expected = reference_paged_attention(query, cache, md, scale)
+    expected = reference_paged_attention(query, cache, md, scale, case.window, case.soft_cap)
+    if case.window:
+        cache = poison_blocks_before_window(cache, md, case.window)
     query, cache, md = _to_device(device, query, cache, md)
-    out = TritonBackend(tile_n=case.tile_n).forward(query, cache, md, scale)
+    out = TritonBackend(tile_n=case.tile_n).forward(query, cache, md, scale, case.window, case.soft_cap)
     assert out.shape == query.shape and out.dtype == dtype and out.device == query.device
     _close(out, expected, dtype)
 

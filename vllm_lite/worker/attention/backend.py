@@ -8,12 +8,18 @@ through block_table[i] after this step's K/V are written at slot_mapping.
 
 KV cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_size]
 (index 0 = keys, 1 = values). Slot s lives at block s // block_size, offset s % block_size.
+
+Per-layer options every backend honours: `sliding_window` W (a query at
+position p sees keys in (p - W, p], Hugging Face's convention for Mistral,
+Qwen2 and Gemma 2) and `logits_soft_cap` c (scores become c * tanh(s / c)
+after scaling, before the mask and softmax, as Gemma 2 does).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -50,8 +56,13 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: Optional[int] = None,
+        logits_soft_cap: Optional[float] = None,
     ) -> torch.Tensor:
-        """Returns [T, num_heads, head_size]. K/V for this step are already in the cache."""
+        """Returns [T, num_heads, head_size]. K/V for this step are already in the cache.
+
+        Blocks wholly before a window may have been freed (their block-table entries are then
+        stale), so a windowed backend must not read them."""
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
         """Duplicate blocks within each layer's cache: src_to_dst int64 [N, 2]."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from vllm_lite.worker.attention.backend import AttentionBackend, AttentionMetadata
@@ -40,6 +42,8 @@ class CpuNativeBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: Optional[int] = None,
+        logits_soft_cap: Optional[float] = None,
     ) -> torch.Tensor:
         _check_cpu(kv_cache, "kv_cache")
         b = metadata.num_reqs
@@ -54,6 +58,8 @@ class CpuNativeBackend(AttentionBackend):
             metadata.seq_lens[:b].contiguous(),
             metadata.query_start_loc[: b + 1].contiguous(),
             float(scale),
+            int(sliding_window or 0),
+            float(logits_soft_cap or 0.0),
         )
         return out
 

@@ -13,8 +13,20 @@ from vllm_lite.worker.forward_context import get_forward_context
 class Attention(nn.Module):
     """Paged attention for one transformer layer. The runner binds `kv_cache` after allocating it."""
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: Optional[int] = None,
+        sliding_window: Optional[int] = None,
+        logits_soft_cap: Optional[float] = None,
+    ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
@@ -34,5 +46,5 @@ class Attention(nn.Module):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         ctx.backend.write_kv(k, v, self.kv_cache, md.slot_mapping)
-        out = ctx.backend.forward(q, self.kv_cache, md, self.scale)
+        out = ctx.backend.forward(q, self.kv_cache, md, self.scale, self.sliding_window, self.logits_soft_cap)
         return out.reshape(n, self.num_heads * self.head_size)

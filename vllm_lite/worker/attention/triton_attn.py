@@ -6,7 +6,9 @@ each key tile once for the whole group). Query tile i of request b has program i
 query_start_loc[b] // BLOCK_Q + b + i, an upper-bound numbering that needs no host-side scan:
 a program finds its request by binary search over query_start_loc, and surplus programs do no
 work. Keys are gathered per token through the block table (any block size), in tiles of TILE_N,
-with an online softmax so no [query, context] matrix exists.
+with an online softmax so no [query, context] matrix exists. With a sliding window W a program
+starts at the first key its earliest query sees (p - W + 1): blocks before it may be freed.
+Logit soft-capping (Gemma 2) is c * tanh(s / c), written with exp (no tanh in every Triton).
 
 Runs on CPU only under TRITON_INTERPRET=1 (the tests), where bf16 tiles are widened to float32
 before tl.dot; on CUDA, bf16 tiles go to tensor cores with float32 accumulation and float32
@@ -14,6 +16,8 @@ inputs use exact ("ieee") dots.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -53,11 +57,15 @@ if HAS_TRITON:
         offs_d,
         d_ok,
         scale,
+        window,
+        soft_cap,
         BLOCK_SIZE: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
         DOT_IN_BF16: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+        USE_SOFT_CAP: tl.constexpr,
     ):
         """One online-softmax step over keys [start_n, start_n + TILE_N): returns the new (m_i, l_i, acc)."""
         offs_n = start_n + tl.arange(0, TILE_N)
@@ -72,7 +80,12 @@ if HAS_TRITON:
         else:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         s = s * scale
+        if USE_SOFT_CAP:
+            # c * tanh(s / c) = c * (1 - 2 / (exp(2 s / c) + 1)); saturates correctly at +-inf.
+            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
         allowed = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :] & row_ok[:, None]
+        if USE_WINDOW:
+            allowed = allowed & (offs_n[None, :] > pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -95,6 +108,8 @@ if HAS_TRITON:
         seq_lens_ptr,
         query_start_loc_ptr,
         scale,
+        window,
+        soft_cap,
         num_reqs,
         stride_q_tok,
         stride_q_head,
@@ -112,6 +127,8 @@ if HAS_TRITON:
         TILE_N: tl.constexpr,
         DOT_IN_BF16: tl.constexpr,
         INTERPRET: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+        USE_SOFT_CAP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -153,6 +170,9 @@ if HAS_TRITON:
 
         tile_end = tl.minimum((tile + 1) * BLOCK_Q, q_len)
         num_keys = tl.where(tile * BLOCK_Q < q_len, ctx + tile_end, 0)
+        key_begin = num_keys * 0
+        if USE_WINDOW:
+            key_begin = tl.maximum(ctx + tile * BLOCK_Q - window + 1, 0)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -160,18 +180,20 @@ if HAS_TRITON:
         if INTERPRET:
             # Triton 3.6's interpreter keeps scalars as 1-element arrays that range() cannot take as a
             # bound; a while loop only needs their truth value. Compiled, the for loop stays (scf.for).
-            start_n = 0
+            start_n = key_begin
             while start_n < num_keys:
                 m_i, l_i, acc = _attend_key_tile(
                     m_i, l_i, acc, q, pos, row_ok, start_n, num_keys, kv_ptr, block_table_ptr + b * stride_bt,
-                    kv_half, kvh, offs_d, d_ok, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, TILE_N, DOT_IN_BF16,
+                    kv_half, kvh, offs_d, d_ok, scale, window, soft_cap, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE,
+                    TILE_N, DOT_IN_BF16, USE_WINDOW, USE_SOFT_CAP,
                 )
                 start_n += TILE_N
         else:
-            for start_n in range(0, num_keys, TILE_N):
+            for start_n in range(key_begin, num_keys, TILE_N):
                 m_i, l_i, acc = _attend_key_tile(
                     m_i, l_i, acc, q, pos, row_ok, start_n, num_keys, kv_ptr, block_table_ptr + b * stride_bt,
-                    kv_half, kvh, offs_d, d_ok, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, TILE_N, DOT_IN_BF16,
+                    kv_half, kvh, offs_d, d_ok, scale, window, soft_cap, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE,
+                    TILE_N, DOT_IN_BF16, USE_WINDOW, USE_SOFT_CAP,
                 )
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -256,6 +278,8 @@ class TritonBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: Optional[int] = None,
+        logits_soft_cap: Optional[float] = None,
     ) -> torch.Tensor:
         self._check_device(kv_cache)
         n, num_heads, head_size = query.shape
@@ -286,6 +310,8 @@ class TritonBackend(AttentionBackend):
             metadata.seq_lens,
             metadata.query_start_loc,
             float(scale),
+            int(sliding_window or 0),
+            float(logits_soft_cap or 1.0),
             b,
             q.stride(0),
             q.stride(1),
@@ -303,6 +329,8 @@ class TritonBackend(AttentionBackend):
             TILE_N=self.tile_n,
             DOT_IN_BF16=(q.dtype == torch.bfloat16 and not interpreting()),
             INTERPRET=interpreting(),
+            USE_WINDOW=bool(sliding_window),
+            USE_SOFT_CAP=bool(logits_soft_cap),
         )
         return out
 
