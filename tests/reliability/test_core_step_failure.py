@@ -18,7 +18,14 @@ import pytest
 from vllm_lite.core.engine_core import EngineCore
 from vllm_lite.core.messages import FinishReason
 from vllm_lite.sampling_params import SamplingParams
-from vllm_lite.testing.core_harness import Result, assert_no_leak, drain, make_request, tiny_engine_core, unique_id
+from vllm_lite.testing.core_harness import (
+    Result,
+    assert_no_leak,
+    drain,
+    make_request,
+    tiny_engine_core,
+    unique_id,
+)
 from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
 
 POISON_AFTER = 3  # the poisoned request runs this many steps fine, then fails in every step it is in
@@ -99,7 +106,7 @@ def _workload() -> list[tuple[list[int], SamplingParams]]:
 def _run(core: EngineCore, extra: list[tuple[str, list[int], SamplingParams]]) -> tuple[list[Result], dict[str, Result]]:
     """The workload plus `extra` requests, all added at once; the workload's results in order, and all."""
     ids = [unique_id("w") for _ in _workload()]
-    for rid, (prompt, params) in zip(ids, _workload()):
+    for rid, (prompt, params) in zip(ids, _workload(), strict=True):
         core.add_request(make_request(rid, prompt, params))
     for rid, prompt, params in extra:
         core.add_request(make_request(rid, prompt, params))

@@ -26,7 +26,12 @@ from typing import Optional, Protocol
 from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.scheduler import Scheduler
 from vllm_lite.sampling_params import SamplingParams
-from vllm_lite.worker.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from vllm_lite.worker.step import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger("vllm_lite.engine_core")
 
