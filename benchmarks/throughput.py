@@ -1,7 +1,11 @@
 """Offline throughput: vllm-lite vs Hugging Face generate on the same ~100M checkpoint, same run.
 
 Workload: 64 prompts with input lengths uniform in [32, 256] (fixed seed), 128 output tokens each,
-greedy, ignore_eos. Hugging Face runs static batches of 16, left-padded.
+greedy, ignore_eos. Hugging Face runs in its own interpreter at torch's default thread count, warmed
+up, with static left-padded batches swept over --hf-batch (16, 32, 64: the best is reported, every
+size is in the JSON). The JSON records each side's dtype, warm-up, threads and batch, and the run
+fails if the baseline differs from the engine in any of these without saying why
+(vllm_lite.testing.baselines.check_fair). It also prints the host's CPU model and capability.
 Prints one JSON line.
 """
 
@@ -59,27 +63,42 @@ def run_ours(
     return {"tokens_per_s": n_out / dt, "elapsed_s": dt, "output_tokens": n_out, "startup_s": ready}
 
 
-def run_hf(model: str, prompts: list[list[int]], out_len: int, dtype: torch.dtype, batch: int, threads: int) -> dict:
+def run_hf(model: str, prompts: list[list[int]], out_len: int, dtype: torch.dtype, batches: list[int]) -> dict:
+    """HF generate at torch's default threads, warmed up, for each batch size; the best size's rate on top."""
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(threads)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
     pad = 0
-    n_out = 0
-    t0 = time.perf_counter()
+
+    def generate(chunk: list[list[int]], new_tokens: int) -> int:
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        out = hf.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, pad_token_id=pad,
+        )
+        return (out.shape[1] - width) * len(chunk)
+
+    per_batch = {}
     with torch.no_grad():
-        for i in range(0, len(prompts), batch):
-            chunk = prompts[i : i + batch]
-            width = max(len(p) for p in chunk)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            out = hf.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
-                do_sample=False, pad_token_id=pad,
-            )
-            n_out += (out.shape[1] - width) * len(chunk)
-    dt = time.perf_counter() - t0
-    return {"tokens_per_s": n_out / dt, "elapsed_s": dt, "output_tokens": n_out}
+        for batch in batches:
+            generate(prompts[:batch], 4)  # warm-up at this batch shape (allocator, oneDNN primitives)
+            n_out = 0
+            t0 = time.perf_counter()
+            for i in range(0, len(prompts), batch):
+                n_out += generate(prompts[i : i + batch], out_len)
+            per_batch[batch] = n_out / (time.perf_counter() - t0)
+    best = max(per_batch, key=per_batch.__getitem__)
+    return {"tokens_per_s": per_batch[best], "best_batch": best, "threads": torch.get_num_threads(),
+            "tokens_per_s_by_batch": {str(b): round(v, 1) for b, v in per_batch.items()}}
+
+
+def hf_worker(spec: str) -> None:
+    """`--hf-worker JSON`: run the HF side alone in this fresh interpreter and print its JSON line."""
+    a = json.loads(spec)
+    prompts = make_prompts(a["num_prompts"], 32, 256, a["vocab"], seed=0)
+    print(json.dumps(run_hf(a["model"], prompts, a["output_len"], getattr(torch, a["dtype"]), a["batches"])))
 
 
 def main() -> None:
@@ -88,13 +107,19 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--hf-batch", default="16,32,64", help="HF batch sizes to sweep (comma-separated); best reported")
     ap.add_argument("--inprocess", action="store_true", help="run the engine core in this process")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--num-threads", type=int, default=None, help="engine-core torch threads (default: its policy)")
-    ap.add_argument("--hf-threads", type=int, default=None,
-                    help="torch threads for Hugging Face (default: the engine core's policy, all cores but one)")
+    ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)  # internal: the HF subprocess
     args = ap.parse_args()
+    if args.hf_worker is not None:
+        hf_worker(args.hf_worker)
+        return
+    from vllm_lite.testing.baselines import (
+        RunConfig, check_fair, engine_core_threads, host_description, run_json_subprocess,
+    )
+
     if args.model is None:
         from vllm_lite.testing.checkpoints import get_checkpoint
 
@@ -103,21 +128,37 @@ def main() -> None:
         cfg = json.load(f)
     prompts = make_prompts(args.num_prompts, 32, 256, cfg["vocab_size"], seed=0)
 
+    host = host_description()  # before the engine starts: this process's default torch threads
     ours = run_ours(args.model, prompts, args.output_len, args.dtype, not args.inprocess, args.num_threads)
-    result: dict = {"benchmark": "throughput", "model": os.path.basename(args.model.rstrip("/")), "dtype": args.dtype,
+    core_threads = engine_core_threads(args.num_threads)
+    engine_cfg = RunConfig("vllm_lite", args.dtype, warmup=True, threads=core_threads, batch=64)
+    result: dict = {"benchmark": "throughput", "host": host,
+                    "model": os.path.basename(args.model.rstrip("/")), "dtype": args.dtype,
                     "num_prompts": args.num_prompts, "output_len": args.output_len,
                     "vllm_lite_tokens_per_s": round(ours["tokens_per_s"], 1),
                     "vllm_lite_startup_s": round(ours["startup_s"], 2)}
+    baselines = []
     if not args.skip_hf:
-        hf_threads = args.hf_threads or args.num_threads or max(1, (os.cpu_count() or 1) - 1)
-        hf = run_hf(args.model, prompts, args.output_len, getattr(torch, args.dtype), args.hf_batch, hf_threads)
-        result["hf_threads"] = hf_threads
+        batches = [int(b) for b in args.hf_batch.split(",") if b.strip()]
+        spec = dict(model=args.model, num_prompts=args.num_prompts, vocab=cfg["vocab_size"],
+                    output_len=args.output_len, dtype=args.dtype, batches=batches)
+        hf = run_json_subprocess([os.path.abspath(__file__), "--hf-worker", json.dumps(spec)])
+        hf_cfg = RunConfig("hf_generate", args.dtype, warmup=True, threads=hf["threads"], batch=batches)
+        if hf["threads"] != core_threads:
+            hf_cfg.declared["threads"] = (
+                "HF runs at torch's default thread count in its own process; the engine core at its "
+                "policy (all cores but one, the last left to the frontend)"
+            )
+        baselines.append(hf_cfg)
         result["hf_tokens_per_s"] = round(hf["tokens_per_s"], 1)
+        result["hf_best_batch"] = hf["best_batch"]
+        result["hf_tokens_per_s_by_batch"] = hf["tokens_per_s_by_batch"]
         result["ratio"] = round(ours["tokens_per_s"] / hf["tokens_per_s"], 2)
+    check_fair(engine_cfg, baselines)
+    result["runs"] = [engine_cfg.as_json()] + [b.as_json() for b in baselines]
     # Fraction of the compute limit: 2 * params FLOPs per token against the measured matmul rate.
     n_params = _count_params(cfg)
     achieved = 2 * n_params * ours["tokens_per_s"] / 1e12
-    core_threads = args.num_threads or max(1, (os.cpu_count() or 1) - 1)
     limit = matmul_tflops(getattr(torch, args.dtype), threads=core_threads)
     result["model_params_m"] = round(n_params / 1e6, 1)
     result["achieved_tflops"] = round(achieved, 4)
