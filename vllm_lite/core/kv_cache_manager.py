@@ -5,6 +5,19 @@ the pool is short) and tells it when tokens are computed (`cache_blocks`) and
 when a request leaves (`free`). Blocks become prefix-cache entries only after
 their KV has been written, so a request preempted mid-step never leaves
 unwritten blocks behind in the cache.
+
+Sliding window (a model whose every layer attends to keys in (p - W, p]): when
+a step starts, the request's blocks wholly before the window of its first new
+token are freed and replaced by the pool's null block in its list, as vLLM's
+sliding-window manager does, so a sequence holds about W / block_size blocks.
+The worker's block table keeps the stale ids; attention never reads them.
+Models that mix window and full layers (Gemma 2) keep one KV layout for all
+layers and free nothing early: the full layers need every block.
+
+Prefix caching stays correct: a freed block keeps its hash until evicted, and
+a lookup takes only an unbroken chain of cached blocks from the first one. A
+block's KV depends only on the tokens up to it (the hash chain), never on what
+was freed later, so a hit returns the same KV a recompute would.
 """
 
 from __future__ import annotations
@@ -23,12 +36,16 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         num_cpu_blocks: int = 0,
+        sliding_window: Optional[int] = None,
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
         if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {num_cpu_blocks!r}.")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}.")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
         # Host swap space: no null block, never cached (its contents only come back to the same request).
@@ -58,6 +75,31 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def num_blocks_in_use(self, request_id: str) -> int:
+        """Blocks the request really holds (freed out-of-window ones, now the null block, excluded)."""
+        return sum(1 for b in self.req_to_blocks.get(request_id, []) if not b.is_null)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the blocks no future query can see: all keys before num_computed_tokens - W + 1.
+
+        No-op without a uniform sliding window."""
+        if self.sliding_window is None:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        first_useful = max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+        null = self.block_pool.null_block
+        assert null is not None  # the device pool always reserves it
+        freed = []
+        for i in range(min(first_useful, len(blocks)) - 1, -1, -1):
+            if blocks[i].is_null:
+                break  # everything before was freed at an earlier step
+            freed.append(blocks[i])
+            blocks[i] = null
+        # Tail first: the chain's later blocks are evicted before its prefix.
+        self.block_pool.free_blocks(freed)
 
     # ------------------------------------------------------------------ prefix cache
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -130,6 +172,7 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens!r}.")
         rid = request.request_id
+        self.remove_skipped_blocks(rid, request.num_computed_tokens)
         req_blocks = self.req_to_blocks.get(rid)
         num_held = len(req_blocks) if req_blocks is not None else 0
         if not new_computed_blocks:
@@ -166,6 +209,8 @@ class KVCacheManager:
         self.num_cached_block[rid] = len(computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_needed)
         self.req_to_blocks[rid] = computed_blocks + new_blocks
+        # Hit blocks already behind the window are not needed by any query of this request.
+        self.remove_skipped_blocks(rid, request.num_computed_tokens + num_new_computed_tokens)
         return new_blocks
 
     def free(self, request: Request) -> None:
@@ -173,7 +218,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
         self.num_cached_block.pop(rid, None)
         host = self.req_to_host_blocks.pop(rid, None)
         if host:
@@ -199,7 +244,7 @@ class KVCacheManager:
         self.req_to_host_blocks[rid] = host
         self.num_cached_block.pop(rid, None)
         pairs = [(d.block_id, h.block_id) for d, h in zip(blocks, host)]
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
         return pairs
 
     def swap_in(self, request: Request, num_new_tokens: int) -> Optional[list[tuple[int, int]]]:

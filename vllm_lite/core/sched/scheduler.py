@@ -22,6 +22,7 @@ from vllm_lite.core.kv_cache_utils import KVCacheBlock
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.request_queue import RequestQueue, create_request_queue
+from vllm_lite.worker.models.sliding_window import uniform_sliding_window
 from vllm_lite.worker.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger("vllm_lite.scheduler")
@@ -60,6 +61,7 @@ class Scheduler:
             block_size=cc.block_size,
             enable_caching=cc.enable_prefix_caching,
             num_cpu_blocks=cc.num_cpu_blocks or 0,
+            sliding_window=uniform_sliding_window(vllm_config.model_config.hf_config),
         )
         # A request alone must always fit in the cache, or it could never finish: cap the length there.
         capacity = self.kv_cache_manager.num_total_blocks * self.block_size
