@@ -31,6 +31,7 @@ from vllm_lite.testing.fake_core import (
     fake_token,
     request,
 )
+from vllm_lite.testing.processes import process_gone
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
@@ -264,15 +265,6 @@ def test_async_client_generates_concurrently_and_dies_cleanly_on_kill_9():
 # ---------------------------------------------------------------------------------------------------- orphans
 
 
-def _process_gone(pid: int) -> bool:
-    """Exited (or a zombie waiting for a reaper we don't control)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_private_core_exits_and_cleans_up_when_its_parent_is_killed(tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(  # no main guard: the launcher never re-imports it
@@ -287,12 +279,12 @@ def test_private_core_exits_and_cleans_up_when_its_parent_is_killed(tmp_path):
     try:
         core_pid, tmpdir = parent.stdout.readline().split()
         core_pid = int(core_pid)
-        assert os.path.isdir(tmpdir) and not _process_gone(core_pid)
+        assert os.path.isdir(tmpdir) and not process_gone(core_pid)
     finally:
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 10
-    while not _process_gone(core_pid):
+    while not process_gone(core_pid):
         assert time.monotonic() < deadline, "the private core outlived its parent"
         time.sleep(0.1)
     assert not os.path.exists(tmpdir)

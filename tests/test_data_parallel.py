@@ -8,7 +8,6 @@ core (its prefix cache hits), and greedy outputs equal LLM(multiprocess=False).
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import subprocess
@@ -22,15 +21,9 @@ import pytest
 
 from vllm_lite import LLM, SamplingParams
 from vllm_lite.client.core_client import SyncMPClient
-from vllm_lite.client.dp_client import (
-    _Router,
-    combine_utility_results,
-    dp_core_addresses,
-    split_addresses,
-)
-from vllm_lite.core.engine_core_proc import CoreAddresses
+from vllm_lite.client.dp_client import _Router, combine_utility_results
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from vllm_lite.entrypoints.serve_daemon import find_free_port_run
+from vllm_lite.endpoints import CoreAddresses, dp_core_addresses, split_addresses
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.devices import requires_cuda_devices
 
@@ -144,13 +137,11 @@ def reference(ckpt, dp_device):
 
 @pytest.fixture(scope="module")
 def dp_daemon(ckpt, dp_device, tmp_path_factory):
-    port = find_free_port_run("127.0.0.1", 4)
-    api_port = find_free_port_run("127.0.0.1", 1)
     log_path = str(tmp_path_factory.mktemp("dp") / "serve.log")
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", ckpt, "--data-parallel-size", "2",
-         "--port", str(port), "--api-port", str(api_port), "--num-threads", "1", "--heartbeat-timeout", "3",
+         "--port", "0", "--api-port", "0", "--num-threads", "1", "--heartbeat-timeout", "3",
          "--dtype", "float32", "--device", dp_device],
         stdout=subprocess.PIPE, stderr=log, text=True,
     )
@@ -165,8 +156,11 @@ def dp_daemon(ckpt, dp_device, tmp_path_factory):
             seen.append(lines.get(timeout=0.2))
         except queue.Empty:
             pass
-    yield {"address": f"tcp://127.0.0.1:{port}", "port": port, "base_url": f"http://127.0.0.1:{api_port}",
-           "lines": seen, "log": log_path}
+    # --port 0 / --api-port 0: the daemon bound free ports and says which.
+    address = next(x for x in seen if "engine core 0/2 listening on" in x).split(" listening on ")[1].split()[0]
+    base_url = next(x for x in seen if "OpenAI API on" in x).split(" OpenAI API on ")[1].split()[0]
+    port = int(address.rsplit(":", 1)[1])
+    yield {"address": address, "port": port, "base_url": base_url, "lines": seen, "log": log_path}
     proc.send_signal(signal.SIGTERM)
     try:
         assert proc.wait(60) == 0

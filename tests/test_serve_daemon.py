@@ -39,6 +39,7 @@ from vllm_lite.core.messages import (
 from vllm_lite.endpoints import CoreAddresses
 from vllm_lite.entrypoints.serve_daemon import check_bind_allowed, is_loopback_host
 from vllm_lite.testing.checkpoints import get_checkpoint
+from vllm_lite.testing.processes import children, cmdline, process_gone
 
 TOKEN = "s3cret-token"
 HEARTBEAT_S = 2.0
@@ -453,27 +454,6 @@ def test_sigterm_drains_running_requests_aborts_past_the_timeout_and_exits_0(lon
         d.stop()
 
 
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            kids += [int(x) for x in f.read().split()]
-    return kids
-
-
-def _cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode()
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down_non_zero(long_ckpt, tmp_path,
                                                                                            reference):
     d = Daemon([long_ckpt, "--port", "0", "--api-port", "0", "--api-servers", "2",
@@ -493,13 +473,13 @@ def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down
         with ThreadPoolExecutor(6) as pool:
             texts = list(pool.map(lambda p: http_complete(base_url, p, 16), prompts))
         assert texts == [reference(p, 16)[1] for p in prompts]
-        frontends = [p for p in _children(d.proc.pid) if "serve_frontend" in _cmdline(p)]
+        frontends = [p for p in children(d.proc.pid) if "serve_frontend" in cmdline(p)]
         assert len(frontends) == 2
 
         os.kill(core_pid, signal.SIGKILL)
         code = d.proc.wait(30)
         assert code != 0
-        assert all(_gone(p) for p in frontends)
+        assert all(process_gone(p) for p in frontends)
         log = d.log()
         assert "Engine core 0 exited unexpectedly" in log
         assert "HTTP frontend 0 exited with code 1" in log and "HTTP frontend 1 exited with code 1" in log
@@ -536,11 +516,11 @@ def test_killing_the_serve_process_leaves_no_core_or_frontend_behind(long_ckpt, 
         _, line = d.core_line()
         d.api_url()
         core_pid = int(line.rsplit("pid ", 1)[1].rstrip(")"))
-        frontends = [p for p in _children(d.proc.pid) if "serve_frontend" in _cmdline(p)]
+        frontends = [p for p in children(d.proc.pid) if "serve_frontend" in cmdline(p)]
         assert len(frontends) == 1
         d.proc.kill()
         d.proc.wait(10)
-        wait_for(lambda: _gone(core_pid) and all(_gone(p) for p in frontends), 15, "the orphans to exit")
+        wait_for(lambda: process_gone(core_pid) and all(process_gone(p) for p in frontends), 15, "the orphans to exit")
     finally:
         d.stop()
 

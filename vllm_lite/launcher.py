@@ -306,7 +306,8 @@ def start_child(
     child_env.update(env or {})
     # The child must import this very vllm_lite, even when we found it through a sys.path edit.
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH")) if p)
+    paths = [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_root]
+    child_env["PYTHONPATH"] = os.pathsep.join([package_root, *paths])
     argv = [sys.executable, "-m", module, "--launcher-fds", f"{control_r},{status_w}",
             "--log-level", str(level), "--name", name]
     envelope = _Envelope(
@@ -444,10 +445,11 @@ class ChildChannel:
         self._parent_gone()
 
     def _parent_gone(self) -> NoReturn:
-        logger.info("%s: parent process %d is gone; exiting.", self.name, self.parent_pid)
+        # No logging or flushing here: our stderr may lead to the dead parent, and the main
+        # thread may be anywhere. Remove what the parent asked us to, then go.
         for path in self._cleanup_paths:
             shutil.rmtree(path, ignore_errors=True)
-        _flush_and_exit(0)
+        os._exit(0)
 
 
 def _flush_and_exit(code: int) -> NoReturn:

@@ -2,10 +2,8 @@
 
 A ``vllm-lite serve --data-parallel-size D`` daemon runs D independent engine
 cores (each with its own model copy, KV cache and scheduler). Core ``r`` listens
-at ``dp_core_addresses(base, D)[r]``: ``tcp://HOST:P`` -> ports ``P + 2r`` (and
-``P + 2r + 1`` for its output socket); ``ipc:///PATH`` -> ``/PATH`` for rank 0,
-``/PATH-dp<r>`` for the others. Rank 0 is at the base address, so a plain
-single-core frontend can still attach to it.
+at ``vllm_lite.endpoints.dp_core_addresses(base, D)[r]`` (rank 0 at the base address,
+so a plain single-core frontend can still attach to it).
 
 ``DPCoreClient`` / ``AsyncDPCoreClient`` hold one attached client per core and
 route each new request:
@@ -39,46 +37,11 @@ import msgspec
 
 from vllm_lite.client.core_client import AsyncMPClient, EngineCoreClient, SyncMPClient
 from vllm_lite.client.exceptions import EngineDeadError
-from vllm_lite.core.engine_core_proc import CoreAddresses
 from vllm_lite.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from vllm_lite.endpoints import CoreAddresses, split_addresses
 
 # How many first-block hashes a router remembers (LRU) for sticky routing.
 _MAX_STICKY_PREFIXES = 65536
-
-
-def dp_core_addresses(base: str, data_parallel_size: int) -> list[str]:
-    """The user-facing address of each data-parallel core of a daemon at ``base`` (rank order)."""
-    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}.")
-    CoreAddresses.from_base(base)  # validates the form
-    if data_parallel_size == 1:
-        return [base]
-    if base.startswith("tcp://"):
-        host, _, port = base[len("tcp://"):].rpartition(":")
-        last = int(port) + 2 * data_parallel_size - 1
-        if last > 65535:
-            raise ValueError(f"{data_parallel_size} cores at {base!r} need ports up to {last} (> 65535).")
-        return [f"tcp://{host}:{int(port) + 2 * r}" for r in range(data_parallel_size)]
-    return [base] + [f"{base}-dp{r}" for r in range(1, data_parallel_size)]
-
-
-def split_addresses(address: Union[str, Sequence[str]], data_parallel_size: int = 1) -> list[str]:
-    """``address`` as a list of core addresses: a list as given, a comma-separated string, or a base + D."""
-    if isinstance(address, str):
-        parts = [a.strip() for a in address.split(",") if a.strip()]
-    elif isinstance(address, (list, tuple)) and all(isinstance(a, str) for a in address):
-        parts = list(address)
-    else:
-        raise TypeError(f"engine address must be a string or a list of strings, got {address!r}.")
-    if not parts:
-        raise ValueError("engine address is empty.")
-    if len(parts) == 1:
-        return dp_core_addresses(parts[0], data_parallel_size)
-    if data_parallel_size not in (1, len(parts)):
-        raise ValueError(f"got {len(parts)} engine addresses but data_parallel_size={data_parallel_size}.")
-    for a in parts:
-        CoreAddresses.from_base(a)
-    return parts
 
 
 def make_attached_client(

@@ -1,30 +1,52 @@
-"""Finding the tensor-parallel rank processes a process started, for tests that kill one."""
+"""Finding the processes a process started, for tests that kill one or check that none is left."""
 
 from __future__ import annotations
 
 import os
 
+# The child entry module of a tensor-parallel rank (see vllm_lite.worker.tp_worker_proc).
+TP_RANK_MODULE = "vllm_lite.worker.tp_worker_proc"
 
-def is_rank_process(pid: int) -> bool:
-    """A spawned multiprocessing child (not multiprocessing's resource tracker)."""
+
+def cmdline(pid: int) -> str:
+    """The process's command line, space-separated ("" if it is gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read()
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
-        return False
-    return b"spawn_main" in cmd and b"resource_tracker" not in cmd
+        return ""
+
+
+def children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of ``pid``, oldest first."""
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+    return sorted(k for k in kids if not process_gone(k))
+
+
+def process_gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie waiting for a reaper we don't control."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def is_rank_process(pid: int) -> bool:
+    """A tensor-parallel rank started by the launcher."""
+    return f"-m {TP_RANK_MODULE} " in cmdline(pid)
 
 
 def rank_children(pid: int) -> list[int]:
-    """Tensor-parallel rank processes started by process `pid`, oldest first."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z" and is_rank_process(int(entry)):
-                out.append(int(entry))
-    return sorted(out)
+    """Tensor-parallel rank processes started by process ``pid``, oldest first."""
+    return [k for k in children(pid) if is_rank_process(k)]

@@ -4,8 +4,11 @@ Each step the executor sends the SchedulerOutput to every rank over one ZMQ
 ROUTER socket (typed msgpack, no pickle); the ranks run the sharded model in
 lockstep over torch.distributed and rank 0 sends back the ModelRunnerOutput.
 
+Local ranks are started by ``vllm_lite.launcher`` (``python -m vllm_lite.worker.tp_worker_proc``);
+a rank that fails to start reports its traceback, which ``WorkerDiedError`` carries.
+
 Failure handling: while waiting, the executor polls the socket together with
-every local rank's process sentinel, so a rank that dies (or reports an
+every local rank's launcher fd, so a rank that dies (or reports an
 error) raises `WorkerDiedError` from execute_model within one poll -- the
 engine core turns that into a dead-engine message for every frontend.
 Ranks on other nodes are watched through rank 0: their death breaks the
@@ -17,28 +20,26 @@ from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing
-import multiprocessing.connection
-import os
 import shutil
 import socket
-import tempfile
 import time
 from typing import Any, Optional
 
 import torch.distributed as dist
 import zmq
 
+from vllm_lite import envs, launcher
 from vllm_lite.config import VllmConfig, encode_vllm_config
+from vllm_lite.endpoints import ipc_address, private_ipc_dir
 from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 from vllm_lite.worker import tp_protocol as P
 from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
-from vllm_lite.worker.tp_worker_proc import RankSpec, run_rank, worker_threads
+from vllm_lite.worker.tp_worker_proc import TP_RANK_MODULE, RankReady, RankSpec, worker_threads
 
 logger = logging.getLogger("vllm_lite.executor")
 
-STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_LITE_TP_STARTUP_TIMEOUT_S", "600"))
-STEP_TIMEOUT_S = float(os.environ.get("VLLM_LITE_TP_STEP_TIMEOUT_S", "600"))
+# After SHUTDOWN, how long ranks get to exit on their own before SIGTERM (and 1 s more before SIGKILL).
+_SHUTDOWN_GRACE_S = 2.0
 
 
 class WorkerDiedError(RuntimeError):
@@ -56,8 +57,8 @@ class MultiprocExecutor:
             )
         self.config = vllm_config
         self.world_size = pc.tensor_parallel_size
-        self.step_timeout_s = STEP_TIMEOUT_S
-        self._procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.step_timeout_s = envs.VLLM_LITE_TP_STEP_TIMEOUT_S
+        self._procs: dict[int, launcher.ChildProcess] = {}
         self._tmpdir: Optional[str] = None
         self._closed = False
         self._encoder = MsgpackEncoder()
@@ -82,14 +83,15 @@ class MultiprocExecutor:
         host = pc.master_addr
         # The rendezvous store lives here: ranks find the config and our address in it, and
         # torch.distributed sets up the process group through it.
+        startup_timeout_s = envs.VLLM_LITE_TP_STARTUP_TIMEOUT_S
         self._store = dist.TCPStore(
             host, pc.master_port, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=startup_timeout_s),
         )
         self.master_port = self._store.port
         if pc.nnodes == 1:
-            self._tmpdir = tempfile.mkdtemp(prefix="vllm-lite-tp-")
-            address = f"ipc://{self._tmpdir}/executor.sock"
+            self._tmpdir = private_ipc_dir("vllm-lite-tp-")
+            address = ipc_address(self._tmpdir, "executor.sock")
             self._sock.bind(address)
         else:
             ip = socket.gethostbyname(host)  # zmq binds to an interface address, not a host name
@@ -100,28 +102,29 @@ class MultiprocExecutor:
 
         per_node = pc.ranks_per_node
         threads = vllm_config.device_config.num_threads or worker_threads(per_node)
-        ctx = multiprocessing.get_context("spawn")
         for local_rank in range(per_node):
             spec = RankSpec(
                 rank=local_rank, local_rank=local_rank, world_size=self.world_size, master_addr=host,
-                master_port=self.master_port, num_threads=threads, parent_pid=os.getpid(),
+                master_port=self.master_port, num_threads=threads,
             )
-            proc = ctx.Process(target=run_rank, args=(spec,), name=f"VllmLiteTPWorker-{local_rank}", daemon=True)
-            proc.start()
-            self._procs[local_rank] = proc
+            self._procs[local_rank] = launcher.start_child(TP_RANK_MODULE, spec, RankReady, name=f"tp-rank-{local_rank}")
         for proc in self._procs.values():
-            self._poller.register(proc.sentinel, zmq.POLLIN)
+            self._poller.register(proc.fileno(), zmq.POLLIN)
         logger.info(
             "tensor parallel: %d ranks (%d on this node, %d node(s)); rendezvous %s:%d",
             self.world_size, per_node, pc.nnodes, host, self.master_port,
         )
         ready: set[int] = set()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + startup_timeout_s
         while len(ready) < self.world_size:
             rank, kind, payload = self._recv(deadline, "waiting for tensor-parallel ranks to start")
             if kind != P.FromWorker.READY:
                 raise WorkerDiedError(f"rank {rank} sent message type {kind} before READY")
             ready.add(rank)
+        try:  # local ranks said READY on the socket: their launcher answers are there too
+            launcher.wait_ready(list(self._procs.values()), max(1.0, deadline - time.monotonic()))
+        except launcher.ChildStartupError as e:
+            raise WorkerDiedError(f"tensor-parallel rank failed to start: {e}\n{e.traceback}") from e
 
     # ------------------------------------------------------------------ messaging
     def _broadcast(self, kind: P.ToWorker, obj: Any = None) -> None:
@@ -137,8 +140,10 @@ class MultiprocExecutor:
     def _check_procs(self) -> None:
         for rank, proc in self._procs.items():
             if proc.exitcode is not None:
+                err = proc.startup_error()
+                why = f" before it was ready: {err.exc_type}: {err.message}\n{err.traceback}" if err else "."
                 raise WorkerDiedError(
-                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}."
+                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}{why}"
                 )
 
     def _recv(self, deadline: float, what: str) -> tuple[int, int, list[Any]]:
@@ -202,16 +207,9 @@ class MultiprocExecutor:
                 except zmq.ZMQError:
                     pass
         finally:
-            deadline = time.monotonic() + 2.0
-            for proc in self._procs.values():
-                proc.join(max(0.0, deadline - time.monotonic()))
-            for proc in self._procs.values():
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join(1.0)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(1.0)
+            procs = list(self._procs.values())
+            launcher.wait_exited(procs, _SHUTDOWN_GRACE_S)
+            launcher.stop_all(procs, grace_s=1.0)
             self._sock.close(linger=0)
             self._ctx.term()
             if self._tmpdir:

@@ -1,26 +1,29 @@
 """One tensor-parallel rank in its own process: join the group, build this rank's shard, serve steps.
 
-Started by MultiprocExecutor for the ranks on its node, or by `vllm-lite worker`
-on other nodes. Everything a rank needs (the engine config, the executor's
-address) comes from the TCPStore at master_addr:master_port, so a remote
-node needs only those two plus its node rank.
+Started by the launcher (``python -m vllm_lite.worker.tp_worker_proc``, arguments ``RankSpec``)
+from MultiprocExecutor for the ranks on its node, or from `vllm-lite worker` on other
+nodes. Everything else a rank needs (the engine config, the executor's address) comes
+from the TCPStore at master_addr:master_port, so a remote node needs only those two plus
+its node rank. It answers ``RankReady`` once its shard is built, or its start-up error.
 
-A rank exits when told to, when its parent process (local ranks) or the
+A rank exits when told to, when its parent process (the launcher's watch) or the
 TCPStore host (any rank) is gone, or on any error -- after reporting the
 error to the executor, which then fails the engine loudly.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import os
-import sys
+import signal
 import traceback
 from typing import Any, Optional
 
+import msgspec
 import torch
+
+from vllm_lite.launcher import ChildChannel, run_child
 
 logger = logging.getLogger("vllm_lite.tp_worker")
 
@@ -28,9 +31,11 @@ logger = logging.getLogger("vllm_lite.tp_worker")
 _LIVENESS_INTERVAL_S = 1.0
 
 
-@dataclasses.dataclass
-class RankSpec:
-    """Plain values only: this crosses a process boundary (spawn) or is built from CLI flags."""
+TP_RANK_MODULE = "vllm_lite.worker.tp_worker_proc"
+
+
+class RankSpec(msgspec.Struct, kw_only=True):
+    """What a rank process is started with (the launcher's typed arguments)."""
 
     rank: int
     local_rank: int
@@ -38,9 +43,14 @@ class RankSpec:
     master_addr: str
     master_port: int
     num_threads: int
-    parent_pid: Optional[int] = None  # local ranks: exit when this process is gone
     model_override: Optional[str] = None  # this node's path to the same checkpoint, if it differs
     connect_timeout_s: float = 300.0
+
+
+class RankReady(msgspec.Struct):
+    """The rank joined the group and built its shard."""
+
+    rank: int
 
 
 def worker_threads(ranks_on_node: int) -> int:
@@ -52,25 +62,17 @@ def worker_threads(ranks_on_node: int) -> int:
     return max(1, cpus // max(1, ranks_on_node))
 
 
-def run_rank(spec: RankSpec) -> None:
-    """Process target. Never returns normally: exits 0 on shutdown, 1 on error."""
-    if not logging.getLogger().handlers:
-        from vllm_lite.logging_utils import configure_process_logging
-
-        configure_process_logging(f"tp{spec.rank}")
-    import signal
-
+def run_rank(spec: RankSpec, channel: ChildChannel) -> int:
+    """A rank process's life (``launcher.run_child`` exits with the code): 0 on shutdown, 1 on error."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine (or `vllm-lite worker`) decides when we stop
     torch.set_num_threads(spec.num_threads)
-    code = 1
+    rank = _RankProcess(spec)  # a failure here reaches the parent with its traceback
+    channel.ready(RankReady(spec.rank))
     try:
-        code = _RankProcess(spec).serve()
+        return rank.serve()
     except BaseException:  # noqa: BLE001 -- reported by _RankProcess where possible; log the rest
         logger.error("tensor-parallel rank %d failed:\n%s", spec.rank, traceback.format_exc())
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown (torch, gloo threads)
+        return 1
 
 
 class _RankProcess:
@@ -138,9 +140,7 @@ class _RankProcess:
             pass
 
     def _alive(self) -> bool:
-        """False when the process that started us, or the store host (the engine), is gone."""
-        if self.spec.parent_pid is not None and os.getppid() != self.spec.parent_pid:
-            return False
+        """False when the store host (the engine) is gone (our parent's death ends us through the launcher)."""
         try:
             self.store.check([self.P.STORE_CONFIG_KEY])
         except Exception:  # noqa: BLE001 -- any store failure means the engine side is gone
@@ -179,3 +179,7 @@ class _RankProcess:
                 self._report_error(e)
                 self.sock.close(linger=2000)
                 return 1
+
+
+if __name__ == "__main__":
+    run_child(RankSpec, run_rank)

@@ -49,15 +49,14 @@ class WorkerCommand(CLISubcommand):
 def run_worker_node(args: argparse.Namespace) -> int:
     """Start one process per local rank, wait for them; exit code 0 if all ended cleanly."""
     import datetime
-    import multiprocessing
-    import os
     import signal
 
     import torch.distributed as dist
 
+    from vllm_lite import launcher
     from vllm_lite.config import decode_vllm_config
     from vllm_lite.worker import tp_protocol as P
-    from vllm_lite.worker.tp_worker_proc import RankSpec, run_rank, worker_threads
+    from vllm_lite.worker.tp_worker_proc import TP_RANK_MODULE, RankReady, RankSpec, worker_threads
 
     if args.master_port is None or not 0 < args.master_port < 65536:
         raise ValueError(f"--master-port must be node 0's rendezvous port (1..65535), got {args.master_port!r}.")
@@ -84,26 +83,23 @@ def run_worker_node(args: argparse.Namespace) -> int:
     print(f"vllm-lite worker: node {args.node_rank}/{pc.nnodes} runs ranks {first}..{first + per_node - 1} "
           f"of {pc.tensor_parallel_size}", file=sys.stderr, flush=True)
     threads = config.device_config.num_threads or worker_threads(per_node)
-    ctx = multiprocessing.get_context("spawn")
-    procs = []
-    for local in range(per_node):
-        spec = RankSpec(
-            rank=first + local, local_rank=local, world_size=pc.tensor_parallel_size,
-            master_addr=args.master_addr, master_port=args.master_port, num_threads=threads,
-            parent_pid=os.getpid(), model_override=args.model, connect_timeout_s=args.connect_timeout,
-        )
-        proc = ctx.Process(target=run_rank, args=(spec,), name=f"VllmLiteTPWorker-{first + local}")
-        proc.start()
-        procs.append(proc)
+    procs: list[launcher.ChildProcess] = []
 
     def stop(signum: int, frame: Optional[object]) -> None:
         for p in procs:
-            if p.is_alive():
-                p.terminate()
+            p.terminate()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    for p in procs:
-        p.join()
-    codes = [p.exitcode for p in procs]
+    try:
+        for local in range(per_node):
+            spec = RankSpec(
+                rank=first + local, local_rank=local, world_size=pc.tensor_parallel_size,
+                master_addr=args.master_addr, master_port=args.master_port, num_threads=threads,
+                model_override=args.model, connect_timeout_s=args.connect_timeout,
+            )
+            procs.append(launcher.start_child(TP_RANK_MODULE, spec, RankReady, name=f"tp-rank-{first + local}"))
+        codes = [p.wait() for p in procs]
+    finally:
+        launcher.stop_all(procs)
     return 0 if all(c == 0 for c in codes) else 1
