@@ -271,7 +271,7 @@ class EngineArgs:
             raise ValueError(f"config.json in {self.model!r} names no architectures.")
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, hf.get("torch_dtype") or hf.get("dtype"), device)
-        max_pos = hf.get("max_position_embeddings") or 2048
+        max_pos = hf.get("max_position_embeddings") or hf.get("n_positions") or 2048  # n_positions: GPT-2
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}.")
         if self.num_threads is not None and self.num_threads < 1:
