@@ -20,7 +20,9 @@ import torch
 from vllm_lite import envs
 
 CACHE_VERSION = "v1"
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt", "phi3", "gpt2", "gemma2", "mistral_sw", "qwen2_sw")
+# Sliding window of the *_sw and gemma2 builds: small, so test prompts run past it.
+TINY_WINDOW = 24
 SIZES = ("tiny", "100m")
 
 CHAT_TEMPLATE = (
@@ -90,6 +92,12 @@ def _tiny_kwargs(arch: str, vocab: int) -> dict[str, Any]:
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
     )
+    if arch == "gpt2":
+        return dict(
+            vocab_size=vocab, n_embd=64, n_layer=3, n_head=4, n_positions=1024, n_inner=None,
+            activation_function="gelu_new", tie_word_embeddings=True,
+            bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        )
     if arch == "opt":
         # Projected embeddings (word_embed_proj_dim != hidden) exercise project_in/out.
         return dict(common, ffn_dim=128, word_embed_proj_dim=32, do_layer_norm_before=True, tie_word_embeddings=True)
@@ -100,6 +108,25 @@ def _tiny_kwargs(arch: str, vocab: int) -> dict[str, Any]:
         return dict(common, tie_word_embeddings=False, head_dim=16, sliding_window=None)
     if arch == "qwen2":
         return dict(common, tie_word_embeddings=True, rope_theta=100000.0, use_sliding_window=False)
+    if arch == "mistral_sw":  # every layer windowed: the KV manager frees blocks behind the window
+        return dict(common, tie_word_embeddings=False, head_dim=16, sliding_window=TINY_WINDOW)
+    if arch == "qwen2_sw":  # Qwen2's rule: layers >= max_window_layers windowed (here 1 and 2)
+        return dict(
+            common, tie_word_embeddings=True, rope_theta=100000.0, use_sliding_window=True,
+            sliding_window=TINY_WINDOW, max_window_layers=1,
+        )
+    if arch == "phi3":  # Phi-4-mini-like: partial rotary, GQA; fused qkv/gate_up in the checkpoint
+        return dict(
+            common, tie_word_embeddings=False, partial_rotary_factor=0.5, sliding_window=None,
+            resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+        )
+    if arch == "gemma2":  # Gemma-2-2b-like: head_dim != hidden/heads, query_pre_attn_scalar != head_dim
+        # Soft caps scaled down with the weights so both actually bind on random tiny activations.
+        return dict(
+            common, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        )
     if arch == "qwen3":
         # head_dim given explicitly and different from hidden / heads, as in real Qwen3 configs.
         return dict(common, tie_word_embeddings=False, head_dim=32)
@@ -115,6 +142,11 @@ def _hf_config(arch: str, size: str, vocab: int, overrides: Optional[dict[str, A
         "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM"),
         "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM"),
         "opt": (transformers.OPTConfig, "OPTForCausalLM"),
+        "phi3": (transformers.Phi3Config, "Phi3ForCausalLM"),
+        "gpt2": (transformers.GPT2Config, "GPT2LMHeadModel"),
+        "gemma2": (transformers.Gemma2Config, "Gemma2ForCausalLM"),
+        "mistral_sw": (transformers.MistralConfig, "MistralForCausalLM"),
+        "qwen2_sw": (transformers.Qwen2Config, "Qwen2ForCausalLM"),
     }
     if arch not in classes:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}.")

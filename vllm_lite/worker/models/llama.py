@@ -1,5 +1,8 @@
 """Llama-family decoder (Llama, Mistral; Qwen2/Qwen3 reuse it with their variations).
 
+Sliding windows apply per layer as transformers decides them (sliding_window.py): every
+layer for Mistral, layers >= max_window_layers for Qwen2 with use_sliding_window.
+
 Parameter names mirror Hugging Face's so checkpoints map one to one, except
 the fused qkv_proj and gate_up_proj, which `load_weights` fills shard by shard.
 """
@@ -23,6 +26,7 @@ from vllm_lite.worker.models.layers import (
     get_rope_parameters,
 )
 from vllm_lite.worker.models.loading import load_hf_weights
+from vllm_lite.worker.models.sliding_window import layer_sliding_windows
 from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head_logits
 
 logger = logging.getLogger(__name__)
@@ -50,7 +54,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: Optional[int] = None
+    ) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -66,7 +72,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, get_rope_parameters(config))
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, sliding_window=sliding_window
+        )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
@@ -79,9 +87,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: Optional[int] = None
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm, sliding_window)
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
@@ -110,7 +120,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)]
+            [LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, w) for w in layer_sliding_windows(config)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -136,11 +146,6 @@ class LlamaForCausalLM(nn.Module):
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attn_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = attn_bias if self.o_bias is None else self.o_bias
-        window = getattr(config, "sliding_window", None)
-        if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
-            logger.warning(
-                "sliding_window=%d is ignored: attention is full-context (exact up to %d tokens).", window, window
-            )
         self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -160,4 +165,4 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's architecture (its sliding window is not applied; see LlamaForCausalLM)."""
+    """Mistral is Llama's architecture with a sliding window on every layer (when the config sets one)."""

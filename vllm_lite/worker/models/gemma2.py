@@ -1,0 +1,153 @@
+"""Gemma 2: alternating sliding-window and global layers, logit soft-capping, sandwich norms.
+
+Differences from Llama, each as transformers' Gemma2 does it: embeddings scaled by
+sqrt(hidden_size) (rounded to the activation dtype); RMSNorm multiplies by (1 + weight);
+norms after attention and after the MLP as well as before; a gelu-tanh gated MLP; attention
+scale query_pre_attn_scalar ** -0.5; attention scores soft-capped (c * tanh(s / c)) before the
+mask; final logits soft-capped the same way. Layer i is windowed when layer_types says so
+(default: even layers). One KV layout serves both layer kinds, so the KV-cache manager frees
+nothing early for Gemma 2 (its full layers need every block).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_lite.worker.attention.layer import Attention
+from vllm_lite.worker.models.layers import (
+    MergedLinear,
+    QKVLinear,
+    RotaryEmbedding,
+    RowParallelLinear,
+    get_activation,
+    get_rope_parameters,
+)
+from vllm_lite.worker.models.loading import load_hf_weights
+from vllm_lite.worker.models.sliding_window import layer_sliding_windows
+from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head_logits
+
+STACKED = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), all in float32, cast back (Gemma's zero-centred gain)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())
+        return y.to(x.dtype)
+
+
+class Gemma2MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, False, [0, 1], "intermediate_size")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, "intermediate_size")
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Gemma2Attention(nn.Module):
+    def __init__(self, config, sliding_window: Optional[int]) -> None:
+        super().__init__()
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias, "num_attention_heads*head_dim")
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, get_rope_parameters(config))
+        scale = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            self.head_dim,
+            scale,
+            self.qkv_proj.num_kv_heads,
+            sliding_window=sliding_window,
+            logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, config, sliding_window: Optional[int]) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Gemma2Attention(config, sliding_window)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        self.mlp = Gemma2MLP(d, config.intermediate_size, act)
+        self.input_layernorm = GemmaRMSNorm(d, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(d, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(d, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(d, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(hidden)))
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma2Model(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([Gemma2DecoderLayer(config, w) for w in layer_sliding_windows(config)])
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # HF rounds the normalizer to the activation dtype before multiplying.
+        hidden = hidden * torch.tensor(self.hidden_size**0.5, dtype=hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class Gemma2ForCausalLM(nn.Module):
+    """Gemma 2 decoder + LM head (tied to the embedding) with final logit soft-capping."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma2Model(config)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = lm_head_logits(hidden_states, self.lm_head)
+        cap = self.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        return load_hf_weights(self, weights, STACKED, tied_names=tied)
