@@ -44,8 +44,9 @@ NOT_FLOATS = ["1.0", True, None, [0.5]]
 BAD_FLOATS = [math.nan, math.inf, -math.inf]
 
 SETTINGS = settings(
-    max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    max_examples=250, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
 )
+PER_FIELD_SETTINGS = settings(SETTINGS, max_examples=25)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +152,11 @@ def field_cases(vocab: int) -> dict[str, tuple[str, st.SearchStrategy]]:
         "prompt_token_ids": ("prompt_token_ids", token_ids(L - 1, vocab, min_len=1) | bad(st.just([]))),
         "eos_token_id": ("eos_token_id", ints(0, vocab - 1, optional=True)),
         "priority": ("priority", ints(I64_MIN, I64_MAX)),
+        "client_index": ("client_index", ints(0, I64_MAX)),
+        "arrival_time": ("arrival_time", st.one_of(
+            ok(st.floats(allow_nan=False, allow_infinity=False)), ok(st.integers(-10, 10)),
+            bad(st.sampled_from(BAD_FLOATS + NOT_FLOATS)),
+        )),
         "cache_salt": ("cache_salt", st.one_of(
             ok(st.none()), ok(st.text(max_size=20)), ok(st.just("s" * 1024)),
             bad(st.just("s" * 1025)), bad(st.just(b"salt")), bad(st.just(7)),
@@ -182,7 +188,7 @@ def field_cases(vocab: int) -> dict[str, tuple[str, st.SearchStrategy]]:
     }
 
 
-_REQUEST_FIELDS = {"prompt_token_ids", "eos_token_id", "priority", "cache_salt"}
+_REQUEST_FIELDS = {"prompt_token_ids", "eos_token_id", "priority", "client_index", "arrival_time", "cache_salt"}
 
 
 def hostile_request(field: str, value: Any) -> EngineCoreRequest:
@@ -225,6 +231,11 @@ def serve_beside(core: EngineCore, hostile: EngineCoreRequest, field_names: set[
     return accepted
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _report(name: str, tried: Counter, per_field: Counter) -> None:
     print(f"\n[{name}] examples={sum(per_field.values())} ran={tried['ran']} refused={tried['refused']}")
     for key, count in sorted(per_field.items()):
@@ -234,24 +245,26 @@ def _report(name: str, tried: Counter, per_field: Counter) -> None:
 # ---------------------------------------------------------------------------- tests
 
 
-def test_each_field_at_and_beyond_its_limit_is_refused_by_name_or_runs(core: EngineCore) -> None:
-    cases = field_cases(core.request_limits.vocab_size)
-    tried: Counter = Counter()
-    per_field: Counter = Counter()
-    draw_case = st.sampled_from(sorted(cases)).flatmap(lambda f: st.tuples(st.just(f), cases[f][1]))
+FIELDS = sorted(field_cases(2))  # the names only; the core's vocabulary sizes the values
 
-    @SETTINGS
-    @given(case=draw_case)
-    def check(case: tuple[str, tuple[Any, bool]]) -> None:
-        field, (value, valid) = case
-        req = hostile_request(field, value)
-        ran = serve_beside(core, req, {cases[field][0]}, tried)
-        per_field[f"{field} {'valid' if valid else 'invalid'}"] += 1
-        assert ran == valid, f"{field}={value!r}: expected {'run' if valid else 'refusal'}"
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_each_field_at_and_beyond_its_limit_is_refused_by_name_or_runs(core: EngineCore, field: str) -> None:
+    name, values = field_cases(core.request_limits.vocab_size)[field]
+    tried: Counter = Counter()
+    per_case: Counter = Counter()
+
+    @PER_FIELD_SETTINGS
+    @given(case=values)
+    def check(case: tuple[Any, bool]) -> None:
+        value, valid = case
+        ran = serve_beside(core, hostile_request(field, value), {name}, tried)
+        per_case["valid" if valid else "invalid"] += 1
+        assert ran == valid, f"{field}={_short(value)}: expected {'run' if valid else 'refusal'}"
 
     check()
-    _report("one field per request", tried, per_field)
-    assert tried["ran"] and tried["refused"]
+    _report(f"field {field}", tried, per_case)
+    assert tried["ran"] and tried["refused"], "both sides of the limit must have been tried"
 
 
 def test_many_hostile_fields_at_once_never_break_the_core(core: EngineCore) -> None:
