@@ -343,6 +343,9 @@ def wait_ready(children: Sequence[ChildProcess], timeout: Optional[float] = None
     ``poll_s`` while waiting and may raise (e.g. on a stop signal). The caller stops the children.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
+    for c in children:
+        if c.ready_message is None and c._status_fd is None:
+            raise ChildStartupError(c.name, "ChildStopped", "was stopped before it was ready", exitcode=c.exitcode)
     pending = {c._status_fd: c for c in children if c.ready_message is None}
     with selectors.DefaultSelector() as sel:
         for fd in pending:
