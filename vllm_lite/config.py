@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,6 +20,16 @@ from vllm_lite import platform as _platform
 from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
 from vllm_lite.dtype_policy import resolve_dtype
 from vllm_lite.platform import resolve_device
+
+logger = logging.getLogger(__name__)
+_NOTED: set[str] = set()
+
+
+def _note_once(message: str) -> None:
+    """Log an accepted-but-inapplicable option once per process (create_engine_config runs per DP rank)."""
+    if message not in _NOTED:
+        _NOTED.add(message)
+        logger.info(message)
 
 
 @dataclass
@@ -32,6 +43,11 @@ class ModelConfig:
     vocab_size: int
     seed: int = 0
     served_model_name: Optional[str] = None
+    # Most logprobs (sampled or prompt) one request may ask for; the frontend and the core both enforce it.
+    max_logprobs: int = 20
+    # Request defaults as vLLM: "auto" (the model's generation_config.json), "vllm" (none) or a directory.
+    generation_config: str = "auto"
+    enforce_eager: bool = False
 
     @property
     def name(self) -> str:
@@ -40,7 +56,7 @@ class ModelConfig:
     @staticmethod
     def read_hf_config(model: str) -> dict[str, Any]:
         if not os.path.isdir(model):
-            raise FileNotFoundError(f"Model directory {model!r} does not exist (no model hub here: pass a local path).")
+            raise FileNotFoundError(f"Model directory {model!r} does not exist.")
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Model directory {model!r} has no config.json.")
@@ -174,9 +190,30 @@ class EngineArgs:
     """
 
     model: str = field(metadata={
-        "help": "Local checkpoint directory (default: the bundled vllm-lite model, no download).",
+        "help": "Checkpoint directory or Hugging Face repo id (the HF cache is read; downloads unless "
+                "HF_HUB_OFFLINE=1). Default: the bundled vllm-lite model.",
         "aliases": ("-m",)})
-    tokenizer: Optional[str] = field(default=None, metadata={"help": "Tokenizer directory (default: the model's)."})
+    tokenizer: Optional[str] = field(default=None, metadata={
+        "help": "Tokenizer directory or repo id (default: the model's)."})
+    revision: Optional[str] = field(default=None, metadata={
+        "help": "Model revision (branch, tag or commit) when the model is a repo id."})
+    tokenizer_revision: Optional[str] = field(default=None, metadata={
+        "help": "Tokenizer revision when the tokenizer is a repo id (default: the model's revision)."})
+    download_dir: Optional[str] = field(default=None, metadata={
+        "help": "Hugging Face cache directory to read and download repo ids into (default: HF's own)."})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "Accepted for vLLM compatibility; True is refused: vllm-lite runs only its own model code."})
+    generation_config: str = field(default="auto", metadata={
+        "help": "Request defaults: auto (the model's generation_config.json), vllm (vLLM's defaults) or a "
+                "directory holding a generation_config.json."})
+    quantization: Optional[str] = field(default=None, metadata={
+        "help": "Quantization method; none is implemented yet, so any value is refused.", "aliases": ("-q",)})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "Never capture CUDA graphs (accepted; on CPU everything runs eager anyway)."})
+    max_logprobs: int = field(default=20, metadata={
+        "help": "Most logprobs or prompt logprobs one request may ask for."})
+    disable_log_stats: bool = field(default=False, metadata={
+        "help": "Turn off the engine core's periodic statistics log line."})
     dtype: str = field(default="auto", metadata={
         "help": "Compute dtype; auto follows the checkpoint and what the device computes fast.",
         "choices": ("auto", *_STR_DTYPES)})
@@ -265,11 +302,19 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> VllmConfig:
-        hf = ModelConfig.read_hf_config(self.model)
+        from vllm_lite.model_resolution import check_model_options, resolve_model_and_tokenizer
+
+        check_model_options(self.trust_remote_code, self.quantization, self.max_logprobs)
+        model_dir, tokenizer_dir, gen_dir = resolve_model_and_tokenizer(self)
+        hf = ModelConfig.read_hf_config(model_dir)
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError(f"config.json in {self.model!r} names no architectures.")
         device = resolve_device(self.device)
+        if self.enforce_eager:
+            _note_once(
+                f"enforce_eager=True accepted: this engine captures no CUDA graphs, so {device.type} runs eager anyway."
+            )
         dtype = resolve_dtype(self.dtype, hf.get("torch_dtype") or hf.get("dtype"), device)
         max_pos = hf.get("max_position_embeddings") or hf.get("n_positions") or 2048  # n_positions: GPT-2
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -311,15 +356,19 @@ class EngineArgs:
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched!r}.")
         model_config = ModelConfig(
-            model=self.model,
-            tokenizer=self.tokenizer or self.model,
+            model=model_dir,
+            tokenizer=tokenizer_dir,
             dtype=dtype,
             max_model_len=max_model_len,
             hf_config=hf,
             architecture=archs[0],
             vocab_size=int(hf.get("vocab_size", 0)),
             seed=self.seed,
-            served_model_name=self.served_model_name,
+            # A repo id stays the model's name (as in vLLM), not the cache path it resolved to.
+            served_model_name=self.served_model_name or (self.model if model_dir != self.model else None),
+            max_logprobs=self.max_logprobs,
+            generation_config="auto" if gen_dir == model_dir else gen_dir or "vllm",
+            enforce_eager=self.enforce_eager,
         )
         return VllmConfig(
             model_config=model_config,
@@ -337,6 +386,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                log_stats_interval_s=float("inf") if self.disable_log_stats else 10.0,
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),

@@ -53,21 +53,24 @@ def _eos_ids(value: Any) -> list[int]:
 class Processor:
     """Turns (prompt, SamplingParams) into a validated `EngineCoreRequest`."""
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, max_logprobs: int = 20) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, max_logprobs: Optional[int] = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
-        self.max_logprobs = max_logprobs
+        self.max_logprobs = model_config.max_logprobs if max_logprobs is None else max_logprobs
         tok_size = len(tokenizer) if tokenizer is not None else 0
         # The model's embedding decides which ids exist; the tokenizer's size is the fallback.
         self.vocab_size = model_config.vocab_size or tok_size
-        self.generation_config = read_generation_config(model_config.model)
+        # Request defaults (generation_config="vllm": none) and the checkpoint's extra EOS ids.
+        gen = model_config.generation_config
+        eos_config = read_generation_config(model_config.model)
+        self.generation_config = eos_config if gen == "auto" else {} if gen == "vllm" else read_generation_config(gen)
         self.eos_token_id: Optional[int] = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         if self.eos_token_id is None:
-            gen_eos = _eos_ids(self.generation_config.get("eos_token_id"))
+            gen_eos = _eos_ids(eos_config.get("eos_token_id"))
             self.eos_token_id = gen_eos[0] if gen_eos else None
         # Extra EOS ids (generation_config lists several for chat models): stop tokens too.
-        self.extra_eos_ids = [t for t in _eos_ids(self.generation_config.get("eos_token_id")) if t != self.eos_token_id]
+        self.extra_eos_ids = [t for t in _eos_ids(eos_config.get("eos_token_id")) if t != self.eos_token_id]
 
     # ------------------------------------------------------------------ defaults
     def get_default_sampling_params(self) -> SamplingParams:

@@ -37,7 +37,9 @@ class EngineCore:
         self.scheduler = Scheduler(vllm_config)
         mc = vllm_config.model_config
         # The scheduler's max_model_len: the configured one, capped by what the KV cache holds.
-        self.request_limits = RequestLimits(vocab_size=mc.vocab_size, max_model_len=self.scheduler.max_model_len)
+        self.request_limits = RequestLimits(
+            vocab_size=mc.vocab_size, max_model_len=self.scheduler.max_model_len, max_logprobs=mc.max_logprobs
+        )
         self.model_facts: dict[str, Any] = {
             "model": mc.name,
             "max_model_len": mc.max_model_len,
