@@ -1,0 +1,201 @@
+"""Phi-3, GPT-2, Gemma 2 and windowed Mistral/Qwen2 give Hugging Face's float32 greedy tokens and logprobs.
+
+Prompts run past the tiny builds' sliding window (TINY_WINDOW tokens), prefix caching is on and
+each batch runs twice (the second time from cached prefix blocks), and the KV blocks one sequence
+of an all-windowed model holds stay bounded by its window.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from vllm_lite import LLM, SamplingParams
+from vllm_lite.testing.checkpoints import TINY_WINDOW, get_checkpoint
+from vllm_lite.testing.hf_oracle import GreedyRun, compare_greedy, greedy_prompts, hf_greedy
+from vllm_lite.worker.models.sliding_window import layer_sliding_windows, uniform_sliding_window
+
+NEW_TOKENS = 10
+LOGPROB_TOL = 1e-4
+PROMPT_LENS = (9, 40, 70)  # two of them longer than the window
+ARCHS = ["phi3", "gpt2", "gemma2", "mistral_sw", "qwen2_sw"]
+
+
+@functools.lru_cache(maxsize=1)
+def _hf(path: str, **overrides) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # Overrides arrive hashable (tuples, for the cache); configs want lists.
+    config = AutoConfig.from_pretrained(path, **{k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()})
+    # Eager: the attention that implements Gemma 2's soft-capping.
+    return AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def _ours(output) -> GreedyRun:
+    toks = list(output.outputs[0].token_ids)
+    return GreedyRun(toks, [lp[t].logprob for lp, t in zip(output.outputs[0].logprobs, toks)])
+
+
+def _assert_matches_hf(path: str, prompts: list[list[int]], outs) -> None:
+    hf = _hf(path)
+    for p, o in zip(prompts, outs):
+        agree = compare_greedy(_ours(o), hf_greedy(hf, p, NEW_TOKENS), LOGPROB_TOL)
+        assert agree.diverged_at is None or agree.tie, f"prompt of {len(p)} tokens: {agree}"
+        assert agree.max_logprob_err < LOGPROB_TOL, f"prompt of {len(p)} tokens: {agree}"
+
+
+@pytest.fixture
+def prefix_hits(monkeypatch) -> list[int]:
+    """Hit tokens of every prefix-cache lookup the scheduler records (its stats reset them each step)."""
+    from vllm_lite.core.kv_cache_manager import KVCacheManager
+
+    log: list[int] = []
+    original = KVCacheManager.record_prefix_cache_lookup
+
+    def recording(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        log.append(num_hit_tokens)
+        original(self, num_queried_tokens, num_hit_tokens)
+
+    monkeypatch.setattr(KVCacheManager, "record_prefix_cache_lookup", recording)
+    return log
+
+
+def _generate(llm: LLM, prompts: list[list[int]]):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_float32_matches_hf_past_the_window_with_prefix_caching(arch: str, prefix_hits: list[int]) -> None:
+    """Chunked prefills mixed with decodes, then the same prompts again from the prefix cache."""
+    path = get_checkpoint(arch)
+    with LLM(model=path, dtype="float32", multiprocess=False, block_size=8, max_model_len=256,
+             max_num_batched_tokens=32, enable_prefix_caching=True) as llm:
+        prompts = greedy_prompts(llm.get_tokenizer(), PROMPT_LENS)
+        first = _generate(llm, prompts)
+        prefix_hits.clear()
+        again = _generate(llm, prompts)
+    assert sum(prefix_hits) > 0, "the second pass should start from cached prefix blocks"
+    _assert_matches_hf(path, prompts, first)
+    _assert_matches_hf(path, prompts, again)
+
+
+@pytest.mark.parametrize("arch", ["mistral_sw", "qwen2_sw", "gemma2"])
+def test_the_window_changes_hf_output_on_these_prompts(arch: str) -> None:
+    """The tests above are not vacuous: the same weights without the window give other logprobs."""
+    path = get_checkpoint(arch)
+    assert max(PROMPT_LENS) > TINY_WINDOW
+    assert any(w == TINY_WINDOW for w in layer_sliding_windows(_hf(path).config))
+    from transformers import AutoTokenizer
+
+    prompt = greedy_prompts(AutoTokenizer.from_pretrained(path), (70,))[0]
+    windowed = hf_greedy(_hf(path), prompt, 3)
+    _hf.cache_clear()
+    n = _hf(path).config.num_hidden_layers
+    no_window = {"sliding_window": None} if arch == "mistral_sw" else {"layer_types": ("full_attention",) * n}
+    full = hf_greedy(_hf(path, **no_window), prompt, 3)
+    _hf.cache_clear()
+    assert abs(windowed.logprobs[0] - full.logprobs[0]) > 1e-3 or windowed.tokens != full.tokens
+
+
+def test_which_layers_are_windowed_follows_transformers() -> None:
+    """Mistral: all layers (so its blocks can be freed); Qwen2: from max_window_layers; Gemma 2: alternating."""
+    from transformers import AutoConfig
+
+    mistral = AutoConfig.from_pretrained(get_checkpoint("mistral_sw"))
+    qwen2 = AutoConfig.from_pretrained(get_checkpoint("qwen2_sw"))
+    gemma2 = AutoConfig.from_pretrained(get_checkpoint("gemma2"))
+    w = TINY_WINDOW
+    assert layer_sliding_windows(mistral) == [w, w, w] and uniform_sliding_window(mistral) == w
+    assert layer_sliding_windows(qwen2) == [None, w, w] and uniform_sliding_window(qwen2) is None
+    assert layer_sliding_windows(gemma2) == [w, None, w, None] and uniform_sliding_window(gemma2) is None
+    # The same answers from the raw config.json dicts the scheduler reads, without layer_types.
+    assert layer_sliding_windows({"model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": w,
+                                  "use_sliding_window": True, "max_window_layers": 2}) == [None, None, w]
+    assert layer_sliding_windows({"model_type": "qwen2", "num_hidden_layers": 2, "sliding_window": w,
+                                  "use_sliding_window": False}) == [None, None]
+    assert layer_sliding_windows({"model_type": "gemma2", "num_hidden_layers": 3, "sliding_window": w}) == [w, None, w]
+    assert uniform_sliding_window({"model_type": "llama", "num_hidden_layers": 2}) is None
+
+
+def test_blocks_in_use_per_sequence_stay_within_the_window(monkeypatch) -> None:
+    """All-windowed Mistral: blocks behind the window go back to the pool while the sequence grows."""
+    from vllm_lite.core.sched.scheduler import Scheduler
+
+    path = get_checkpoint("mistral_sw")
+    block_size, budget = 4, 8
+    peak: dict[str, int] = {}
+    original = Scheduler.schedule
+
+    def recording(self):
+        out = original(self)
+        kv = self.kv_cache_manager
+        for req in self.running:
+            peak[req.request_id] = max(peak.get(req.request_id, 0), kv.num_blocks_in_use(req.request_id))
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", recording)
+    with LLM(model=path, dtype="float32", multiprocess=False, block_size=block_size, max_model_len=256,
+             max_num_batched_tokens=budget, enable_prefix_caching=True) as llm:
+        prompts = greedy_prompts(llm.get_tokenizer(), (70, 40))
+        outs = _generate(llm, prompts)
+        assert llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.sliding_window == TINY_WINDOW
+    # Blocks from the window's first block through this step's last token, plus one partial block.
+    bound = -(-(TINY_WINDOW + budget) // block_size) + 1
+    full = -(-(max(len(p) for p in prompts) + NEW_TOKENS) // block_size)
+    assert peak and max(peak.values()) <= bound < full, (peak, bound, full)
+    _assert_matches_hf(path, prompts, outs)
+
+
+def test_prefix_hit_after_out_of_window_blocks_were_freed_and_evicted(prefix_hits: list[int]) -> None:
+    """Freed out-of-window blocks keep their hashes until evicted; hits before and after eviction stay exact."""
+    path = get_checkpoint("mistral_sw")
+    # 40 blocks of 4 tokens: K and V, 3 layers x 2 KV heads x 16 dims in float32 per token.
+    per_block = 2 * 4 * 3 * 2 * 16 * 4
+    with LLM(model=path, dtype="float32", multiprocess=False, block_size=4, max_model_len=128,
+             max_num_batched_tokens=16, enable_prefix_caching=True, kv_cache_memory_bytes=per_block * 40) as llm:
+        kv = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+        assert kv.num_total_blocks < 45
+        tok = llm.get_tokenizer()
+        base = greedy_prompts(tok, (70,))[0]
+        branch = base[:60] + base[:5]  # shares 15 full blocks with base, then differs
+        _generate(llm, [base])
+        prefix_hits.clear()
+        hit_outs = _generate(llm, [branch])  # blocks freed behind the window are still cached
+        hits = sum(prefix_hits)
+        assert hits >= 40, f"expected a long prefix hit on blocks freed behind the window, got {hits} tokens"
+        # Other sequences recycle the pool, evicting the freed prefix blocks (least recently used first).
+        for shift in (1, 2, 3):
+            _generate(llm, [[(t + shift) % 1000 + 10 for t in base]])
+        prefix_hits.clear()
+        evicted_outs = _generate(llm, [branch])
+        hits_after = sum(prefix_hits)
+        assert hits_after < hits, "the filler requests should have evicted part of the cached prefix"
+    _assert_matches_hf(path, [branch], hit_outs)
+    _assert_matches_hf(path, [branch], evicted_outs)
+
+
+def test_gemma2_multiprocess_matches_hf() -> None:
+    """The engine core in its own process gives the same exact tokens for the mixed-window model."""
+    path = get_checkpoint("gemma2")
+    with LLM(model=path, dtype="float32", multiprocess=True, block_size=16, max_model_len=256) as llm:
+        prompts = greedy_prompts(llm.get_tokenizer(), (40, 70))
+        outs = _generate(llm, prompts)
+    _assert_matches_hf(path, prompts, outs)
+
+
+def test_phi3_long_context_rope_is_refused_clearly() -> None:
+    """Phi-3 128k's longrope scaling is not implemented: building the model says so."""
+    from transformers import Phi3Config
+
+    from vllm_lite.worker.models.phi3 import Phi3ForCausalLM
+
+    cfg = Phi3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                     max_position_embeddings=4096, original_max_position_embeddings=1024,
+                     rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
+    with pytest.raises(ValueError, match="longrope"):
+        Phi3ForCausalLM(cfg)
