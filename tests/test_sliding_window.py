@@ -66,3 +66,66 @@ def test_window_changes_the_output_for_queries_past_it() -> None:
     full = reference_paged_attention(query, cache, md, 0.125)
     windowed = reference_paged_attention(query, cache, md, 0.125, 20)
     assert not torch.allclose(full, windowed, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------- KV-cache manager with a window
+
+
+def _request(rid: str, n: int, start: int = 0):
+    from vllm_lite.core.request import Request
+    from vllm_lite.sampling_params import SamplingParams
+
+    return Request(rid, list(range(start, start + n)), SamplingParams(), None, 0.0)
+
+
+def test_kv_manager_frees_blocks_wholly_before_the_window_and_frees_the_rest_once() -> None:
+    """W=6, blocks of 4: a step starting at token c needs keys from c - 5, so earlier blocks go back."""
+    from vllm_lite.core.kv_cache_manager import KVCacheManager
+
+    m = KVCacheManager(num_blocks=20, block_size=4, sliding_window=6)
+    r = _request("a", 13)
+    assert len(m.allocate_slots(r, 8)) == 2  # chunk 0..7
+    r.num_computed_tokens = 8
+    m.cache_blocks(r, 8)
+    assert len(m.allocate_slots(r, 5)) == 2  # chunk 8..12: keys from 3 on, block 0 is kept
+    assert m.num_blocks_in_use("a") == 4
+    r.num_computed_tokens = 13
+    r.append_output_token_ids(7)
+    m.allocate_slots(r, 1)  # decode at 13: keys from 8 on, blocks 0 and 1 are freed
+    ids = m.get_block_ids("a")
+    assert ids[:2] == [0, 0] and m.num_blocks_in_use("a") == 2
+    assert m.num_free_blocks == 19 - 2
+    m.free(r)  # the null placeholders are not freed a second time
+    assert m.num_free_blocks == 19
+
+
+def test_kv_manager_without_window_or_with_mixed_layers_frees_nothing_early() -> None:
+    from vllm_lite.core.kv_cache_manager import KVCacheManager
+
+    m = KVCacheManager(num_blocks=20, block_size=4, sliding_window=None)
+    r = _request("a", 40)
+    m.allocate_slots(r, 40)
+    r.num_computed_tokens = 40
+    r.append_output_token_ids(1)
+    m.allocate_slots(r, 1)
+    assert m.num_blocks_in_use("a") == 11
+
+
+def test_prefix_hit_blocks_behind_the_window_are_released_at_admission() -> None:
+    """A hit that covers more than the window keeps only the blocks the first new token can see."""
+    from vllm_lite.core.kv_cache_manager import KVCacheManager
+
+    m = KVCacheManager(num_blocks=30, block_size=4, sliding_window=6)
+    a = _request("a", 24)
+    m.allocate_slots(a, 24)
+    a.num_computed_tokens = 24
+    m.cache_blocks(a, 24)
+    m.free(a)
+    b = _request("b", 26)
+    hits, num_hit = m.get_computed_blocks(b)
+    assert num_hit == 24
+    m.allocate_slots(b, 2, num_hit, hits)
+    # First new token is 24: keys from 19 on, i.e. block 4 onwards; blocks 0-3 released.
+    assert m.get_block_ids("b")[:4] == [0, 0, 0, 0] and m.num_blocks_in_use("b") == 3
+    m.free(b)
+    assert m.num_free_blocks == m.num_total_blocks
