@@ -30,7 +30,7 @@ def test_tokenizer_loads_as_fast_tokenizer_with_special_tokens_and_chat_template
     assert chat == "<|user|>\nhi</s>\n<|assistant|>\n"
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "gpt2", "gemma2"])
 def test_greedy_decoding_of_tiny_checkpoint_is_not_degenerate(arch):
     """Random weights scaled so greedy generation varies (not one token repeated forever)."""
     path = get_checkpoint(arch)
@@ -51,7 +51,7 @@ def test_checkpoint_config_matches_the_requested_shape():
     assert cfg["architectures"] == ["Qwen3ForCausalLM"]
     assert cfg["head_dim"] == 32 and cfg["hidden_size"] == 64 and cfg["num_key_value_heads"] == 2
     with pytest.raises(ValueError, match="arch must be one of"):
-        get_checkpoint("gpt2")
+        get_checkpoint("bloom")
 
 
 def test_concurrent_builders_share_one_cache_entry(tmp_path, monkeypatch):
