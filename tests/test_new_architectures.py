@@ -14,8 +14,16 @@ import torch
 
 from vllm_lite import LLM, SamplingParams
 from vllm_lite.testing.checkpoints import TINY_WINDOW, get_checkpoint
-from vllm_lite.testing.hf_oracle import GreedyRun, compare_greedy, greedy_prompts, hf_greedy
-from vllm_lite.worker.models.sliding_window import layer_sliding_windows, uniform_sliding_window
+from vllm_lite.testing.hf_oracle import (
+    GreedyRun,
+    compare_greedy,
+    greedy_prompts,
+    hf_greedy,
+)
+from vllm_lite.worker.models.sliding_window import (
+    layer_sliding_windows,
+    uniform_sliding_window,
+)
 
 NEW_TOKENS = 10
 LOGPROB_TOL = 1e-4

@@ -11,7 +11,7 @@ nothing early for Gemma 2 (its full layers need every block).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,11 @@ from vllm_lite.worker.models.layers import (
 )
 from vllm_lite.worker.models.loading import load_hf_weights
 from vllm_lite.worker.models.sliding_window import layer_sliding_windows
-from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head_logits
+from vllm_lite.worker.models.vocab_parallel import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    lm_head_logits,
+)
 
 STACKED = (
     (".qkv_proj.", ".q_proj.", "q"),
@@ -65,7 +69,7 @@ class Gemma2MLP(nn.Module):
 
 
 class Gemma2Attention(nn.Module):
-    def __init__(self, config, sliding_window: Optional[int]) -> None:
+    def __init__(self, config, sliding_window: int | None) -> None:
         super().__init__()
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -91,7 +95,7 @@ class Gemma2Attention(nn.Module):
 
 
 class Gemma2DecoderLayer(nn.Module):
-    def __init__(self, config, sliding_window: Optional[int]) -> None:
+    def __init__(self, config, sliding_window: int | None) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma2Attention(config, sliding_window)

@@ -7,15 +7,26 @@ checkpoints name tensors without the "transformer." prefix; both spellings load.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from vllm_lite.worker.attention.layer import Attention
-from vllm_lite.worker.models.layers import ColumnParallelLinear, QKVLinear, RowParallelLinear, get_activation, read_shard
+from vllm_lite.worker.models.layers import (
+    ColumnParallelLinear,
+    QKVLinear,
+    RowParallelLinear,
+    get_activation,
+    read_shard,
+)
 from vllm_lite.worker.models.loading import load_hf_weights
-from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head_logits
+from vllm_lite.worker.models.vocab_parallel import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    lm_head_logits,
+)
 
 STACKED = (
     (".qkv_proj.", ".q_proj.", "q"),

@@ -8,7 +8,8 @@ reads its own heads. Partial rotary (Phi-4-mini) comes from the shared RotaryEmb
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 

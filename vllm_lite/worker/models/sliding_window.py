@@ -13,7 +13,8 @@ Rules, per transformers 4.4x-5.x:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 
 def _getter(config: Any):
@@ -22,7 +23,7 @@ def _getter(config: Any):
     return lambda k, d=None: getattr(config, k, d)
 
 
-def layer_sliding_windows(config: Any) -> list[Optional[int]]:
+def layer_sliding_windows(config: Any) -> list[int | None]:
     """Per layer: the window W (a query at p sees keys in (p - W, p]) or None for full attention."""
     get = _getter(config)
     n = int(get("num_hidden_layers", 0) or get("n_layer", 0) or 0)
@@ -42,7 +43,7 @@ def layer_sliding_windows(config: Any) -> list[Optional[int]]:
     return [window] * n
 
 
-def uniform_sliding_window(config: Any) -> Optional[int]:
+def uniform_sliding_window(config: Any) -> int | None:
     """W when every layer is windowed with the same W (its KV blocks can be freed past the window), else None."""
     windows = layer_sliding_windows(config)
     if not windows or any(w is None for w in windows) or len(set(windows)) != 1:
