@@ -207,3 +207,29 @@ def test_phi3_long_context_rope_is_refused_clearly() -> None:
                      rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
     with pytest.raises(ValueError, match="longrope"):
         Phi3ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_windowed_model_under_preemption_matches_hf(mode: str, monkeypatch) -> None:
+    """All-windowed, a cache of one max_model_len sequence: eight requests recycling blocks behind their
+    windows still preempt one another (recompute or swap, null placeholders included) and stay exact."""
+    from vllm_lite.core.sched.scheduler import Scheduler
+
+    preempted: list[str] = []
+    original = Scheduler._preempt
+
+    def counting(self, req, swap_out):
+        preempted.append(req.request_id)
+        original(self, req, swap_out)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    path = get_checkpoint("mistral_sw")
+    per_block = 2 * 4 * 3 * 2 * 16 * 4  # K and V, 3 layers x 2 KV heads x 16 dims, float32, 4 tokens
+    # Decodes free a block behind the window as often as they open one: long prefill chunks make the pressure.
+    with LLM(model=path, dtype="float32", multiprocess=False, block_size=4, max_model_len=96,
+             max_num_batched_tokens=32, enable_prefix_caching=False, preemption_mode=mode,
+             kv_cache_memory_bytes=per_block * 26, swap_space=per_block * 200 / (1 << 30)) as llm:
+        prompts = greedy_prompts(llm.get_tokenizer(), (70, 66, 60, 48, 72, 52, 64, 58))
+        outs = _generate(llm, prompts)
+    assert preempted, "eight windowed requests in 25 blocks should preempt one another"
+    _assert_matches_hf(path, prompts, outs)
