@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -107,8 +108,19 @@ def build_app(
     health_poll_interval_s: float = 1.0,
     engine_dead_grace_s: float = 1.0,
     on_engine_dead: Optional[Callable[[str], Any]] = None,
+    chat_template: Optional[str] = None,
+    response_role: str = "assistant",
+    root_path: str = "",
+    allowed_origins: Sequence[str] = ("*",),
+    allowed_methods: Sequence[str] = ("*",),
+    allowed_headers: Sequence[str] = ("*",),
+    allow_credentials: bool = False,
+    disable_log_requests: bool = False,
 ) -> FastAPI:
     """The FastAPI app for `engine` (AsyncLLM or anything with its interface).
+
+    The keyword options after `on_engine_dead` are vLLM's server flags of the same names
+    (`server_options(args)` reads them from parsed CLI arguments).
 
     `on_engine_dead(reason)` runs once when the engine is found dead; by
     default the app asks its uvicorn server (set as `app.state.server` by
@@ -163,16 +175,25 @@ def build_app(
         finally:
             await monitor.stop()
 
-    app = FastAPI(title="vllm-lite OpenAI-compatible server", version=vllm_lite.__version__, lifespan=lifespan)
+    app = FastAPI(
+        title="vllm-lite OpenAI-compatible server", version=vllm_lite.__version__, lifespan=lifespan,
+        root_path=root_path,
+    )
     app.state.engine = engine
     app.state.engine_dead = False
     app.state.server = None
     app.state.metrics = metrics
     app.state.health_monitor = monitor
     completion = OpenAIServingCompletion(engine, names, metrics)
-    chat = OpenAIServingChat(engine, names, metrics)
-    tokenization = OpenAIServingTokenization(engine, names, metrics)
+    chat = OpenAIServingChat(engine, names, metrics, chat_template=chat_template, response_role=response_role)
+    tokenization = OpenAIServingTokenization(engine, names, metrics, chat_template=chat_template)
     app.add_middleware(_AuthAndCountMiddleware, api_key=api_key, metrics=metrics)
+    # Outermost: CORS preflights are answered before the API-key check (browsers send no key on them).
+    app.add_middleware(
+        CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+        allow_headers=list(allowed_headers), allow_credentials=allow_credentials,
+    )
+    request_log = _RequestLog(disable_log_requests)
 
     async def respond(handler: Callable[[], Any]) -> Any:
         """Run one endpoint: map exceptions to OpenAI errors; engine death also triggers the watchdog."""
@@ -195,7 +216,10 @@ def build_app(
             loc = [str(x) for x in e.get("loc", ()) if x != "body"]
             if param is None and loc:
                 param = loc[0]
-            parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}")
+            msg = e.get("msg", "invalid")
+            if e.get("type") == "extra_forbidden":  # OpenAI's wording for an unknown field
+                msg = "Unrecognized request argument supplied (unknown fields are refused, not ignored)"
+            parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
         message = "Invalid request: " + "; ".join(parts) if parts else "Invalid request body."
         return error_json(BadRequestError(message, param=param))
 
@@ -242,10 +266,12 @@ def build_app(
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
+        request_log(raw_request, request)
         return await respond(lambda: _as_json(completion.create_completion(request, raw_request)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
+        request_log(raw_request, request)
         return await respond(lambda: _as_json(chat.create_chat_completion(request, raw_request)))
 
     @app.post("/tokenize")
@@ -257,6 +283,20 @@ def build_app(
         return await respond(lambda: _as_json(tokenization.detokenize_request(request)))
 
     return app
+
+
+class _RequestLog:
+    """One INFO line per generation request (vLLM's request log); --disable-log-requests turns it off."""
+
+    def __init__(self, disabled: bool) -> None:
+        self.disabled = disabled
+
+    def __call__(self, raw_request: Request, request: Any) -> None:
+        if self.disabled or not logger.isEnabledFor(logging.INFO):
+            return
+        client = raw_request.client.host if raw_request.client is not None else "-"
+        fields = request.model_dump(exclude_unset=True, exclude={"prompt", "messages"})
+        logger.info("request from %s to %s: %s", client, raw_request.url.path, fields)
 
 
 async def _as_json(coro: Any) -> Response:
@@ -275,12 +315,17 @@ async def serve_app(
     port: int = 8000,
     sock: Optional[socket.socket] = None,
     log_level: str = "info",
+    ssl_keyfile: Optional[str] = None,
+    ssl_certfile: Optional[str] = None,
 ) -> int:
-    """Serve until shutdown; returns 1 if the engine died, else 0."""
+    """Serve until shutdown (HTTPS with both ssl files); returns 1 if the engine died, else 0."""
     import uvicorn
 
+    if (ssl_keyfile is None) != (ssl_certfile is None):
+        raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile.")
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_keep_alive=5, lifespan="on",
+        ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
         # Exit even if a client holds a stream open (the engine may be dead and a supervisor waiting).
         timeout_graceful_shutdown=10,
     )
@@ -329,8 +374,17 @@ def run_server(args: Any) -> int:
                 api_key=args.api_key,
                 health_stuck_timeout_s=args.health_stuck_timeout,
                 engine_dead_grace_s=args.engine_dead_grace,
+                **server_options(args),
             )
-            return await serve_app(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+            scheme = "https" if args.ssl_certfile else "http"
+            logger.info(
+                "OpenAI API on %s://%s:%d%s%s", scheme, args.host, args.port, args.root_path,
+                " (loopback only: pass --host 0.0.0.0 to serve other machines)" if args.host == "127.0.0.1" else "",
+            )
+            return await serve_app(
+                app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+            )
         finally:
             try:
                 engine.shutdown()
@@ -338,6 +392,20 @@ def run_server(args: Any) -> int:
                 logger.exception("engine shutdown failed")
 
     return asyncio.run(main())
+
+
+def server_options(args: Any) -> dict[str, Any]:
+    """build_app's vLLM-named keyword options from parsed server flags (cli_args.make_arg_parser)."""
+    return {
+        "chat_template": args.chat_template,
+        "response_role": args.response_role,
+        "root_path": args.root_path,
+        "allowed_origins": args.allowed_origins,
+        "allowed_methods": args.allowed_methods,
+        "allowed_headers": args.allowed_headers,
+        "allow_credentials": args.allow_credentials,
+        "disable_log_requests": args.disable_log_requests,
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> None:

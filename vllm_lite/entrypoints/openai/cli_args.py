@@ -7,6 +7,7 @@ Engine flags are EngineArgs' own (`EngineArgs.add_cli_args`).
 from __future__ import annotations
 
 import argparse
+import json
 
 from vllm_lite import envs
 from vllm_lite.cli_flags import flag_name, flag_specs
@@ -23,11 +24,41 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _json_list(text: str) -> list[str]:
+    """vLLM's form for --allowed-origins and friends: a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. '[\"*\"]', got {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def add_http_options(srv: argparse._ArgumentGroup) -> None:
+    """vLLM's HTTP-layer flags (chat template, roles, CORS, TLS, root path, request log), same names and meaning."""
+    srv.add_argument("--chat-template", default=None,
+                     help="Chat template (a file path or the template text) used when a request sends none "
+                          "(default: the tokenizer's).")
+    srv.add_argument("--response-role", default="assistant", help="Role of the generated chat messages.")
+    srv.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list.")
+    srv.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list.")
+    srv.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS headers, a JSON list.")
+    srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+    srv.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS with this key (with --ssl-certfile).")
+    srv.add_argument("--ssl-certfile", default=None, help="Serve HTTPS with this certificate (with --ssl-keyfile).")
+    srv.add_argument("--root-path", default="", help="URL prefix when behind a path-based proxy (FastAPI root_path).")
+    srv.add_argument("--disable-log-requests", action="store_true", help="Do not log each generation request.")
+
+
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the server's and the engine's options to `parser`."""
     srv = parser.add_argument_group("server")
-    srv.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="Address to bind (default 127.0.0.1, loopback only, unlike vLLM's all interfaces: "
+                          "pass --host 0.0.0.0 to serve other machines).")
     srv.add_argument("--port", type=int, default=8000)
+    add_http_options(srv)
     srv.add_argument(
         "--api-key",
         default=envs.VLLM_LITE_API_KEY,
@@ -54,7 +85,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def check_api_server_args(args: argparse.Namespace) -> None:
-    """ValueError unless exactly one of --model and --engine is given, and no engine flag would be ignored."""
+    """ValueError unless exactly one of --model and --engine is given, no engine flag would be ignored,
+    and TLS gets both of its files."""
+    if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: pass both for HTTPS.")
     if not args.model and not args.engine:
         raise ValueError("pass --model PATH (spawn an engine core) or --engine ADDRESS (attach to one).")
     if args.model and args.engine:

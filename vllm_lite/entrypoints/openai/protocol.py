@@ -2,7 +2,8 @@
 
 Field names and shapes follow OpenAI's API (and vLLM's extensions such as
 `top_k`, `ignore_eos`, `repetition_penalty`), so the official client works
-unchanged. Unknown request fields are ignored, as OpenAI does.
+unchanged. Completion and chat requests refuse unknown fields (400 naming them, as
+OpenAI's API does); what each known field does is in `field_support.py`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ def random_id(prefix: str) -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class StrictRequestModel(OpenAIBaseModel):
+    """A request body whose unknown fields are a 400, never silently dropped."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 # ---------------------------------------------------------------------------- errors and usage
@@ -53,7 +60,7 @@ class StreamOptions(OpenAIBaseModel):
 # ---------------------------------------------------------------------------- sampling fields shared by both endpoints
 
 
-class SamplingRequestFields(OpenAIBaseModel):
+class SamplingRequestFields(StrictRequestModel):
     """Fields both endpoints turn into `SamplingParams` (None: the model's or vLLM's default)."""
 
     model: Optional[str] = None
@@ -83,6 +90,26 @@ class SamplingRequestFields(OpenAIBaseModel):
     priority: int = 0
     # Return the generated (and prompt) token ids alongside the text.
     return_token_ids: bool = False
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=1)
+    # Known fields this server refuses unless harmless (field_support.py says why): typed loosely so
+    # the refusal names the field instead of a schema error about its shape.
+    use_beam_search: Optional[Any] = None
+    length_penalty: Optional[Any] = None
+    prompt_logprobs: Optional[Any] = None
+    response_format: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    guided_decoding_backend: Optional[Any] = None
+    guided_whitespace_pattern: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+    return_tokens_as_token_ids: Optional[Any] = None
+    cache_salt: Optional[Any] = None
+    kv_transfer_params: Optional[Any] = None
+    vllm_xargs: Optional[Any] = None
+    prompt_embeds: Optional[Any] = None
 
     def build_sampling_params(
         self,
@@ -203,8 +230,33 @@ class ChatCompletionRequest(SamplingRequestFields):
     # vLLM extensions for the chat template.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = False
+    # OpenAI platform fields with no effect here (field_support.py: "n/a").
+    metadata: Optional[Any] = None
+    store: Optional[Any] = None
+    service_tier: Optional[Any] = None
+    prompt_cache_key: Optional[Any] = None
+    safety_identifier: Optional[Any] = None
+    parallel_tool_calls: Optional[Any] = None
+    include_reasoning: Optional[Any] = None
+    # Refused unless harmless (field_support.py).
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[Any] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    verbosity: Optional[Any] = None
+    echo: Optional[Any] = None
+    best_of: Optional[Any] = None
+    documents: Optional[Any] = None
+    mm_processor_kwargs: Optional[Any] = None
+    request_id: Optional[Any] = None
 
 
 class ChatMessage(OpenAIBaseModel):

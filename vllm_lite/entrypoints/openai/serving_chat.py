@@ -8,6 +8,7 @@ from typing import Any, AsyncGenerator, Optional, Union
 from fastapi.responses import StreamingResponse
 
 from vllm_lite.entrypoints.openai.errors import BadRequestError, as_serving_error
+from vllm_lite.entrypoints.openai.field_support import CHAT_FIELDS
 from vllm_lite.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -25,10 +26,17 @@ from vllm_lite.outputs import RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
+    """Chat completions; `response_role` is the role of the replies (vLLM's --response-role)."""
+
+    def __init__(self, *args: Any, response_role: str = "assistant", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.response_role = response_role
+
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Any = None
     ) -> Union[ChatCompletionResponse, StreamingResponse]:
         self.check_model(request.model)
+        self.check_fields(CHAT_FIELDS, request)
         self.check_engine()
         top_logprobs = request.top_logprobs
         if top_logprobs is not None and top_logprobs < 0:
@@ -41,8 +49,10 @@ class OpenAIServingChat(OpenAIServing):
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template_kwargs,
+            request.chat_template,
         )
-        prompt_ids = self.tokenize(prompt_text, request.add_special_tokens)
+        full_ids = self.tokenize(prompt_text, request.add_special_tokens)
+        prompt_ids = self.truncate(full_ids, request.truncate_prompt_tokens)
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested)
         params = request.build_sampling_params(
@@ -57,7 +67,9 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         created = int(time.time())
         gen = self.generate(
-            {"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params, request_id, request.priority
+            {"prompt": prompt_text, "prompt_token_ids": prompt_ids} if prompt_ids is full_ids
+            else {"prompt_token_ids": prompt_ids},
+            params, request_id, request.priority,
         )
         if request.stream:
             body = self._stream(request, prompt_ids, gen, request_id, created, raw_request)
@@ -94,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
-                    message=ChatMessage(role="assistant", content=c.text),
+                    message=ChatMessage(role=self.response_role, content=c.text),
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
@@ -137,7 +149,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # OpenAI's first chunk per choice carries only the role.
             for i in range(n):
-                first = chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                first = chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""))])
                 if request.return_token_ids and i == 0:
                     first.prompt_token_ids = prompt_ids
                 yield sse(first)

@@ -9,6 +9,7 @@ from typing import Any, AsyncGenerator, Optional, Union
 from fastapi.responses import StreamingResponse
 
 from vllm_lite.entrypoints.openai.errors import BadRequestError, as_serving_error
+from vllm_lite.entrypoints.openai.field_support import COMPLETION_FIELDS
 from vllm_lite.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -34,9 +35,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request: CompletionRequest, raw_request: Any = None
     ) -> Union[CompletionResponse, StreamingResponse]:
         self.check_model(request.model)
+        self.check_fields(COMPLETION_FIELDS, request)
         self.check_engine()
-        if request.suffix:
-            raise BadRequestError("suffix is not supported.", param="suffix")
         if request.stream and request.best_of is not None and request.best_of > request.n:
             # As OpenAI: the best n of best_of are known only once all finish, so nothing can stream.
             raise BadRequestError(
@@ -46,9 +46,12 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.logprobs is not None and request.logprobs < 0:
             raise BadRequestError(f"logprobs must be non-negative, got {request.logprobs!r}.", param="logprobs")
         prompts = self._prompts(request)
+        # echo + max_tokens=0 (lm-evaluation-harness's log-likelihood): score the prompt, generate nothing.
+        # The engine runs one token, which the response leaves out, as vLLM does.
+        echo_only = request.echo and request.max_tokens == 0
         params_list = []
         for i, p in enumerate(prompts):
-            max_tokens = self.resolve_max_tokens(len(p.token_ids), request.max_tokens)
+            max_tokens = self.resolve_max_tokens(len(p.token_ids), 1 if echo_only else request.max_tokens)
             params = request.build_sampling_params(
                 max_tokens=max_tokens,
                 logprobs=request.logprobs,
@@ -73,7 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
         ]
         merged = merge_async_iterators(*generators)
         if request.stream:
-            body = self._stream(request, prompts, merged, base_id, created, request_ids, raw_request)
+            body = self._stream(request, prompts, merged, base_id, created, request_ids, raw_request, echo_only)
             return StreamingResponse(body, media_type="text/event-stream")
 
         finals: list[Optional[RequestOutput]] = [None] * len(prompts)
@@ -83,7 +86,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     finals[i] = out
             finally:
                 await shielded(merged.aclose())
-        return self._response(request, prompts, finals, base_id, created)
+        return self._response(request, prompts, finals, base_id, created, echo_only)
 
     # ------------------------------------------------------------------ prompts
     def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
@@ -101,11 +104,13 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(item, str):
                 if item == "":
                     raise BadRequestError("prompt must not be an empty string.", param="prompt")
-                out.append(_Prompt(item, self.tokenize(item, request.add_special_tokens)))
+                ids = self.tokenize(item, request.add_special_tokens)
+                kept = self.truncate(ids, request.truncate_prompt_tokens)
+                out.append(_Prompt(item if kept is ids else None, kept))
             else:
                 if not item:
                     raise BadRequestError("prompt token id lists must not be empty.", param="prompt")
-                out.append(_Prompt(None, list(item)))
+                out.append(_Prompt(None, self.truncate(list(item), request.truncate_prompt_tokens)))
         return out
 
     def _prompt_text(self, p: _Prompt) -> str:
@@ -121,6 +126,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: list[Optional[RequestOutput]],
         base_id: str,
         created: int,
+        echo_only: bool = False,
     ) -> CompletionResponse:
         choices: list[CompletionResponseChoice] = []
         usage = UsageInfo()
@@ -131,24 +137,25 @@ class OpenAIServingCompletion(OpenAIServing):
             if out.error:
                 raise as_serving_error(RuntimeError(out.error))
             for c in sorted(out.outputs, key=lambda c: c.index):
-                text, logprobs = c.text, None
+                text, logprobs = ("", None) if echo_only else (c.text, None)
+                gen_ids, gen_lps = ([], []) if echo_only else (list(c.token_ids), list(c.logprobs or []))
                 if request.echo:
                     text = self._prompt_text(p) + text
                 if request.logprobs is not None:
-                    ids, lps = list(c.token_ids), list(c.logprobs or [])
+                    ids, lps = gen_ids, gen_lps
                     if request.echo:
                         ids = p.token_ids + ids
                         lps = self._prompt_lps(out, len(p.token_ids)) + lps
                     logprobs = self.completion_logprobs(ids, lps, request.logprobs)
-                usage.completion_tokens += len(c.token_ids)
+                usage.completion_tokens += len(gen_ids)
                 choices.append(
                     CompletionResponseChoice(
                         index=i * request.n + c.index,
                         text=text,
                         logprobs=logprobs,
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                        token_ids=list(c.token_ids) if request.return_token_ids else None,
+                        finish_reason="length" if echo_only else c.finish_reason,
+                        stop_reason=None if echo_only else c.stop_reason,
+                        token_ids=gen_ids if request.return_token_ids else None,
                         prompt_token_ids=p.token_ids if request.return_token_ids else None,
                     )
                 )
@@ -170,6 +177,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created: int,
         request_ids: list[str],
         raw_request: Any,
+        echo_only: bool = False,
     ) -> AsyncGenerator[str, None]:
         n = request.n
         num_choices = len(prompts) * n
@@ -188,8 +196,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         prompt_lps_by_prompt.setdefault(i, []).extend(out.prompt_logprobs)
                     for c in out.outputs:
                         idx = i * n + c.index
-                        text = c.text
-                        ids, lps = list(c.token_ids), list(c.logprobs or [])
+                        text = "" if echo_only else c.text
+                        ids, lps = ([], []) if echo_only else (list(c.token_ids), list(c.logprobs or []))
+                        gen_ids = ids
                         if request.echo and not echoed[idx]:
                             echoed[idx] = True
                             text = self._prompt_text(p) + text
@@ -200,7 +209,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         if request.logprobs is not None:
                             logprobs = self.completion_logprobs(ids, lps, request.logprobs, text_offsets[idx])
                         text_offsets[idx] += len(text)
-                        completion_tokens[idx] += len(c.token_ids)
+                        completion_tokens[idx] += len(gen_ids)
                         chunk = CompletionStreamResponse(
                             id=base_id,
                             created=created,
@@ -210,9 +219,9 @@ class OpenAIServingCompletion(OpenAIServing):
                                     index=idx,
                                     text=text,
                                     logprobs=logprobs,
-                                    finish_reason=c.finish_reason,
-                                    stop_reason=c.stop_reason,
-                                    token_ids=list(c.token_ids) if request.return_token_ids else None,
+                                    finish_reason="length" if echo_only and c.finish_reason else c.finish_reason,
+                                    stop_reason=None if echo_only else c.stop_reason,
+                                    token_ids=gen_ids if request.return_token_ids else None,
                                 )
                             ],
                         )

@@ -5,9 +5,11 @@ length limits, running engine requests with clean aborts, and logprob formatting
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, AsyncGenerator, Optional, Sequence
 
 from vllm_lite.entrypoints.openai.errors import BadRequestError, EngineUnavailableError, ModelNotFoundError
+from vllm_lite.entrypoints.openai.field_support import refused_field
 from vllm_lite.entrypoints.openai.health import engine_is_dead
 from vllm_lite.entrypoints.openai.metrics import ServerMetrics
 from vllm_lite.entrypoints.openai.protocol import (
@@ -29,7 +31,14 @@ MIN_LOGPROB = -9999.0
 class OpenAIServing:
     """Base of the completion, chat and tokenization handlers."""
 
-    def __init__(self, engine: Any, served_model_names: Sequence[str], metrics: Optional[ServerMetrics] = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        served_model_names: Sequence[str],
+        metrics: Optional[ServerMetrics] = None,
+        *,
+        chat_template: Optional[str] = None,
+    ) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model.")
         self.engine = engine
@@ -40,6 +49,8 @@ class OpenAIServing:
         get_tok = getattr(engine, "get_tokenizer", None)
         self.tokenizer = get_tok() if callable(get_tok) else engine.tokenizer
         self.metrics = metrics
+        # --chat-template (text or a file), resolved once: the default for requests that send none.
+        self.chat_template = _load_chat_template(chat_template) if chat_template is not None else None
         self.processor = getattr(engine, "processor", None)
         self.default_sampling_params: Optional[SamplingParams] = None
         if self.processor is not None and hasattr(self.processor, "get_default_sampling_params"):
@@ -49,6 +60,21 @@ class OpenAIServing:
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model not in self.served_model_names:
             raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
+
+    @staticmethod
+    def check_fields(rules: dict, request: Any) -> None:
+        """400 naming the first field this request uses that the server refuses (field_support.py)."""
+        refused = refused_field(rules, request)
+        if refused is not None:
+            name, reason = refused
+            raise BadRequestError(f"{name} is not supported by this server: {reason}.", param=name)
+
+    @staticmethod
+    def truncate(prompt_ids: list[int], truncate_prompt_tokens: Optional[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens."""
+        if truncate_prompt_tokens is None or len(prompt_ids) <= truncate_prompt_tokens:
+            return prompt_ids
+        return prompt_ids[-truncate_prompt_tokens:]
 
     def check_engine(self) -> None:
         if engine_is_dead(self.engine):
@@ -90,8 +116,9 @@ class OpenAIServing:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
+        chat_template: Optional[str] = None,
     ) -> str:
-        """The prompt text of a conversation, via the tokenizer's chat template."""
+        """The prompt text of a conversation: the request's template, else the server's, else the tokenizer's."""
         msgs = normalize_messages(messages)
         if continue_final_message and add_generation_prompt:
             raise BadRequestError(
@@ -101,9 +128,14 @@ class OpenAIServing:
             raise BadRequestError(
                 "continue_final_message needs the last message to be from the assistant.", param="messages"
             )
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise BadRequestError("This model has no chat template; use /v1/completions instead.", param="messages")
+        template = chat_template or self.chat_template
+        if not template and not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequestError(
+                "This model has no chat template; pass chat_template or use /v1/completions instead.", param="messages"
+            )
         kwargs = dict(chat_template_kwargs or {})
+        if template:
+            kwargs["chat_template"] = template
         try:
             text = self.tokenizer.apply_chat_template(
                 msgs,
@@ -204,6 +236,16 @@ class OpenAIServing:
                 )
             )
         return ChatCompletionLogProbs(content=content)
+
+
+def _load_chat_template(value: str) -> str:
+    """--chat-template as vLLM reads it: a file's contents when the path exists, else the template text."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"chat_template {value!r} is neither an existing file nor Jinja template text.")
+    return value
 
 
 def _finite(x: float) -> float:
