@@ -6,93 +6,42 @@ on ``'<stdin>'`` and notebooks broke. Here every child is a fresh interpreter,
 ``python -m MODULE --launcher-fds C,S --log-level LEVEL --name NAME``, and nothing of
 the parent's ``__main__`` is ever imported.
 
-Two pipes per child:
-
-* control (parent -> child): one frame with the child's arguments -- ONE typed msgspec
-  struct, msgpack (never argv, which ``ps`` shows; never pickle) -- then any ``Control``
-  frames. The parent keeps its end open for the child's whole life, so EOF means the
-  parent is gone: a daemon thread in the child notices, removes the paths the parent
-  asked it to clean up and exits. Where the parent started the child from its main
-  thread, ``PR_SET_PDEATHSIG`` (SIGTERM) backs the pipe up (the kernel ties that signal
-  to the spawning *thread*, so it is not used from other threads).
-* status (child -> parent): one frame, the caller's ready struct or a ``StartupError``
-  carrying the child's exception type, message and traceback text. The child keeps
-  its end open until it exits, so once the frame is read EOF means "exited".
+This module is the parent side: ``start_child`` -> ``ChildProcess`` (``wait_ready``,
+``fileno`` for ``zmq.Poller`` / ``select`` / ``loop.add_reader``, ``send_control``, ``stop``),
+``wait_ready`` for several at once, ``wait_exited``, ``stop_all`` (the one shutdown path:
+terminate, wait, kill, reap). The frames on the two pipes are ``vllm_lite.launcher_protocol``;
+the child's half (``run_child``, ``ChildChannel``, the parent-death watch) is
+``vllm_lite.launcher_child``.
 
 Children never inherit the secret variables of ``envs.SECRET_VARIABLES``; a secret a child
 needs travels in its arguments struct or in ``env`` for that one child.
-
-Parent side: ``start_child`` -> ``ChildProcess`` (``wait_ready``, ``fileno`` for
-``zmq.Poller`` / ``select`` / ``loop.add_reader``, ``stop``), ``wait_ready`` for several at
-once, ``stop_all``. Child side: ``run_child(ArgsType, main)`` or ``child_startup`` +
-``ChildChannel``.
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
 import logging
 import os
 import selectors
-import shutil
-import signal
-import struct
 import subprocess
 import sys
 import threading
 import time
-import traceback
-from typing import Any, Callable, Generic, NoReturn, Optional, Sequence, TypeVar
+from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
 
 import msgspec
 
 from vllm_lite import envs
+from vllm_lite.launcher_protocol import Control, Envelope, Status, read_frame, write_frame
 
 logger = logging.getLogger("vllm_lite.launcher")
 
-A = TypeVar("A", bound=msgspec.Struct)
 R = TypeVar("R", bound=msgspec.Struct)
 
-_HEADER = struct.Struct("<I")
-_MAX_FRAME = 64 << 20
 # How long stop() waits for a killed child to be reaped before giving up on it.
 _REAP_S = 5.0
-_PR_SET_PDEATHSIG = 1
 
-
-# ---------------------------------------------------------------------------- wire types
-
-
-class StartupError(msgspec.Struct):
-    """What a child that failed before it was ready tells its parent."""
-
-    exc_type: str
-    message: str
-    traceback: str
-
-
-class Control(msgspec.Struct):
-    """A message from a parent to its running child (e.g. ``kind="stop"``: what follows is on purpose)."""
-
-    kind: str
-    data: str = ""
-
-
-class _Envelope(msgspec.Struct):
-    """The first control frame: the caller's typed arguments plus what the launcher itself needs."""
-
-    args: msgspec.Raw
-    parent_pid: int
-    death_signal: bool = False
-    cleanup_paths: list[str] = []
-
-
-class _Status(msgspec.Struct):
-    """The status frame: ``ready`` (the caller's struct, msgpack-encoded) or ``error``."""
-
-    ready: Optional[bytes] = None
-    error: Optional[StartupError] = None
+__all__ = ["ChildProcess", "ChildStartupError", "Control", "default_child_log_level", "open_pidfd",
+           "start_child", "stop_all", "wait_exited", "wait_ready"]
 
 
 class ChildStartupError(RuntimeError):
@@ -106,37 +55,6 @@ class ChildStartupError(RuntimeError):
         self.message = message
         self.traceback = traceback_text
         self.exitcode = exitcode
-
-
-def _write_frame(fd: int, payload: bytes) -> None:
-    data = memoryview(_HEADER.pack(len(payload)) + payload)
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def _read_exact(fd: int, n: int) -> Optional[bytes]:
-    """``n`` bytes, or None at EOF (a peer that exited mid-frame counts as EOF)."""
-    chunks: list[bytes] = []
-    while n:
-        chunk = os.read(fd, n)
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def _read_frame(fd: int) -> Optional[bytes]:
-    header = _read_exact(fd, _HEADER.size)
-    if header is None:
-        return None
-    (size,) = _HEADER.unpack(header)
-    if size > _MAX_FRAME:
-        raise ValueError(f"launcher frame of {size} bytes is larger than {_MAX_FRAME}")
-    return _read_exact(fd, size)
-
-
-# ---------------------------------------------------------------------------- parent side
 
 
 def open_pidfd(pid: int) -> Optional[int]:
@@ -201,8 +119,8 @@ class ChildProcess(Generic[R]):
         """Read the status frame (the fd is readable); raise ChildStartupError unless it says ready."""
         assert self._status_fd is not None
         try:
-            frame = _read_frame(self._status_fd)
-            status = msgspec.msgpack.decode(frame, type=_Status) if frame is not None else None
+            frame = read_frame(self._status_fd)
+            status = msgspec.msgpack.decode(frame, type=Status) if frame is not None else None
         except (OSError, ValueError, msgspec.DecodeError) as e:
             raise ChildStartupError(self.name, type(e).__name__, f"unreadable start-up status: {e}") from None
         if status is None or (status.ready is None and status.error is None):
@@ -235,7 +153,7 @@ class ChildProcess(Generic[R]):
             if self._control_fd is None:
                 return False
             try:
-                _write_frame(self._control_fd, msgspec.msgpack.encode(message))
+                write_frame(self._control_fd, msgspec.msgpack.encode(message))
                 return True
             except OSError:
                 return False
@@ -310,7 +228,7 @@ def start_child(
     child_env["PYTHONPATH"] = os.pathsep.join([package_root, *paths])
     argv = [sys.executable, "-m", module, "--launcher-fds", f"{control_r},{status_w}",
             "--log-level", str(level), "--name", name]
-    envelope = _Envelope(
+    envelope = Envelope(
         args=msgspec.Raw(msgspec.msgpack.encode(args)),
         parent_pid=os.getpid(),
         # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only the main thread lives as long as we do.
@@ -328,7 +246,7 @@ def start_child(
     os.close(status_w)
     child = ChildProcess(name, popen, control_w, status_r, ready_type)
     try:
-        _write_frame(control_w, msgspec.msgpack.encode(envelope))
+        write_frame(control_w, msgspec.msgpack.encode(envelope))
     except BrokenPipeError:
         pass  # it died at once; wait_ready reports how
     logger.debug("started %s (pid %d): python -m %s", name, popen.pid, module)
@@ -386,149 +304,3 @@ def stop_all(children: Sequence[ChildProcess], grace_s: float = 5.0) -> None:
         if c.wait(_REAP_S) is None:
             logger.error("%s (pid %d) survived SIGKILL for %.0f s.", c.name, c.pid, _REAP_S)
         c.close()
-
-
-# ---------------------------------------------------------------------------- child side
-
-
-class ChildChannel:
-    """A child's line to its parent: say ready or failed (once), hear controls, clean up if orphaned."""
-
-    def __init__(self, name: str, status_fd: int, control_fd: int, envelope: _Envelope) -> None:
-        self.name = name
-        self.parent_pid = envelope.parent_pid
-        self._status_fd = status_fd
-        self._control_fd = control_fd
-        self._cleanup_paths = list(envelope.cleanup_paths)
-        self._control_handlers: list[Callable[[Control], None]] = []
-        self.answered = False
-
-    def ready(self, message: msgspec.Struct) -> None:
-        """Tell the parent we serve; ``message`` is the struct type the parent waits for."""
-        self._answer(_Status(ready=msgspec.msgpack.encode(message)))
-
-    def failed(self, exc: BaseException) -> None:
-        """Tell the parent why start-up failed, with the traceback text."""
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self._answer(_Status(error=StartupError(type(exc).__name__, str(exc), text)))
-
-    def _answer(self, status: _Status) -> None:
-        if self.answered:
-            raise RuntimeError("a child answers its parent once")
-        self.answered = True
-        try:
-            _write_frame(self._status_fd, msgspec.msgpack.encode(status))
-        except OSError:
-            pass  # the parent is gone; the control watch ends us
-
-    def on_control(self, handler: Callable[[Control], None]) -> None:
-        """Call ``handler`` (in the watch thread) for every Control the parent sends."""
-        self._control_handlers.append(handler)
-
-    def add_cleanup_path(self, path: str) -> None:
-        """Remove ``path`` if the parent dies first."""
-        self._cleanup_paths.append(path)
-
-    def _watch_parent(self) -> None:
-        """Daemon thread: read controls until EOF, which means the parent died: clean up, exit."""
-        decoder = msgspec.msgpack.Decoder(Control)
-        while True:
-            try:
-                frame = _read_frame(self._control_fd)
-            except (OSError, ValueError):
-                frame = None
-            if frame is None:
-                break
-            try:
-                message = decoder.decode(frame)
-            except msgspec.DecodeError:
-                continue
-            for handler in self._control_handlers:
-                handler(message)
-        self._parent_gone()
-
-    def _parent_gone(self) -> NoReturn:
-        # No logging or flushing here: our stderr may lead to the dead parent, and the main
-        # thread may be anywhere. Remove what the parent asked us to, then go.
-        for path in self._cleanup_paths:
-            shutil.rmtree(path, ignore_errors=True)
-        os._exit(0)
-
-
-def _flush_and_exit(code: int) -> NoReturn:
-    """Exit now: skip interpreter teardown (seconds with torch loaded; threads of gloo/uvicorn)."""
-    try:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
-
-def _set_death_signal(parent_pid: int) -> None:
-    """SIGTERM when the parent dies (Linux); if it died before this line, exit now."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:
-        _flush_and_exit(0)
-
-
-def _set_process_title(name: str) -> None:
-    try:
-        import setproctitle  # optional: not a dependency
-    except ImportError:
-        return
-    setproctitle.setproctitle(f"vllm-lite {name}")
-
-
-def child_startup(args_type: type[A]) -> tuple[A, ChildChannel]:
-    """In a child's ``main()``: set up logging, read the typed arguments, start the parent watch."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--launcher-fds", required=True)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--name", default="child")
-    ns, _ = parser.parse_known_args()
-    control_fd, status_fd = (int(x) for x in ns.launcher_fds.split(","))
-    for fd in (control_fd, status_fd):
-        os.set_inheritable(fd, False)  # our own children get pipes of their own
-    from vllm_lite.logging_utils import configure_process_logging
-
-    configure_process_logging(ns.name, ns.log_level)
-    _set_process_title(ns.name)
-    frame = _read_frame(control_fd)
-    if frame is None:  # the parent died before it told us anything
-        _flush_and_exit(0)
-    envelope = msgspec.msgpack.decode(frame, type=_Envelope)
-    channel = ChildChannel(ns.name, status_fd, control_fd, envelope)
-    if envelope.death_signal:
-        _set_death_signal(envelope.parent_pid)
-    threading.Thread(target=channel._watch_parent, name="launcher-parent-watch", daemon=True).start()
-    try:
-        args = msgspec.msgpack.decode(envelope.args, type=args_type)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        channel.failed(e)
-        _flush_and_exit(1)
-    return args, channel
-
-
-def run_child(args_type: type[A], main: Callable[[A, ChildChannel], Optional[int]]) -> NoReturn:
-    """A child entry module's whole ``main()``: start-up, ``main(args, channel)``, exit with its code.
-
-    An exception before ``channel.ready()`` reaches the parent as a StartupError with its traceback.
-    """
-    args, channel = child_startup(args_type)
-    code = 1
-    try:
-        result = main(args, channel)
-        code = 0 if result is None else int(result)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException as e:  # noqa: BLE001 -- reported to the parent, logged, exit 1
-        if not channel.answered:
-            channel.failed(e)
-        logger.error("%s failed:\n%s", channel.name, traceback.format_exc())
-    _flush_and_exit(code)
-

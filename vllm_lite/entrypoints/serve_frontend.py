@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
-from vllm_lite.launcher import ChildChannel, Control, open_pidfd, run_child
+from vllm_lite.launcher import open_pidfd
+from vllm_lite.launcher_child import ChildChannel, Control, run_child
 
 logger = logging.getLogger("vllm_lite.serve_frontend")
 

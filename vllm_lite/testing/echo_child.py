@@ -15,7 +15,7 @@ from typing import Optional
 
 import msgspec
 
-from vllm_lite.launcher import ChildChannel, Control, run_child
+from vllm_lite.launcher_child import ChildChannel, Control, run_child
 
 ECHO_MODULE = "vllm_lite.testing.echo_child"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vllm_lite.core.engine_core_proc import run_engine_core
 from vllm_lite.core.messages import EngineCoreArgs
-from vllm_lite.launcher import ChildChannel, run_child
+from vllm_lite.launcher_child import ChildChannel, run_child
 from vllm_lite.testing.null_core import NullEngineCoreProc
 
 
