@@ -23,7 +23,8 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(vllm_lite.__file__))
 
 LAYERS = ("client", "core", "worker", "entrypoints")
 # Top-level modules: configuration and plumbing every layer may use; they import no layer.
-TOP_LEVEL = ("config", "envs", "platform", "launcher", "endpoints", "serialization", "sampling_params",
+TOP_LEVEL = ("config", "envs", "platform", "launcher", "launcher_child", "launcher_protocol", "device_layout",
+             "endpoints", "serialization", "sampling_params",
              "outputs", "logging_utils", "cli_flags", "default_model", "dtype_policy")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "client": ("worker",),

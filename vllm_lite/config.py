@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from vllm_lite import platform as _platform
+from vllm_lite.device_layout import check_engine_devices, engine_device
 from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
 from vllm_lite.dtype_policy import resolve_dtype
 from vllm_lite.platform import resolve_device
@@ -152,8 +153,7 @@ def verify_cuda_device_count(pc: ParallelConfig, device: torch.device, visible: 
             f"but {visible} {'is' if visible == 1 else 'are'} visible. Lower tensor_parallel_size or "
             "data_parallel_size, or make more devices visible (CUDA_VISIBLE_DEVICES)."
         )
-    if device.index is not None and device.index >= visible:
-        raise ValueError(f"device={device} does not exist: {visible} CUDA device(s) are visible.")
+    check_engine_devices(device, pc.ranks_per_node, visible)  # this engine's TP ranks sit at index + local_rank
 
 
 @dataclass
@@ -393,7 +393,10 @@ class EngineArgs:
         )
 
     def create_dp_engine_configs(self) -> list[VllmConfig]:
-        """One VllmConfig per data-parallel rank: its own device (cuda:r) or a share of the CPU threads.
+        """One VllmConfig per data-parallel rank: its own CUDA devices or a share of the CPU threads.
+
+        On CUDA, rank r's engine sits on the first of its tensor-parallel devices
+        (``device_layout.engine_device``: cuda:(first + r*tp)); its TP ranks take the next ones.
 
         Validates once, with a clear error, before any process starts. Each rank's
         tensor-parallel group gets its own rendezvous port (master_port + 10 r).
@@ -408,7 +411,8 @@ class EngineArgs:
         for rank in range(dp):
             kw: dict[str, Any] = {}
             if base.device_config.device.type == "cuda":
-                kw["device"] = f"cuda:{rank}"
+                first = engine_device(base.device_config.device, rank, base.parallel_config.ranks_per_node)
+                kw["device"] = str(first)
             elif self.num_threads is None:
                 try:
                     ncpu = len(os.sched_getaffinity(0))

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import msgspec
 import torch
 
-from vllm_lite.launcher import ChildChannel, run_child
+from vllm_lite.launcher_child import ChildChannel, run_child
 
 logger = logging.getLogger("vllm_lite.tp_worker")
 
@@ -63,7 +63,7 @@ def worker_threads(ranks_on_node: int) -> int:
 
 
 def run_rank(spec: RankSpec, channel: ChildChannel) -> int:
-    """A rank process's life (``launcher.run_child`` exits with the code): 0 on shutdown, 1 on error."""
+    """A rank process's life (``launcher_child.run_child`` exits with the code): 0 on shutdown, 1 on error."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine (or `vllm-lite worker`) decides when we stop
     torch.set_num_threads(spec.num_threads)
     rank = _RankProcess(spec)  # a failure here reaches the parent with its traceback
@@ -110,6 +110,8 @@ class _RankProcess:
         self._send(P.FromWorker.READY, spec.rank)
 
     def _build_worker(self, config: Any) -> Any:
+        from vllm_lite.device_layout import tp_rank_device
+        from vllm_lite.platform import cuda_device_count
         from vllm_lite.worker.gpu_worker import GPUWorker
         from vllm_lite.worker.parallel_state import default_backend, init_distributed
 
@@ -119,7 +121,8 @@ class _RankProcess:
             config.model_config.tokenizer = spec.model_override
         device = config.device_config.device
         if device.type == "cuda":
-            device = torch.device("cuda", spec.local_rank)
+            # This engine's devices start at its own index (data parallel: cuda:(r*tp)), not at 0.
+            device = tp_rank_device(device, spec.local_rank, cuda_device_count())
             config.device_config.device = device
             torch.cuda.set_device(device)  # before NCCL creates its communicator on the current device
         import torch.distributed as dist
