@@ -104,20 +104,29 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
+        """Not shut down and the engine alive (vLLM: the output handler still runs)."""
         return not self._closed and not self.errored
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.errored
 
     @property
     def dead_error(self) -> EngineDeadError:
         return self._dead or EngineDeadError()
 
-    def get_tokenizer(self) -> Any:
+    async def get_tokenizer(self) -> Any:
+        """Awaited, as vLLM's AsyncLLM.get_tokenizer (``self.tokenizer`` is the same object)."""
         return self.tokenizer
 
-    def get_model_config(self) -> ModelConfig:
+    async def get_model_config(self) -> ModelConfig:
         return self.model_config
 
+    async def get_vllm_config(self) -> VllmConfig:
+        return self.vllm_config
+
     async def check_health(self) -> None:
-        """Raises EngineDeadError unless the core answers."""
+        """Raises EngineDeadError unless the core answers (vLLM checks only its own flag; we also ping)."""
         if self.errored:
             raise self.dead_error
         await self.engine_core.call_utility_async("ping")

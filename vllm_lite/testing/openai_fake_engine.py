@@ -43,7 +43,7 @@ class FakeAsyncLLM:
         self.requests: dict[str, tuple[Any, SamplingParams]] = {}
         self._abort_events: dict[str, asyncio.Event] = {}
 
-    def get_tokenizer(self) -> Any:
+    async def get_tokenizer(self) -> Any:
         return self.tokenizer
 
     async def generate(

@@ -46,8 +46,8 @@ class OpenAIServing:
         self.model_name = self.served_model_names[0]
         self.model_config = engine.model_config
         self.max_model_len = int(self.model_config.max_model_len)
-        get_tok = getattr(engine, "get_tokenizer", None)
-        self.tokenizer = get_tok() if callable(get_tok) else engine.tokenizer
+        # The attribute, not get_tokenizer(): AsyncLLM's is a coroutine, as in vLLM.
+        self.tokenizer = engine.tokenizer
         self.metrics = metrics
         # --chat-template (text or a file), resolved once: the default for requests that send none.
         self.chat_template = _load_chat_template(chat_template) if chat_template is not None else None
