@@ -98,10 +98,18 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"  # node 0's address, reachable from every node
     master_port: int = 0  # torch.distributed TCP rendezvous port; 0: a free port (single node only)
+    # A socket already listening on master_port, handed to the engine process (its launcher passes
+    # it on) for the rendezvous store to take over: the port is bound once, never bound-and-released.
+    master_listen_fd: Optional[int] = None
 
     @property
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def inherited_fds(self) -> tuple[int, ...]:
+        """The fds the process running this engine must inherit from whoever starts it."""
+        return () if self.master_listen_fd is None else (self.master_listen_fd,)
 
 
 def verify_parallel_config(pc: ParallelConfig, hf: dict[str, Any]) -> None:

@@ -87,6 +87,7 @@ class MultiprocExecutor:
         self._store = dist.TCPStore(
             host, pc.master_port, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=startup_timeout_s),
+            master_listen_fd=pc.master_listen_fd,  # a socket bound for us already (None: bind master_port)
         )
         self.master_port = self._store.port
         if pc.nnodes == 1:
