@@ -129,3 +129,22 @@ def test_prefix_hit_blocks_behind_the_window_are_released_at_admission() -> None
     assert m.get_block_ids("b")[:4] == [0, 0, 0, 0] and m.num_blocks_in_use("b") == 3
     m.free(b)
     assert m.num_free_blocks == m.num_total_blocks
+
+
+def test_swap_copies_only_blocks_inside_the_window_and_restores_the_placeholders() -> None:
+    from vllm_lite.core.kv_cache_manager import KVCacheManager
+
+    m = KVCacheManager(num_blocks=20, block_size=4, sliding_window=6, num_cpu_blocks=10)
+    r = _request("a", 20)
+    m.allocate_slots(r, 20)
+    r.num_computed_tokens = 20
+    r.append_output_token_ids(5)
+    m.allocate_slots(r, 1)  # keys from 15 on: blocks 0-2 freed
+    assert m.num_blocks_in_use("a") == 3
+    out = m.swap_out(r)
+    assert len(out) == 3 and m.host_pool.get_num_free_blocks() == 7
+    back = m.swap_in(r, 1)
+    assert len(back) == 3 and m.get_block_ids("a")[:3] == [0, 0, 0] and m.num_blocks_in_use("a") == 3
+    assert [d for _, d in back] == m.get_block_ids("a")[3:]
+    m.free(r)
+    assert m.num_free_blocks == m.num_total_blocks and m.host_pool.get_num_free_blocks() == 10

@@ -51,7 +51,8 @@ class KVCacheManager:
         # Host swap space: no null block, never cached (its contents only come back to the same request).
         self.host_pool = BlockPool(num_cpu_blocks, enable_caching=False, reserve_null_block=False)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_to_host_blocks: dict[str, list[KVCacheBlock]] = {}
+        # None where the device list held the null block (freed behind a sliding window): nothing to copy.
+        self.req_to_host_blocks: dict[str, list[Optional[KVCacheBlock]]] = {}
         # How many of a request's leading blocks are already registered in (or taken from) the cache.
         self.num_cached_block: dict[str, int] = {}
         # Prefix-cache counters (tokens) since the last `take_prefix_cache_stats`.
@@ -222,11 +223,11 @@ class KVCacheManager:
         self.num_cached_block.pop(rid, None)
         host = self.req_to_host_blocks.pop(rid, None)
         if host:
-            self.host_pool.free_blocks(host)
+            self.host_pool.free_blocks(h for h in host if h is not None)
 
     # ------------------------------------------------------------------ swap
     def can_swap_out(self, request: Request) -> bool:
-        return len(self.req_to_blocks.get(request.request_id, [])) <= self.host_pool.get_num_free_blocks()
+        return self.num_blocks_in_use(request.request_id) <= self.host_pool.get_num_free_blocks()
 
     def swap_out(self, request: Request) -> Optional[list[tuple[int, int]]]:
         """Move the request's blocks to host swap space: (device, host) pairs, or None if the host is full.
@@ -240,11 +241,13 @@ class KVCacheManager:
         if not self.can_swap_out(request):
             return None
         blocks = self.req_to_blocks.pop(rid, [])
-        host = self.host_pool.get_new_blocks(len(blocks))
+        real = [b for b in blocks if not b.is_null]
+        host_real = iter(self.host_pool.get_new_blocks(len(real)))
+        host = [None if b.is_null else next(host_real) for b in blocks]
         self.req_to_host_blocks[rid] = host
         self.num_cached_block.pop(rid, None)
-        pairs = [(d.block_id, h.block_id) for d, h in zip(blocks, host)]
-        self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
+        pairs = [(d.block_id, h.block_id) for d, h in zip(blocks, host) if h is not None]
+        self.block_pool.free_blocks(reversed(real))
         return pairs
 
     def swap_in(self, request: Request, num_new_tokens: int) -> Optional[list[tuple[int, int]]]:
@@ -253,14 +256,18 @@ class KVCacheManager:
         host = self.req_to_host_blocks.get(rid)
         if host is None:
             raise ValueError(f"request {rid!r} is not swapped out")
-        total = max(cdiv(request.num_computed_tokens + num_new_tokens, self.block_size), len(host))
-        if total > self.block_pool.get_num_free_blocks():
+        real = [h for h in host if h is not None]
+        growth = max(cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(host), 0)
+        if len(real) + growth > self.block_pool.get_num_free_blocks():
             return None
-        device = self.block_pool.get_new_blocks(len(host))
+        device_real = iter(self.block_pool.get_new_blocks(len(real)))
+        null = self.block_pool.null_block
+        assert null is not None  # the device pool always reserves it
+        device = [null if h is None else next(device_real) for h in host]
         self.req_to_blocks[rid] = device
         del self.req_to_host_blocks[rid]
-        pairs = [(h.block_id, d.block_id) for h, d in zip(host, device)]
-        self.host_pool.free_blocks(host)
+        pairs = [(h.block_id, d.block_id) for h, d in zip(host, device) if h is not None]
+        self.host_pool.free_blocks(real)
         extra = self.allocate_slots(request, num_new_tokens)
         assert extra is not None  # room was checked above
         return pairs
