@@ -31,6 +31,12 @@ class RequestMetrics:
     finished_time: Optional[float] = None
     time_in_queue: Optional[float] = None
     num_generation_tokens: int = 0
+    # The engine core's clock (time.monotonic() there): queued, first scheduled, first and last token
+    # steps. Differences give vLLM's queue, prefill, decode and inference times.
+    queued_ts: Optional[float] = None
+    scheduled_ts: Optional[float] = None
+    first_token_ts: Optional[float] = None
+    last_token_ts: Optional[float] = None
 
 
 @dataclass

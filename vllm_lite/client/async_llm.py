@@ -54,6 +54,7 @@ class AsyncLLM:
             vllm_config, multiprocess=True, asyncio_mode=True, **client_kwargs
         )
         self.last_scheduler_stats: Optional[SchedulerStats] = None
+        self._stat_loggers: list[Any] = []
         self._handler: Optional[asyncio.Task] = None
         self._handler_loop: Optional[asyncio.AbstractEventLoop] = None
         self._dead: Optional[EngineDeadError] = None
@@ -130,6 +131,12 @@ class AsyncLLM:
         if self.errored:
             raise self.dead_error
         await self.engine_core.call_utility_async("ping")
+
+    def add_stat_logger(self, stat_logger: Any) -> None:
+        """`stat_logger.record(scheduler_stats, iteration_stats)` runs for every batch of core outputs
+        (vLLM's StatLoggerBase shape); registering one turns on per-iteration stats."""
+        self._stat_loggers.append(stat_logger)
+        self.output_processor.log_stats = True
 
     # ------------------------------------------------------------------ requests
     async def generate(
@@ -239,6 +246,8 @@ class AsyncLLM:
                     if start:
                         await asyncio.sleep(0)
                     processed = processor.process_outputs(outs[start : start + _OUTPUT_CHUNK], outputs.timestamp)
+                    for stat_logger in self._stat_loggers:
+                        stat_logger.record(outputs.scheduler_stats if not start else None, processed.iteration_stats)
                     if processed.reqs_to_abort:
                         await engine_core.abort_requests_async(processed.reqs_to_abort)
         except asyncio.CancelledError:

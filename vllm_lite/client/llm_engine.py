@@ -149,7 +149,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ misc
     @property
     def client_index(self) -> int:
-        return int(getattr(self.engine_core, "client_index", 0))
+        return self.engine_core.client_index
 
     def get_tokenizer(self):
         return self.tokenizer

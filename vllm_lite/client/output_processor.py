@@ -112,6 +112,11 @@ class FinishedRequestStats:
     e2e_latency_s: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    # Phases on the core's clock (vLLM's request_{queue,prefill,decode,inference}_time); None if unknown.
+    queue_time_s: Optional[float] = None
+    prefill_time_s: Optional[float] = None
+    decode_time_s: Optional[float] = None
+    inference_time_s: Optional[float] = None
 
 
 @dataclass
@@ -130,6 +135,21 @@ class OutputProcessorOutput:
     request_outputs: list[RequestOutput]
     reqs_to_abort: list[str]
     iteration_stats: Optional[IterationStats] = None
+
+
+def _phase_times(m: RequestMetrics) -> tuple[Optional[float], ...]:
+    """(queue, prefill, decode, inference) seconds as vLLM defines them, from the core's timestamps."""
+    if not m.scheduled_ts or m.queued_ts is None:
+        return (None, None, None, None)
+    queue = max(0.0, m.scheduled_ts - m.queued_ts)
+    if m.first_token_ts is None or m.last_token_ts is None:
+        return (queue, None, None, None)
+    return (
+        queue,
+        max(0.0, m.first_token_ts - m.scheduled_ts),
+        max(0.0, m.last_token_ts - m.first_token_ts),
+        max(0.0, m.last_token_ts - m.scheduled_ts),
+    )
 
 
 class RequestState:
@@ -159,9 +179,17 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self._delta_token_start = 0  # output ids already returned as deltas
 
-    def update(self, out: EngineCoreOutput, now: float, stats: Optional[IterationStats]) -> Optional[str]:
+    def update(
+        self, out: EngineCoreOutput, now: float, stats: Optional[IterationStats], core_ts: Optional[float] = None
+    ) -> Optional[str]:
         """Feed one core output; return the stop string a stop-string match ended on, if any."""
         m = self.metrics
+        if out.scheduled_ts:
+            m.queued_ts, m.scheduled_ts = out.queued_ts, out.scheduled_ts
+        if out.new_token_ids and core_ts is not None:
+            if m.first_token_ts is None:
+                m.first_token_ts = core_ts
+            m.last_token_ts = core_ts
         if out.new_token_ids:
             if m.first_token_time is None:
                 m.first_token_time = now
@@ -331,7 +359,7 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:  # aborted or stop-string-finished already: late outputs are dropped
                 continue
-            stop_str = state.update(out, now, stats)
+            stop_str = state.update(out, now, stats, engine_core_timestamp)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if stop_str is not None:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
@@ -348,6 +376,7 @@ class OutputProcessor:
                             now - state.metrics.arrival_time,
                             len(state.prompt_token_ids),
                             state.metrics.num_generation_tokens,
+                            *_phase_times(state.metrics),
                         )
                     )
             completion = state.make_completion(finish_reason, stop_reason)

@@ -62,6 +62,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # Set when this one request failed in the core (finish_reason is ERROR).
     error: Optional[str] = None
+    # On a request's first output only: when the core queued and first scheduled it (time.monotonic()
+    # in the core, the clock of EngineCoreOutputs.timestamp), for vLLM's queue/prefill/decode metrics.
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
 
     @property
     def finished(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from typing import Optional, Union
 
 from vllm_lite.core.messages import EngineCoreRequest, FinishReason
@@ -68,6 +69,8 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit length, set on first schedule
         self.stop_reason: Union[int, str, None] = None
         self.num_preemptions = 0
+        self.queued_ts = time.monotonic()  # reported with the first output (request metrics)
+        self.scheduled_ts = 0.0  # first time scheduled
         # Max tokens this request may generate (max_tokens, or until max_model_len).
         self.max_tokens = sampling_params.max_tokens
         # Filled by the KV cache manager: hashes of this request's full blocks.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import defaultdict
 from typing import Iterable, Optional
 
@@ -242,6 +243,7 @@ class Scheduler:
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
+                    req.scheduled_ts = time.monotonic()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 to_worker_as_new.append(req)
@@ -355,6 +357,7 @@ class Scheduler:
             if finished:
                 stopped.append(req)
             if new_token_ids or finished or prompt_lp is not None:
+                first = len(new_token_ids) == len(req.output_token_ids) and bool(new_token_ids)
                 per_client[req.client_index].append(
                     EngineCoreOutput(
                         request_id=rid,
@@ -364,6 +367,8 @@ class Scheduler:
                         finish_reason=req.get_finish_reason() if finished else None,
                         stop_reason=req.stop_reason,
                         num_cached_tokens=max(req.num_cached_tokens, 0),
+                        queued_ts=req.queued_ts if first else 0.0,
+                        scheduled_ts=req.scheduled_ts if first else 0.0,
                     )
                 )
         if stopped:

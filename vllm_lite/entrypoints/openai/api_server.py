@@ -138,6 +138,9 @@ def build_app(
         raise ValueError("api_key must be a non-empty string or None.")
 
     metrics = ServerMetrics(names[0])
+    add_stat_logger = getattr(engine, "add_stat_logger", None)  # AsyncLLM's hook (test fakes may lack it)
+    if add_stat_logger is not None:
+        add_stat_logger(metrics)
 
     async def default_on_dead(reason: str) -> None:
         app.state.engine_dead = True

@@ -3,7 +3,10 @@
 Request-level numbers (finish reasons, token counts, TTFT, inter-token and
 end-to-end latency) are observed here from the `RequestOutput`s the server
 streams; engine-level gauges (running/waiting requests, KV-cache usage) are
-refreshed from the core's scheduler stats when /metrics is scraped.
+refreshed from the core's scheduler stats when /metrics is scraped. Per-step
+counters (prefix-cache queries/hits, preemptions, tokens per iteration) and the
+per-request phase histograms (queue, prefill, decode, inference, measured on the
+core's clock) come from AsyncLLM's stat-logger hook (`record`), as in vLLM V1.
 Each app gets its own registry, so several servers can live in one process (tests).
 """
 
@@ -15,6 +18,8 @@ from typing import Any, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+import logging
+
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import RequestOutputKind
 
@@ -23,7 +28,13 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0)
 
+# vLLM V1's request_latency_buckets (queue, prefill, decode, inference times) and iteration-token buckets.
+_REQUEST_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                          240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+logger = logging.getLogger(__name__)
 
 
 class ServerMetrics:
@@ -56,9 +67,59 @@ class ServerMetrics:
         self.http_requests = Counter(
             "vllm:http_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"], registry=r
         )
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", labels,
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels, registry=r
+        )
+        self.num_preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r
+        )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
+            buckets=_ITERATION_TOKEN_BUCKETS, registry=r,
+        )
+        phase = {
+            "queue": "Histogram of time spent in WAITING phase for request.",
+            "prefill": "Histogram of time spent in PREFILL phase for request.",
+            "decode": "Histogram of time spent in DECODE phase for request.",
+            "inference": "Histogram of time spent in RUNNING phase for request.",
+        }
+        self.phase_times = {
+            name: Histogram(
+                f"vllm:request_{name}_time_seconds", doc, labels, buckets=_REQUEST_PHASE_BUCKETS, registry=r
+            )
+            for name, doc in phase.items()
+        }
 
     def tracker(self, output_kind: RequestOutputKind) -> "RequestTracker":
         return RequestTracker(self, output_kind)
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        """AsyncLLM's stat-logger hook: one batch of core outputs (never raises into the output handler)."""
+        try:
+            self._record(scheduler_stats, iteration_stats)
+        except Exception:  # noqa: BLE001 -- metrics must not take the engine's output handler down
+            logger.exception("recording engine metrics failed")
+
+    def _record(self, s: Any, it: Any) -> None:
+        m = self.model_name
+        if s is not None:
+            self.prefix_cache_queries.labels(m).inc(s.prefix_cache_queries)
+            self.prefix_cache_hits.labels(m).inc(s.prefix_cache_hits)
+            self.num_preemptions.labels(m).inc(s.num_preemptions)
+        if it is None:
+            return
+        tokens = it.num_prompt_tokens + it.num_generation_tokens
+        if tokens:
+            self.iteration_tokens.labels(m).observe(tokens)
+        for f in it.finished_requests:
+            for name, value in (("queue", f.queue_time_s), ("prefill", f.prefill_time_s),
+                                ("decode", f.decode_time_s), ("inference", f.inference_time_s)):
+                if value is not None:
+                    self.phase_times[name].labels(m).observe(value)
 
     def update_engine_stats(self, stats: dict[str, Any]) -> None:
         m = self.model_name
