@@ -101,7 +101,7 @@ class AsyncLLM:
     # ------------------------------------------------------------------ state
     @property
     def errored(self) -> bool:
-        return self._dead is not None or bool(getattr(self.engine_core, "is_dead", False))
+        return self._dead is not None or self.engine_core.is_dead
 
     @property
     def is_running(self) -> bool:
@@ -160,7 +160,7 @@ class AsyncLLM:
             raise TypeError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}.")
         prompt_text, request = self.processor.process_inputs(
             request_id, prompt, sampling_params, priority=priority,
-            client_index=getattr(self.engine_core, "client_index", 0),
+            client_index=self.engine_core.client_index,
         )
         queue = RequestOutputCollector(request.sampling_params.output_kind)
         await self._add_request(prompt_text, request, queue)
