@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from vllm_lite import platform as _platform
-from vllm_lite.device_layout import check_engine_devices, engine_device
+from vllm_lite.device_layout import engine_device, verify_cuda_device_count
 from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
 from vllm_lite.dtype_policy import resolve_dtype
 from vllm_lite.platform import resolve_device
@@ -147,21 +147,6 @@ def verify_parallel_config(pc: ParallelConfig, hf: dict[str, Any]) -> None:
         v = hf.get(key)
         if isinstance(v, int) and v % tp:
             raise ValueError(f"{key}={v} is not divisible by tensor_parallel_size={tp}.")
-
-
-def verify_cuda_device_count(pc: ParallelConfig, device: torch.device, visible: int) -> None:
-    """Every rank on this node needs its own CUDA device: refuse more ranks than devices, before any
-    process starts (NCCL would fail later with "Duplicate GPU detected" or "invalid device ordinal")."""
-    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
-    need = pc.ranks_per_node * dp
-    if need > visible:
-        where = f" ({pc.ranks_per_node} tensor-parallel ranks on each of {pc.nnodes} nodes)" if pc.nnodes > 1 else ""
-        raise ValueError(
-            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {need} CUDA devices on this node{where}, "
-            f"but {visible} {'is' if visible == 1 else 'are'} visible. Lower tensor_parallel_size or "
-            "data_parallel_size, or make more devices visible (CUDA_VISIBLE_DEVICES)."
-        )
-    check_engine_devices(device, pc.ranks_per_node, visible)  # this engine's TP ranks sit at index + local_rank
 
 
 @dataclass

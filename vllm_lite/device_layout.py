@@ -3,14 +3,20 @@
 Data parallel x tensor parallel: DP rank ``r`` owns the ``tp`` devices
 ``[first + r*tp, first + (r+1)*tp)`` (``first``: the index of the device the user named,
 0 for plain ``cuda``), and its TP rank ``local_rank`` runs on ``engine index + local_rank``.
-Before this, DP rank r took ``cuda:r`` and its TP ranks ``cuda:local_rank``, so with both > 1
-engines shared devices (NCCL: "Duplicate GPU detected"). Pure functions of a device and
-counts, so the layout is tested on a machine without CUDA.
+Before, DP rank r took ``cuda:r`` and its TP ranks ``cuda:local_rank``, so with both > 1
+engines shared devices (NCCL: "Duplicate GPU detected"). Also the check, before any process
+starts, that a layout fits the visible devices. Pure functions of a device and counts, so the
+layout is tested on a machine without CUDA.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from vllm_lite.config import ParallelConfig
 
 
 def first_index(device: torch.device) -> int:
@@ -61,3 +67,18 @@ def check_engine_devices(device: torch.device, ranks_per_node: int, visible: int
         f"device={device} with {ranks_per_node} tensor-parallel ranks needs cuda:{first}..cuda:{last}; "
         f"cuda:{max(first, visible)} does not exist: {visible} CUDA device(s) are visible."
     )
+
+
+def verify_cuda_device_count(pc: ParallelConfig, device: torch.device, visible: int) -> None:
+    """Every rank on this node needs its own CUDA device: refuse more ranks than devices, before any
+    process starts (NCCL would fail later with "Duplicate GPU detected" or "invalid device ordinal")."""
+    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+    need = pc.ranks_per_node * dp
+    if need > visible:
+        where = f" ({pc.ranks_per_node} tensor-parallel ranks on each of {pc.nnodes} nodes)" if pc.nnodes > 1 else ""
+        raise ValueError(
+            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {need} CUDA devices on this node{where}, "
+            f"but {visible} {'is' if visible == 1 else 'are'} visible. Lower tensor_parallel_size or "
+            "data_parallel_size, or make more devices visible (CUDA_VISIBLE_DEVICES)."
+        )
+    check_engine_devices(device, pc.ranks_per_node, visible)  # this engine's TP ranks sit at index + local_rank
