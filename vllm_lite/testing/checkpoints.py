@@ -20,10 +20,11 @@ import torch
 from vllm_lite import envs
 
 CACHE_VERSION = "v1"
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt", "phi3", "gpt2", "gemma2", "mistral_sw", "qwen2_sw")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt", "phi3", "gpt2", "gemma2", "mistral_sw", "qwen2_sw",
+         "gemma3", "mixtral", "qwen3_moe")
 # Sliding window of the *_sw and gemma2 builds: small, so test prompts run past it.
 TINY_WINDOW = 24
-SIZES = ("tiny", "100m")
+SIZES = ("tiny", "100m", "moe-small")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -127,6 +128,25 @@ def _tiny_kwargs(arch: str, vocab: int) -> dict[str, Any]:
             attn_logit_softcapping=2.0, final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
             tie_word_embeddings=True,
         )
+    if arch == "gemma3":  # Gemma-3-1b-like: global every 3rd layer, local/global rope bases, q/k norm, no caps
+        return dict(
+            common, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+            sliding_window_pattern=3, attn_logit_softcapping=None, final_logit_softcapping=None,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            },
+            hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        )
+    if arch == "mixtral":  # Mixtral-8x7B scaled down: 4 experts, top-2
+        return dict(common, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=None, router_jitter_noise=0.0)
+    if arch == "qwen3_moe":  # Qwen3-30B-A3B scaled down: 4 experts top-2, renormalised; layer 1 dense
+        return dict(
+            common, tie_word_embeddings=False, head_dim=32, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
+            use_sliding_window=False,
+        )
     if arch == "qwen3":
         # head_dim given explicitly and different from hidden / heads, as in real Qwen3 configs.
         return dict(common, tie_word_embeddings=False, head_dim=32)
@@ -147,6 +167,9 @@ def _hf_config(arch: str, size: str, vocab: int, overrides: Optional[dict[str, A
         "gemma2": (transformers.Gemma2Config, "Gemma2ForCausalLM"),
         "mistral_sw": (transformers.MistralConfig, "MistralForCausalLM"),
         "qwen2_sw": (transformers.Qwen2Config, "Qwen2ForCausalLM"),
+        "gemma3": (transformers.Gemma3TextConfig, "Gemma3ForCausalLM"),
+        "mixtral": (transformers.MixtralConfig, "MixtralForCausalLM"),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
     }
     if arch not in classes:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}.")
@@ -170,6 +193,15 @@ def _hf_config(arch: str, size: str, vocab: int, overrides: Optional[dict[str, A
             bos_token_id=BOS_ID,
             eos_token_id=EOS_ID,
             pad_token_id=PAD_ID,
+        )
+    elif size == "moe-small":
+        if arch != "mixtral":
+            raise ValueError(f"size 'moe-small' is Mixtral-shaped: use arch='mixtral', got {arch!r}.")
+        # Mixtral-8x7B's layout (8 experts, top-2, GQA 4:1) at ~60M parameters (~15M active per token).
+        kwargs = dict(
+            _tiny_kwargs("mixtral", vocab), hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, intermediate_size=896, num_local_experts=8, max_position_embeddings=4096,
+            rope_theta=1_000_000.0,
         )
     else:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}.")
@@ -213,11 +245,11 @@ def build_checkpoint(
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}.")
     os.makedirs(path, exist_ok=True)
-    build_tokenizer(path, vocab_size=2000 if size == "tiny" else 32000)
+    build_tokenizer(path, vocab_size={"tiny": 2000, "moe-small": 8000}.get(size, 32000))
     vocab = len(transformers.AutoTokenizer.from_pretrained(path))
     config = _hf_config(arch, size, vocab, config_overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, std=0.1 if size == "tiny" else 0.02, seed=seed)
+    _randomize(model, std={"tiny": 0.1, "moe-small": 0.05}.get(size, 0.02), seed=seed)
     model = model.to(dtype)
     model.config.dtype = dtype
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

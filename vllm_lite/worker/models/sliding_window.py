@@ -8,6 +8,7 @@ Rules, per transformers 4.4x-5.x:
 - Qwen2/Qwen3 apply the window only with `use_sliding_window`, and only to layers
   i >= `max_window_layers`;
 - Gemma 2 alternates, starting with a windowed layer (i even);
+- Gemma 3 makes every `sliding_window_pattern`-th layer global (default 6): i windowed iff (i+1) % pattern;
 - otherwise (Mistral) a non-null `sliding_window` applies to every layer.
 """
 
@@ -40,6 +41,9 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
         return [window if i >= first else None for i in range(n)]
     if model_type == "gemma2":
         return [window if i % 2 == 0 else None for i in range(n)]
+    if model_type == "gemma3_text":
+        pattern = int(get("sliding_window_pattern", 6) or 6)
+        return [window if (i + 1) % pattern else None for i in range(n)]
     return [window] * n
 
 

@@ -1,0 +1,94 @@
+"""Gemma 3 (text) gives Hugging Face's float32 greedy tokens and logprobs past its sliding window.
+
+The tiny build has a global layer every 3rd layer, different local/global RoPE bases (global one
+linearly scaled), q/k norms, and no soft-capping; prompts run past TINY_WINDOW with prefix caching on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_lite import LLM
+from vllm_lite.testing.checkpoints import TINY_WINDOW, get_checkpoint
+from vllm_lite.testing.hf_match import assert_matches_hf, generate_greedy, hf_model_eager
+from vllm_lite.testing.hf_oracle import greedy_prompts
+from vllm_lite.worker.models.gemma3 import layer_rope_parameters
+from vllm_lite.worker.models.sliding_window import layer_sliding_windows
+
+NEW_TOKENS = 10
+PROMPT_LENS = (9, 40, 70)
+
+
+def test_greedy_float32_matches_hf_past_the_window_with_prefix_caching(monkeypatch) -> None:
+    from vllm_lite.core.kv_cache_manager import KVCacheManager
+
+    hits: list[int] = []
+    original = KVCacheManager.record_prefix_cache_lookup
+
+    def recording(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        hits.append(num_hit_tokens)
+        original(self, num_queried_tokens, num_hit_tokens)
+
+    monkeypatch.setattr(KVCacheManager, "record_prefix_cache_lookup", recording)
+    path = get_checkpoint("gemma3")
+    with LLM(model=path, dtype="float32", multiprocess=False, block_size=8, max_model_len=256,
+             max_num_batched_tokens=32, enable_prefix_caching=True) as llm:
+        prompts = greedy_prompts(llm.get_tokenizer(), PROMPT_LENS)
+        first = generate_greedy(llm, prompts, NEW_TOKENS)
+        hits.clear()
+        again = generate_greedy(llm, prompts, NEW_TOKENS)  # from cached prefix blocks
+    assert sum(hits) > 0, "the second pass should start from cached prefix blocks"
+    assert max(PROMPT_LENS) > TINY_WINDOW
+    assert_matches_hf(path, prompts, first)
+    assert_matches_hf(path, prompts, again)
+
+
+def test_multiprocess_matches_hf() -> None:
+    path = get_checkpoint("gemma3")
+    with LLM(model=path, dtype="float32", multiprocess=True, block_size=16, max_model_len=256) as llm:
+        prompts = greedy_prompts(llm.get_tokenizer(), (40, 70))
+        outs = generate_greedy(llm, prompts, NEW_TOKENS)
+    assert_matches_hf(path, prompts, outs)
+
+
+def test_layer_kinds_and_rope_bases_follow_the_config() -> None:
+    """Every 3rd layer global; sliding layers use the local base, global ones the scaled global base."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(get_checkpoint("gemma3"))
+    w = TINY_WINDOW
+    assert layer_sliding_windows(config) == [w, w, None, w]
+    # The raw config.json the scheduler reads, without layer_types: the same answer from the pattern.
+    assert layer_sliding_windows({"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": w,
+                                  "sliding_window_pattern": 3}) == [w, w, None, w, w, None, w]
+    local, glob = layer_rope_parameters(config, "sliding_attention"), layer_rope_parameters(config, "full_attention")
+    assert (local["rope_theta"], local["rope_type"]) == (10_000.0, "default")
+    assert (glob["rope_theta"], glob["rope_type"], glob["factor"]) == (1_000_000.0, "linear", 8.0)
+
+
+def test_bidirectional_gemma3_is_refused() -> None:
+    from transformers import Gemma3TextConfig
+
+    from vllm_lite.worker.models.gemma3 import Gemma3ForCausalLM
+
+    cfg = Gemma3TextConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=16, intermediate_size=32, vocab_size=64, use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="bidirectional"):
+        Gemma3ForCausalLM(cfg)
+
+
+def test_the_local_rope_base_matters_for_hf() -> None:
+    """Not vacuous: HF with one base for both layer kinds scores the same prompt differently."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_lite.testing.hf_oracle import hf_greedy
+
+    path = get_checkpoint("gemma3")
+    prompt = greedy_prompts(AutoTokenizer.from_pretrained(path), (40,))[0]
+    ref = hf_greedy(hf_model_eager(path), prompt, 1)
+    config = AutoConfig.from_pretrained(path)
+    config.rope_parameters["sliding_attention"] = dict(config.rope_parameters["full_attention"])
+    same_base = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    assert abs(hf_greedy(same_base, prompt, 1).logprobs[0] - ref.logprobs[0]) > 1e-4

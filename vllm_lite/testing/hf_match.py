@@ -1,0 +1,43 @@
+"""Run our engine greedily with logprobs and assert it gives Hugging Face's float32 tokens and logprobs.
+
+Shared by the per-architecture tests (Gemma 3, the MoE models); the oracle itself is hf_oracle.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+
+from vllm_lite.testing.hf_oracle import GreedyRun, compare_greedy, hf_greedy
+
+
+@functools.lru_cache(maxsize=1)
+def hf_model_eager(path: str) -> torch.nn.Module:
+    """transformers' float32 model with eager attention (the one that implements windows and soft-caps)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def generate_greedy(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Any]:
+    from vllm_lite import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    return llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+
+
+def as_greedy_run(output: Any) -> GreedyRun:
+    toks = list(output.outputs[0].token_ids)
+    return GreedyRun(toks, [lp[t].logprob for lp, t in zip(output.outputs[0].logprobs, toks)])
+
+
+def assert_matches_hf(path: str, prompts: Sequence[Sequence[int]], outs: Sequence[Any], tol: float = 1e-4) -> None:
+    """Tokens identical up to a near-tie of HF's top two (see hf_oracle), chosen-token logprobs within tol."""
+    hf = hf_model_eager(path)
+    for p, o in zip(prompts, outs):
+        ours = as_greedy_run(o)
+        agree = compare_greedy(ours, hf_greedy(hf, list(p), len(ours.tokens)), tol)
+        assert agree.diverged_at is None or agree.tie, f"prompt of {len(p)} tokens: {agree}"
+        assert agree.max_logprob_err < tol, f"prompt of {len(p)} tokens: {agree}"

@@ -1,0 +1,199 @@
+"""One fused mixture-of-experts layer: top-k routing and grouped expert matmuls over stacked weights.
+
+Every expert's gate and up projections live in ONE tensor `w13_weight` [E, 2I, H] ([gate | up] rows per
+expert) and its down projection in `w2_weight` [E, H, I], whatever the checkpoint's layout (per-expert
+w1/w3/w2 or gate/up/down_proj, or transformers' in-memory fused gate_up_proj/down_proj): `weight_loader`
+stacks them at load. Tensor parallel shards the intermediate dim I of every expert (as vLLM does): each
+rank computes a partial down projection for its slice and one all-reduce sums them.
+
+The expert matmuls are grouped: token-expert pairs are sorted by expert and each expert that received
+tokens runs two matmuls over all of its tokens (a loop over experts, never over tokens). No Triton kernel
+yet: CUDA runs the same grouped path.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_lite.worker.models.loading import StackedMapping, load_hf_weights
+from vllm_lite.worker.models.parallel_linear import copy_checked, loaded_shape, read_shard
+from vllm_lite.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+
+# Per-expert checkpoint names: Mixtral's w1 (gate) / w3 (up) / w2 (down), Qwen-MoE's gate/up/down_proj.
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# transformers' fused in-memory layout, should a checkpoint be saved that way.
+_FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k], expert ids int64 [T, k]): softmax over all experts in float32, then top-k,
+    then (Mixtral; Qwen3-MoE with norm_topk_prob) rescaled so each token's k weights sum to 1."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = ids[t, k]; out [T, H] in x's dtype.
+
+    Pairs sorted by expert; each expert with tokens does one [n, H] x [H, 2I] and one [n, I] x [I, H] matmul.
+    """
+    t, k = topk_ids.shape
+    out = torch.zeros_like(x)
+    if t == 0:
+        return out
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of_pair = order // k  # row of x for each sorted pair
+    pair_weights = topk_weights.reshape(-1)[order]
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync per layer
+    inter = w2.shape[-1]
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token_of_pair[start : start + n]
+        h = F.linear(x.index_select(0, rows), w13[expert])
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = F.linear(h, w2[expert])
+        # Routing weights stay float32 until after the multiply, as transformers does.
+        y = (y * pair_weights[start : start + n, None]).to(x.dtype)
+        out.index_add_(0, rows, y)
+        start += n
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE layer: stacked weights, this rank's slice of every expert's intermediate dim."""
+
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+        act: str = "silu",
+    ) -> None:
+        super().__init__()
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported by the fused MoE layer; expected 'silu'.")
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        if intermediate_size % self.tp_size:
+            raise ValueError(
+                f"moe intermediate_size={intermediate_size} is not divisible by tensor_parallel_size={self.tp_size}."
+            )
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate = intermediate_size // self.tp_size  # per rank
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
+        # Which (expert, projection) shards have arrived, so a half-loaded expert set is reported missing.
+        self._shards_seen: set[tuple[Optional[int], str]] = set()
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        out = grouped_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
+
+    # ------------------------------------------------------------------ loading
+
+    def _rank_rows(self, loaded: Any, dim: int) -> torch.Tensor:
+        """This rank's [rank*I/tp, (rank+1)*I/tp) slice of a checkpoint tensor along its intermediate dim."""
+        n = self.intermediate
+        return read_shard(loaded, dim, self.tp_rank * n, n)
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: tuple[Optional[int], str]) -> None:
+        """shard_id = (expert, "gate"|"up"|"down") for one expert's tensor, or (None, "gate_up"|"down") for all."""
+        expert, proj = shard_id
+        n = self.intermediate
+        with torch.no_grad():
+            if expert is None and proj == "gate_up":  # [E, 2I_total, H]: gate rows then up rows
+                total = loaded_shape(loaded)[1] // 2
+                full = read_shard(loaded)
+                gate = full[:, self.tp_rank * n : (self.tp_rank + 1) * n]
+                up = full[:, total + self.tp_rank * n : total + (self.tp_rank + 1) * n]
+                copy_checked(param.data, torch.cat([gate, up], dim=1), "experts.gate_up_proj")
+            elif expert is None and proj == "down":  # [E, H, I_total]
+                copy_checked(param.data, self._rank_rows(loaded, 2), "experts.down_proj")
+            elif proj in ("gate", "up"):
+                off = 0 if proj == "gate" else n
+                copy_checked(param.data[expert, off : off + n], self._rank_rows(loaded, 0), f"expert {expert} {proj}")
+            elif proj == "down":
+                copy_checked(param.data[expert], self._rank_rows(loaded, 1), f"expert {expert} down")
+            else:
+                raise ValueError(f"unknown expert shard {shard_id!r}.")
+        self._shards_seen.add(shard_id)
+
+    def loaded_params(self) -> set[str]:
+        """Local names of the parameters every expert's shards have reached."""
+        done = set()
+        all_experts = range(self.num_experts)
+        if (None, "gate_up") in self._shards_seen or all(
+            (e, p) in self._shards_seen for e in all_experts for p in ("gate", "up")
+        ):
+            done.add("w13_weight")
+        if (None, "down") in self._shards_seen or all((e, "down") in self._shards_seen for e in all_experts):
+            done.add("w2_weight")
+        return done
+
+
+def expert_shard(name: str) -> Optional[tuple[str, str, tuple[Optional[int], str]]]:
+    """For a checkpoint expert tensor name: (FusedMoE module path, its parameter, shard id); else None."""
+    m = _PER_EXPERT.match(name)
+    if m:
+        proj = _PROJ[m["proj"]]
+        return m["prefix"], "w2_weight" if proj == "down" else "w13_weight", (int(m["expert"]), proj)
+    m = _FUSED.match(name)
+    if m:
+        fused = m["proj"] == "gate_up_proj"
+        return m["prefix"], "w13_weight" if fused else "w2_weight", (None, "gate_up" if fused else "down")
+    return None
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, replicated) + `experts` (FusedMoE), named as Mixtral's and Qwen-MoE's checkpoints name them."""
+
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+        act: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, F.linear(x, self.gate.weight))
+
+
+def load_moe_weights(
+    model: nn.Module, weights: Any, stacked: StackedMapping, tied_names: tuple[str, ...] = ()
+) -> set[str]:
+    """load_hf_weights for a model with FusedMoE layers: expert tensors are stacked into their layer's fused
+    parameters (before the generic name mapping, whose ".gate_proj." rules would otherwise claim them)."""
+    moe_layers: dict[str, FusedMoE] = {}
+
+    def non_expert() -> Any:
+        for name, tensor in weights:
+            shard = expert_shard(name)
+            if shard is None:
+                yield name, tensor
+                continue
+            prefix, param, shard_id = shard
+            try:
+                layer = model.get_submodule(prefix)
+            except AttributeError:
+                layer = None
+            if not isinstance(layer, FusedMoE):
+                raise ValueError(f"unexpected checkpoint weight {name!r}: the model has no expert layer {prefix!r}.")
+            layer.weight_loader(getattr(layer, param), tensor, shard_id)
+            moe_layers[prefix] = layer
+
+    loaded = load_hf_weights(model, non_expert(), stacked, tied_names=tied_names)
+    for prefix, layer in moe_layers.items():
+        loaded |= {f"{prefix}.{p}" for p in layer.loaded_params()}
+    return loaded
