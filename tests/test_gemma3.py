@@ -11,7 +11,7 @@ import torch
 
 from vllm_lite import LLM
 from vllm_lite.testing.checkpoints import TINY_WINDOW, get_checkpoint
-from vllm_lite.testing.hf_match import assert_matches_hf, generate_greedy, hf_model_eager
+from vllm_lite.testing.hf_match import assert_matches_hf, generate_greedy, hf_model_eager, record_prefix_hits
 from vllm_lite.testing.hf_oracle import greedy_prompts
 from vllm_lite.worker.models.gemma3 import layer_rope_parameters
 from vllm_lite.worker.models.sliding_window import layer_sliding_windows
@@ -21,16 +21,7 @@ PROMPT_LENS = (9, 40, 70)
 
 
 def test_greedy_float32_matches_hf_past_the_window_with_prefix_caching(monkeypatch) -> None:
-    from vllm_lite.core.kv_cache_manager import KVCacheManager
-
-    hits: list[int] = []
-    original = KVCacheManager.record_prefix_cache_lookup
-
-    def recording(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
-        hits.append(num_hit_tokens)
-        original(self, num_queried_tokens, num_hit_tokens)
-
-    monkeypatch.setattr(KVCacheManager, "record_prefix_cache_lookup", recording)
+    hits = record_prefix_hits(monkeypatch)
     path = get_checkpoint("gemma3")
     with LLM(model=path, dtype="float32", multiprocess=False, block_size=8, max_model_len=256,
              max_num_batched_tokens=32, enable_prefix_caching=True) as llm:

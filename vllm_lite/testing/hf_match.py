@@ -41,3 +41,18 @@ def assert_matches_hf(path: str, prompts: Sequence[Sequence[int]], outs: Sequenc
         agree = compare_greedy(ours, hf_greedy(hf, list(p), len(ours.tokens)), tol)
         assert agree.diverged_at is None or agree.tie, f"prompt of {len(p)} tokens: {agree}"
         assert agree.max_logprob_err < tol, f"prompt of {len(p)} tokens: {agree}"
+
+
+def record_prefix_hits(monkeypatch: Any) -> list[int]:
+    """Hit tokens of every prefix-cache lookup from now on (patched through pytest's monkeypatch, so undone)."""
+    from vllm_lite.core.kv_cache_manager import KVCacheManager
+
+    log: list[int] = []
+    original = KVCacheManager.record_prefix_cache_lookup
+
+    def recording(self: Any, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        log.append(num_hit_tokens)
+        original(self, num_queried_tokens, num_hit_tokens)
+
+    monkeypatch.setattr(KVCacheManager, "record_prefix_cache_lookup", recording)
+    return log
