@@ -12,7 +12,7 @@ from typing import Any, Optional
 import zmq
 import zmq.asyncio
 
-from vllm_lite.client.client_base import AsyncOnlyClient, OutputItem, output_or_raise, shut_down_error
+from vllm_lite.client.client_base import AsyncOnlyClient, OutputItem, output_or_raise, running_loop, shut_down_error
 from vllm_lite.client.mp_client import MPClientBase
 from vllm_lite.config import VllmConfig
 from vllm_lite.core.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
@@ -141,7 +141,7 @@ class AsyncMPClient(MPClientBase, AsyncOnlyClient):
         err = shut_down_error()
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            in_loop = _running_loop() is loop
+            in_loop = running_loop() is loop
             self._unwatch_process(loop)
             for task in self._tasks:
                 if in_loop:
@@ -159,10 +159,3 @@ class AsyncMPClient(MPClientBase, AsyncOnlyClient):
         self._in.close()
         self._out.close()
         self._finalizer()
-
-
-def _running_loop() -> Optional[asyncio.AbstractEventLoop]:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None

@@ -7,6 +7,8 @@ never probe a client with ``getattr``: a client that does not know a fact answer
 
 from __future__ import annotations
 
+import asyncio
+import queue
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional, Union
 
@@ -92,3 +94,20 @@ def output_or_raise(item: OutputItem, put_back: Callable[[OutputItem], None]) ->
         put_back(item)
         raise item
     return item
+
+
+def take_output(outputs: "queue.Queue[OutputItem]", timeout: Optional[float]) -> EngineCoreOutputs:
+    """Block for the next item of a client's output queue; TimeoutError after ``timeout``."""
+    try:
+        item = outputs.get(timeout=timeout)
+    except queue.Empty:
+        raise TimeoutError(f"No engine core output within {timeout} s.") from None
+    return output_or_raise(item, outputs.put)
+
+
+def running_loop() -> Optional[asyncio.AbstractEventLoop]:
+    """The event loop running in this thread, or None (shutdown may come from inside or outside it)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -27,7 +27,9 @@ from vllm_lite.client.client_base import (
     EngineCoreClient,
     OutputItem,
     output_or_raise,
+    running_loop,
     shut_down_error,
+    take_output,
 )
 from vllm_lite.client.dp_router import Router, combine_utility_results, merged_facts
 from vllm_lite.client.exceptions import EngineDeadError
@@ -78,8 +80,23 @@ def _attach_all(client_cls: type, addresses: Sequence[str], auth_token: Optional
 class _DPClientBase(EngineCoreClient):
     """Facts, routing bookkeeping (under a lock) and death of a client over several cores."""
 
-    def __init__(self, clients: Sequence[MPClientBase], stats_interval_s: float) -> None:
-        self.clients = list(clients)
+    # The per-core client a shell attaches with.
+    per_core_cls: type[MPClientBase]
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        auth_token: Optional[str] = None,
+        stats_interval_s: float = 0.5,
+        *,
+        clients: Optional[Sequence[MPClientBase]] = None,
+        **client_kwargs: Any,
+    ) -> None:
+        # `clients`: already-connected per-core clients (private cores this frontend started) to route over.
+        self.clients = (
+            list(clients) if clients is not None
+            else _attach_all(self.per_core_cls, addresses, auth_token, client_kwargs)
+        )
         try:
             self.model_facts = merged_facts(self.clients)
         except BaseException:
@@ -136,20 +153,10 @@ class _DPClientBase(EngineCoreClient):
 class DPCoreClient(_DPClientBase):
     """A blocking client over several data-parallel cores (one SyncMPClient each, a pump thread each)."""
 
-    def __init__(
-        self,
-        addresses: Sequence[str],
-        auth_token: Optional[str] = None,
-        stats_interval_s: float = 0.5,
-        *,
-        clients: Optional[Sequence[SyncMPClient]] = None,
-        **client_kwargs: Any,
-    ) -> None:
-        # `clients`: already-connected per-core clients (private cores this frontend started) to route over.
-        super().__init__(
-            clients if clients is not None else _attach_all(SyncMPClient, addresses, auth_token, client_kwargs),
-            stats_interval_s,
-        )
+    per_core_cls = SyncMPClient
+
+    def __init__(self, addresses: Sequence[str], *args: Any, **kwargs: Any) -> None:
+        super().__init__(addresses, *args, **kwargs)
         self._merged: queue.Queue[OutputItem] = queue.Queue()
         self._stop = threading.Event()
         self._threads = [
@@ -193,11 +200,7 @@ class DPCoreClient(_DPClientBase):
             self.clients[core].abort_requests(ids)
 
     def get_output(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
-        try:
-            item = self._merged.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"No engine core output within {timeout} s.") from None
-        return output_or_raise(item, self._merged.put)
+        return take_output(self._merged, timeout)
 
     def call_utility(self, method: str, *args: Any) -> Any:
         """Runs on every core; results combined by ``combine_utility_results``."""
@@ -216,20 +219,10 @@ class DPCoreClient(_DPClientBase):
 class AsyncDPCoreClient(_DPClientBase, AsyncOnlyClient):
     """The asyncio version, for AsyncLLM and the HTTP frontends (one AsyncMPClient per core, a pump task each)."""
 
-    def __init__(
-        self,
-        addresses: Sequence[str],
-        auth_token: Optional[str] = None,
-        stats_interval_s: float = 0.5,
-        *,
-        clients: Optional[Sequence[AsyncMPClient]] = None,
-        **client_kwargs: Any,
-    ) -> None:
-        # `clients`: already-connected per-core clients (private cores this frontend started) to route over.
-        super().__init__(
-            clients if clients is not None else _attach_all(AsyncMPClient, addresses, auth_token, client_kwargs),
-            stats_interval_s,
-        )
+    per_core_cls = AsyncMPClient
+
+    def __init__(self, addresses: Sequence[str], *args: Any, **kwargs: Any) -> None:
+        super().__init__(addresses, *args, **kwargs)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._merged: Optional[asyncio.Queue] = None
         self._tasks: list[asyncio.Task] = []
@@ -306,10 +299,7 @@ class AsyncDPCoreClient(_DPClientBase, AsyncOnlyClient):
         self._closed = True
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            try:
-                in_loop = asyncio.get_running_loop() is loop
-            except RuntimeError:
-                in_loop = False
+            in_loop = running_loop() is loop
             for task in self._tasks:
                 task.cancel() if in_loop else loop.call_soon_threadsafe(task.cancel)
         for c in self.clients:

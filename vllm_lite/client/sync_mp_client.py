@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import zmq
 
-from vllm_lite.client.client_base import OutputItem, output_or_raise, shut_down_error
+from vllm_lite.client.client_base import OutputItem, shut_down_error, take_output
 from vllm_lite.client.mp_client import MPClientBase
 from vllm_lite.config import VllmConfig
 from vllm_lite.core.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
@@ -46,11 +46,7 @@ class SyncMPClient(MPClientBase):
         """Next outputs from the core; blocks. Raises EngineDeadError, or TimeoutError after ``timeout``."""
         if self._closed:
             raise shut_down_error()
-        try:
-            item = self._outputs.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"No engine core output within {timeout} s.") from None
-        return output_or_raise(item, self._outputs.put)
+        return take_output(self._outputs, timeout)
 
     def call_utility(self, method: str, *args: Any) -> Any:
         fut: Future = Future()
