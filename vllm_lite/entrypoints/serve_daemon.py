@@ -89,6 +89,8 @@ class ServeConfig:
     served_model_names: list[str] = field(default_factory=list)
     startup_timeout_s: float = 600.0
     uvicorn_log_level: str = "warning"
+    # vLLM's HTTP options for every frontend: FrontendArgs fields of the same names (chat_template, CORS, TLS, ...).
+    http_options: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         for name in ("heartbeat_timeout_s", "shutdown_timeout_s", "startup_timeout_s"):
@@ -264,6 +266,7 @@ class ServeSupervisor:
                 core_pids=[c.proc.pid for c in self.cores], frontend_name=f"http-{i}",
                 auth_token=cfg.auth_token, api_key=cfg.api_key,  # in the typed args, never on the command line
                 served_model_names=list(cfg.served_model_names), uvicorn_log_level=cfg.uvicorn_log_level,
+                **cfg.http_options,
             )
             proc = launcher.start_child(FRONTEND_MODULE, args, FrontendReady, name=f"http-{i}",
                                         pass_fds=[listen_fd], new_session=True)
@@ -281,8 +284,11 @@ class ServeSupervisor:
             raise RuntimeError(f"HTTP frontend failed to start: {e}") from e
         host = cfg.api_host if ":" not in cfg.api_host else f"[{cfg.api_host}]"
         port = self.http_socket.getsockname()[1]
-        self._say(f"vllm-lite OpenAI API on http://{host}:{port} ({len(self.frontends)} HTTP frontend"
-                  f"{'s' if len(self.frontends) != 1 else ''} sharing the port)")
+        scheme = "https" if cfg.http_options.get("ssl_certfile") else "http"
+        loopback = " (loopback only: --host 0.0.0.0 serves other machines)" if is_loopback_host(cfg.api_host) else ""
+        self._say(f"vllm-lite OpenAI API on {scheme}://{host}:{port}{cfg.http_options.get('root_path', '')} "
+                  f"({len(self.frontends)} HTTP frontend{'s' if len(self.frontends) != 1 else ''} sharing the port)"
+                  f"{loopback}")
 
     # -------------------------------------------------------------- run
     def run(self) -> int:

@@ -42,6 +42,17 @@ class FrontendArgs(msgspec.Struct, kw_only=True):
     uvicorn_log_level: str = "warning"
     health_stuck_timeout_s: float = 60.0
     engine_dead_grace_s: float = 1.0
+    # vLLM's HTTP options (api_server.build_app / serve_app keywords of the same names).
+    chat_template: Optional[str] = None
+    response_role: str = "assistant"
+    root_path: str = ""
+    allowed_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    disable_log_requests: bool = False
+    ssl_keyfile: Optional[str] = None
+    ssl_certfile: Optional[str] = None
 
 
 class FrontendReady(msgspec.Struct):
@@ -96,6 +107,14 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
             api_key=args.api_key,
             health_stuck_timeout_s=args.health_stuck_timeout_s,
             engine_dead_grace_s=args.engine_dead_grace_s,
+            chat_template=args.chat_template,
+            response_role=args.response_role,
+            root_path=args.root_path,
+            allowed_origins=args.allowed_origins,
+            allowed_methods=args.allowed_methods,
+            allowed_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
+            disable_log_requests=args.disable_log_requests,
         )
 
         stopping = {"flag": False}
@@ -120,7 +139,9 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
             channel.on_control(on_control)
         pidfds = watch_pids(loop, args.core_pids, core_exited)
         sock = socket.socket(fileno=args.listen_fd)
-        task = loop.create_task(serve_app(app, sock=sock, log_level=args.uvicorn_log_level))
+        task = loop.create_task(serve_app(
+            app, sock=sock, log_level=args.uvicorn_log_level, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile
+        ))
         while not task.done():
             server = app.state.server
             if server is not None and getattr(server, "started", False):
