@@ -404,8 +404,8 @@ def test_serve_refuses_a_non_loopback_bind_without_a_token(long_ckpt):
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LITE_AUTH_TOKEN"}
     t0 = time.monotonic()
     res = subprocess.run(
-        [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", long_ckpt, "--host", "0.0.0.0", "--port", "0",
-         "--dtype", "float32"],
+        [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", long_ckpt, "--core-host", "0.0.0.0",
+         "--core-port", "0", "--headless", "--dtype", "float32"],
         capture_output=True, text=True, timeout=60, env=env,
     )
     assert res.returncode == 2
@@ -418,7 +418,7 @@ def test_serve_refuses_a_non_loopback_bind_without_a_token(long_ckpt):
 
 
 def test_sigterm_drains_running_requests_aborts_past_the_timeout_and_exits_0(long_ckpt, tmp_path, reference):
-    d = Daemon([long_ckpt, "--port", "0", "--num-threads", "1", "--shutdown-timeout", "3"],
+    d = Daemon([long_ckpt, "--core-port", "0", "--headless", "--num-threads", "1", "--shutdown-timeout", "3"],
                str(tmp_path / "daemon.log"))
     try:
         address, _ = d.core_line()
@@ -526,11 +526,12 @@ def test_killing_the_serve_process_leaves_no_core_or_frontend_behind(long_ckpt, 
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--address", "tcp://127.0.0.1:7000", "--port", "7000"], "either --address or --host/--port"),
+    (["--core-address", "tcp://127.0.0.1:7000", "--core-port", "7000"], "either --core-address or --core-host/--core-port"),
     (["--api-port", "8000", "--api-servers", "0"], "api_servers must be a positive integer"),
     (["--data-parallel-size", "0"], "--data-parallel-size must be at least 1"),
     (["--address", "http://127.0.0.1:7000"], "engine address must be tcp://HOST:PORT or ipc:///PATH"),
-    (["--port", "65534", "--data-parallel-size", "2"], "need ports up to 65537"),
+    (["--core-port", "65534", "--data-parallel-size", "2"], "need ports up to 65537"),
+    (["--api-port", "0", "--core-port", "0"], "old spellings of --port/--host"),
 ])
 def test_serve_rejects_bad_flags_before_starting_anything(long_ckpt, capsys, flags, message):
     from vllm_lite.entrypoints.cli import main
