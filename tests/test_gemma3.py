@@ -11,7 +11,12 @@ import torch
 
 from vllm_lite import LLM
 from vllm_lite.testing.checkpoints import TINY_WINDOW, get_checkpoint
-from vllm_lite.testing.hf_match import assert_matches_hf, generate_greedy, hf_model_eager, record_prefix_hits
+from vllm_lite.testing.hf_match import (
+    assert_matches_hf,
+    generate_greedy,
+    hf_model_eager,
+    record_prefix_hits,
+)
 from vllm_lite.testing.hf_oracle import greedy_prompts
 from vllm_lite.worker.models.gemma3 import layer_rope_parameters
 from vllm_lite.worker.models.sliding_window import layer_sliding_windows

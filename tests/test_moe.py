@@ -14,10 +14,19 @@ import torch.nn.functional as F
 
 from vllm_lite import LLM
 from vllm_lite.testing.checkpoints import get_checkpoint
-from vllm_lite.testing.hf_match import assert_matches_hf, generate_greedy, record_prefix_hits
+from vllm_lite.testing.hf_match import (
+    assert_matches_hf,
+    generate_greedy,
+    record_prefix_hits,
+)
 from vllm_lite.testing.hf_oracle import greedy_prompts
 from vllm_lite.worker import parallel_state
-from vllm_lite.worker.models.fused_moe import FusedMoE, expert_shard, grouped_experts, route
+from vllm_lite.worker.models.fused_moe import (
+    FusedMoE,
+    expert_shard,
+    grouped_experts,
+    route,
+)
 
 NEW_TOKENS = 10
 E, H, I, K = 6, 16, 12, 2
@@ -82,6 +91,9 @@ def test_routing_renormalises_only_when_asked() -> None:
     assert ids.tolist() == [[0, 1]] and torch.allclose(w.sum(-1), torch.ones(1))
     w_raw, _ = route(logits, 2, renormalize=False)
     torch.testing.assert_close(w_raw, torch.softmax(logits, -1)[:, :2])
+    # Mixtral keeps the weights float32 on bf16 activations; Qwen3-MoE rounds them to bf16, as HF does.
+    assert route(logits.bfloat16(), 2, True)[0].dtype == torch.float32
+    assert route(logits.bfloat16(), 2, True, round_to_logits_dtype=True)[0].dtype == torch.bfloat16
 
 
 def test_no_tokens_and_one_token_batches() -> None:

@@ -197,7 +197,7 @@ def _hf_config(arch: str, size: str, vocab: int, overrides: Optional[dict[str, A
     elif size == "moe-small":
         if arch != "mixtral":
             raise ValueError(f"size 'moe-small' is Mixtral-shaped: use arch='mixtral', got {arch!r}.")
-        # Mixtral-8x7B's layout (8 experts, top-2, GQA 4:1) at ~60M parameters (~15M active per token).
+        # Mixtral-8x7B's layout (8 experts, top-2, GQA 4:1) at ~25M parameters (~8M active per token).
         kwargs = dict(
             _tiny_kwargs("mixtral", vocab), hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, intermediate_size=896, num_local_experts=8, max_position_embeddings=4096,

@@ -6,7 +6,8 @@ Shared by the per-architecture tests (Gemma 3, the MoE models); the oracle itsel
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -14,15 +14,23 @@ yet: CUDA runs the same grouped path.
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllm_lite.worker.models.loading import StackedMapping, load_hf_weights
-from vllm_lite.worker.models.parallel_linear import copy_checked, loaded_shape, read_shard
-from vllm_lite.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from vllm_lite.worker.models.parallel_linear import (
+    copy_checked,
+    loaded_shape,
+    read_shard,
+)
+from vllm_lite.worker.parallel_state import (
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_reduce,
+)
 
 # Per-expert checkpoint names: Mixtral's w1 (gate) / w3 (up) / w2 (down), Qwen-MoE's gate/up/down_proj.
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -31,13 +39,18 @@ _FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)
 _PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32 [T, k], expert ids int64 [T, k]): softmax over all experts in float32, then top-k,
-    then (Mixtral; Qwen3-MoE with norm_topk_prob) rescaled so each token's k weights sum to 1."""
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, round_to_logits_dtype: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids int64 [T, k]): softmax over all experts in float32, then top-k, then
+    (Mixtral; Qwen3-MoE with norm_topk_prob) rescaled so each token's k weights sum to 1. Weights stay
+    float32 (Mixtral) or are rounded to the logits' dtype (Qwen3-MoE), as each transformers model does."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if round_to_logits_dtype:
+        weights = weights.to(router_logits.dtype)
     return weights, ids
 
 
@@ -66,7 +79,7 @@ def grouped_experts(
         h = F.linear(x.index_select(0, rows), w13[expert])
         h = F.silu(h[:, :inter]) * h[:, inter:]
         y = F.linear(h, w2[expert])
-        # Routing weights stay float32 until after the multiply, as transformers does.
+        # The product in float32 when the weights are (Mixtral), cast back after, as transformers does.
         y = (y * pair_weights[start : start + n, None]).to(x.dtype)
         out.index_add_(0, rows, y)
         start += n
@@ -78,9 +91,10 @@ class FusedMoE(nn.Module):
 
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-        act: str = "silu",
+        act: str = "silu", round_weights: bool = False,
     ) -> None:
         super().__init__()
+        self.round_weights = round_weights
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported by the fused MoE layer; expected 'silu'.")
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -93,10 +107,10 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
         # Which (expert, projection) shards have arrived, so a half-loaded expert set is reported missing.
-        self._shards_seen: set[tuple[Optional[int], str]] = set()
+        self._shards_seen: set[tuple[int | None, str]] = set()
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        weights, ids = route(router_logits, self.top_k, self.renormalize, self.round_weights)
         out = grouped_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
@@ -107,7 +121,7 @@ class FusedMoE(nn.Module):
         n = self.intermediate
         return read_shard(loaded, dim, self.tp_rank * n, n)
 
-    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: tuple[Optional[int], str]) -> None:
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: tuple[int | None, str]) -> None:
         """shard_id = (expert, "gate"|"up"|"down") for one expert's tensor, or (None, "gate_up"|"down") for all."""
         expert, proj = shard_id
         n = self.intermediate
@@ -142,7 +156,7 @@ class FusedMoE(nn.Module):
         return done
 
 
-def expert_shard(name: str) -> Optional[tuple[str, str, tuple[Optional[int], str]]]:
+def expert_shard(name: str) -> tuple[str, str, tuple[int | None, str]] | None:
     """For a checkpoint expert tensor name: (FusedMoE module path, its parameter, shard id); else None."""
     m = _PER_EXPERT.match(name)
     if m:
@@ -160,11 +174,11 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-        act: str = "silu",
+        act: str = "silu", round_weights: bool = False,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, act)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, act, round_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, F.linear(x, self.gate.weight))

@@ -10,7 +10,7 @@ Embedding scale, sandwich norms, gelu-tanh MLP and the tied LM head are Gemma 2'
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +19,10 @@ from vllm_lite.worker.attention.layer import Attention
 from vllm_lite.worker.models.gemma2 import Gemma2ForCausalLM, Gemma2MLP, GemmaRMSNorm
 from vllm_lite.worker.models.layers import QKVLinear, RotaryEmbedding, RowParallelLinear
 from vllm_lite.worker.models.sliding_window import layer_sliding_windows
-from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from vllm_lite.worker.models.vocab_parallel import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 
 DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
@@ -41,7 +44,7 @@ def layer_rope_parameters(config: Any, layer_type: str) -> dict[str, Any]:
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config, sliding_window: Optional[int]) -> None:
+    def __init__(self, config, sliding_window: int | None) -> None:
         super().__init__()
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -75,7 +78,7 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, sliding_window: Optional[int]) -> None:
+    def __init__(self, config, sliding_window: int | None) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma3Attention(config, sliding_window)

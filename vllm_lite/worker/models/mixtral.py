@@ -8,7 +8,7 @@ and which layers are sparse.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -17,7 +17,11 @@ from vllm_lite.worker.models.fused_moe import SparseMoeBlock, load_moe_weights
 from vllm_lite.worker.models.layers import RMSNorm
 from vllm_lite.worker.models.llama import STACKED, LlamaAttention
 from vllm_lite.worker.models.sliding_window import layer_sliding_windows
-from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head_logits
+from vllm_lite.worker.models.vocab_parallel import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    lm_head_logits,
+)
 
 
 class MoEDecoderLayer(nn.Module):
@@ -32,7 +36,7 @@ class MoEDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor]
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
@@ -76,11 +80,11 @@ class MixtralForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
-    def make_attention(self, config, sliding_window: Optional[int]) -> nn.Module:
+    def make_attention(self, config, sliding_window: int | None) -> nn.Module:
         bias = bool(getattr(config, "attention_bias", False))
         return LlamaAttention(config, bias, bias, self.qk_norm, sliding_window)
 
-    def make_layer(self, config, index: int, sliding_window: Optional[int]) -> MoEDecoderLayer:
+    def make_layer(self, config, index: int, sliding_window: int | None) -> MoEDecoderLayer:
         moe = SparseMoeBlock(
             config.num_local_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
             renormalize=True, act=getattr(config, "hidden_act", "silu"),

@@ -8,8 +8,6 @@ carry no shared expert (Qwen2-MoE's); a config that asks for one is refused rath
 
 from __future__ import annotations
 
-from typing import Optional
-
 from vllm_lite.worker.models.fused_moe import SparseMoeBlock
 from vllm_lite.worker.models.llama import LlamaMLP
 from vllm_lite.worker.models.mixtral import MixtralForCausalLM, MoEDecoderLayer
@@ -29,12 +27,12 @@ class Qwen3MoeForCausalLM(MixtralForCausalLM):
             raise ValueError("shared experts (shared_expert_intermediate_size) are not supported for Qwen3-MoE.")
         super().__init__(config)
 
-    def make_layer(self, config, index: int, sliding_window: Optional[int]) -> MoEDecoderLayer:
+    def make_layer(self, config, index: int, sliding_window: int | None) -> MoEDecoderLayer:
         act = getattr(config, "hidden_act", "silu")
         if is_sparse_layer(config, index):
             mlp = SparseMoeBlock(
                 config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
-                renormalize=bool(getattr(config, "norm_topk_prob", False)), act=act,
+                renormalize=bool(getattr(config, "norm_topk_prob", False)), act=act, round_weights=True,
             )
         else:
             mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, act)

@@ -1,0 +1,106 @@
+"""Mixture-of-experts throughput: vllm-lite vs Hugging Face generate on a small Mixtral-shaped checkpoint.
+
+Same method as throughput.py (whose prompt maker and both runners it reuses): random prompts with input
+lengths uniform in [32, 256] (fixed seed), greedy, ignore_eos; HF in its own interpreter at torch's default
+threads, warmed up, static left-padded batches swept (best reported, all in the JSON); each side's dtype,
+warm-up, threads and batch recorded and checked by vllm_lite.testing.baselines.check_fair. Default model:
+Mixtral's layout (8 experts, top-2, GQA) at ~25M parameters (~8M active per token) (`get_checkpoint("mixtral", "moe-small")`).
+Prints one JSON line with the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+# benchmarks/ is this script's directory, so its sibling is importable as a module.
+from throughput import make_prompts, run_hf, run_ours
+
+
+def moe_params(cfg: dict) -> tuple[int, int]:
+    """(all matmul parameters, those one token touches: attention, top-k experts, router, LM head)."""
+    h, n_layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    hd = cfg.get("head_dim") or h // heads
+    experts, top_k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    attn = h * hd * (heads + 2 * kv) + heads * hd * h
+    expert = 3 * h * inter
+    head = h * cfg["vocab_size"]
+    total = n_layers * (attn + experts * expert + experts * h) + head
+    active = n_layers * (attn + top_k * expert + experts * h) + head
+    return total, active
+
+
+def hf_worker(spec: str) -> None:
+    """`--hf-worker JSON`: the HF side alone in this fresh interpreter; prints its JSON line."""
+    a = json.loads(spec)
+    prompts = make_prompts(a["num_prompts"], 32, 256, a["vocab"], seed=0)
+    print(json.dumps(run_hf(a["model"], prompts, a["output_len"], getattr(torch, a["dtype"]), a["batches"])))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the ~25M Mixtral-shaped test model)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--hf-batch", default="16,32,64", help="HF batch sizes to sweep (comma-separated); best reported")
+    ap.add_argument("--inprocess", action="store_true", help="run the engine core in this process")
+    ap.add_argument("--num-threads", type=int, default=None, help="engine-core torch threads (default: its policy)")
+    ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)  # internal: the HF subprocess
+    args = ap.parse_args()
+    if args.hf_worker is not None:
+        hf_worker(args.hf_worker)
+        return
+    from vllm_lite.testing.baselines import (
+        RunConfig,
+        check_fair,
+        engine_core_threads,
+        host_description,
+        run_json_subprocess,
+    )
+
+    if args.model is None:
+        from vllm_lite.testing.checkpoints import get_checkpoint
+
+        args.model = get_checkpoint("mixtral", size="moe-small")
+    with open(os.path.join(args.model, "config.json")) as f:
+        cfg = json.load(f)
+    prompts = make_prompts(args.num_prompts, 32, 256, cfg["vocab_size"], seed=0)
+
+    host = host_description()
+    ours = run_ours(args.model, prompts, args.output_len, args.dtype, not args.inprocess, args.num_threads)
+    core_threads = engine_core_threads(args.num_threads)
+    batches = [int(b) for b in args.hf_batch.split(",") if b.strip()]
+    spec = dict(model=args.model, num_prompts=args.num_prompts, vocab=cfg["vocab_size"],
+                output_len=args.output_len, dtype=args.dtype, batches=batches)
+    hf = run_json_subprocess([os.path.abspath(__file__), "--hf-worker", json.dumps(spec)])
+    engine_cfg = RunConfig("vllm_lite", args.dtype, warmup=True, threads=core_threads, batch=64)
+    hf_cfg = RunConfig("hf_generate", args.dtype, warmup=True, threads=hf["threads"], batch=batches)
+    if hf["threads"] != core_threads:
+        hf_cfg.declared["threads"] = (
+            "HF runs at torch's default thread count in its own process; the engine core at its "
+            "policy (all cores but one, the last left to the frontend)"
+        )
+    check_fair(engine_cfg, [hf_cfg])
+    total, active = moe_params(cfg)
+    print(json.dumps({
+        "benchmark": "moe_throughput", "host": host, "model": os.path.basename(args.model.rstrip("/")),
+        "architecture": (cfg.get("architectures") or ["?"])[0], "experts": cfg["num_local_experts"],
+        "top_k": cfg["num_experts_per_tok"], "params_m": round(total / 1e6, 1),
+        "active_params_m": round(active / 1e6, 1), "dtype": args.dtype, "num_prompts": args.num_prompts,
+        "output_len": args.output_len, "vllm_lite_tokens_per_s": round(ours["tokens_per_s"], 1),
+        "vllm_lite_startup_s": round(ours["startup_s"], 2), "hf_tokens_per_s": round(hf["tokens_per_s"], 1),
+        "hf_best_batch": hf["best_batch"], "hf_tokens_per_s_by_batch": hf["tokens_per_s_by_batch"],
+        "ratio": round(ours["tokens_per_s"] / hf["tokens_per_s"], 2), "core_threads": core_threads,
+        "runs": [engine_cfg.as_json(), hf_cfg.as_json()],
+    }))
+
+
+if __name__ == "__main__":
+    main()
