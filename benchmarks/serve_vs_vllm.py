@@ -83,7 +83,7 @@ def vllm_cli(vllm_python: str) -> list[str]:
 
 def vllm_command(vllm_cli_cmd: list[str], model: str, dtype: str, max_model_len: int, http_port: int) -> list[str]:
     return [*vllm_cli_cmd, "serve", model, "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--port", str(http_port), "--host", "127.0.0.1", "--seed", "0", "--disable-log-requests"]
+            "--port", str(http_port), "--host", "127.0.0.1", "--seed", "0"]
 
 
 class Server:
