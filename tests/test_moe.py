@@ -8,6 +8,12 @@ and in a separate engine process.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,6 +149,54 @@ def test_checkpoint_layouts_stack_into_the_same_fused_tensors() -> None:
     half = FusedMoE(E, K, H, I, True)
     half.weight_loader(half.w13_weight, w1[0], (0, "gate"))
     assert half.loaded_params() == set(), "one expert's gate is not a loaded w13_weight"
+
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="package 'triton' is not installed")
+
+
+@needs_triton
+def test_triton_grouped_kernel_in_the_interpreter_matches_the_torch_path() -> None:
+    """The CUDA kernel's logic on CPU: TRITON_INTERPRET=1 only in a subprocess's environment."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "vllm_lite.testing.moe_triton_check", "--device", "cpu"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"the driver printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    results = json.loads(lines[-1])["results"]
+    assert results and all(v is None for v in results.values()), results
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton kernel)")
+def test_compiled_triton_grouped_kernel_on_cuda_matches_the_torch_path() -> None:
+    from vllm_lite.testing.moe_triton_check import CASES, run_case
+
+    for _, *case in CASES:
+        run_case("cuda", *case)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_triton_grouped_kernel_compiles_for_sm90_ahead_of_time(dtype: str) -> None:
+    """Without a GPU, compile the CUDA path to a cubin: catches Triton that only the interpreter accepts."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_lite.worker.models import fused_moe_triton
+
+    sig = {"a_ptr": "*" + dtype, "w_ptr": "*" + dtype, "c_ptr": "*fp32", "sorted_pairs_ptr": "*i64",
+           "block_expert_ptr": "*i64", "pair_weight_ptr": "*fp32"}
+    sig.update({n: "i32" for n in ("num_pairs", "n_out", "k_in", "top_k", "stride_am", "stride_we", "stride_wn",
+                                   "stride_wk", "stride_cm")})
+    consts = dict(A_BY_TOKEN=True, SCALE=True, IEEE=dtype == "fp32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)
+    sig.update({n: "constexpr" for n in consts})
+    try:
+        kernel = triton.compile(ASTSource(fn=fused_moe_triton._expert_gemm, signature=sig, constexprs=consts),
+                                target=GPUTarget("cuda", 90, 32))
+    except (ImportError, FileNotFoundError) as e:  # a Triton build without the CUDA backend or its ptxas
+        pytest.skip(f"this Triton cannot compile for CUDA here: {e}")
+    assert kernel.asm["cubin"]
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])

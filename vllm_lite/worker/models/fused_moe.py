@@ -7,13 +7,16 @@ stacks them at load. Tensor parallel shards the intermediate dim I of every expe
 rank computes a partial down projection for its slice and one all-reduce sums them.
 
 The expert matmuls are grouped: token-expert pairs are sorted by expert and each expert that received
-tokens runs two matmuls over all of its tokens (a loop over experts, never over tokens). No Triton kernel
-yet: CUDA runs the same grouped path.
+tokens runs two matmuls over all of its tokens (a loop over experts, never over tokens). On CUDA, with
+Triton installed, one Triton kernel per projection does the grouped matmuls without a host sync
+(fused_moe_triton.py).
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,6 +89,17 @@ def grouped_experts(
     return out
 
 
+@functools.cache
+def _cuda_kernel() -> Callable[..., torch.Tensor] | None:
+    """The Triton grouped-expert kernel, imported on first CUDA use (CPU engines never import Triton)."""
+    from vllm_lite.worker.models.fused_moe_triton import (
+        HAS_TRITON,
+        triton_grouped_experts,
+    )
+
+    return triton_grouped_experts if HAS_TRITON else None
+
+
 class FusedMoE(nn.Module):
     """The experts of one MoE layer: stacked weights, this rank's slice of every expert's intermediate dim."""
 
@@ -111,7 +125,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize, self.round_weights)
-        out = grouped_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        if x.is_cuda and _cuda_kernel() is not None:
+            out = _cuda_kernel()(x.contiguous(), self.w13_weight, self.w2_weight, weights, ids)
+        else:
+            out = grouped_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
     # ------------------------------------------------------------------ loading
