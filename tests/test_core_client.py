@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from vllm_lite.client.core_client import AsyncMPClient, SyncMPClient, make_client
 from vllm_lite.client.exceptions import EngineDeadError, EngineStartupError
@@ -32,9 +31,10 @@ from vllm_lite.testing.fake_core import (
     request,
 )
 from vllm_lite.testing.processes import process_gone
+from vllm_lite.testing.waiting import wait_until
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(1)
+# Generous: a loaded 2-core machine only makes these tests slower, never wrong.
+DEADLINE_S = 60.0
 
 
 def drain_sync(client, ids: set[str], timeout_s: float = 20.0) -> dict[str, list[EngineCoreOutput]]:
@@ -120,10 +120,8 @@ def test_sync_client_abort_frees_blocks(sync_client):
     first = sync_client.get_output(timeout=10)
     assert first.outputs[0].request_id == "ab"
     sync_client.abort_requests(["ab"])
-    deadline = time.monotonic() + 5
-    while sync_client.call_utility("get_num_free_blocks") != 256:
-        assert time.monotonic() < deadline, "aborted request's blocks were never freed"
-        time.sleep(0.05)
+    wait_until(lambda: sync_client.call_utility("get_num_free_blocks") == 256, DEADLINE_S,
+               "the aborted request's blocks are freed")
     # Drain leftovers from before the abort so later tests start clean.
     while True:
         try:
@@ -144,10 +142,8 @@ def test_sync_client_duplicate_id_error_leaves_first_request_intact(sync_client)
     toks = tokens(outs)
     assert len(toks) >= 2 and toks == [fake_token([4, 5], n) for n in range(len(toks))]
     sync_client.abort_requests(["dup"])
-    deadline = time.monotonic() + 5
-    while sync_client.call_utility("get_num_free_blocks") != 256:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: sync_client.call_utility("get_num_free_blocks") == 256, DEADLINE_S,
+               "the aborted request's blocks are freed")
     while True:
         try:
             sync_client.get_output(timeout=0.3)
@@ -283,10 +279,7 @@ def test_private_core_exits_and_cleans_up_when_its_parent_is_killed(tmp_path):
     finally:
         parent.kill()
         parent.wait()
-    deadline = time.monotonic() + 10
-    while not process_gone(core_pid):
-        assert time.monotonic() < deadline, "the private core outlived its parent"
-        time.sleep(0.1)
+    wait_until(lambda: process_gone(core_pid), DEADLINE_S, "the private core exits after its parent died")
     assert not os.path.exists(tmpdir)
 
 
@@ -314,10 +307,9 @@ def test_attached_client_declares_a_silent_core_dead():
     try:
         assert client.call_utility("ping") == "pong"
         core.stop()  # the core goes away without a word
-        t0 = time.monotonic()
+        # The silence watch (1 s) must fire: a plain get_output timeout would raise TimeoutError instead.
         with pytest.raises(EngineDeadError, match="no message for 1 s"):
-            client.get_output(timeout=10)
-        assert time.monotonic() - t0 < 5
+            client.get_output(timeout=DEADLINE_S)
     finally:
         client.shutdown()
 
@@ -342,10 +334,8 @@ def test_async_client_attaches_to_a_running_core_and_detaches_on_shutdown():
 
     try:
         asyncio.run(main())
-        deadline = time.monotonic() + 3
-        while core.proc.registry:  # the async client said GOODBYE on shutdown
-            assert time.monotonic() < deadline, "the core still lists a detached async frontend"
-            time.sleep(0.02)
+        # the async client said GOODBYE on shutdown
+        wait_until(lambda: not core.proc.registry, DEADLINE_S, "the core forgets a detached async frontend")
     finally:
         core.stop()
 
@@ -383,10 +373,8 @@ def test_attached_client_goodbye_aborts_its_requests_at_once():
         leaves.add_request(request("orphan", [1], max_tokens=2000))
         leaves.get_output(timeout=10)
         leaves.shutdown()
-        deadline = time.monotonic() + 3
-        while "orphan" in core.proc.engine_core.reqs:
-            assert time.monotonic() < deadline, "a detached frontend's request kept running"
-            time.sleep(0.02)
+        wait_until(lambda: "orphan" not in core.proc.engine_core.reqs, DEADLINE_S,
+                   "a detached frontend's request is aborted")
         assert [f["name"] for f in stays.call_utility("list_frontends")] == ["stays"]
     finally:
         stays.shutdown()
@@ -399,10 +387,7 @@ def test_async_client_that_starts_its_loop_late_is_not_lost():
     core = ThreadedCore(heartbeat_timeout_s=0.5)
     client = AsyncMPClient(addresses=core.addresses, engine_silence_timeout_s=1.0)
     try:
-        deadline = time.monotonic() + 30
-        while core.proc.registry:  # the core gives up on it meanwhile
-            assert time.monotonic() < deadline, "the core never dropped a silent frontend"
-            time.sleep(0.05)
+        wait_until(lambda: not core.proc.registry, DEADLINE_S, "the core drops a silent frontend")
 
         async def main() -> list[int]:
             assert await asyncio.wait_for(client.call_utility_async("ping"), 5) == "pong"

@@ -16,14 +16,10 @@ import time
 from typing import Any
 
 import pytest
-import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(1)
-
+from vllm_lite import LLM, SamplingParams
+from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.processes import rank_children
-from vllm_lite import LLM, SamplingParams  # noqa: E402
-from vllm_lite.testing.checkpoints import get_checkpoint  # noqa: E402
 
 PROMPTS = ["The quick brown fox jumps over", "def fibonacci(n):\n    return"]
 # CPU ranks (gloo): both loopback "nodes" would put their rank on cuda:0 of this one host.

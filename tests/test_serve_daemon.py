@@ -40,9 +40,12 @@ from vllm_lite.endpoints import CoreAddresses
 from vllm_lite.entrypoints.serve_daemon import check_bind_allowed, is_loopback_host
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.processes import children, cmdline, process_gone
+from vllm_lite.testing.waiting import wait_until
 
 TOKEN = "s3cret-token"
 HEARTBEAT_S = 2.0
+# Generous: a loaded 2-core machine only makes these tests slower, never wrong.
+DEADLINE_S = 60.0
 PROMPTS_A = ["The for statement", "Hello world, this is frontend A", "def f(x): return"]
 PROMPTS_B = ["Exceptions are raised", "while True:", "class Foo(object):", "import sys"]
 PROMPTS_HTTP = ["The with statement", "Lambda expressions"]
@@ -224,13 +227,14 @@ class Frontend:
         self.proc.wait(10)
 
 
-def wait_for(cond, timeout: float, what: str, interval: float = 0.05) -> float:
-    """Poll until cond() is true; returns the seconds it took."""
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(interval)
-    return time.monotonic() - t0
+def _attach_refused_as_shutting_down(address: str) -> bool:
+    """Try to attach: True if the core refuses because it is shutting down; an accepted attach detaches again."""
+    try:
+        LLMEngine.attach(address, handshake_timeout_s=5).shutdown()
+    except EngineHandshakeError as e:
+        assert "shutting down" in str(e), e
+        return True
+    return False
 
 
 def http_complete(base_url: str, prompt: str, max_tokens: int) -> str:
@@ -295,17 +299,15 @@ def test_two_python_frontends_and_http_share_the_core_each_sees_only_its_own_out
             b.go()
             http = [pool.submit(http_complete, daemon.base_url, p, 24) for p in PROMPTS_HTTP]
             k.proc.kill()  # kill -9: no GOODBYE, just silence
-            killed_at = time.monotonic()
             texts = [f.result(timeout=60) for f in http]
         done_a, done_b = a.expect("done"), b.expect("done")
 
-        # The victim's requests were aborted and every block came back within the heartbeat timeout.
-        freed_after = wait_for(
+        # The victim's requests were aborted and every block came back (the heartbeat watch dropped it).
+        wait_until(
             lambda: probe.call_utility("get_num_unfinished_requests") == 0
             and probe.call_utility("get_num_free_blocks") == total,
-            timeout=HEARTBEAT_S + 6, what="the killed frontend's blocks to be freed",
+            DEADLINE_S, "the killed frontend's blocks are freed",
         )
-        assert time.monotonic() - killed_at <= HEARTBEAT_S + 3.0, f"freed only after {freed_after:.1f} s"
         assert "victim" not in [f["name"] for f in probe.call_utility("list_frontends")]
         assert "Dropping frontend 'victim'" in daemon.log()
 
@@ -350,7 +352,7 @@ def test_wrong_or_missing_token_is_refused_with_a_clear_error_and_a_daemon_log_l
         LLMEngine.attach(daemon.address, "not-the-token", client_name="intruder")
     with pytest.raises(EngineHandshakeError, match="wrong auth token"):
         LLM(engine_address=daemon.address)
-    wait_for(lambda: "Refused frontend 'intruder'" in daemon.log(), 5, "the refusal log line")
+    wait_until(lambda: "Refused frontend 'intruder'" in daemon.log(), DEADLINE_S, "the refusal log line")
     assert "wrong auth token" in daemon.log()
 
 
@@ -378,7 +380,7 @@ def test_wrong_protocol_version_is_refused_with_a_reason(daemon):
         for s in socks:
             s.close()
         ctx.term()
-    wait_for(lambda: "Refused frontend 'old-frontend'" in daemon.log(), 5, "the refusal log line")
+    wait_until(lambda: "Refused frontend 'old-frontend'" in daemon.log(), DEADLINE_S, "the refusal log line")
 
 
 def test_llm_with_engine_address_rejects_engine_arguments(daemon):
@@ -402,7 +404,6 @@ def test_loopback_detection():
 
 def test_serve_refuses_a_non_loopback_bind_without_a_token(long_ckpt):
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LITE_AUTH_TOKEN"}
-    t0 = time.monotonic()
     res = subprocess.run(
         [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", long_ckpt, "--core-host", "0.0.0.0",
          "--core-port", "0", "--headless", "--dtype", "float32"],
@@ -410,8 +411,7 @@ def test_serve_refuses_a_non_loopback_bind_without_a_token(long_ckpt):
     )
     assert res.returncode == 2
     assert "refusing to bind the engine core to '0.0.0.0' without an auth token" in res.stderr
-    assert "listening" not in res.stdout
-    assert time.monotonic() - t0 < 30  # refused before any model loads
+    assert "listening" not in res.stdout  # refused at argument checking, before any model loads
 
 
 # ---------------------------------------------------------------------------------------------- lifecycle
@@ -432,12 +432,10 @@ def test_sigterm_drains_running_requests_aborts_past_the_timeout_and_exits_0(lon
                 for out in eng.step():
                     if first:
                         d.proc.send_signal(signal.SIGTERM)
-                        sigterm_at = time.monotonic()
                         first = False
-                        time.sleep(0.5)
                         # Draining: running requests go on, but nobody new gets in.
-                        with pytest.raises(EngineHandshakeError, match="shutting down"):
-                            LLMEngine.attach(address, handshake_timeout_s=5)
+                        wait_until(lambda: _attach_refused_as_shutting_down(address), DEADLINE_S,
+                                   "a new frontend is refused while draining", interval_s=0.1)
                     if out.finished:
                         outs[out.request_id] = out
             # The short one drained to its end; the endless one was aborted at the drain deadline.
@@ -445,8 +443,7 @@ def test_sigterm_drains_running_requests_aborts_past_the_timeout_and_exits_0(lon
             assert list(outs["short"].outputs[0].token_ids) == reference("The for statement", 200)[0]
             assert outs["endless"].outputs[0].finish_reason == "abort"
             assert len(outs["endless"].outputs[0].token_ids) < 7000
-            assert d.proc.wait(20) == 0
-            assert time.monotonic() - sigterm_at < 3 + 10
+            assert d.proc.wait(DEADLINE_S) == 0
         finally:
             eng.shutdown()
         assert "draining running requests for up to 3.0 s" in d.log()
@@ -520,7 +517,8 @@ def test_killing_the_serve_process_leaves_no_core_or_frontend_behind(long_ckpt, 
         assert len(frontends) == 1
         d.proc.kill()
         d.proc.wait(10)
-        wait_for(lambda: process_gone(core_pid) and all(process_gone(p) for p in frontends), 15, "the orphans to exit")
+        wait_until(lambda: process_gone(core_pid) and all(process_gone(p) for p in frontends), DEADLINE_S,
+                   "the orphans exit")
     finally:
         d.stop()
 

@@ -17,20 +17,16 @@ from typing import Any
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(1)
-
-from vllm_lite import launcher  # noqa: E402
-from vllm_lite.testing.processes import process_gone, rank_children  # noqa: E402
-from vllm_lite.testing.waiting import wait_until  # noqa: E402
-from vllm_lite import LLM, SamplingParams  # noqa: E402
-from vllm_lite.client.exceptions import EngineDeadError  # noqa: E402
-from vllm_lite.config import EngineArgs  # noqa: E402
-from vllm_lite.testing.checkpoints import ARCHS, get_checkpoint  # noqa: E402
-from vllm_lite.testing.devices import requires_cuda_devices  # noqa: E402
-from vllm_lite.worker import parallel_state  # noqa: E402
-from vllm_lite.worker.models.parallel_linear import MergedLinear, QKVLinear, RowParallelLinear  # noqa: E402
-from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
+from vllm_lite import LLM, SamplingParams, launcher
+from vllm_lite.client.exceptions import EngineDeadError
+from vllm_lite.config import EngineArgs
+from vllm_lite.testing.checkpoints import ARCHS, get_checkpoint
+from vllm_lite.testing.devices import requires_cuda_devices
+from vllm_lite.testing.processes import process_gone, rank_children
+from vllm_lite.testing.waiting import wait_until
+from vllm_lite.worker import parallel_state
+from vllm_lite.worker.models.parallel_linear import MergedLinear, QKVLinear, RowParallelLinear
+from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 PROMPTS = [
     "The quick brown fox jumps over",
