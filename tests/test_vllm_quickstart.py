@@ -5,16 +5,15 @@ and the `openai` client's completions, chat, streaming and models.list, with --a
 from __future__ import annotations
 
 import os
-import queue
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 
 from vllm_lite.testing.hf_cache import place_in_hf_cache
 from vllm_lite.testing.processes import process_gone
+from vllm_lite.testing.serve_process import ServeProcess
 from vllm_lite.testing.waiting import wait_until
 
 REPO = "quickstart-org/tiny-llama"
@@ -63,59 +62,13 @@ def test_offline_quickstart_generate_and_chat(hf_env):
     assert "CHAT 1 True" in res.stdout
 
 
-class Serve:
-    """`vllm-lite serve REPO --port 0 --core-port 0 --api-key KEY` (free ports: the start-up lines name them)."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", REPO, "--port", "0", "--core-port", "0",
-             "--api-key", API_KEY, "--num-threads", "1", "--max-model-len", "256"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def line_with(self, needle: str, timeout_s: float = 300.0) -> str:
-        found: list[str] = []
-
-        def look() -> bool:
-            while not self.lines.empty():
-                line = self.lines.get_nowait()
-                self.seen.append(line)
-                if needle in line:
-                    found.append(line)
-                    return True
-            if self.proc.poll() is not None:
-                raise AssertionError(f"serve exited with {self.proc.returncode}:\n" + "\n".join(self.seen))
-            return False
-
-        wait_until(look, timeout_s, f"a line with {needle!r}", interval_s=0.05)
-        return found[0]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def served(hf_env):
-    srv = Serve(hf_env)
+    srv = ServeProcess([REPO, "--port", "0", "--core-port", "0", "--api-key", API_KEY, "--num-threads", "1",
+                        "--max-model-len", "256"], hf_env)
     try:
-        core = srv.line_with("vllm-lite engine core listening on")
-        api = srv.line_with("vllm-lite OpenAI API on")
-        base = api.split(" OpenAI API on ", 1)[1].split(" ", 1)[0]
-        yield srv, core.split(" listening on ", 1)[1].split(" ", 1)[0], base
+        core = srv.core_address()
+        yield srv, core, srv.api_base()
     finally:
         srv.stop()
     assert srv.proc.returncode == 0

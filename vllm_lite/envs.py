@@ -83,6 +83,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _flag("HF_HUB_OFFLINE", False),
         "Hugging Face's own switch: never reach the hub (the test suite sets it).",
     ),
+    "PROMETHEUS_MULTIPROC_DIR": (
+        _str("PROMETHEUS_MULTIPROC_DIR", None),
+        "prometheus-client's own switch: metrics of several processes in this directory, scraped as one "
+        "(`vllm-lite serve` sets it for its HTTP frontends).",
+    ),
     "TRITON_INTERPRET": (
         _flag("TRITON_INTERPRET", False),
         "Triton's own switch: run Triton kernels in its interpreter (tests on CPU).",

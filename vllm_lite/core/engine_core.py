@@ -145,12 +145,12 @@ class _StatsLogger:
         for o in outputs.values():
             gen += sum(len(x.new_token_ids) for x in o.outputs)
             stats = o.scheduler_stats or stats
+            if o.scheduler_stats is not None:  # the step's counters ride on one frontend's batch only
+                self.queries += o.scheduler_stats.prefix_cache_queries
+                self.hits += o.scheduler_stats.prefix_cache_hits
+                self.preemptions += o.scheduler_stats.num_preemptions
         self.gen_tokens += gen
         self.prompt_tokens += max(0, num_scheduled_tokens - gen)
-        if stats is not None:
-            self.queries += stats.prefix_cache_queries
-            self.hits += stats.prefix_cache_hits
-            self.preemptions += stats.num_preemptions
         now = time.monotonic()
         if stats is None or now - self.last_log < self.interval_s:
             return

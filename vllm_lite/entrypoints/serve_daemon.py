@@ -174,6 +174,7 @@ class ServeSupervisor:
         self.cores: list[_Core] = []
         self.frontends: list[_Frontend] = []
         self.http_socket: Optional[socket.socket] = None
+        self.metrics_dir: Optional[str] = None
         self._stop_signal: Optional[int] = None
         self.address = cfg.address
 
@@ -260,6 +261,11 @@ class ServeSupervisor:
         cfg = self.cfg
         assert self.http_socket is not None
         listen_fd = self.http_socket.fileno()
+        # One metrics directory for all frontends (prometheus-client multiprocess mode): a scrape of any
+        # one of them sums every frontend's counters. Removed when they are stopped.
+        import tempfile
+
+        self.metrics_dir = tempfile.mkdtemp(prefix="vllm-lite-metrics-")
         for i in range(cfg.api_servers):
             args = FrontendArgs(
                 engine=[c.address for c in self.cores], listen_fd=listen_fd,
@@ -269,7 +275,8 @@ class ServeSupervisor:
                 **cfg.http_options,
             )
             proc = launcher.start_child(FRONTEND_MODULE, args, FrontendReady, name=f"http-{i}",
-                                        pass_fds=[listen_fd], new_session=True)
+                                        pass_fds=[listen_fd], new_session=True,
+                                        env={"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir})
             self.frontends.append(_Frontend(i, proc))
 
         def check() -> None:
@@ -326,6 +333,11 @@ class ServeSupervisor:
         if self.http_socket is not None:
             self.http_socket.close()
             self.http_socket = None
+        if self.metrics_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            self.metrics_dir = None
         if failed:
             return 1
         bad = [c for c in self.cores if c.proc.exitcode not in (0, None)]

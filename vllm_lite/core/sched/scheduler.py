@@ -17,6 +17,8 @@ import time
 from collections import defaultdict
 from typing import Iterable, Optional
 
+import msgspec
+
 from vllm_lite.config import VllmConfig
 from vllm_lite.core.kv_cache_manager import KVCacheManager
 from vllm_lite.core.kv_cache_utils import KVCacheBlock
@@ -379,7 +381,14 @@ class Scheduler:
         if not per_client:
             return {}
         stats = self.make_stats()
-        return {c: EngineCoreOutputs(outputs=outs, scheduler_stats=stats) for c, outs in per_client.items()}
+        # The step's counters go to one frontend only, so frontends' metrics sum to the core's totals;
+        # every frontend gets the gauges (running, waiting, KV usage).
+        gauges_only = msgspec.structs.replace(stats, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+        first = min(per_client)
+        return {
+            c: EngineCoreOutputs(outputs=outs, scheduler_stats=stats if c == first else gauges_only)
+            for c, outs in per_client.items()
+        }
 
     def _check_stop(self, req: Request) -> bool:
         """Sets the finished status; EOS and stop tokens only count once min_tokens are out."""

@@ -8,6 +8,9 @@ counters (prefix-cache queries/hits, preemptions, tokens per iteration) and the
 per-request phase histograms (queue, prefill, decode, inference, measured on the
 core's clock) come from AsyncLLM's stat-logger hook (`record`), as in vLLM V1.
 Each app gets its own registry, so several servers can live in one process (tests).
+Under `vllm-lite serve --api-server-count N` the supervisor sets PROMETHEUS_MULTIPROC_DIR for
+its frontends: every process writes its values there (prometheus-client's multiprocess mode)
+and any one frontend's /metrics renders the sum, so a scrape sees all the traffic.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import logging
 
+from vllm_lite import envs
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import RequestOutputKind
 
@@ -43,8 +47,11 @@ class ServerMetrics:
     def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        self.multiproc_dir = envs.PROMETHEUS_MULTIPROC_DIR
         labels = ["model_name"]
         r = self.registry
+        # Engine gauges: every frontend reads the same core, so the latest value is the value.
+        gauge_mode = {"multiprocess_mode": "mostrecent"} if self.multiproc_dir else {}
         self.request_success = Counter(
             "vllm:request_success", "Finished sequences (one per sample when n > 1) by finish reason.", labels + ["finished_reason"], registry=r
         )
@@ -61,9 +68,13 @@ class ServerMetrics:
             "vllm:e2e_request_latency_seconds", "Request latency from arrival to finish.", labels,
             buckets=_E2E_BUCKETS, registry=r,
         )
-        self.num_running = Gauge("vllm:num_requests_running", "Requests running in the engine.", labels, registry=r)
-        self.num_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting in the engine.", labels, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1.", labels, registry=r)
+        self.num_running = Gauge(
+            "vllm:num_requests_running", "Requests running in the engine.", labels, registry=r, **gauge_mode
+        )
+        self.num_waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting in the engine.", labels, registry=r, **gauge_mode
+        )
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1.", labels, registry=r, **gauge_mode)
         self.http_requests = Counter(
             "vllm:http_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"], registry=r
         )
@@ -128,7 +139,14 @@ class ServerMetrics:
         self.kv_usage.labels(m).set(float(stats.get("kv_cache_usage", 0.0)))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """This process's registry, or with PROMETHEUS_MULTIPROC_DIR the sum over every frontend process."""
+        if not self.multiproc_dir:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged, path=self.multiproc_dir)
+        return generate_latest(merged)
 
 
 class RequestTracker:
