@@ -88,3 +88,19 @@ def test_the_local_rope_base_matters_for_hf() -> None:
     same_base = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
                                                      attn_implementation="eager").eval()
     assert abs(hf_greedy(same_base, prompt, 1).logprobs[0] - ref.logprobs[0]) > 1e-4
+
+
+def test_the_window_changes_hf_output_on_these_prompts() -> None:
+    """The HF match above is not vacuous: without a binding window HF scores a 70-token prompt otherwise."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_lite.testing.hf_oracle import hf_greedy
+
+    path = get_checkpoint("gemma3")
+    prompt = greedy_prompts(AutoTokenizer.from_pretrained(path), (70,))[0]
+    ref = hf_greedy(hf_model_eager(path), prompt, 1)
+    config = AutoConfig.from_pretrained(path)
+    config.sliding_window = 4096  # same layer kinds and rotations; only the window no longer binds
+    no_window = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    assert abs(hf_greedy(no_window, prompt, 1).logprobs[0] - ref.logprobs[0]) > 1e-4
