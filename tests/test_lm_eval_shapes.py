@@ -54,8 +54,10 @@ def test_loglikelihood_request_scores_the_continuation(server):
     assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
     for i, t in enumerate(continuation, start=len(context)):
         top_text, top_lp = max(lp["top_logprobs"][i].items(), key=lambda kv: kv[1])
-        greedy = max(oracle.prompt_logprobs[i].values(), key=lambda x: x.logprob)
+        greedy_id, greedy = max(oracle.prompt_logprobs[i].items(), key=lambda kv: kv[1].logprob)
         assert top_lp == pytest.approx(greedy.logprob, abs=1e-4)
+        # lm-eval's is_greedy: the top alternative's text is the continuation token's text.
+        assert (top_text == lp["tokens"][i]) == (greedy_id == t)
     assert resp.json()["usage"]["completion_tokens"] == 0
 
 
