@@ -220,6 +220,9 @@ def test_silent_frontend_is_dropped_and_its_requests_aborted():
         quiet, chatty = c.frontend(), c.frontend()
         quiet.send(EngineCoreRequestType.ADD, request("q", [1], max_tokens=1000))
         chatty.send(EngineCoreRequestType.ADD, request("c", [2], max_tokens=1000))
+        kind, outs = quiet.recv()  # "q" runs (receiving is not speaking: quiet stays silent)
+        assert kind is EngineCoreOutputType.OUTPUTS and outs.outputs[0].request_id == "q"
+
         def quiet_dropped() -> bool:
             chatty.inp.send(EngineCoreRequestType.HEARTBEAT.value)  # one heartbeat per poll keeps chatty alive
             return "q" not in c.proc.engine_core.reqs
