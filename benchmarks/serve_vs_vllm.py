@@ -189,6 +189,7 @@ def plot(result: dict, path: str) -> Optional[str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return None
     engines = [(k, lab, c) for k, lab, c in (("lite", "vllm-lite", "tab:blue"), ("vllm", "vLLM CPU", "tab:orange"))
@@ -205,6 +206,9 @@ def plot(result: dict, path: str) -> Optional[str]:
         ax.set_title(title)
         ax.set_yscale("log")
         ax.set_ylabel("ms (log scale)")
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax = axes[2]
     width = 0.8 / max(1, len(engines))
     for i, (key, lab, color) in enumerate(engines):
