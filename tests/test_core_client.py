@@ -93,6 +93,7 @@ def sync_client():
 def test_sync_client_handshake_gives_model_facts(sync_client):
     assert sync_client.model_facts == {
         "model": "fake-model", "max_model_len": 256, "block_size": 16, "num_gpu_blocks": 256, "vocab_size": VOCAB,
+        "max_logprobs": 20, "generation_config": "auto",  # the core's request rules (defaults of the fake)
     }
     assert sync_client.client_index == 0
 

@@ -65,7 +65,7 @@ def test_offline_quickstart_generate_and_chat(hf_env):
 @pytest.fixture(scope="module")
 def served(hf_env):
     srv = ServeProcess([REPO, "--port", "0", "--core-port", "0", "--api-key", API_KEY, "--num-threads", "1",
-                        "--max-model-len", "256"], hf_env)
+                        "--max-model-len", "256", "--max-logprobs", "25"], hf_env)
     try:
         core = srv.core_address()
         yield srv, core, srv.api_base()
@@ -111,6 +111,7 @@ def test_serve_core_stays_attachable_beside_the_http_api(served):
     _, core_address, _ = served
     llm = LLM(engine_address=core_address)
     try:
+        assert llm.llm_engine.processor.max_logprobs == 25  # the core's rules reach an attached frontend
         out = llm.generate(["The for statement"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
     finally:

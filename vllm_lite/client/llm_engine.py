@@ -175,6 +175,8 @@ def attached_frontend_config(client: Any) -> VllmConfig:
         tokenizer=client.tokenizer_path or None,
         max_model_len=facts["max_model_len"],
         block_size=facts["block_size"],
+        max_logprobs=int(facts.get("max_logprobs", 20)),  # the core's request rules, applied here first
+        generation_config=str(facts.get("generation_config", "auto")),
         device="cpu",
     ).create_engine_config()
     if facts["model"] != config.model_config.model:

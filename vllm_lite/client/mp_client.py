@@ -149,6 +149,8 @@ class MPClientBase(EngineCoreClient):
             "block_size": reply.block_size,
             "num_gpu_blocks": reply.num_gpu_blocks,
             "vocab_size": reply.vocab_size,
+            "max_logprobs": reply.max_logprobs,
+            "generation_config": reply.generation_config,
         }
         self.model_path = reply.model_path
         self.tokenizer_path = reply.tokenizer

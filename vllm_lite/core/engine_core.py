@@ -46,6 +46,8 @@ class EngineCore:
             "block_size": vllm_config.cache_config.block_size,
             "num_gpu_blocks": num_gpu,
             "vocab_size": mc.vocab_size,
+            "max_logprobs": mc.max_logprobs,
+            "generation_config": mc.generation_config,
         }
         self._stats_log = _StatsLogger(vllm_config.scheduler_config.log_stats_interval_s)
         self.startup_time_s = time.perf_counter() - t0

@@ -252,6 +252,8 @@ class EngineCoreProc:
             heartbeat_timeout_s=float(self.options.heartbeat_timeout_s or 0.0),
             model_path=self._model_path,
             tokenizer=self._tokenizer,
+            max_logprobs=int(facts.get("max_logprobs", 20)),
+            generation_config=str(facts.get("generation_config", "auto")),
         )
         self.sockets.send(identity, EngineCoreOutputType.READY, reply)
 

@@ -154,6 +154,9 @@ class HandshakeReply(msgspec.Struct, omit_defaults=True):
     # host builds its tokenizer and Processor from these.
     model_path: str = ""
     tokenizer: str = ""
+    # The core's request rules an attached frontend must apply the same way (ModelConfig's fields).
+    max_logprobs: int = 20
+    generation_config: str = "auto"
 
 
 # ---------------------------------------------------------------------------- engine-core process start-up (launcher)
