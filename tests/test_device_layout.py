@@ -64,8 +64,9 @@ def ckpt() -> str:
 
 
 def test_dp_engine_configs_place_engine_r_on_its_first_tp_device(ckpt, four_cuda_devices):
-    configs = EngineArgs(model=ckpt, device="cuda", data_parallel_size=2, tensor_parallel_size=2,
-                         **ENGINE_KW).create_dp_engine_configs()
+    configs = EngineArgs(
+        model=ckpt, device="cuda", data_parallel_size=2, tensor_parallel_size=2, **ENGINE_KW
+    ).create_dp_engine_configs()
     engines = [c.device_config.device for c in configs]
     assert engines == [torch.device("cuda", 0), torch.device("cuda", 2)]
     ranks = [[tp_rank_device(e, k, 4).index for k in range(2)] for e in engines]
@@ -74,8 +75,10 @@ def test_dp_engine_configs_place_engine_r_on_its_first_tp_device(ckpt, four_cuda
 
 def test_dp_engine_configs_refuse_more_ranks_than_devices(ckpt, four_cuda_devices):
     with pytest.raises(ValueError, match="needs 6 CUDA devices"):
-        EngineArgs(model=ckpt, device="cuda", data_parallel_size=3, tensor_parallel_size=2,
-                   **ENGINE_KW).create_dp_engine_configs()
+        EngineArgs(
+            model=ckpt, device="cuda", data_parallel_size=3, tensor_parallel_size=2, **ENGINE_KW
+        ).create_dp_engine_configs()
     with pytest.raises(ValueError, match="needs cuda:4..cuda:5; cuda:4 does not exist"):  # engine 1, from cuda:2
-        EngineArgs(model=ckpt, device="cuda:2", data_parallel_size=2, tensor_parallel_size=2,
-                   **ENGINE_KW).create_dp_engine_configs()
+        EngineArgs(
+            model=ckpt, device="cuda:2", data_parallel_size=2, tensor_parallel_size=2, **ENGINE_KW
+        ).create_dp_engine_configs()

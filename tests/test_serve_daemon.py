@@ -116,7 +116,7 @@ class Daemon:
                 line = self.lines.get(timeout=0.2)
             except queue.Empty:
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.log()}")
+                    raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.log()}") from None
                 continue
             if needle in line:
                 return line
@@ -210,7 +210,7 @@ class Frontend:
                 msg = self.events.get(timeout=0.2)
             except queue.Empty:
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"frontend exited with {self.proc.returncode} before {event!r}")
+                    raise AssertionError(f"frontend exited with {self.proc.returncode} before {event!r}") from None
                 continue
             if msg["event"] == event:
                 return msg

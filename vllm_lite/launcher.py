@@ -40,15 +40,25 @@ R = TypeVar("R", bound=msgspec.Struct)
 # How long stop() waits for a killed child to be reaped before giving up on it.
 _REAP_S = 5.0
 
-__all__ = ["ChildProcess", "ChildStartupError", "Control", "default_child_log_level", "open_pidfd",
-           "start_child", "stop_all", "wait_exited", "wait_ready"]
+__all__ = [
+    "ChildProcess",
+    "ChildStartupError",
+    "Control",
+    "default_child_log_level",
+    "open_pidfd",
+    "start_child",
+    "stop_all",
+    "wait_exited",
+    "wait_ready",
+]
 
 
 class ChildStartupError(RuntimeError):
     """A child failed before it was ready: its exception type, message and traceback text."""
 
-    def __init__(self, name: str, exc_type: str, message: str, traceback_text: str = "",
-                 exitcode: Optional[int] = None) -> None:
+    def __init__(
+        self, name: str, exc_type: str, message: str, traceback_text: str = "", exitcode: Optional[int] = None
+    ) -> None:
         super().__init__(f"{name}: {exc_type}: {message}")
         self.name = name
         self.exc_type = exc_type
@@ -71,8 +81,9 @@ def open_pidfd(pid: int) -> Optional[int]:
 class ChildProcess(Generic[R]):
     """A started child: its readiness, a watchable fd, and the one way to stop it."""
 
-    def __init__(self, name: str, popen: subprocess.Popen, control_fd: int, status_fd: int,
-                 ready_type: type[R]) -> None:
+    def __init__(
+        self, name: str, popen: subprocess.Popen, control_fd: int, status_fd: int, ready_type: type[R]
+    ) -> None:
         self.name = name
         self.popen = popen
         self.pid = popen.pid
@@ -125,8 +136,9 @@ class ChildProcess(Generic[R]):
             raise ChildStartupError(self.name, type(e).__name__, f"unreadable start-up status: {e}") from None
         if status is None or (status.ready is None and status.error is None):
             code = self.wait(_REAP_S)
-            raise ChildStartupError(self.name, "ChildExited",
-                                    f"exited with code {code} before it was ready", exitcode=code)
+            raise ChildStartupError(
+                self.name, "ChildExited", f"exited with code {code} before it was ready", exitcode=code
+            )
         if status.error is not None:
             err = status.error
             raise ChildStartupError(self.name, err.exc_type, err.message, err.traceback, self.wait(_REAP_S))
@@ -226,8 +238,17 @@ def start_child(
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_root]
     child_env["PYTHONPATH"] = os.pathsep.join([package_root, *paths])
-    argv = [sys.executable, "-m", module, "--launcher-fds", f"{control_r},{status_w}",
-            "--log-level", str(level), "--name", name]
+    argv = [
+        sys.executable,
+        "-m",
+        module,
+        "--launcher-fds",
+        f"{control_r},{status_w}",
+        "--log-level",
+        str(level),
+        "--name",
+        name,
+    ]
     envelope = Envelope(
         args=msgspec.Raw(msgspec.msgpack.encode(args)),
         parent_pid=os.getpid(),
@@ -236,8 +257,14 @@ def start_child(
         cleanup_paths=list(cleanup_paths),
     )
     try:
-        popen = subprocess.Popen(argv, env=child_env, pass_fds=(control_r, status_w, *pass_fds),
-                                 start_new_session=new_session, stdin=stdin, close_fds=True)
+        popen = subprocess.Popen(
+            argv,
+            env=child_env,
+            pass_fds=(control_r, status_w, *pass_fds),
+            start_new_session=new_session,
+            stdin=stdin,
+            close_fds=True,
+        )
     except BaseException:
         for fd in (control_r, control_w, status_r, status_w):
             os.close(fd)
@@ -253,8 +280,12 @@ def start_child(
     return child
 
 
-def wait_ready(children: Sequence[ChildProcess], timeout: Optional[float] = None,
-               abort: Optional[Callable[[], None]] = None, poll_s: float = 0.1) -> list[Any]:
+def wait_ready(
+    children: Sequence[ChildProcess],
+    timeout: Optional[float] = None,
+    abort: Optional[Callable[[], None]] = None,
+    poll_s: float = 0.1,
+) -> list[Any]:
     """Every child's ready struct, in order; raises ChildStartupError at the first failure.
 
     Children start in parallel; this returns when all are ready. ``abort`` is called every

@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Callable, NoReturn, Optional, TypeVar
+from typing import Any, Callable, NoReturn, Optional, TypeVar
 
 import msgspec
 
@@ -88,6 +88,15 @@ class ChildChannel:
                 handler(message)
         self._parent_gone()
 
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM until the child installs a handler of its own. The kernel's parent-death SIGTERM
+        arrives together with the pipe's EOF, and its default action would kill us before the watch
+        thread removed the cleanup paths: clean up here too. Any other SIGTERM acts as the default."""
+        if os.getppid() != self.parent_pid:
+            self._parent_gone()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def _parent_gone(self) -> NoReturn:
         # No logging or flushing here: our stderr may lead to the dead parent, and the main
         # thread may be anywhere. Remove what the parent asked us to, then go.
@@ -145,6 +154,8 @@ def child_startup(args_type: type[A]) -> tuple[A, ChildChannel]:
     envelope = msgspec.msgpack.decode(frame, type=Envelope)
     channel = ChildChannel(ns.name, status_fd, control_fd, envelope)
     if envelope.death_signal:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, channel._on_sigterm)
         _set_death_signal(envelope.parent_pid)
     threading.Thread(target=channel._watch_parent, name="launcher-parent-watch", daemon=True).start()
     try:

@@ -63,7 +63,7 @@ class Status(msgspec.Struct):
 def write_frame(fd: int, payload: bytes) -> None:
     data = memoryview(_HEADER.pack(len(payload)) + payload)
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def _read_exact(fd: int, n: int) -> Optional[bytes]:
