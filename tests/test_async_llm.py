@@ -7,7 +7,6 @@ import os
 import random
 import shutil
 import signal
-import time
 import uuid
 
 import pytest
@@ -25,9 +24,10 @@ from vllm_lite.core.messages import (
     HelloRequest,
     UtilityRequest,
 )
-from vllm_lite.serialization import MsgpackEncoder
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
+from vllm_lite.serialization import MsgpackEncoder
 from vllm_lite.testing.checkpoints import get_checkpoint
+from vllm_lite.testing.waiting import async_wait_until
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
@@ -69,7 +69,10 @@ def llm(loop):
 
     async def stop() -> None:
         engine.shutdown()
-        await asyncio.sleep(0.05)  # let the cancelled handler task finish
+        # Wait for the cancelled handler tasks to finish (a deadline, not a guess at how long they take).
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if pending:
+            await asyncio.wait(pending, timeout=60)
 
     yield engine
     loop.run_until_complete(stop())
@@ -147,14 +150,12 @@ def test_cancel_50_of_200_streams_frees_every_block_and_the_rest_finish(llm, loo
             assert [t for o in outs for t in o.outputs[0].token_ids] == reference[PROMPTS[i % len(PROMPTS)]]
         assert sum(tasks[i].cancelled() for i in cancel_ids) >= 40  # most were really cut short
         # Aborts are sent asynchronously; the core frees the blocks within a step or two.
-        deadline = time.monotonic() + 10
-        while True:
+        async def all_blocks_back() -> bool:
             stats = await llm.get_stats()
             free = await llm.call_utility_async("get_num_free_blocks")
-            if free == free_before and stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
-                break
-            assert time.monotonic() < deadline, f"blocks still held: {free} free of {free_before}, {stats}"
-            await asyncio.sleep(0.05)
+            return free == free_before and stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+
+        await async_wait_until(all_blocks_back, 60, "every block free and no request left in the core")
         assert not llm.output_processor.has_unfinished_requests()
 
     loop.run_until_complete(run())
@@ -168,10 +169,10 @@ def test_stop_string_ends_the_request_and_aborts_it_in_the_core(llm, loop, refer
         out = (await collect(llm, PROMPTS[1], greedy(12, stop=[stop]), "stopped"))[-1].outputs[0]
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert full.startswith(out.text) and len(out.text) < len(full)
-        deadline = time.monotonic() + 5
-        while (await llm.get_stats())["num_running_reqs"]:
-            assert time.monotonic() < deadline, "the stop-string request kept running in the core"
-            await asyncio.sleep(0.05)
+        async def nothing_running() -> bool:
+            return (await llm.get_stats())["num_running_reqs"] == 0
+
+        await async_wait_until(nothing_running, 60, "the stop-string request aborted in the core")
 
     loop.run_until_complete(run())
 
@@ -179,9 +180,7 @@ def test_stop_string_ends_the_request_and_aborts_it_in_the_core(llm, loop, refer
 def test_duplicate_request_id_is_a_clear_error_and_the_first_is_undisturbed(llm, loop, reference):
     async def run() -> None:
         first = asyncio.ensure_future(collect(llm, PROMPTS[2], greedy(12, RequestOutputKind.DELTA), "same"))
-        await asyncio.sleep(0)  # let the first register
-        while "same" not in llm.output_processor.request_states:
-            await asyncio.sleep(0.001)
+        await async_wait_until(lambda: "same" in llm.output_processor.request_states, 60, "the first request registered")
         with pytest.raises(ValueError, match="'same' is already in use"):
             await collect(llm, PROMPTS[3], greedy(4), "same")
         outs = await first
@@ -276,10 +275,9 @@ def test_kill_9_raises_engine_dead_in_every_generator_within_5s():
             tasks = [asyncio.ensure_future(stream(i)) for i in range(8)]
             await asyncio.wait_for(first_output.wait(), 60)
             os.kill(llm.engine_core.proc.pid, signal.SIGKILL)
-            t0 = time.monotonic()
+            # The 5 s is the promise under test (death reaches every caller within seconds), not a timing guess.
             done, pending = await asyncio.wait(tasks, timeout=5)
             assert not pending, "a generator did not fail within 5 s of kill -9"
-            assert time.monotonic() - t0 < 5
             for t in done:
                 assert isinstance(t.exception(), EngineDeadError)
             assert llm.errored and not llm.is_running
@@ -299,8 +297,6 @@ def test_startup_failure_on_a_bad_checkpoint_raises_the_loader_error(tmp_path):
     bad = tmp_path / "bad-model"
     shutil.copytree(src, bad, ignore=shutil.ignore_patterns("*.safetensors*"))
     (bad / "model.safetensors").write_bytes(b"this is not a safetensors file")
-    t0 = time.monotonic()
     with pytest.raises(EngineStartupError, match="Engine core failed to start: .*") as info:
         AsyncLLM.from_engine_args(engine_args(str(bad)))
-    assert time.monotonic() - t0 < 60
     assert "safetensor" in str(info.value).lower()  # the loader's own words reach the caller

@@ -64,7 +64,7 @@ from vllm_lite.core.shutdown import Phase, ShutdownState
 from vllm_lite.endpoints import CoreAddresses
 
 if TYPE_CHECKING:
-    from vllm_lite.launcher import ChildChannel
+    from vllm_lite.launcher_child import ChildChannel
 
 logger = logging.getLogger(__name__)
 
