@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from test_scheduler import make_config
 from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.scheduler import Scheduler
 from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.testing.scheduler_config import make_config
 from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
 
 
