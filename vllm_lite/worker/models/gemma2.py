@@ -77,7 +77,9 @@ class Gemma2Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias)
         self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias, "num_attention_heads*head_dim")
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, get_rope_parameters(config))
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, self.rope_parameters(config, sliding_window)
+        )
         scale = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.attn = Attention(
             self.qkv_proj.num_heads,
@@ -88,6 +90,10 @@ class Gemma2Attention(nn.Module):
             logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
         )
 
+    def rope_parameters(self, config, sliding_window: int | None) -> dict:
+        """Gemma 2 rotates every layer alike; Gemma 3 overrides this per layer type."""
+        return get_rope_parameters(config)
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, k = self.rotary_emb(positions, q, k)
@@ -95,10 +101,14 @@ class Gemma2Attention(nn.Module):
 
 
 class Gemma2DecoderLayer(nn.Module):
+    """Sandwich-normed attention and MLP; Gemma 3 swaps in its own attention through attention_cls."""
+
+    attention_cls: type[nn.Module] = Gemma2Attention
+
     def __init__(self, config, sliding_window: int | None) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma2Attention(config, sliding_window)
+        self.self_attn = self.attention_cls(config, sliding_window)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
         self.mlp = Gemma2MLP(d, config.intermediate_size, act)
         self.input_layernorm = GemmaRMSNorm(d, eps)
@@ -112,11 +122,15 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
+    """Scaled embedding, the layers, a final norm; layer_cls picks the architecture's layer."""
+
+    layer_cls: type[nn.Module] = Gemma2DecoderLayer
+
     def __init__(self, config) -> None:
         super().__init__()
         self.hidden_size = config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Gemma2DecoderLayer(config, w) for w in layer_sliding_windows(config)])
+        self.layers = nn.ModuleList([self.layer_cls(config, w) for w in layer_sliding_windows(config)])
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -131,10 +145,12 @@ class Gemma2Model(nn.Module):
 class Gemma2ForCausalLM(nn.Module):
     """Gemma 2 decoder + LM head (tied to the embedding) with final logit soft-capping."""
 
+    model_cls: type[nn.Module] = Gemma2Model
+
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.model = Gemma2Model(config)
+        self.model = self.model_cls(config)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
