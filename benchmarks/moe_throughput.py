@@ -1,6 +1,6 @@
 """Mixture-of-experts throughput: vllm-lite vs Hugging Face generate on a small Mixtral-shaped checkpoint.
 
-Same method as throughput.py (whose prompt maker and both runners it reuses): random prompts with input
+Same method as throughput.py (whose prompt maker, engine runner and HF baseline sweep it reuses): random prompts with input
 lengths uniform in [32, 256] (fixed seed), greedy, ignore_eos; HF in its own interpreter at torch's default
 threads, warmed up, static left-padded batches swept (best reported, all in the JSON); each side's dtype,
 warm-up, threads and batch recorded and checked by vllm_lite.testing.baselines.check_fair. Default model:
@@ -16,10 +16,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch
-
 # benchmarks/ is this script's directory, so its sibling is importable as a module.
-from throughput import make_prompts, run_hf, run_ours
+from throughput import hf_baseline, make_prompts, run_ours
 
 
 def moe_params(cfg: dict) -> tuple[int, int]:
@@ -36,13 +34,6 @@ def moe_params(cfg: dict) -> tuple[int, int]:
     return total, active
 
 
-def hf_worker(spec: str) -> None:
-    """`--hf-worker JSON`: the HF side alone in this fresh interpreter; prints its JSON line."""
-    a = json.loads(spec)
-    prompts = make_prompts(a["num_prompts"], 32, 256, a["vocab"], seed=0)
-    print(json.dumps(run_hf(a["model"], prompts, a["output_len"], getattr(torch, a["dtype"]), a["batches"])))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the ~25M Mixtral-shaped test model)")
@@ -52,18 +43,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", default="16,32,64", help="HF batch sizes to sweep (comma-separated); best reported")
     ap.add_argument("--inprocess", action="store_true", help="run the engine core in this process")
     ap.add_argument("--num-threads", type=int, default=None, help="engine-core torch threads (default: its policy)")
-    ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)  # internal: the HF subprocess
     args = ap.parse_args()
-    if args.hf_worker is not None:
-        hf_worker(args.hf_worker)
-        return
-    from vllm_lite.testing.baselines import (
-        RunConfig,
-        check_fair,
-        engine_core_threads,
-        host_description,
-        run_json_subprocess,
-    )
+    from vllm_lite.testing.baselines import RunConfig, check_fair, engine_core_threads, host_description
 
     if args.model is None:
         from vllm_lite.testing.checkpoints import get_checkpoint
@@ -76,17 +57,8 @@ def main() -> None:
     host = host_description()
     ours = run_ours(args.model, prompts, args.output_len, args.dtype, not args.inprocess, args.num_threads)
     core_threads = engine_core_threads(args.num_threads)
-    batches = [int(b) for b in args.hf_batch.split(",") if b.strip()]
-    spec = dict(model=args.model, num_prompts=args.num_prompts, vocab=cfg["vocab_size"],
-                output_len=args.output_len, dtype=args.dtype, batches=batches)
-    hf = run_json_subprocess([os.path.abspath(__file__), "--hf-worker", json.dumps(spec)])
+    hf, hf_cfg = hf_baseline(args, cfg["vocab_size"], core_threads)
     engine_cfg = RunConfig("vllm_lite", args.dtype, warmup=True, threads=core_threads, batch=64)
-    hf_cfg = RunConfig("hf_generate", args.dtype, warmup=True, threads=hf["threads"], batch=batches)
-    if hf["threads"] != core_threads:
-        hf_cfg.declared["threads"] = (
-            "HF runs at torch's default thread count in its own process; the engine core at its "
-            "policy (all cores but one, the last left to the frontend)"
-        )
     check_fair(engine_cfg, [hf_cfg])
     total, active = moe_params(cfg)
     print(json.dumps({

@@ -101,6 +101,26 @@ def hf_worker(spec: str) -> None:
     print(json.dumps(run_hf(a["model"], prompts, a["output_len"], getattr(torch, a["dtype"]), a["batches"])))
 
 
+def hf_baseline(args: argparse.Namespace, vocab: int, core_threads: int) -> tuple[dict, object]:
+    """Sweep HF generate over --hf-batch in a fresh interpreter (this script's --hf-worker); its result and RunConfig.
+
+    Shared with moe_throughput.py, which runs the same workload on another checkpoint.
+    """
+    from vllm_lite.testing.baselines import RunConfig, run_json_subprocess
+
+    batches = [int(b) for b in args.hf_batch.split(",") if b.strip()]
+    spec = dict(model=args.model, num_prompts=args.num_prompts, vocab=vocab,
+                output_len=args.output_len, dtype=args.dtype, batches=batches)
+    hf = run_json_subprocess([os.path.abspath(__file__), "--hf-worker", json.dumps(spec)])
+    hf_cfg = RunConfig("hf_generate", args.dtype, warmup=True, threads=hf["threads"], batch=batches)
+    if hf["threads"] != core_threads:
+        hf_cfg.declared["threads"] = (
+            "HF runs at torch's default thread count in its own process; the engine core at its "
+            "policy (all cores but one, the last left to the frontend)"
+        )
+    return hf, hf_cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the ~100M Qwen2-shaped test model)")
@@ -116,9 +136,7 @@ def main() -> None:
     if args.hf_worker is not None:
         hf_worker(args.hf_worker)
         return
-    from vllm_lite.testing.baselines import (
-        RunConfig, check_fair, engine_core_threads, host_description, run_json_subprocess,
-    )
+    from vllm_lite.testing.baselines import RunConfig, check_fair, engine_core_threads, host_description
 
     if args.model is None:
         from vllm_lite.testing.checkpoints import get_checkpoint
@@ -139,16 +157,7 @@ def main() -> None:
                     "vllm_lite_startup_s": round(ours["startup_s"], 2)}
     baselines = []
     if not args.skip_hf:
-        batches = [int(b) for b in args.hf_batch.split(",") if b.strip()]
-        spec = dict(model=args.model, num_prompts=args.num_prompts, vocab=cfg["vocab_size"],
-                    output_len=args.output_len, dtype=args.dtype, batches=batches)
-        hf = run_json_subprocess([os.path.abspath(__file__), "--hf-worker", json.dumps(spec)])
-        hf_cfg = RunConfig("hf_generate", args.dtype, warmup=True, threads=hf["threads"], batch=batches)
-        if hf["threads"] != core_threads:
-            hf_cfg.declared["threads"] = (
-                "HF runs at torch's default thread count in its own process; the engine core at its "
-                "policy (all cores but one, the last left to the frontend)"
-            )
+        hf, hf_cfg = hf_baseline(args, cfg["vocab_size"], core_threads)
         baselines.append(hf_cfg)
         result["hf_tokens_per_s"] = round(hf["tokens_per_s"], 1)
         result["hf_best_batch"] = hf["best_batch"]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_lite.worker.attention.layer import Attention
+from vllm_lite.worker.models.decoder import CausalLM
 from vllm_lite.worker.models.layers import (
     MergedLinear,
     QKVLinear,
@@ -28,11 +29,7 @@ from vllm_lite.worker.models.layers import (
 )
 from vllm_lite.worker.models.loading import load_hf_weights
 from vllm_lite.worker.models.sliding_window import layer_sliding_windows
-from vllm_lite.worker.models.vocab_parallel import (
-    ParallelLMHead,
-    VocabParallelEmbedding,
-    lm_head_logits,
-)
+from vllm_lite.worker.models.vocab_parallel import VocabParallelEmbedding
 
 STACKED = (
     (".qkv_proj.", ".q_proj.", "q"),
@@ -142,7 +139,7 @@ class Gemma2Model(nn.Module):
         return self.norm(hidden)
 
 
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(CausalLM):
     """Gemma 2 decoder + LM head (tied to the embedding) with final logit soft-capping."""
 
     model_cls: type[nn.Module] = Gemma2Model
@@ -152,22 +149,14 @@ class Gemma2ForCausalLM(nn.Module):
         self.config = config
         self.model = self.model_cls(config)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+        self.init_lm_head(config, self.model.embed_tokens, tie_default=True)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = lm_head_logits(hidden_states, self.lm_head)
+        logits = super().compute_logits(hidden_states)
         cap = self.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        return load_hf_weights(self, weights, STACKED, tied_names=tied)
+        return load_hf_weights(self, weights, STACKED, tied_names=self.tied_names())

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from vllm_lite.worker.attention.layer import Attention
+from vllm_lite.worker.models.decoder import CausalLM
 from vllm_lite.worker.models.layers import (
     ColumnParallelLinear,
     QKVLinear,
@@ -22,11 +23,7 @@ from vllm_lite.worker.models.layers import (
     read_shard,
 )
 from vllm_lite.worker.models.loading import load_hf_weights
-from vllm_lite.worker.models.vocab_parallel import (
-    ParallelLMHead,
-    VocabParallelEmbedding,
-    lm_head_logits,
-)
+from vllm_lite.worker.models.vocab_parallel import VocabParallelEmbedding
 
 STACKED = (
     (".qkv_proj.", ".q_proj.", "q"),
@@ -98,7 +95,7 @@ class GPT2Model(nn.Module):
         return self.ln_f(hidden)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
     """GPT-2 decoder + LM head (tied to wte unless the config unties it)."""
 
     def __init__(self, config) -> None:
@@ -107,17 +104,10 @@ class GPT2LMHeadModel(nn.Module):
             raise ValueError("GPT-2 with cross-attention (an encoder-decoder setup) is not supported.")
         self.config = config
         self.transformer = GPT2Model(config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head = self.transformer.wte
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.init_lm_head(config, self.transformer.wte, tie_default=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.transformer(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return lm_head_logits(hidden_states, self.lm_head)
 
     def _hf_to_ours(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         d = self.config.hidden_size
@@ -137,5 +127,4 @@ class GPT2LMHeadModel(nn.Module):
                 yield name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        return load_hf_weights(self, self._hf_to_ours(weights), STACKED, tied_names=tied)
+        return load_hf_weights(self, self._hf_to_ours(weights), STACKED, tied_names=self.tied_names())

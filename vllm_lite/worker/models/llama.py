@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from vllm_lite.worker.attention.layer import Attention
+from vllm_lite.worker.models.decoder import CausalLM, PreNormDecoder, PreNormResidualLayer
 from vllm_lite.worker.models.layers import (
     MergedLinear,
     QKVLinear,
@@ -27,7 +28,6 @@ from vllm_lite.worker.models.layers import (
 )
 from vllm_lite.worker.models.loading import load_hf_weights
 from vllm_lite.worker.models.sliding_window import layer_sliding_windows
-from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head_logits
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormResidualLayer):
     def __init__(
         self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: Optional[int] = None
     ) -> None:
@@ -101,39 +101,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately so each norm fuses the preceding add.
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
-
-class LlamaModel(nn.Module):
+class LlamaModel(PreNormDecoder):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, w) for w in layer_sliding_windows(config)]
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        layers = [LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, w) for w in layer_sliding_windows(config)]
+        super().__init__(config, layers)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Llama decoder + LM head. Subclasses set the bias / qk-norm variations via class attributes."""
 
     qkv_bias: Optional[bool] = None  # None: config.attention_bias
@@ -147,21 +122,10 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = attn_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = attn_bias if self.o_bias is None else self.o_bias
         self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return lm_head_logits(hidden_states, self.lm_head)
+        self.init_lm_head(config, self.model.embed_tokens, tie_default=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        return load_hf_weights(self, weights, STACKED, tied_names=tied)
+        return load_hf_weights(self, weights, STACKED, tied_names=self.tied_names())
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -13,19 +13,15 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from vllm_lite.worker.models.decoder import CausalLM, PreNormDecoder, PreNormResidualLayer
 from vllm_lite.worker.models.fused_moe import SparseMoeBlock, load_moe_weights
 from vllm_lite.worker.models.layers import RMSNorm
 from vllm_lite.worker.models.llama import STACKED, LlamaAttention
 from vllm_lite.worker.models.sliding_window import layer_sliding_windows
-from vllm_lite.worker.models.vocab_parallel import (
-    ParallelLMHead,
-    VocabParallelEmbedding,
-    lm_head_logits,
-)
 
 
-class MoEDecoderLayer(nn.Module):
-    """Pre-norm attention + MLP (sparse or dense) with the residual carried into the fused add+norm, as Llama."""
+class MoEDecoderLayer(PreNormResidualLayer):
+    """Llama's layer wiring with a sparse (or dense) MLP under the checkpoint's name for it."""
 
     def __init__(self, config, attn: nn.Module, mlp: nn.Module, mlp_name: str) -> None:
         super().__init__()
@@ -35,36 +31,11 @@ class MoEDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden), residual
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.mlp_name)(hidden)
 
 
-class MoEModel(nn.Module):
-    def __init__(self, layers: list[MoEDecoderLayer], config) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
-class MixtralForCausalLM(nn.Module):
+class MixtralForCausalLM(CausalLM):
     """Mixtral decoder + LM head. Subclasses override `make_layer` for other MoE families."""
 
     qk_norm = False
@@ -73,12 +44,8 @@ class MixtralForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         windows = layer_sliding_windows(config)
-        self.model = MoEModel([self.make_layer(config, i, w) for i, w in enumerate(windows)], config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.model = PreNormDecoder(config, [self.make_layer(config, i, w) for i, w in enumerate(windows)])
+        self.init_lm_head(config, self.model.embed_tokens, tie_default=False)
 
     def make_attention(self, config, sliding_window: int | None) -> nn.Module:
         bias = bool(getattr(config, "attention_bias", False))
@@ -91,12 +58,5 @@ class MixtralForCausalLM(nn.Module):
         )
         return MoEDecoderLayer(config, self.make_attention(config, sliding_window), moe, "block_sparse_moe")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return lm_head_logits(hidden_states, self.lm_head)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        return load_moe_weights(self, weights, STACKED, tied_names=tied)
+        return load_moe_weights(self, weights, STACKED, tied_names=self.tied_names())

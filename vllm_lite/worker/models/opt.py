@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from vllm_lite.worker.attention.layer import Attention
+from vllm_lite.worker.models.decoder import CausalLM
 from vllm_lite.worker.models.layers import ColumnParallelLinear, QKVLinear, RowParallelLinear, get_activation
 from vllm_lite.worker.models.loading import load_hf_weights
-from vllm_lite.worker.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head_logits
+from vllm_lite.worker.models.vocab_parallel import VocabParallelEmbedding
 
 STACKED = (
     (".qkv_proj.", ".q_proj.", "q"),
@@ -102,28 +103,20 @@ class OPTModel(nn.Module):
         self.decoder = OPTDecoder(config)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(CausalLM):
     """OPT decoder + LM head (over word_embed_proj_dim; tied to the token embedding by default)."""
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.model = OPTModel(config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.decoder.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim)
+        self.init_lm_head(config, self.model.decoder.embed_tokens, tie_default=True, width=config.word_embed_proj_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Returns [T, word_embed_proj_dim] (the LM head's input width, equal to hidden_size in most OPTs)."""
         return self.model.decoder(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return lm_head_logits(hidden_states, self.lm_head)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Old OPT checkpoints name tensors "decoder.*" without the "model." prefix.
         renamed = ((("model." + n) if n.startswith("decoder.") else n, t) for n, t in weights)
-        tied = ("lm_head.weight",) if self.tie_word_embeddings else ()
-        return load_hf_weights(self, renamed, STACKED, tied_names=tied)
+        return load_hf_weights(self, renamed, STACKED, tied_names=self.tied_names())
