@@ -13,6 +13,7 @@ from vllm_lite import LLM
 from vllm_lite.testing.checkpoints import TINY_WINDOW, get_checkpoint
 from vllm_lite.testing.hf_match import (
     assert_matches_hf,
+    assert_multiprocess_matches_hf,
     generate_greedy,
     hf_model_eager,
     record_prefix_hits,
@@ -41,11 +42,7 @@ def test_greedy_float32_matches_hf_past_the_window_with_prefix_caching(monkeypat
 
 
 def test_multiprocess_matches_hf() -> None:
-    path = get_checkpoint("gemma3")
-    with LLM(model=path, dtype="float32", multiprocess=True, block_size=16, max_model_len=256) as llm:
-        prompts = greedy_prompts(llm.get_tokenizer(), (40, 70))
-        outs = generate_greedy(llm, prompts, NEW_TOKENS)
-    assert_matches_hf(path, prompts, outs)
+    assert_multiprocess_matches_hf(get_checkpoint("gemma3"), (40, 70), NEW_TOKENS)
 
 
 def test_layer_kinds_and_rope_bases_follow_the_config() -> None:

@@ -7,6 +7,7 @@ import torch
 
 from vllm_lite import LLM, SamplingParams
 from vllm_lite.testing.checkpoints import get_checkpoint
+from vllm_lite.testing.hf_match import record_preemptions
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "opt"]
 NEW_TOKENS = 32
@@ -115,17 +116,8 @@ def test_text_prompts_and_request_output_fields() -> None:
 @pytest.mark.parametrize("caching", [True, False])
 def test_greedy_matches_hf_under_forced_preemption(mode: str, caching: bool, monkeypatch) -> None:
     """A KV cache so small that requests are preempted many times still gives HF's exact tokens."""
-    from vllm_lite.core.sched.scheduler import Scheduler
-
     path = get_checkpoint("qwen2")
-    preempted: list[str] = []
-    original = Scheduler._preempt
-
-    def counting(self, req, swap_out):
-        preempted.append(req.request_id)
-        original(self, req, swap_out)
-
-    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    preempted = record_preemptions(monkeypatch)
     llm = LLM(model=path, dtype="float32", multiprocess=False, max_model_len=136, block_size=4,
               max_num_batched_tokens=24, enable_prefix_caching=caching, preemption_mode=mode)
     per_block = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.kv_cache_bytes_per_block()

@@ -22,6 +22,7 @@ from vllm_lite import LLM
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.hf_match import (
     assert_matches_hf,
+    assert_multiprocess_matches_hf,
     generate_greedy,
     record_prefix_hits,
 )
@@ -226,8 +227,4 @@ def test_qwen3_moe_dense_and_sparse_layers_follow_the_config() -> None:
 
 
 def test_mixtral_multiprocess_matches_hf() -> None:
-    path = get_checkpoint("mixtral")
-    with LLM(model=path, dtype="float32", multiprocess=True, block_size=16, max_model_len=256) as llm:
-        prompts = greedy_prompts(llm.get_tokenizer(), (17, 48))
-        outs = generate_greedy(llm, prompts, NEW_TOKENS)
-    assert_matches_hf(path, prompts, outs)
+    assert_multiprocess_matches_hf(get_checkpoint("mixtral"), (17, 48), NEW_TOKENS)

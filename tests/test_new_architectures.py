@@ -7,74 +7,37 @@ of an all-windowed model holds stay bounded by its window.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
-from vllm_lite import LLM, SamplingParams
+from vllm_lite import LLM
 from vllm_lite.testing.checkpoints import TINY_WINDOW, get_checkpoint
-from vllm_lite.testing.hf_oracle import (
-    GreedyRun,
-    compare_greedy,
-    greedy_prompts,
-    hf_greedy,
+from vllm_lite.testing.hf_match import (
+    assert_matches_hf,
+    assert_multiprocess_matches_hf,
+    generate_greedy,
+    hf_model_eager,
+    record_preemptions,
+    record_prefix_hits,
 )
+from vllm_lite.testing.hf_oracle import greedy_prompts, hf_greedy
 from vllm_lite.worker.models.sliding_window import (
     layer_sliding_windows,
     uniform_sliding_window,
 )
 
 NEW_TOKENS = 10
-LOGPROB_TOL = 1e-4
 PROMPT_LENS = (9, 40, 70)  # two of them longer than the window
 ARCHS = ["phi3", "gpt2", "gemma2", "mistral_sw", "qwen2_sw"]
-
-
-@functools.lru_cache(maxsize=1)
-def _hf(path: str, **overrides) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    # Overrides arrive hashable (tuples, for the cache); configs want lists.
-    config = AutoConfig.from_pretrained(path, **{k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()})
-    # Eager: the attention that implements Gemma 2's soft-capping.
-    return AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-
-
-def _ours(output) -> GreedyRun:
-    toks = list(output.outputs[0].token_ids)
-    return GreedyRun(toks, [lp[t].logprob for lp, t in zip(output.outputs[0].logprobs, toks)])
-
-
-def _assert_matches_hf(path: str, prompts: list[list[int]], outs) -> None:
-    hf = _hf(path)
-    for p, o in zip(prompts, outs):
-        agree = compare_greedy(_ours(o), hf_greedy(hf, p, NEW_TOKENS), LOGPROB_TOL)
-        assert agree.diverged_at is None or agree.tie, f"prompt of {len(p)} tokens: {agree}"
-        assert agree.max_logprob_err < LOGPROB_TOL, f"prompt of {len(p)} tokens: {agree}"
 
 
 @pytest.fixture
 def prefix_hits(monkeypatch) -> list[int]:
     """Hit tokens of every prefix-cache lookup the scheduler records (its stats reset them each step)."""
-    from vllm_lite.core.kv_cache_manager import KVCacheManager
-
-    log: list[int] = []
-    original = KVCacheManager.record_prefix_cache_lookup
-
-    def recording(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
-        log.append(num_hit_tokens)
-        original(self, num_queried_tokens, num_hit_tokens)
-
-    monkeypatch.setattr(KVCacheManager, "record_prefix_cache_lookup", recording)
-    return log
+    return record_prefix_hits(monkeypatch)
 
 
 def _generate(llm: LLM, prompts: list[list[int]]):
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return generate_greedy(llm, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -88,8 +51,8 @@ def test_greedy_float32_matches_hf_past_the_window_with_prefix_caching(arch: str
         prefix_hits.clear()
         again = _generate(llm, prompts)
     assert sum(prefix_hits) > 0, "the second pass should start from cached prefix blocks"
-    _assert_matches_hf(path, prompts, first)
-    _assert_matches_hf(path, prompts, again)
+    assert_matches_hf(path, prompts, first)
+    assert_matches_hf(path, prompts, again)
 
 
 @pytest.mark.parametrize("arch", ["mistral_sw", "qwen2_sw", "gemma2"])
@@ -97,16 +60,16 @@ def test_the_window_changes_hf_output_on_these_prompts(arch: str) -> None:
     """The tests above are not vacuous: the same weights without the window give other logprobs."""
     path = get_checkpoint(arch)
     assert max(PROMPT_LENS) > TINY_WINDOW
-    assert any(w == TINY_WINDOW for w in layer_sliding_windows(_hf(path).config))
+    assert any(w == TINY_WINDOW for w in layer_sliding_windows(hf_model_eager(path).config))
     from transformers import AutoTokenizer
 
     prompt = greedy_prompts(AutoTokenizer.from_pretrained(path), (70,))[0]
-    windowed = hf_greedy(_hf(path), prompt, 3)
-    _hf.cache_clear()
-    n = _hf(path).config.num_hidden_layers
+    windowed = hf_greedy(hf_model_eager(path), prompt, 3)
+    hf_model_eager.cache_clear()
+    n = hf_model_eager(path).config.num_hidden_layers
     no_window = {"sliding_window": None} if arch == "mistral_sw" else {"layer_types": ("full_attention",) * n}
-    full = hf_greedy(_hf(path, **no_window), prompt, 3)
-    _hf.cache_clear()
+    full = hf_greedy(hf_model_eager(path, **no_window), prompt, 3)
+    hf_model_eager.cache_clear()
     assert abs(windowed.logprobs[0] - full.logprobs[0]) > 1e-3 or windowed.tokens != full.tokens
 
 
@@ -156,7 +119,7 @@ def test_blocks_in_use_per_sequence_stay_within_the_window(monkeypatch) -> None:
     bound = -(-(TINY_WINDOW + budget) // block_size) + 1
     full = -(-(max(len(p) for p in prompts) + NEW_TOKENS) // block_size)
     assert peak and max(peak.values()) <= bound < full, (peak, bound, full)
-    _assert_matches_hf(path, prompts, outs)
+    assert_matches_hf(path, prompts, outs)
 
 
 def test_prefix_hit_after_out_of_window_blocks_were_freed_and_evicted(prefix_hits: list[int]) -> None:
@@ -183,17 +146,13 @@ def test_prefix_hit_after_out_of_window_blocks_were_freed_and_evicted(prefix_hit
         evicted_outs = _generate(llm, [branch])
         hits_after = sum(prefix_hits)
         assert hits_after < hits, "the filler requests should have evicted part of the cached prefix"
-    _assert_matches_hf(path, [branch], hit_outs)
-    _assert_matches_hf(path, [branch], evicted_outs)
+    assert_matches_hf(path, [branch], hit_outs)
+    assert_matches_hf(path, [branch], evicted_outs)
 
 
 def test_gemma2_multiprocess_matches_hf() -> None:
     """The engine core in its own process gives the same exact tokens for the mixed-window model."""
-    path = get_checkpoint("gemma2")
-    with LLM(model=path, dtype="float32", multiprocess=True, block_size=16, max_model_len=256) as llm:
-        prompts = greedy_prompts(llm.get_tokenizer(), (40, 70))
-        outs = _generate(llm, prompts)
-    _assert_matches_hf(path, prompts, outs)
+    assert_multiprocess_matches_hf(get_checkpoint("gemma2"), (40, 70), NEW_TOKENS)
 
 
 def test_phi3_long_context_rope_is_refused_clearly() -> None:
@@ -213,16 +172,7 @@ def test_phi3_long_context_rope_is_refused_clearly() -> None:
 def test_windowed_model_under_preemption_matches_hf(mode: str, monkeypatch) -> None:
     """All-windowed, a cache of one max_model_len sequence: eight requests recycling blocks behind their
     windows still preempt one another (recompute or swap, null placeholders included) and stay exact."""
-    from vllm_lite.core.sched.scheduler import Scheduler
-
-    preempted: list[str] = []
-    original = Scheduler._preempt
-
-    def counting(self, req, swap_out):
-        preempted.append(req.request_id)
-        original(self, req, swap_out)
-
-    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    preempted = record_preemptions(monkeypatch)
     path = get_checkpoint("mistral_sw")
     per_block = 2 * 4 * 3 * 2 * 16 * 4  # K and V, 3 layers x 2 KV heads x 16 dims, float32, 4 tokens
     # Decodes free a block behind the window as often as they open one: long prefill chunks make the pressure.
@@ -232,4 +182,4 @@ def test_windowed_model_under_preemption_matches_hf(mode: str, monkeypatch) -> N
         prompts = greedy_prompts(llm.get_tokenizer(), (70, 66, 60, 48, 72, 52, 64, 58))
         outs = _generate(llm, prompts)
     assert preempted, "eight windowed requests in 25 blocks should preempt one another"
-    _assert_matches_hf(path, prompts, outs)
+    assert_matches_hf(path, prompts, outs)

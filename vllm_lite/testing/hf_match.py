@@ -1,6 +1,6 @@
 """Run our engine greedily with logprobs and assert it gives Hugging Face's float32 tokens and logprobs.
 
-Shared by the per-architecture tests (Gemma 3, the MoE models); the oracle itself is hf_oracle.py.
+Shared by the per-architecture tests (Gemma 2/3, Phi-3, GPT-2, the windowed and MoE models); the oracle itself is hf_oracle.py.
 """
 
 from __future__ import annotations
@@ -15,11 +15,17 @@ from vllm_lite.testing.hf_oracle import GreedyRun, compare_greedy, hf_greedy
 
 
 @functools.lru_cache(maxsize=1)
-def hf_model_eager(path: str) -> torch.nn.Module:
-    """transformers' float32 model with eager attention (the one that implements windows and soft-caps)."""
-    from transformers import AutoModelForCausalLM
+def hf_model_eager(path: str, **overrides: Any) -> torch.nn.Module:
+    """transformers' float32 model with eager attention (the one that implements windows and soft-caps).
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    `overrides` change the config (tuples, hashable for the cache, become lists), e.g. to drop a window.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, **{k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()})
+    return AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def generate_greedy(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Any]:
@@ -27,6 +33,17 @@ def generate_greedy(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int)
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     return llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+
+
+def assert_multiprocess_matches_hf(path: str, prompt_lens: Sequence[int], max_tokens: int) -> None:
+    """The engine core in its own process (the msgpack wire, logprobs as raw frames) still gives HF's tokens."""
+    from vllm_lite import LLM
+    from vllm_lite.testing.hf_oracle import greedy_prompts
+
+    with LLM(model=path, dtype="float32", multiprocess=True, block_size=16, max_model_len=256) as llm:
+        prompts = greedy_prompts(llm.get_tokenizer(), prompt_lens)
+        outs = generate_greedy(llm, prompts, max_tokens)
+    assert_matches_hf(path, prompts, outs)
 
 
 def as_greedy_run(output: Any) -> GreedyRun:
@@ -56,4 +73,19 @@ def record_prefix_hits(monkeypatch: Any) -> list[int]:
         original(self, num_queried_tokens, num_hit_tokens)
 
     monkeypatch.setattr(KVCacheManager, "record_prefix_cache_lookup", recording)
+    return log
+
+
+def record_preemptions(monkeypatch: Any) -> list[str]:
+    """Request ids the scheduler preempts from now on, in order (patched through monkeypatch, so undone)."""
+    from vllm_lite.core.sched.scheduler import Scheduler
+
+    log: list[str] = []
+    original = Scheduler._preempt
+
+    def recording(self: Any, req: Any, swap_out: Any) -> None:
+        log.append(req.request_id)
+        original(self, req, swap_out)
+
+    monkeypatch.setattr(Scheduler, "_preempt", recording)
     return log
