@@ -40,6 +40,7 @@ from vllm_lite.endpoints import CoreAddresses
 from vllm_lite.entrypoints.serve_daemon import check_bind_allowed, is_loopback_host
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.processes import children, cmdline, process_gone
+from vllm_lite.testing.serve_process import ServeProcess
 from vllm_lite.testing.waiting import wait_until
 
 TOKEN = "s3cret-token"
@@ -90,37 +91,20 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-class Daemon:
-    """A `vllm-lite serve` process: stdout lines on a queue, stderr in a file."""
+class Daemon(ServeProcess):
+    """A `vllm-lite serve` process (float32) with its stderr in a file, shown when a wait fails."""
 
     def __init__(self, args: list[str], log_path: str, env: Optional[dict[str, str]] = None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            # float32: outputs are compared with an in-process float32 reference.
-            [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", *args, "--dtype", "float32"],
-            stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, **(env or {})},
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
+        # float32: outputs are compared with an in-process float32 reference.
+        super().__init__([*args, "--dtype", "float32"], {**os.environ, **(env or {})}, stderr=self._log)
 
     def expect_line(self, needle: str, timeout: float = 120.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.log()}") from None
-                continue
-            if needle in line:
-                return line
-        raise AssertionError(f"no stdout line with {needle!r} within {timeout} s:\n{self.log()}")
+        return self.line_with(needle, timeout)
+
+    def diagnostics(self) -> str:
+        return super().diagnostics() + "\n--- stderr ---\n" + self.log()
 
     def core_line(self) -> tuple[str, str]:
         """(the core's address, its whole 'listening on' line), once it serves (`--port 0` picks the port)."""
@@ -138,13 +122,7 @@ class Daemon:
             return f.read()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        super().stop()
         self._log.close()
 
 

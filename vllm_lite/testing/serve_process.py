@@ -6,6 +6,7 @@ import queue
 import subprocess
 import sys
 import threading
+from typing import Any
 
 from vllm_lite.testing.waiting import wait_until
 
@@ -13,10 +14,11 @@ from vllm_lite.testing.waiting import wait_until
 class ServeProcess:
     """`vllm-lite serve ARGS` as a child; pass --port 0 --core-port 0 and read the ports from its start-up lines."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], stderr: Any = subprocess.STDOUT) -> None:
+        """`stderr`: where the child's stderr goes (default: merged into the stdout lines read here)."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", *args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
@@ -38,11 +40,15 @@ class ServeProcess:
                     found.append(line)
                     return True
             if self.proc.poll() is not None:
-                raise AssertionError(f"serve exited with {self.proc.returncode}:\n" + "\n".join(self.seen))
+                raise AssertionError(f"serve exited with {self.proc.returncode}:\n" + self.diagnostics())
             return False
 
         wait_until(look, timeout_s, f"a line with {needle!r}", interval_s=0.05)
         return found[0]
+
+    def diagnostics(self) -> str:
+        """What a failure message shows of the child: the stdout lines read so far."""
+        return "\n".join(self.seen)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
