@@ -27,17 +27,10 @@ from vllm_lite.worker.models.layers import (
     get_activation,
     get_rope_parameters,
 )
+from vllm_lite.worker.models.llama import STACKED  # the same fused qkv_proj and gate_up_proj as Llama's
 from vllm_lite.worker.models.loading import load_hf_weights
 from vllm_lite.worker.models.sliding_window import layer_sliding_windows
 from vllm_lite.worker.models.vocab_parallel import VocabParallelEmbedding
-
-STACKED = (
-    (".qkv_proj.", ".q_proj.", "q"),
-    (".qkv_proj.", ".k_proj.", "k"),
-    (".qkv_proj.", ".v_proj.", "v"),
-    (".gate_up_proj.", ".gate_proj.", 0),
-    (".gate_up_proj.", ".up_proj.", 1),
-)
 
 
 class GemmaRMSNorm(nn.Module):

@@ -21,6 +21,7 @@ from vllm_lite.worker.models.gemma2 import (
     Gemma2Model,
     GemmaRMSNorm,
 )
+from vllm_lite.worker.models.layers import norm_per_head
 
 DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
@@ -56,9 +57,8 @@ class Gemma3Attention(Gemma2Attention):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        t = q.shape[0]
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
+        q = norm_per_head(self.q_norm, q, self.num_heads, self.head_dim)
+        k = norm_per_head(self.k_norm, k, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 

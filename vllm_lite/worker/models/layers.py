@@ -192,3 +192,9 @@ class RotaryEmbedding(nn.Module):
         cs = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2] each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+
+def norm_per_head(norm: nn.Module, x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Apply a head_dim-wide norm to each head of x [T, H*D] (Qwen3's and Gemma 3's q/k norm)."""
+    t = x.shape[0]
+    return norm(x.reshape(t, num_heads, head_dim)).view(t, -1)

@@ -25,6 +25,7 @@ from vllm_lite.worker.models.layers import (
     RowParallelLinear,
     SiluAndMul,
     get_rope_parameters,
+    norm_per_head,
 )
 from vllm_lite.worker.models.loading import load_hf_weights
 from vllm_lite.worker.models.sliding_window import layer_sliding_windows
@@ -79,9 +80,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         if self.qk_norm:
-            t = q.shape[0]
-            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
-            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
+            q = norm_per_head(self.q_norm, q, self.num_heads, self.head_dim)
+            k = norm_per_head(self.k_norm, k, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
