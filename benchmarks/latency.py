@@ -87,7 +87,11 @@ def main() -> None:
         print(json.dumps(run_hf(a["model"], a["prompt"], a["output_len"], getattr(torch, a["dtype"]), a["iters"])))
         return
     from vllm_lite.testing.baselines import (
-        RunConfig, check_fair, engine_core_threads, host_description, run_json_subprocess,
+        RunConfig,
+        check_fair,
+        engine_core_threads,
+        host_description,
+        run_json_subprocess,
     )
 
     if args.model is None:

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 from vllm_lite.testing.null_core import NullInprocClient, NullSyncMPClient, null_config
-from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.worker.step import LogprobsTensors
 
 

@@ -16,7 +16,6 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from vllm_lite.testing.english import english_fraction, known_words
 from vllm_lite.default_model import default_model_path
 from vllm_lite.entrypoints.cli import SUBCOMMANDS, build_parser, main
 from vllm_lite.entrypoints.cli import generate as generate_module
@@ -25,6 +24,7 @@ from vllm_lite.entrypoints.cli.sampling_args import sampling_params_from
 from vllm_lite.entrypoints.cli.streaming import RequestFailedError, stream_request
 from vllm_lite.outputs import CompletionOutput, RequestOutput
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
+from vllm_lite.testing.english import english_fraction, known_words
 
 E2E_TIMEOUT = 600  # engine start-up is slow when the machine is shared
 

@@ -13,8 +13,8 @@ import zipfile
 import pytest
 import torch
 
-from vllm_lite.testing.english import english_fraction, known_words
 from vllm_lite.default_model import DEFAULT_MODEL_NAME, default_model_path, resolve_model
+from vllm_lite.testing.english import english_fraction, known_words
 
 # Python-documentation-style English written for this test: not in the training corpus.
 UNSEEN_TEXT = (

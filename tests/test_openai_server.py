@@ -523,7 +523,7 @@ def test_live_server_disconnect_while_queued_aborts_the_request(ckpt: str) -> No
             with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as conn:
                 conn.sendall(head + body)
                 wait_until(lambda: srv.engine.running, 30, "the request reaches the engine")
-            wait_until(lambda: len(srv.engine.aborted) > before and not srv.engine.running, 30,
+            wait_until(lambda before=before: len(srv.engine.aborted) > before and not srv.engine.running, 30,
                        "the server aborts the request of the client that left")
     finally:
         srv.stop()

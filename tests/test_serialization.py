@@ -21,8 +21,8 @@ from vllm_lite.core.messages import (
     UtilityOutput,
     UtilityRequest,
 )
-from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
+from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 from vllm_lite.worker.step import LogprobsTensors
 
 torch.set_num_threads(1)

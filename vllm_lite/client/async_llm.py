@@ -21,7 +21,7 @@ from vllm_lite.client.core_client import EngineCoreClient, make_client
 from vllm_lite.client.exceptions import EngineDeadError
 from vllm_lite.client.output_processor import OutputProcessor, RequestOutputCollector
 from vllm_lite.client.parallel_sampling import ParentRequest
-from vllm_lite.client.processor import PromptType, Processor
+from vllm_lite.client.processor import Processor, PromptType
 from vllm_lite.client.tokenizer import get_tokenizer
 from vllm_lite.config import EngineArgs, ModelConfig, VllmConfig
 from vllm_lite.core.messages import EngineCoreRequest, SchedulerStats

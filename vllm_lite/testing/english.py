@@ -10,6 +10,7 @@ from vllm_lite.default_model import default_model_path
 def known_words() -> set[str]:
     """Words of the training text: pydoc topics plus whole-word tokens of the model's BPE vocabulary."""
     from pydoc_data.topics import topics
+
     from transformers import AutoTokenizer
 
     words = {w.lower() for text in topics.values() for w in re.findall(r"[A-Za-z]+", text)}

@@ -17,7 +17,6 @@ from typing import Optional
 
 from vllm_lite.entrypoints.cli.types import CLISubcommand
 
-
 # The engine flags a worker node takes (the rest come from node 0's engine).
 WORKER_ENGINE_FIELDS = ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port")
 

@@ -15,13 +15,12 @@ and any one frontend's /metrics renders the sum, so a scrape sees all the traffi
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-import logging
 
 from vllm_lite import envs
 from vllm_lite.outputs import RequestOutput

@@ -50,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
         # The engine runs one token, which the response leaves out, as vLLM does.
         echo_only = request.echo and request.max_tokens == 0
         params_list = []
-        for i, p in enumerate(prompts):
+        for p in prompts:
             max_tokens = self.resolve_max_tokens(len(p.token_ids), 1 if echo_only else request.max_tokens)
             params = request.build_sampling_params(
                 max_tokens=max_tokens,

@@ -22,7 +22,6 @@ from torch import nn
 from vllm_lite.worker.models.cpu_prepack import linear
 from vllm_lite.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 
-
 # ---------------------------------------------------------------------------- reading checkpoint shards
 
 
