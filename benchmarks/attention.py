@@ -21,8 +21,15 @@ from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 from vllm_lite.worker.attention.torch_ref import TorchRefBackend
 
 
-def build_batch(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, head_size: int,
-                block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def build_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     tables, num_blocks = random_block_tables(seq_lens, block_size, seed=0)
     md = make_attention_metadata(query_lens, seq_lens, tables, block_size)
     g = torch.Generator().manual_seed(0)
@@ -31,8 +38,9 @@ def build_batch(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads
     return query, cache, md
 
 
-def time_us(backend: AttentionBackend, query: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata,
-            min_seconds: float = 1.0) -> float:
+def time_us(
+    backend: AttentionBackend, query: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata, min_seconds: float = 1.0
+) -> float:
     """Median-free simple mean over enough calls to fill min_seconds, after warm-up."""
     scale = 1.0 / math.sqrt(query.shape[-1])
     for _ in range(3):

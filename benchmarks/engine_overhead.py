@@ -68,8 +68,9 @@ def main() -> None:
         for name, mp in (("inproc", False), ("multiproc", True)):
             r = run(big, mp, args.num_prompts, 128, 64, "bfloat16")
             result[f"100m_{name}_tokens_per_s"] = round(r["tokens_per_s"], 1)
-        result["100m_multiproc_over_inproc"] = round(result["100m_multiproc_tokens_per_s"]
-                                                      / result["100m_inproc_tokens_per_s"], 3)
+        result["100m_multiproc_over_inproc"] = round(
+            result["100m_multiproc_tokens_per_s"] / result["100m_inproc_tokens_per_s"], 3
+        )
     print(json.dumps(result))
 
 

@@ -26,8 +26,9 @@ def run_ours(
     from vllm_lite import LLM, RequestOutputKind, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype=dtype, multiprocess=multiprocess, max_model_len=512, max_num_seqs=8,
-              num_threads=num_threads)
+    llm = LLM(
+        model=model, dtype=dtype, multiprocess=multiprocess, max_model_len=512, max_num_seqs=8, num_threads=num_threads
+    )
     ready = time.perf_counter() - t0
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -47,7 +48,11 @@ def run_ours(
         ttfts.append(first - t0)
         per_tok.append((end - first) / max(1, n - 1))
     llm.shutdown()
-    return {"ms_per_token": 1e3 * float(np.median(per_tok)), "ttft_ms": 1e3 * float(np.median(ttfts)), "startup_s": ready}
+    return {
+        "ms_per_token": 1e3 * float(np.median(per_tok)),
+        "ttft_ms": 1e3 * float(np.median(ttfts)),
+        "startup_s": ready,
+    }
 
 
 def run_hf(model: str, prompt: list[int], out_len: int, dtype: torch.dtype, iters: int) -> dict:
@@ -67,8 +72,11 @@ def run_hf(model: str, prompt: list[int], out_len: int, dtype: torch.dtype, iter
             t2 = time.perf_counter()
             ttfts.append(t1 - t0)
             per_tok.append(((t2 - t1) - (t1 - t0)) / (out_len - 1))
-    return {"ms_per_token": 1e3 * float(np.median(per_tok)), "ttft_ms": 1e3 * float(np.median(ttfts)),
-            "threads": torch.get_num_threads()}
+    return {
+        "ms_per_token": 1e3 * float(np.median(per_tok)),
+        "ttft_ms": 1e3 * float(np.median(ttfts)),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main() -> None:
@@ -114,12 +122,23 @@ def main() -> None:
             "policy (all cores but one, the last left to the frontend)"
         )
     check_fair(engine_cfg, [hf_cfg])
-    print(json.dumps({
-        "benchmark": "latency", "host": host, "runs": [engine_cfg.as_json(), hf_cfg.as_json()], "dtype": args.dtype, "input_len": args.input_len, "output_len": args.output_len,
-        "vllm_lite_ms_per_token": round(ours["ms_per_token"], 2), "hf_ms_per_token": round(hf["ms_per_token"], 2),
-        "vllm_lite_ttft_ms": round(ours["ttft_ms"], 1), "hf_ttft_ms": round(hf["ttft_ms"], 1),
-        "vllm_lite_startup_s": round(ours["startup_s"], 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "latency",
+                "host": host,
+                "runs": [engine_cfg.as_json(), hf_cfg.as_json()],
+                "dtype": args.dtype,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "vllm_lite_ms_per_token": round(ours["ms_per_token"], 2),
+                "hf_ms_per_token": round(hf["ms_per_token"], 2),
+                "vllm_lite_ttft_ms": round(ours["ttft_ms"], 1),
+                "hf_ttft_ms": round(hf["ttft_ms"], 1),
+                "vllm_lite_startup_s": round(ours["startup_s"], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -61,17 +61,31 @@ def main() -> None:
     engine_cfg = RunConfig("vllm_lite", args.dtype, warmup=True, threads=core_threads, batch=64)
     check_fair(engine_cfg, [hf_cfg])
     total, active = moe_params(cfg)
-    print(json.dumps({
-        "benchmark": "moe_throughput", "host": host, "model": os.path.basename(args.model.rstrip("/")),
-        "architecture": (cfg.get("architectures") or ["?"])[0], "experts": cfg["num_local_experts"],
-        "top_k": cfg["num_experts_per_tok"], "params_m": round(total / 1e6, 1),
-        "active_params_m": round(active / 1e6, 1), "dtype": args.dtype, "num_prompts": args.num_prompts,
-        "output_len": args.output_len, "vllm_lite_tokens_per_s": round(ours["tokens_per_s"], 1),
-        "vllm_lite_startup_s": round(ours["startup_s"], 2), "hf_tokens_per_s": round(hf["tokens_per_s"], 1),
-        "hf_best_batch": hf["best_batch"], "hf_tokens_per_s_by_batch": hf["tokens_per_s_by_batch"],
-        "ratio": round(ours["tokens_per_s"] / hf["tokens_per_s"], 2), "core_threads": core_threads,
-        "runs": [engine_cfg.as_json(), hf_cfg.as_json()],
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "moe_throughput",
+                "host": host,
+                "model": os.path.basename(args.model.rstrip("/")),
+                "architecture": (cfg.get("architectures") or ["?"])[0],
+                "experts": cfg["num_local_experts"],
+                "top_k": cfg["num_experts_per_tok"],
+                "params_m": round(total / 1e6, 1),
+                "active_params_m": round(active / 1e6, 1),
+                "dtype": args.dtype,
+                "num_prompts": args.num_prompts,
+                "output_len": args.output_len,
+                "vllm_lite_tokens_per_s": round(ours["tokens_per_s"], 1),
+                "vllm_lite_startup_s": round(ours["startup_s"], 2),
+                "hf_tokens_per_s": round(hf["tokens_per_s"], 1),
+                "hf_best_batch": hf["best_batch"],
+                "hf_tokens_per_s_by_batch": hf["tokens_per_s_by_batch"],
+                "ratio": round(ours["tokens_per_s"] / hf["tokens_per_s"], 2),
+                "core_threads": core_threads,
+                "runs": [engine_cfg.as_json(), hf_cfg.as_json()],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ def batch_outputs(batch: int, logprobs: int) -> EngineCoreOutputs:
         o = EngineCoreOutput(f"req-{i}", [1234])
         if logprobs:
             o.new_logprobs = LogprobsTensors(
-                torch.randint(0, 32000, (1, logprobs + 1)), torch.randn(1, logprobs + 1), torch.ones(1, dtype=torch.int64)
+                torch.randint(0, 32000, (1, logprobs + 1)),
+                torch.randn(1, logprobs + 1),
+                torch.ones(1, dtype=torch.int64),
             )
         outs.append(o)
     return EngineCoreOutputs(outputs=outs, scheduler_stats=SchedulerStats(num_running_reqs=batch))
@@ -48,8 +50,12 @@ def time_codec(batch: int, logprobs: int, iters: int = 300) -> dict[str, float]:
     for _ in range(iters):
         dec.decode(raw)
     t2 = time.perf_counter()
-    return {"encode_us": 1e6 * (t1 - t0) / iters, "decode_us": 1e6 * (t2 - t1) / iters,
-            "bytes": sum(len(r) for r in raw), "frames": len(raw)}
+    return {
+        "encode_us": 1e6 * (t1 - t0) / iters,
+        "decode_us": 1e6 * (t2 - t1) / iters,
+        "bytes": sum(len(r) for r in raw),
+        "frames": len(raw),
+    }
 
 
 def time_steps(client: Any, batch: int, steps: int) -> float:

@@ -20,8 +20,9 @@ import numpy as np
 def run(model: str, prompts: list[list[int]], out_len: int, dtype: str, caching: bool) -> dict:
     from vllm_lite import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=caching, max_model_len=1024 + 32 + out_len + 16,
-              max_num_seqs=64)
+    llm = LLM(
+        model=model, dtype=dtype, enable_prefix_caching=caching, max_model_len=1024 + 32 + out_len + 16, max_num_seqs=64
+    )
     llm.generate([{"prompt_token_ids": [7, 8, 9]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     t0 = time.perf_counter()
@@ -70,16 +71,23 @@ def main() -> None:
             b = run(args.model, unshared, args.output_len, args.dtype, False)
         u_on = a if u_on is None or a["tokens_per_s"] > u_on["tokens_per_s"] else u_on
         u_off = b if u_off is None or b["tokens_per_s"] > u_off["tokens_per_s"] else u_off
-    print(json.dumps({
-        "benchmark": "prefix_cache", "dtype": args.dtype,
-        "shared_ttft_ms_on": round(on["ttft_ms"], 1), "shared_ttft_ms_off": round(off["ttft_ms"], 1),
-        "ttft_speedup": round(off["ttft_ms"] / on["ttft_ms"], 2),
-        "shared_tokens_per_s_on": round(on["tokens_per_s"], 1), "shared_tokens_per_s_off": round(off["tokens_per_s"], 1),
-        "shared_cached_tokens_on": on["cached_tokens"],
-        "unshared_tokens_per_s_on": round(u_on["tokens_per_s"], 1),
-        "unshared_tokens_per_s_off": round(u_off["tokens_per_s"], 1),
-        "unshared_cost_pct": round(100 * (1 - u_on["tokens_per_s"] / u_off["tokens_per_s"]), 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "prefix_cache",
+                "dtype": args.dtype,
+                "shared_ttft_ms_on": round(on["ttft_ms"], 1),
+                "shared_ttft_ms_off": round(off["ttft_ms"], 1),
+                "ttft_speedup": round(off["ttft_ms"] / on["ttft_ms"], 2),
+                "shared_tokens_per_s_on": round(on["tokens_per_s"], 1),
+                "shared_tokens_per_s_off": round(off["tokens_per_s"], 1),
+                "shared_cached_tokens_on": on["cached_tokens"],
+                "unshared_tokens_per_s_on": round(u_on["tokens_per_s"], 1),
+                "unshared_tokens_per_s_off": round(u_off["tokens_per_s"], 1),
+                "unshared_cost_pct": round(100 * (1 - u_on["tokens_per_s"] / u_off["tokens_per_s"]), 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

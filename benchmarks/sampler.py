@@ -1,6 +1,6 @@
 """Sampler cost per call: batch 64, vocab 32000, everything on vs greedy only. Prints one JSON line.
 
-    python benchmarks/sampler.py [--batch 64] [--vocab 32000] [--iters 50] [--threads 1]
+python benchmarks/sampler.py [--batch 64] [--vocab 32000] [--iters 50] [--threads 1]
 """
 
 from __future__ import annotations
@@ -55,23 +55,34 @@ def main() -> None:
     logits = torch.randn(args.batch, args.vocab, device=device) * 3
 
     full = SamplingParams(
-        temperature=0.8, top_k=50, top_p=0.9, min_p=0.05,
-        repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3,
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
     )
-    greedy_us = _time_us(*_state([SamplingParams(temperature=0.0)] * args.batch, args.vocab, device), logits, args.iters)
+    greedy_us = _time_us(
+        *_state([SamplingParams(temperature=0.0)] * args.batch, args.vocab, device), logits, args.iters
+    )
     full_us = _time_us(*_state([full] * args.batch, args.vocab, device), logits, args.iters)
     seeded = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i) for i in range(args.batch)]
     seeded_us = _time_us(*_state(seeded, args.vocab, device), logits, args.iters)
-    print(json.dumps({
-        "benchmark": "sampler",
-        "device": str(device),
-        "threads": args.threads,
-        "batch": args.batch,
-        "vocab": args.vocab,
-        "greedy_us_per_call": round(greedy_us, 1),
-        "all_features_us_per_call": round(full_us, 1),
-        "all_seeded_top_k_top_p_us_per_call": round(seeded_us, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "sampler",
+                "device": str(device),
+                "threads": args.threads,
+                "batch": args.batch,
+                "vocab": args.vocab,
+                "greedy_us_per_call": round(greedy_us, 1),
+                "all_features_us_per_call": round(full_us, 1),
+                "all_seeded_top_k_top_p_us_per_call": round(seeded_us, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -92,8 +92,12 @@ def main() -> None:
 
     path = get_checkpoint("qwen2", size="100m")
     llm = LLM(
-        model=path, dtype=args.dtype, multiprocess=False, max_num_seqs=args.batch,
-        max_model_len=args.prompt_len + args.new_tokens + 16, num_threads=args.threads,
+        model=path,
+        dtype=args.dtype,
+        multiprocess=False,
+        max_num_seqs=args.batch,
+        max_model_len=args.prompt_len + args.new_tokens + 16,
+        num_threads=args.threads,
     )
     core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
     runner = core.executor.worker.model_runner
@@ -106,8 +110,15 @@ def main() -> None:
     core.step = timers.wrap_step(core.step)
 
     params = SamplingParams(
-        temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.5,
-        frequency_penalty=0.3, max_tokens=args.new_tokens, ignore_eos=True, seed=None,
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        max_tokens=args.new_tokens,
+        ignore_eos=True,
+        seed=None,
     )
     vocab = len(llm.get_tokenizer())
     g = torch.Generator().manual_seed(0)
@@ -126,21 +137,25 @@ def main() -> None:
     t = timers.totals
     steps = max(timers.decode_steps, 1)
     sampling_all = t["sampler"] + t["make_metadata"] + t["append_token_ids"]
-    print(json.dumps({
-        "bench": "sampler_share",
-        "model": "qwen2-100m",
-        "dtype": args.dtype,
-        "batch": args.batch,
-        "threads": args.threads,
-        "decode_steps": timers.decode_steps,
-        "core_step_ms": round(1e3 * t["core_step"] / steps, 2),
-        "execute_model_ms": round(1e3 * t["execute_model"] / steps, 2),
-        "sampler_ms": round(1e3 * t["sampler"] / steps, 3),
-        "sampling_bookkeeping_ms": round(1e3 * (t["make_metadata"] + t["append_token_ids"]) / steps, 3),
-        "sampler_share_of_step": round(t["sampler"] / t["core_step"], 4) if t["core_step"] else None,
-        "sampling_share_of_step": round(sampling_all / t["core_step"], 4) if t["core_step"] else None,
-        "wall_s": round(wall, 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "sampler_share",
+                "model": "qwen2-100m",
+                "dtype": args.dtype,
+                "batch": args.batch,
+                "threads": args.threads,
+                "decode_steps": timers.decode_steps,
+                "core_step_ms": round(1e3 * t["core_step"] / steps, 2),
+                "execute_model_ms": round(1e3 * t["execute_model"] / steps, 2),
+                "sampler_ms": round(1e3 * t["sampler"] / steps, 3),
+                "sampling_bookkeeping_ms": round(1e3 * (t["make_metadata"] + t["append_token_ids"]) / steps, 3),
+                "sampler_share_of_step": round(t["sampler"] / t["core_step"], 4) if t["core_step"] else None,
+                "sampling_share_of_step": round(sampling_all / t["core_step"], 4) if t["core_step"] else None,
+                "wall_s": round(wall, 2),
+            }
+        )
+    )
     llm.shutdown()
 
 

@@ -82,8 +82,13 @@ async def run_benchmark(args: argparse.Namespace, base_url: str) -> dict:
         def body() -> dict:
             prompt = [rng.randrange(vocab_lo, vocab_hi) for _ in range(args.input_len)]
             return {
-                "model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": args.output_len,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
             }
 
         # Warm up (kernels, allocator) outside the measurement.
@@ -114,16 +119,23 @@ async def run_benchmark(args: argparse.Namespace, base_url: str) -> dict:
     e2es = [r.e2e for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
     return {
-        "num_prompts": args.num_prompts, "completed": len(ok), "errors": len(errors),
+        "num_prompts": args.num_prompts,
+        "completed": len(ok),
+        "errors": len(errors),
         "first_error": errors[0] if errors else None,
-        "input_len": args.input_len, "output_len": args.output_len,
-        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
         "duration_s": round(duration, 3),
         "request_throughput": round(len(ok) / duration, 3),
         "output_token_throughput": round(out_tokens / duration, 2),
-        "ttft_ms_median": ms(ttfts, 50), "ttft_ms_p99": ms(ttfts, 99),
-        "itl_ms_median": ms(itls, 50), "itl_ms_p99": ms(itls, 99),
-        "e2e_ms_median": ms(e2es, 50), "e2e_ms_p99": ms(e2es, 99),
+        "ttft_ms_median": ms(ttfts, 50),
+        "ttft_ms_p99": ms(ttfts, 99),
+        "itl_ms_median": ms(itls, 50),
+        "itl_ms_p99": ms(itls, 99),
+        "e2e_ms_median": ms(e2es, 50),
+        "e2e_ms_p99": ms(e2es, 99),
     }
 
 
@@ -131,9 +143,21 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "vllm_lite.entrypoints.openai.api_server", "--model", args.model,
-           "--port", str(port), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-           "--uvicorn-log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_lite.entrypoints.openai.api_server",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--uvicorn-log-level",
+        "warning",
+    ]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     proc = subprocess.Popen(cmd)

@@ -82,8 +82,21 @@ def vllm_cli(vllm_python: str) -> list[str]:
 
 
 def vllm_command(vllm_cli_cmd: list[str], model: str, dtype: str, max_model_len: int, http_port: int) -> list[str]:
-    return [*vllm_cli_cmd, "serve", model, "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--port", str(http_port), "--host", "127.0.0.1", "--seed", "0"]
+    return [
+        *vllm_cli_cmd,
+        "serve",
+        model,
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--port",
+        str(http_port),
+        "--host",
+        "127.0.0.1",
+        "--seed",
+        "0",
+    ]
 
 
 class Server:
@@ -123,17 +136,56 @@ class Server:
         self.log.close()
 
 
-def bench_serve(vllm_cli_cmd: list[str], env: dict, server: Server, tokenizer: str, rate: float, args: argparse.Namespace,
-                workdir: str) -> dict:
+def bench_serve(
+    vllm_cli_cmd: list[str],
+    env: dict,
+    server: Server,
+    tokenizer: str,
+    rate: float,
+    args: argparse.Namespace,
+    workdir: str,
+) -> dict:
     """One `vllm bench serve` run; its result JSON trimmed to what we report, or {'error': ...}."""
     name = f"bench-{server.port}-{rate}.json"
-    cmd = [*vllm_cli_cmd, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{server.port}",
-           "--endpoint", "/v1/completions", "--model", server.model_name, "--tokenizer", tokenizer,
-           "--dataset-name", "random", "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-           "--request-rate", str(rate), "--ignore-eos", "--seed", "0", "--num-warmups", "2",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
-           "--save-result", "--result-dir", workdir, "--result-filename", name]
+    cmd = [
+        *vllm_cli_cmd,
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        f"http://127.0.0.1:{server.port}",
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        server.model_name,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        str(rate),
+        "--ignore-eos",
+        "--seed",
+        "0",
+        "--num-warmups",
+        "2",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        ",".join(map(str, PERCENTILES)),
+        "--save-result",
+        "--result-dir",
+        workdir,
+        "--result-filename",
+        name,
+    ]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -143,19 +195,34 @@ def bench_serve(vllm_cli_cmd: list[str], env: dict, server: Server, tokenizer: s
         return {"error": f"vllm bench serve exit {done.returncode}", "log_tail": (done.stdout + done.stderr)[-2000:]}
     with open(path) as f:
         raw = json.load(f)
-    out: dict[str, Any] = {"completed": raw.get("completed"), "duration_s": round(raw.get("duration", 0.0), 1),
-                           "output_tok_per_s": round(raw.get("output_throughput", 0.0), 1),
-                           "request_per_s": round(raw.get("request_throughput", 0.0), 3)}
+    out: dict[str, Any] = {
+        "completed": raw.get("completed"),
+        "duration_s": round(raw.get("duration", 0.0), 1),
+        "output_tok_per_s": round(raw.get("output_throughput", 0.0), 1),
+        "request_per_s": round(raw.get("request_throughput", 0.0), 3),
+    }
     for metric in ("ttft", "tpot", "itl", "e2el"):
         for p in PERCENTILES:
-            key = f"p{p}_{metric}_ms" if f"p{p}_{metric}_ms" in raw else ("median_" if p == 50 else "p99_") + f"{metric}_ms"
+            key = (
+                f"p{p}_{metric}_ms"
+                if f"p{p}_{metric}_ms" in raw
+                else ("median_" if p == 50 else "p99_") + f"{metric}_ms"
+            )
             if key in raw:
                 out[f"{metric}_p{p}_ms"] = round(raw[key], 1)
     return out
 
 
-def run_engine(label: str, cmd: list[str], env: dict, vllm_cli_cmd: list[str], bench_env: dict, args: argparse.Namespace,
-               workdir: str, port: int) -> dict:
+def run_engine(
+    label: str,
+    cmd: list[str],
+    env: dict,
+    vllm_cli_cmd: list[str],
+    bench_env: dict,
+    args: argparse.Namespace,
+    workdir: str,
+    port: int,
+) -> dict:
     try:
         server = Server(cmd, env, os.path.join(workdir, f"{label}.log"), port, args.ready_timeout)
     except (RuntimeError, TimeoutError) as e:
@@ -163,7 +230,9 @@ def run_engine(label: str, cmd: list[str], env: dict, vllm_cli_cmd: list[str], b
     out: dict[str, Any] = {"ready_s": round(server.ready_s, 1), "rates": {}}
     try:
         for rate in args.rates:
-            out["rates"][_rate_key(rate)] = bench_serve(vllm_cli_cmd, bench_env, server, args.model, rate, args, workdir)
+            out["rates"][_rate_key(rate)] = bench_serve(
+                vllm_cli_cmd, bench_env, server, args.model, rate, args, workdir
+            )
     finally:
         server.stop()
     out["peak_rss_mb_tree"] = round(server.rss.peak_total_mb, 1)
@@ -192,8 +261,11 @@ def plot(result: dict, path: str) -> Optional[str]:
         import matplotlib.ticker
     except ImportError:
         return None
-    engines = [(k, lab, c) for k, lab, c in (("lite", "vllm-lite", "tab:blue"), ("vllm", "vLLM CPU", "tab:orange"))
-               if isinstance(result.get(k), dict) and result[k].get("rates")]
+    engines = [
+        (k, lab, c)
+        for k, lab, c in (("lite", "vllm-lite", "tab:blue"), ("vllm", "vLLM CPU", "tab:orange"))
+        if isinstance(result.get(k), dict) and result[k].get("rates")
+    ]
     rate_keys = [_rate_key(r) for r in result["rates"]]
     xs = list(range(len(rate_keys)))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
@@ -221,9 +293,11 @@ def plot(result: dict, path: str) -> Optional[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     host = result.get("host", {})
-    fig.suptitle(f"vllm bench serve, random {result['input_len']} in / {result['output_len']} out, "
-                 f"{result['num_prompts']} prompts, dtype={result['dtype']} -- {host.get('cpu_model', '?')} "
-                 f"({host.get('cpu_capability', '?')}, {host.get('cpu_count', '?')} cores)")
+    fig.suptitle(
+        f"vllm bench serve, random {result['input_len']} in / {result['output_len']} out, "
+        f"{result['num_prompts']} prompts, dtype={result['dtype']} -- {host.get('cpu_model', '?')} "
+        f"({host.get('cpu_capability', '?')}, {host.get('cpu_count', '?')} cores)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -253,23 +327,34 @@ def main() -> None:
     from vllm_lite.platform import describe_host
 
     result: dict[str, Any] = {
-        "benchmark": "serve_vs_vllm", "model": os.path.basename(args.model.rstrip("/")), "dtype": args.dtype,
-        "client": "vllm bench serve (random dataset)", "num_prompts": args.num_prompts,
-        "input_len": args.input_len, "output_len": args.output_len, "rates": args.rates, "host": describe_host(),
+        "benchmark": "serve_vs_vllm",
+        "model": os.path.basename(args.model.rstrip("/")),
+        "dtype": args.dtype,
+        "client": "vllm bench serve (random dataset)",
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "rates": args.rates,
+        "host": describe_host(),
     }
     if not os.path.exists(args.vllm_python):
         result["error"] = f"vLLM CPU venv absent (no {args.vllm_python}): its bench client drives both engines"
         print(json.dumps(result))
         return
     # vLLM's processes must not see this repo's import path or our thread settings.
-    vllm_env = child_env({"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu"}, drop=("PYTHONPATH", "OMP_NUM_THREADS"))
+    vllm_env = child_env(
+        {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu"}, drop=("PYTHONPATH", "OMP_NUM_THREADS")
+    )
     workdir = tempfile.mkdtemp(prefix="serve_vs_vllm-")
     engines = [e for e in args.engines.split(",") if e]
     vllm_cli_cmd = vllm_cli(args.vllm_python)
     for e in engines:
         port = free_port()
         if e == "lite":
-            cmd, env = lite_command(args.model, args.dtype, args.max_model_len, port), child_env(drop=("OMP_NUM_THREADS",))
+            cmd, env = (
+                lite_command(args.model, args.dtype, args.max_model_len, port),
+                child_env(drop=("OMP_NUM_THREADS",)),
+            )
         else:
             cmd, env = vllm_command(vllm_cli_cmd, args.model, args.dtype, args.max_model_len, port), vllm_env
         result[e] = run_engine(e, cmd, env, vllm_cli_cmd, vllm_env, args, workdir, port)

@@ -50,8 +50,9 @@ def run_ours(
     from vllm_lite import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype=dtype, multiprocess=multiprocess, max_model_len=512, max_num_seqs=64,
-              num_threads=num_threads)
+    llm = LLM(
+        model=model, dtype=dtype, multiprocess=multiprocess, max_model_len=512, max_num_seqs=64, num_threads=num_threads
+    )
     ready = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -75,8 +76,12 @@ def run_hf(model: str, prompts: list[list[int]], out_len: int, dtype: torch.dtyp
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         out = hf.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, pad_token_id=pad,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
         )
         return (out.shape[1] - width) * len(chunk)
 
@@ -90,8 +95,12 @@ def run_hf(model: str, prompts: list[list[int]], out_len: int, dtype: torch.dtyp
                 n_out += generate(prompts[i : i + batch], out_len)
             per_batch[batch] = n_out / (time.perf_counter() - t0)
     best = max(per_batch, key=per_batch.__getitem__)
-    return {"tokens_per_s": per_batch[best], "best_batch": best, "threads": torch.get_num_threads(),
-            "tokens_per_s_by_batch": {str(b): round(v, 1) for b, v in per_batch.items()}}
+    return {
+        "tokens_per_s": per_batch[best],
+        "best_batch": best,
+        "threads": torch.get_num_threads(),
+        "tokens_per_s_by_batch": {str(b): round(v, 1) for b, v in per_batch.items()},
+    }
 
 
 def hf_worker(spec: str) -> None:
@@ -109,8 +118,14 @@ def hf_baseline(args: argparse.Namespace, vocab: int, core_threads: int) -> tupl
     from vllm_lite.testing.baselines import RunConfig, run_json_subprocess
 
     batches = [int(b) for b in args.hf_batch.split(",") if b.strip()]
-    spec = dict(model=args.model, num_prompts=args.num_prompts, vocab=vocab,
-                output_len=args.output_len, dtype=args.dtype, batches=batches)
+    spec = dict(
+        model=args.model,
+        num_prompts=args.num_prompts,
+        vocab=vocab,
+        output_len=args.output_len,
+        dtype=args.dtype,
+        batches=batches,
+    )
     hf = run_json_subprocess([os.path.abspath(__file__), "--hf-worker", json.dumps(spec)])
     hf_cfg = RunConfig("hf_generate", args.dtype, warmup=True, threads=hf["threads"], batch=batches)
     if hf["threads"] != core_threads:
@@ -150,11 +165,16 @@ def main() -> None:
     ours = run_ours(args.model, prompts, args.output_len, args.dtype, not args.inprocess, args.num_threads)
     core_threads = engine_core_threads(args.num_threads)
     engine_cfg = RunConfig("vllm_lite", args.dtype, warmup=True, threads=core_threads, batch=64)
-    result: dict = {"benchmark": "throughput", "host": host,
-                    "model": os.path.basename(args.model.rstrip("/")), "dtype": args.dtype,
-                    "num_prompts": args.num_prompts, "output_len": args.output_len,
-                    "vllm_lite_tokens_per_s": round(ours["tokens_per_s"], 1),
-                    "vllm_lite_startup_s": round(ours["startup_s"], 2)}
+    result: dict = {
+        "benchmark": "throughput",
+        "host": host,
+        "model": os.path.basename(args.model.rstrip("/")),
+        "dtype": args.dtype,
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        "vllm_lite_tokens_per_s": round(ours["tokens_per_s"], 1),
+        "vllm_lite_startup_s": round(ours["startup_s"], 2),
+    }
     baselines = []
     if not args.skip_hf:
         hf, hf_cfg = hf_baseline(args, cfg["vocab_size"], core_threads)

@@ -25,8 +25,14 @@ def _core(path: str, tp: int):
     from vllm_lite.config import EngineArgs
     from vllm_lite.core.engine_core import EngineCore
 
-    args = EngineArgs(model=path, dtype="float32", tensor_parallel_size=tp, max_model_len=512,
-                      kv_cache_memory_bytes=1 << 25, max_num_seqs=64)
+    args = EngineArgs(
+        model=path,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        max_model_len=512,
+        kv_cache_memory_bytes=1 << 25,
+        max_num_seqs=64,
+    )
     return EngineCore(args.create_engine_config())
 
 
@@ -69,8 +75,15 @@ def main() -> None:
     from vllm_lite.testing.checkpoints import get_checkpoint
 
     path = get_checkpoint(args.arch)
-    result: dict[str, object] = {"bench": "tp_overhead", "arch": args.arch, "size": "tiny", "batch": args.batch,
-                                 "steps": args.steps, "backend": "gloo", "cpus": len(os.sched_getaffinity(0))}
+    result: dict[str, object] = {
+        "bench": "tp_overhead",
+        "arch": args.arch,
+        "size": "tiny",
+        "batch": args.batch,
+        "steps": args.steps,
+        "backend": "gloo",
+        "cpus": len(os.sched_getaffinity(0)),
+    }
     core = _core(path, 1)
     result["step_us_tp1"] = round(_decode_step_us(core, args.batch, args.steps), 1)
     core.shutdown()

@@ -72,8 +72,12 @@ def _child_lite(spec: dict) -> dict:
 
     prompts = spec["prompts"]
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-              max_num_seqs=max(64, len(prompts)))
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        max_num_seqs=max(64, len(prompts)),
+    )
     ready = time.perf_counter() - t0
     computed = _lite_compute_dtype(spec)
     llm.generate([{"prompt_token_ids": [11, 12, 13]}], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -103,8 +107,13 @@ def _child_vllm(spec: dict) -> dict:
 
     prompts = spec["prompts"]
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
-              max_num_seqs=max(64, len(prompts)))
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        seed=0,
+        max_num_seqs=max(64, len(prompts)),
+    )
     ready = time.perf_counter() - t0
     computed = "unknown"
     try:
@@ -119,8 +128,13 @@ def _child_vllm(spec: dict) -> dict:
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     import vllm
 
-    return {"output_tokens": n_out, "elapsed_s": dt, "ready_s": ready, "compute_dtype": computed,
-            "version": vllm.__version__}
+    return {
+        "output_tokens": n_out,
+        "elapsed_s": dt,
+        "ready_s": ready,
+        "compute_dtype": computed,
+        "version": vllm.__version__,
+    }
 
 
 def _child_hf(spec: dict) -> dict:
@@ -138,8 +152,14 @@ def _child_hf(spec: dict) -> dict:
         width = max(len(p) for p in chunk)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, pad_token_id=pad)
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad,
+        )
         return (out.shape[1] - width) * len(chunk)
 
     with torch.inference_mode():
@@ -149,8 +169,14 @@ def _child_hf(spec: dict) -> dict:
         for i in range(0, len(prompts), batch):
             n_out += run(prompts[i : i + batch], out_len)
         dt = time.perf_counter() - t0
-    return {"output_tokens": n_out, "elapsed_s": dt, "ready_s": ready, "threads": torch.get_num_threads(),
-            "batch": batch, "compute_dtype": str(next(hf.parameters()).dtype).replace("torch.", "")}
+    return {
+        "output_tokens": n_out,
+        "elapsed_s": dt,
+        "ready_s": ready,
+        "threads": torch.get_num_threads(),
+        "batch": batch,
+        "compute_dtype": str(next(hf.parameters()).dtype).replace("torch.", ""),
+    }
 
 
 def _child_limit(spec: dict) -> dict:
@@ -250,8 +276,9 @@ def run_child(role: str, python: str, spec: dict, env: dict, timeout_s: float) -
         spec_path = f.name
     cmd = [python, os.path.abspath(__file__), "--role", role, "--spec", spec_path]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     rss = TreeRss(proc.pid)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
@@ -267,7 +294,7 @@ def run_child(role: str, python: str, spec: dict, env: dict, timeout_s: float) -
     rss.stop()
     os.unlink(spec_path)
     wall = time.perf_counter() - t0
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in lines if line.startswith(RESULT_PREFIX)]
+    results = [json.loads(line[len(RESULT_PREFIX) :]) for line in lines if line.startswith(RESULT_PREFIX)]
     if results:
         out = results[-1]
     else:
@@ -340,9 +367,17 @@ def main() -> None:
         cfg = json.load(f)
     prompts = make_prompts(args.num_prompts, args.min_input_len, args.max_input_len, cfg["vocab_size"], seed=0)
     threads = core_threads()
-    spec = {"model": args.model, "dtype": args.dtype, "prompts": prompts, "output_len": args.output_len,
-            "max_model_len": 512, "hf_batch": args.hf_batch or len(prompts), "core_threads": threads,
-            "hidden_size": cfg["hidden_size"], "intermediate_size": cfg["intermediate_size"]}
+    spec = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "prompts": prompts,
+        "output_len": args.output_len,
+        "max_model_len": 512,
+        "hf_batch": args.hf_batch or len(prompts),
+        "core_threads": threads,
+        "hidden_size": cfg["hidden_size"],
+        "intermediate_size": cfg["intermediate_size"],
+    }
     engines = [e for e in args.engines.split(",") if e]
     have_vllm = os.path.exists(args.vllm_python)
     # vLLM's interpreter must not see this repo's import path or our thread settings.
@@ -363,12 +398,19 @@ def main() -> None:
     n_params = matmul_params(cfg)
     flops = 2 * n_params
     result: dict[str, Any] = {
-        "benchmark": "vs_vllm", "model": os.path.basename(args.model.rstrip("/")),
-        "model_matmul_params_m": round(n_params / 1e6, 1), "dtype": args.dtype,
-        "num_prompts": len(prompts), "input_len_range": [args.min_input_len, args.max_input_len],
-        "prompt_tokens": sum(len(p) for p in prompts), "output_len": args.output_len, "repeats": args.repeats,
-        "host": host, "load_avg_at_end": os.getloadavg(),
-        "engine_core_threads": threads, "matmul_tflops": limit,
+        "benchmark": "vs_vllm",
+        "model": os.path.basename(args.model.rstrip("/")),
+        "model_matmul_params_m": round(n_params / 1e6, 1),
+        "dtype": args.dtype,
+        "num_prompts": len(prompts),
+        "input_len_range": [args.min_input_len, args.max_input_len],
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "host": host,
+        "load_avg_at_end": os.getloadavg(),
+        "engine_core_threads": threads,
+        "matmul_tflops": limit,
     }
     for e in engines:
         if e == "vllm" and not have_vllm:

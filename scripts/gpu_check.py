@@ -42,8 +42,12 @@ def _env() -> dict[str, str]:
 def _versions() -> dict[str, Any]:
     import torch
 
-    info: dict[str, Any] = {"python": pyplatform.python_version(), "torch": torch.__version__,
-                            "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    info: dict[str, Any] = {
+        "python": pyplatform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     for name in ("triton", "transformers", "numpy"):
@@ -83,12 +87,17 @@ def _pytest(args: list[str], junit: str, log: str, timeout_s: float) -> dict[str
     t0 = time.monotonic()
     with open(log, "w") as out:
         try:
-            rc = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
-                                timeout=timeout_s).returncode
+            rc = subprocess.run(
+                cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = None
-    res: dict[str, Any] = {"command": " ".join(cmd[1:]), "exit_code": rc, "seconds": round(time.monotonic() - t0, 1),
-                           "log": log}
+    res: dict[str, Any] = {
+        "command": " ".join(cmd[1:]),
+        "exit_code": rc,
+        "seconds": round(time.monotonic() - t0, 1),
+        "log": log,
+    }
     if os.path.exists(junit):
         res.update(_junit_summary(junit))
     ok = rc == 0 and res.get("failed", 1) == 0 and res.get("errors", 1) == 0
@@ -98,8 +107,12 @@ def _pytest(args: list[str], junit: str, log: str, timeout_s: float) -> dict[str
 
 def part_triton(args: argparse.Namespace) -> dict[str, Any]:
     """tests/test_triton_kernels.py: the full matrix compiled on CUDA, plus the interpreter subprocess."""
-    res = _pytest(["tests/test_triton_kernels.py"], os.path.join(args.out, "triton.xml"),
-                  os.path.join(args.out, "triton.log"), args.part_timeout)
+    res = _pytest(
+        ["tests/test_triton_kernels.py"],
+        os.path.join(args.out, "triton.xml"),
+        os.path.join(args.out, "triton.log"),
+        args.part_timeout,
+    )
     native = [s for s in res.get("skips", []) if "compiled_kernel_on_cuda" in s["test"]]
     if args.device == "cuda" and native:
         res["status"] = "fail"
@@ -110,8 +123,12 @@ def part_triton(args: argparse.Namespace) -> dict[str, Any]:
 def part_suite(args: argparse.Namespace) -> dict[str, Any]:
     """The whole test suite; skips are listed with their reasons (only multi-GPU ones are expected on 1 GPU)."""
     extra = ["-n", str(args.suite_workers)] if args.suite_workers else []
-    res = _pytest(["tests", *extra, *args.suite_args], os.path.join(args.out, "suite.xml"),
-                  os.path.join(args.out, "suite.log"), args.suite_timeout)
+    res = _pytest(
+        ["tests", *extra, *args.suite_args],
+        os.path.join(args.out, "suite.xml"),
+        os.path.join(args.out, "suite.log"),
+        args.suite_timeout,
+    )
     res["skip_reasons"] = sorted({s["reason"] for s in res.get("skips", [])})
     return res
 
@@ -124,8 +141,9 @@ def part_bench(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     log = os.path.join(args.out, "bench.log")
     try:
-        proc = subprocess.run([sys.executable, script], cwd=REPO, env=_env(), capture_output=True, text=True,
-                              timeout=args.part_timeout)
+        proc = subprocess.run(
+            [sys.executable, script], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=args.part_timeout
+        )
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "seconds": round(time.monotonic() - t0, 1)}
     with open(log, "w") as f:
@@ -139,8 +157,13 @@ def part_bench(args: argparse.Namespace) -> dict[str, Any]:
             except ValueError:
                 pass
     ok = proc.returncode == 0 and figures is not None
-    return {"status": "pass" if ok else "fail", "exit_code": proc.returncode, "figures": figures,
-            "seconds": round(time.monotonic() - t0, 1), "log": log}
+    return {
+        "status": "pass" if ok else "fail",
+        "exit_code": proc.returncode,
+        "figures": figures,
+        "seconds": round(time.monotonic() - t0, 1),
+        "log": log,
+    }
 
 
 # ------------------------------------------------------------------------------------- Hugging Face match
@@ -238,7 +261,10 @@ def part_hf(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ main
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "triton": part_triton, "hf": part_hf, "suite": part_suite, "bench": part_bench,
+    "triton": part_triton,
+    "hf": part_hf,
+    "suite": part_suite,
+    "bench": part_bench,
 }
 
 
@@ -273,8 +299,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("--device cuda but torch sees no CUDA device")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, args.summary)
-    summary: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": args.device,
-                               "versions": _versions(), "parts": {}}
+    summary: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": args.device,
+        "versions": _versions(),
+        "parts": {},
+    }
     for name in parts:
         print(f"== {name}", flush=True)
         t0 = time.monotonic()

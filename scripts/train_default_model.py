@@ -53,11 +53,38 @@ CHAT_TEMPLATE = (
 
 # Modules whose import has side effects (GUI, browser, printing, huge test trees) or that hang.
 SKIP_MODULES = {
-    "antigravity", "this", "idlelib", "tkinter", "_tkinter", "turtle", "turtledemo",
-    "__hello__", "__phello__", "test", "lib2to3", "ensurepip", "pydoc_data", "webbrowser",
-    "__main__", "_testcapi", "_testinternalcapi", "_testbuffer", "_testmultiphase",
-    "_testimportmultiple", "_testsinglephase", "_xxtestfuzz", "_testclinic", "_ctypes_test",
-    "msvcrt", "winreg", "winsound", "_winapi", "_msi", "msilib", "_overlapped", "nt",
+    "antigravity",
+    "this",
+    "idlelib",
+    "tkinter",
+    "_tkinter",
+    "turtle",
+    "turtledemo",
+    "__hello__",
+    "__phello__",
+    "test",
+    "lib2to3",
+    "ensurepip",
+    "pydoc_data",
+    "webbrowser",
+    "__main__",
+    "_testcapi",
+    "_testinternalcapi",
+    "_testbuffer",
+    "_testmultiphase",
+    "_testimportmultiple",
+    "_testsinglephase",
+    "_xxtestfuzz",
+    "_testclinic",
+    "_ctypes_test",
+    "msvcrt",
+    "winreg",
+    "winsound",
+    "_winapi",
+    "_msi",
+    "msilib",
+    "_overlapped",
+    "nt",
 }
 
 
@@ -139,8 +166,9 @@ def _docstring_docs(mod: object) -> Iterator[Doc]:
                 member = vars(obj)[mname]
                 mdoc = getattr(member, "__doc__", None)
                 if isinstance(mdoc, str) and mdoc and (inspect.isroutine(member) or isinstance(member, property)):
-                    yield Doc(f"{qual}.{mname}{_signature(member)}", inspect.cleandoc(mdoc),
-                              f"What does {qual}.{mname} do?")
+                    yield Doc(
+                        f"{qual}.{mname}{_signature(member)}", inspect.cleandoc(mdoc), f"What does {qual}.{mname} do?"
+                    )
 
 
 def collect_corpus(min_chars: int = 40) -> list[Doc]:
@@ -183,7 +211,11 @@ def collect_corpus_isolated() -> list[Doc]:
     env = {"PYTHONHASHSEED": "0", "PATH": os.environ.get("PATH", ""), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, "-I", "-W", "ignore", "-c", code, os.path.dirname(os.path.abspath(__file__))],
-        capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"corpus collection failed:\n{proc.stderr[-2000:]}")
@@ -320,9 +352,15 @@ def sample_texts(model, hf_tok, prompts: list[str], max_new: int = 40, repetitio
     with torch.no_grad():
         for p in prompts:
             ids = hf_tok(p, return_tensors="pt").input_ids
-            gen = model.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=hf_tok.pad_token_id,
-                                 eos_token_id=hf_tok.eos_token_id, repetition_penalty=repetition_penalty)
-            outs.append(hf_tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
+            gen = model.generate(
+                ids,
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=hf_tok.pad_token_id,
+                eos_token_id=hf_tok.eos_token_id,
+                repetition_penalty=repetition_penalty,
+            )
+            outs.append(hf_tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True))
     model.train()
     return outs
 
@@ -366,7 +404,9 @@ def main(argv: list[str] | None = None) -> None:
     autocast = not args.no_autocast
     rng = random.Random(args.seed)
     if args.steps is None and args.warmup < 10:
-        raise ValueError(f"--warmup must be at least 10 with --minutes (the timing probe runs inside it), got {args.warmup}")
+        raise ValueError(
+            f"--warmup must be at least 10 with --minutes (the timing probe runs inside it), got {args.warmup}"
+        )
 
     t0 = time.time()
     docs = collect_corpus_isolated()
@@ -399,7 +439,9 @@ def main(argv: list[str] | None = None) -> None:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -442,8 +484,10 @@ def main(argv: list[str] | None = None) -> None:
         step += 1
         if step % 50 == 0 or step == total_steps:
             el = time.time() - t_train
-            log(f"step {step}/{total_steps} loss {loss:.3f} (ema {ema:.3f}) lr {opt.param_groups[0]['lr']:.2e} "
-                f"{step * args.batch_size * args.seq_len / el:.0f} tok/s, {el / 60:.1f} min")
+            log(
+                f"step {step}/{total_steps} loss {loss:.3f} (ema {ema:.3f}) lr {opt.param_groups[0]['lr']:.2e} "
+                f"{step * args.batch_size * args.seq_len / el:.0f} tok/s, {el / 60:.1f} min"
+            )
     train_minutes = (time.time() - t_train) / 60
 
     # Evaluate what ships: weights rounded to bfloat16.
@@ -457,11 +501,26 @@ def main(argv: list[str] | None = None) -> None:
     for p, s, r in zip(prompts, samples, samples_rp):
         log(f"sample: {p!r} -> {s!r} | with repetition penalty 1.15: {r!r}")
 
-    save(model, hf_tok, args, dict(
-        n_params=n_params, untrained_loss=untrained_loss, trained_loss=trained_loss, steps=total_steps,
-        train_minutes=train_minutes, n_docs=len(docs), n_train_windows=len(train_w), n_held_windows=len(held_w),
-        samples=list(zip(prompts, samples)), samples_rp=list(zip(prompts, samples_rp)), vocab_size=tok.get_vocab_size(),
-    ), eot, hf_tok.convert_tokens_to_ids(IM_END))
+    save(
+        model,
+        hf_tok,
+        args,
+        dict(
+            n_params=n_params,
+            untrained_loss=untrained_loss,
+            trained_loss=trained_loss,
+            steps=total_steps,
+            train_minutes=train_minutes,
+            n_docs=len(docs),
+            n_train_windows=len(train_w),
+            n_held_windows=len(held_w),
+            samples=list(zip(prompts, samples)),
+            samples_rp=list(zip(prompts, samples_rp)),
+            vocab_size=tok.get_vocab_size(),
+        ),
+        eot,
+        hf_tok.convert_tokens_to_ids(IM_END),
+    )
     log(f"saved to {args.out}")
 
 
@@ -500,17 +559,23 @@ def make_portable(out: str) -> None:
     with open(cfg_path) as f:
         cfg = json.load(f)
     rope = cfg.get("rope_parameters") or {}
-    _update_json(cfg_path, {
-        "dtype": "bfloat16",
-        "torch_dtype": "bfloat16",
-        "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-    })
-    _update_json(os.path.join(out, "tokenizer_config.json"), {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
-        "additional_special_tokens": [IM_START, IM_END],
-        "extra_special_tokens": [IM_START, IM_END],
-    })
+    _update_json(
+        cfg_path,
+        {
+            "dtype": "bfloat16",
+            "torch_dtype": "bfloat16",
+            "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        },
+    )
+    _update_json(
+        os.path.join(out, "tokenizer_config.json"),
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "chat_template": CHAT_TEMPLATE,
+            "additional_special_tokens": [IM_START, IM_END],
+            "extra_special_tokens": [IM_START, IM_END],
+        },
+    )
 
 
 def write_generation_config(out: str, eot: int, im_end: int) -> None:
@@ -547,7 +612,7 @@ on a fresh install with no download (`vllm_lite.default_model.default_model_path
 gives its directory; it is used whenever no model is named). It was trained by
 `scripts/train_default_model.py` on text that ships with CPython: the
 `pydoc_data.topics` help pages and the docstrings of the standard library
-(modules, classes, functions, methods), {s['n_docs']} documents after removing
+(modules, classes, functions, methods), {s["n_docs"]} documents after removing
 exact duplicates; about {100 - args.heldout_fraction * 100:.0f}% for training
 and {args.heldout_fraction * 100:.0f}% held out by document. A seeded
 {args.chat_fraction:.0%} of docstring documents were rendered in the chat
@@ -556,14 +621,14 @@ template (`<|im_start|>user ... <|im_end|>`), so `vllm-lite chat` answers in kin
 | | |
 |---|---|
 | architecture | LlamaForCausalLM, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads, MLP {args.intermediate}, tied embeddings |
-| parameters | {s['n_params']:,} |
-| tokenizer | byte-level BPE, {s['vocab_size']} tokens, `<|endoftext|>` is BOS/EOS/pad, `<|im_end|>` also ends a chat turn |
+| parameters | {s["n_params"]:,} |
+| tokenizer | byte-level BPE, {s["vocab_size"]} tokens, `<|endoftext|>` is BOS/EOS/pad, `<|im_end|>` also ends a chat turn |
 | context | trained on {args.seq_len}-token windows; max_position_embeddings {args.max_positions} |
 | weights | bfloat16 safetensors |
-| training | {s['steps']} AdamW steps, batch {args.batch_size}×{args.seq_len} tokens, lr {args.lr} (warmup {args.warmup}, cosine to 10%), bf16 autocast, {args.threads} CPU threads, {s['train_minutes']:.1f} min |
-| **held-out loss, trained** | **{s['trained_loss']:.3f} nats/token** (with the shipped bf16 weights) |
-| held-out loss, untrained | {s['untrained_loss']:.3f} nats/token (same architecture, random init, seed {args.seed}; ln {s['vocab_size']} = {math.log(s['vocab_size']):.3f}) |
-| held-out windows | {s['n_held_windows']} × {args.seq_len} tokens |
+| training | {s["steps"]} AdamW steps, batch {args.batch_size}×{args.seq_len} tokens, lr {args.lr} (warmup {args.warmup}, cosine to 10%), bf16 autocast, {args.threads} CPU threads, {s["train_minutes"]:.1f} min |
+| **held-out loss, trained** | **{s["trained_loss"]:.3f} nats/token** (with the shipped bf16 weights) |
+| held-out loss, untrained | {s["untrained_loss"]:.3f} nats/token (same architecture, random init, seed {args.seed}; ln {s["vocab_size"]} = {math.log(s["vocab_size"]):.3f}) |
+| held-out windows | {s["n_held_windows"]} × {args.seq_len} tokens |
 
 Greedy samples from the trained model (Hugging Face `generate`, 40 new tokens):
 

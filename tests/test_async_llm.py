@@ -45,7 +45,9 @@ PROMPTS = [
 
 
 def engine_args(model: str) -> EngineArgs:
-    return EngineArgs(model=model, dtype="float32", max_model_len=256, num_threads=1, kv_cache_memory_bytes=32 << 20, max_num_seqs=256)
+    return EngineArgs(
+        model=model, dtype="float32", max_model_len=256, num_threads=1, kv_cache_memory_bytes=32 << 20, max_num_seqs=256
+    )
 
 
 def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY, **kw) -> SamplingParams:
@@ -149,6 +151,7 @@ def test_cancel_50_of_200_streams_frees_every_block_and_the_rest_finish(llm, loo
             assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
             assert [t for o in outs for t in o.outputs[0].token_ids] == reference[PROMPTS[i % len(PROMPTS)]]
         assert sum(tasks[i].cancelled() for i in cancel_ids) >= 40  # most were really cut short
+
         # Aborts are sent asynchronously; the core frees the blocks within a step or two.
         async def all_blocks_back() -> bool:
             stats = await llm.get_stats()
@@ -169,6 +172,7 @@ def test_stop_string_ends_the_request_and_aborts_it_in_the_core(llm, loop, refer
         out = (await collect(llm, PROMPTS[1], greedy(12, stop=[stop]), "stopped"))[-1].outputs[0]
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert full.startswith(out.text) and len(out.text) < len(full)
+
         async def nothing_running() -> bool:
             return (await llm.get_stats())["num_running_reqs"] == 0
 
@@ -180,7 +184,9 @@ def test_stop_string_ends_the_request_and_aborts_it_in_the_core(llm, loop, refer
 def test_duplicate_request_id_is_a_clear_error_and_the_first_is_undisturbed(llm, loop, reference):
     async def run() -> None:
         first = asyncio.ensure_future(collect(llm, PROMPTS[2], greedy(12, RequestOutputKind.DELTA), "same"))
-        await async_wait_until(lambda: "same" in llm.output_processor.request_states, 60, "the first request registered")
+        await async_wait_until(
+            lambda: "same" in llm.output_processor.request_states, 60, "the first request registered"
+        )
         with pytest.raises(ValueError, match="'same' is already in use"):
             await collect(llm, PROMPTS[3], greedy(4), "same")
         outs = await first
@@ -234,7 +240,9 @@ def test_garbage_and_wrong_type_frames_are_dropped_and_the_core_still_serves(llm
             s.setsockopt(zmq.IDENTITY, ident)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(a)
-        inp.send_multipart([EngineCoreRequestType.HELLO.value, *enc.encode(HelloRequest(PROTOCOL_VERSION, client._auth_token, "raw"))])
+        inp.send_multipart(
+            [EngineCoreRequestType.HELLO.value, *enc.encode(HelloRequest(PROTOCOL_VERSION, client._auth_token, "raw"))]
+        )
         assert out.poll(10_000) and out.recv_multipart()[0] == EngineCoreOutputType.READY.value
         inp.send_multipart([EngineCoreRequestType.ADD.value, *enc.encode(UtilityRequest(0, 1, "ping"))])
         inp.send_multipart([EngineCoreRequestType.HELLO.value, *enc.encode([1, 2, 3])])
@@ -248,7 +256,9 @@ def test_garbage_and_wrong_type_frames_are_dropped_and_the_core_still_serves(llm
             s.setsockopt(zmq.IDENTITY, bad_id)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(a)
-        bad.send_multipart([EngineCoreRequestType.HELLO.value, *enc.encode(HelloRequest(PROTOCOL_VERSION, "guess", "bad"))])
+        bad.send_multipart(
+            [EngineCoreRequestType.HELLO.value, *enc.encode(HelloRequest(PROTOCOL_VERSION, "guess", "bad"))]
+        )
         assert bad_out.poll(10_000) and bad_out.recv_multipart()[0] == EngineCoreOutputType.REFUSED.value
 
         async def run() -> None:

@@ -14,8 +14,14 @@ from vllm_lite.config import EngineArgs, ModelConfig, VllmConfig
 def test_accessors_are_awaited_and_state_follows_shutdown(tiny_checkpoint):
     async def main() -> None:
         llm = AsyncLLM.from_engine_args(
-            EngineArgs(model=tiny_checkpoint, dtype="float32", max_model_len=128, device="cpu",
-                       kv_cache_memory_bytes=4 << 20, num_threads=1)
+            EngineArgs(
+                model=tiny_checkpoint,
+                dtype="float32",
+                max_model_len=128,
+                device="cpu",
+                kv_cache_memory_bytes=4 << 20,
+                num_threads=1,
+            )
         )
         try:
             tok = await llm.get_tokenizer()

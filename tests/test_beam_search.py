@@ -83,23 +83,31 @@ def eos_prone_path(tmp_path_factory, llama_path) -> str:
     return path
 
 
-def _hf_beams(model, tokenizer, prompt: str, width: int, new_tokens: int, length_penalty: float,
-              early_stopping, ignore_eos: bool) -> tuple[list[list[int]], list[float]]:
+def _hf_beams(
+    model, tokenizer, prompt: str, width: int, new_tokens: int, length_penalty: float, early_stopping, ignore_eos: bool
+) -> tuple[list[list[int]], list[float]]:
     """HF's returned beams (generated tokens up to and including EOS) and their sequence scores."""
     from transformers import GenerationConfig
 
     ids = tokenizer(prompt)["input_ids"]
     cfg = GenerationConfig(
-        num_beams=width, num_return_sequences=width, do_sample=False, max_new_tokens=new_tokens,
-        length_penalty=length_penalty, early_stopping=early_stopping,
-        eos_token_id=None if ignore_eos else EOS_ID, pad_token_id=PAD_ID, bos_token_id=1,
+        num_beams=width,
+        num_return_sequences=width,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        eos_token_id=None if ignore_eos else EOS_ID,
+        pad_token_id=PAD_ID,
+        bos_token_id=1,
     )
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), generation_config=cfg, output_scores=True,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            torch.tensor([ids]), generation_config=cfg, output_scores=True, return_dict_in_generate=True
+        )
     beams = []
     for row in out.sequences.tolist():
-        gen = row[len(ids):]
+        gen = row[len(ids) :]
         if not ignore_eos and EOS_ID in gen:
             gen = gen[: gen.index(EOS_ID) + 1]
         beams.append(gen)
@@ -142,8 +150,13 @@ def test_beam_search_ignore_eos_matches_hf_tokens_order_and_scores(llama_path: s
 @pytest.mark.parametrize(
     "length_penalty,early_stopping,width,new_tokens",
     [
-        (1.0, False, 3, 12), (2.0, False, 2, 12), (1.0, True, 3, 8), (2.0, "never", 4, 10),
-        (0.0, False, 3, 8), (-1.0, True, 3, 8), (0.5, "never", 4, 10),
+        (1.0, False, 3, 12),
+        (2.0, False, 2, 12),
+        (1.0, True, 3, 8),
+        (2.0, "never", 4, 10),
+        (0.0, False, 3, 8),
+        (-1.0, True, 3, 8),
+        (0.5, "never", 4, 10),
     ],
 )
 def test_beam_search_with_eos_matches_hf_for_length_penalty_and_early_stopping(
@@ -214,7 +227,13 @@ def test_beam_search_shares_prompt_blocks_between_beams_through_the_prefix_cache
 
     from vllm_lite.client.beam_search import beam_search
 
-    beam_search(recording_generate, tok, [{"prompt_token_ids": prompt_ids}], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True), EOS_ID)
+    beam_search(
+        recording_generate,
+        tok,
+        [{"prompt_token_ids": prompt_ids}],
+        BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True),
+        EOS_ID,
+    )
     full_blocks = (len(prompt_ids) // 16) * 16
     assert len(cached) == 4
     for step in cached[1:]:
@@ -239,8 +258,14 @@ def test_beam_search_early_stopping_true_stops_once_width_hypotheses_finish() ->
         # EOS best, then tokens 10, 11, ... with falling logprobs.
         dist = {EOS_ID: -0.1, 10: -2.0, 11: -3.0, 12: -4.0, 13: -5.0}
         return [
-            RequestOutput(str(i), None, p["prompt_token_ids"] if isinstance(p, dict) else [5, 6], None,
-                          _fake_output(str(i), dist).outputs, True)
+            RequestOutput(
+                str(i),
+                None,
+                p["prompt_token_ids"] if isinstance(p, dict) else [5, 6],
+                None,
+                _fake_output(str(i), dist).outputs,
+                True,
+            )
             for i, p in enumerate(prompts)
         ]
 

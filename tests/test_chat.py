@@ -55,7 +55,10 @@ def test_chat_batch_of_conversations_keeps_order_and_matches_single_calls(llm) -
 def test_chat_takes_one_sampling_params_per_conversation(llm) -> None:
     outs = llm.chat(
         [CONV_A, CONV_B],
-        [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)],
+        [
+            SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+        ],
         use_tqdm=False,
     )
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
@@ -72,7 +75,9 @@ def test_chat_uses_a_given_template_text_or_file_and_template_kwargs(llm, tmp_pa
     assert out.prompt == "[user|hi] What does the for statement do?\n"
     path = tmp_path / "t.jinja"
     path.write_text(template)
-    (from_file,) = llm.chat(CONV_A, GREEDY, chat_template=str(path), chat_template_kwargs={"greeting": "yo"}, use_tqdm=False)
+    (from_file,) = llm.chat(
+        CONV_A, GREEDY, chat_template=str(path), chat_template_kwargs={"greeting": "yo"}, use_tqdm=False
+    )
     assert from_file.prompt == "[user|yo] What does the for statement do?\n"
 
 

@@ -24,9 +24,7 @@ def test_tokenizer_loads_as_fast_tokenizer_with_special_tokens_and_chat_template
     ids = tok(text).input_ids
     assert ids[0] == tok.bos_token_id
     assert tok.decode(ids, skip_special_tokens=True) == text  # byte-level: lossless round trip
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|user|>\nhi</s>\n<|assistant|>\n"
 
 

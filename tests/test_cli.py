@@ -36,7 +36,11 @@ def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return subprocess.run(
         [sys.executable, "-m", "vllm_lite.entrypoints.cli", *args],
-        input=stdin, capture_output=True, text=True, timeout=E2E_TIMEOUT, env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=E2E_TIMEOUT,
+        env=env,
     )
 
 
@@ -72,8 +76,7 @@ class FakeEngine:
         params = self.added[-1][2]
         delta = params.output_kind == RequestOutputKind.DELTA
         text = self.deltas[i] if delta else "".join(self.deltas[: i + 1])
-        comp = CompletionOutput(0, text, [i] if delta else list(range(i + 1)), None, None,
-                                "stop" if finished else None)
+        comp = CompletionOutput(0, text, [i] if delta else list(range(i + 1)), None, None, "stop" if finished else None)
         if self.fail_prompts_containing and self.fail_prompts_containing in str(self.added[-1][1]):
             self._step = len(self.deltas)
             comp = CompletionOutput(0, "", [], None, None, "abort")
@@ -300,8 +303,16 @@ def test_generate_with_no_model_prints_english_like_text():
 
 @pytest.mark.slow
 def test_chat_answers_one_line_from_stdin_and_exits_on_eof():
-    proc = _cli("chat", "--max-tokens", "32", "--temperature", "0", "--num-threads", "1",
-                stdin="What does the function os.path.join do?\n")
+    proc = _cli(
+        "chat",
+        "--max-tokens",
+        "32",
+        "--temperature",
+        "0",
+        "--num-threads",
+        "1",
+        stdin="What does the function os.path.join do?\n",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     reply = proc.stdout
     assert reply.endswith("\n") and reply.count("\n") >= 1

@@ -38,6 +38,7 @@ class _Minimal(EngineCoreClient):
     def abort_requests(self, request_ids: list[str]) -> None: ...
     def get_output(self) -> EngineCoreOutputs:
         return EngineCoreOutputs()
+
     def call_utility(self, method: str, *args: Any) -> Any: ...
     def shutdown(self) -> None: ...
 
@@ -57,7 +58,12 @@ def test_every_client_answers_what_callers_ask_without_probing():
 
 def test_an_asyncio_client_refuses_the_blocking_api_by_name():
     c = _AsyncMinimal()
-    for call in (lambda: c.add_request(None), lambda: c.abort_requests([]), c.get_output, lambda: c.call_utility("ping")):
+    for call in (
+        lambda: c.add_request(None),
+        lambda: c.abort_requests([]),
+        c.get_output,
+        lambda: c.call_utility("ping"),
+    ):
         with pytest.raises(NotImplementedError, match="_AsyncMinimal: use await"):
             call()
 

@@ -53,8 +53,10 @@ def test_ownership_is_per_frontend_and_release_frees_it():
     assert reg.owner("r1") is a and reg.mine(b, ["r1", "r2"]) == [] and reg.mine(a, ["r2", "x"]) == ["r2"]
     reg.release("r1")
     assert reg.owner("r1") is None and a.request_ids == {"r2"}
-    assert reg.list_frontends() == [{"client_index": 0, "name": "fe", "num_requests": 1},
-                                    {"client_index": 1, "name": "fe", "num_requests": 0}]
+    assert reg.list_frontends() == [
+        {"client_index": 0, "name": "fe", "num_requests": 1},
+        {"client_index": 1, "name": "fe", "num_requests": 0},
+    ]
 
 
 def test_dropped_for_silence_gives_back_its_requests_and_is_taken_back_when_it_speaks():

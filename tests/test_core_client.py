@@ -92,8 +92,13 @@ def sync_client():
 
 def test_sync_client_handshake_gives_model_facts(sync_client):
     assert sync_client.model_facts == {
-        "model": "fake-model", "max_model_len": 256, "block_size": 16, "num_gpu_blocks": 256, "vocab_size": VOCAB,
-        "max_logprobs": 20, "generation_config": "auto",  # the core's request rules (defaults of the fake)
+        "model": "fake-model",
+        "max_model_len": 256,
+        "block_size": 16,
+        "num_gpu_blocks": 256,
+        "vocab_size": VOCAB,
+        "max_logprobs": 20,
+        "generation_config": "auto",  # the core's request rules (defaults of the fake)
     }
     assert sync_client.client_index == 0
 
@@ -121,8 +126,11 @@ def test_sync_client_abort_frees_blocks(sync_client):
     first = sync_client.get_output(timeout=10)
     assert first.outputs[0].request_id == "ab"
     sync_client.abort_requests(["ab"])
-    wait_until(lambda: sync_client.call_utility("get_num_free_blocks") == 256, DEADLINE_S,
-               "the aborted request's blocks are freed")
+    wait_until(
+        lambda: sync_client.call_utility("get_num_free_blocks") == 256,
+        DEADLINE_S,
+        "the aborted request's blocks are freed",
+    )
     # Drain leftovers from before the abort so later tests start clean.
     while True:
         try:
@@ -143,8 +151,11 @@ def test_sync_client_duplicate_id_error_leaves_first_request_intact(sync_client)
     toks = tokens(outs)
     assert len(toks) >= 2 and toks == [fake_token([4, 5], n) for n in range(len(toks))]
     sync_client.abort_requests(["dup"])
-    wait_until(lambda: sync_client.call_utility("get_num_free_blocks") == 256, DEADLINE_S,
-               "the aborted request's blocks are freed")
+    wait_until(
+        lambda: sync_client.call_utility("get_num_free_blocks") == 256,
+        DEADLINE_S,
+        "the aborted request's blocks are freed",
+    )
     while True:
         try:
             sync_client.get_output(timeout=0.3)
@@ -374,8 +385,9 @@ def test_attached_client_goodbye_aborts_its_requests_at_once():
         leaves.add_request(request("orphan", [1], max_tokens=2000))
         leaves.get_output(timeout=10)
         leaves.shutdown()
-        wait_until(lambda: "orphan" not in core.proc.engine_core.reqs, DEADLINE_S,
-                   "a detached frontend's request is aborted")
+        wait_until(
+            lambda: "orphan" not in core.proc.engine_core.reqs, DEADLINE_S, "a detached frontend's request is aborted"
+        )
         assert [f["name"] for f in stays.call_utility("list_frontends")] == ["stays"]
     finally:
         stays.shutdown()

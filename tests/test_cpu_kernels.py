@@ -172,8 +172,9 @@ def test_bad_inputs_raise_clear_errors(backend):
     with pytest.raises(ValueError, match="num_kv_heads"):
         ops.paged_attention(out[:, :3], query[:, :3], cache, md.block_table, md.seq_lens, md.query_start_loc, 1.0)
     with pytest.raises(ValueError, match="seq_lens"):
-        ops.paged_attention(out, query, cache, md.block_table, torch.tensor([2], dtype=torch.int32),
-                            md.query_start_loc, 1.0)
+        ops.paged_attention(
+            out, query, cache, md.block_table, torch.tensor([2], dtype=torch.int32), md.query_start_loc, 1.0
+        )
     bad_table = md.block_table.clone()
     bad_table[0, 0] = 99
     with pytest.raises(ValueError, match="block_table"):
@@ -252,11 +253,26 @@ def test_wheel_ships_the_sources_and_an_installed_copy_loads_the_same_kernels(ba
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
         shutil.copy(REPO / name, src)
     shutil.copytree(REPO / "csrc", src / "csrc")
-    shutil.copytree(REPO / "vllm_lite", src / "vllm_lite",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "build", "assets"))
+    shutil.copytree(
+        REPO / "vllm_lite", src / "vllm_lite", ignore=shutil.ignore_patterns("__pycache__", "*.so", "build", "assets")
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist")],
-        cwd=src, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            ".",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("*.whl")
@@ -279,7 +295,9 @@ def test_wheel_ships_the_sources_and_an_installed_copy_loads_the_same_kernels(ba
         """
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     pkg_file, csrc, key, loaded = out.stdout.split()
     assert pkg_file == str(site / "vllm_lite" / "__init__.py")

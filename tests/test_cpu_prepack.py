@@ -59,8 +59,9 @@ def test_this_host_packs_bit_exactly_or_falls_back_to_plain_linear(arch, caplog)
     else:
         assert n == 0 and _packed_modules(model) == []
         lines = [r.getMessage() for r in caplog.records if "prepacking unavailable" in r.getMessage()]
-        assert lines == [f"weight prepacking unavailable ({platform.onednn_bf16_prepack().reason}); "
-                         "using plain F.linear"]
+        assert lines == [
+            f"weight prepacking unavailable ({platform.onednn_bf16_prepack().reason}); using plain F.linear"
+        ]
     _assert_equal(arch, plain, _logits(model))
 
 
@@ -81,7 +82,9 @@ def test_fallback_when_onednn_cannot_pack_bf16(monkeypatch, caplog) -> None:
 
 def test_prepack_applies_only_to_bf16_on_cpu_and_can_be_turned_off(monkeypatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(cpu_prepack, "prepack_linear_weights", lambda model, batch_hint=64: calls.append(batch_hint) or 1)
+    monkeypatch.setattr(
+        cpu_prepack, "prepack_linear_weights", lambda model, batch_hint=64: calls.append(batch_hint) or 1
+    )
     model = torch.nn.Linear(2, 2)
     assert maybe_prepack(model, CPU, torch.float32) == 0  # float32 keeps the exact HF path
     assert maybe_prepack(model, torch.device("meta"), torch.bfloat16) == 0

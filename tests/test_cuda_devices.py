@@ -31,7 +31,9 @@ def test_nccl_rank_device_must_be_an_indexed_cuda_device() -> None:
 def test_more_ranks_than_devices_is_refused_naming_both_sizes() -> None:
     cuda = torch.device("cuda")
     verify_cuda_device_count(ParallelConfig(tensor_parallel_size=2, data_parallel_size=2), cuda, 4)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 x data_parallel_size=2.*4 CUDA devices.*3 are visible"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 x data_parallel_size=2.*4 CUDA devices.*3 are visible"
+    ):
         verify_cuda_device_count(ParallelConfig(tensor_parallel_size=2, data_parallel_size=2), cuda, 3)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=1 x data_parallel_size=1.*0 are visible"):
         verify_cuda_device_count(ParallelConfig(), cuda, 0)
@@ -54,8 +56,12 @@ def test_engine_args_check_the_device_count_before_anything_starts(monkeypatch, 
     with pytest.raises(ValueError, match=r"data_parallel_size=2"):
         args.create_engine_config()
     monkeypatch.setattr(platform, "cuda_device_count", lambda: 2)
-    assert EngineArgs(model=tiny_checkpoint, device="cuda", dtype="float32", tensor_parallel_size=2) \
-        .create_engine_config().parallel_config.tensor_parallel_size == 2
+    assert (
+        EngineArgs(model=tiny_checkpoint, device="cuda", dtype="float32", tensor_parallel_size=2)
+        .create_engine_config()
+        .parallel_config.tensor_parallel_size
+        == 2
+    )
     # The CPU is never limited by a CUDA device count.
     monkeypatch.setattr(platform, "cuda_device_count", lambda: 0)
     EngineArgs(model=tiny_checkpoint, device="cpu", tensor_parallel_size=2).create_engine_config()

@@ -28,8 +28,14 @@ from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.devices import requires_cuda_devices
 
 PROMPTS = [
-    "The for statement", "Hello world", "def f(x): return", "Exceptions are raised",
-    "while True:", "class Foo(object):", "import sys", "The with statement",
+    "The for statement",
+    "Hello world",
+    "def f(x): return",
+    "Exceptions are raised",
+    "while True:",
+    "class Foo(object):",
+    "import sys",
+    "The with statement",
 ]
 PREFIXES = [f"Topic {i}: " + " ".join(["the quick brown fox jumps over the lazy dog"] * 4) for i in range(4)]
 
@@ -48,7 +54,10 @@ def req(rid: str, tokens: list[int]) -> EngineCoreRequest:
 def test_dp_core_addresses_give_each_rank_its_own_socket_pair():
     assert dp_core_addresses("tcp://127.0.0.1:9000", 1) == ["tcp://127.0.0.1:9000"]
     assert dp_core_addresses("tcp://127.0.0.1:9000", 3) == [
-        "tcp://127.0.0.1:9000", "tcp://127.0.0.1:9002", "tcp://127.0.0.1:9004"]
+        "tcp://127.0.0.1:9000",
+        "tcp://127.0.0.1:9002",
+        "tcp://127.0.0.1:9004",
+    ]
     assert dp_core_addresses("ipc:///tmp/core", 2) == ["ipc:///tmp/core", "ipc:///tmp/core-dp1"]
     assert split_addresses("tcp://h:1000,tcp://h:2000") == ["tcp://h:1000", "tcp://h:2000"]
     assert split_addresses("tcp://h:1000", 2) == ["tcp://h:1000", "tcp://h:1002"]
@@ -77,8 +86,9 @@ def test_router_keeps_a_shared_first_block_on_one_core_and_books_finishes():
     assert r.route(req("b", [7, 7, 7, 7, 2, 3])) == first  # same first block, though that core is busier
     assert r.route(req("short", [7, 7])) != first  # shorter than a block: plain least-loaded
     assert r.in_flight[first] == 2
-    done = EngineCoreOutputs(outputs=[EngineCoreOutput("a", [5], finish_reason=FinishReason.LENGTH),
-                                      EngineCoreOutput("b", [6])])
+    done = EngineCoreOutputs(
+        outputs=[EngineCoreOutput("a", [5], finish_reason=FinishReason.LENGTH), EngineCoreOutput("b", [6])]
+    )
     r.observe(first, done)
     assert r.in_flight[first] == 1 and "a" not in r.owner and r.owner["b"] == first
     assert r.group_by_core(["b", "short", "unknown"]) == {first: ["b"], 1 - first: ["short"]}
@@ -97,10 +107,13 @@ def test_utility_results_from_all_cores_combine():
     assert combine_utility_results("ping", [True, True]) is True
     assert combine_utility_results("reset_prefix_cache", [True, False]) is False
     assert combine_utility_results("get_num_free_blocks", [10, 20]) == 30
-    stats = combine_utility_results("get_stats", [
-        {"num_running_reqs": 1, "kv_cache_usage": 0.2, "step_counter": 5},
-        {"num_running_reqs": 2, "kv_cache_usage": 0.4, "step_counter": 7},
-    ])
+    stats = combine_utility_results(
+        "get_stats",
+        [
+            {"num_running_reqs": 1, "kv_cache_usage": 0.2, "step_counter": 5},
+            {"num_running_reqs": 2, "kv_cache_usage": 0.4, "step_counter": 7},
+        ],
+    )
     assert stats["num_running_reqs"] == 3 and stats["step_counter"] == 12
     assert stats["kv_cache_usage"] == pytest.approx(0.3) and len(stats["per_core"]) == 2
     assert combine_utility_results("get_model_facts", [{"a": 1}, {"a": 1}]) == [{"a": 1}, {"a": 1}]
@@ -140,10 +153,30 @@ def dp_daemon(ckpt, dp_device, tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("dp") / "serve.log")
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", ckpt, "--data-parallel-size", "2",
-         "--port", "0", "--api-port", "0", "--num-threads", "1", "--heartbeat-timeout", "3",
-         "--dtype", "float32", "--device", dp_device],
-        stdout=subprocess.PIPE, stderr=log, text=True,
+        [
+            sys.executable,
+            "-m",
+            "vllm_lite.entrypoints.cli",
+            "serve",
+            ckpt,
+            "--data-parallel-size",
+            "2",
+            "--port",
+            "0",
+            "--api-port",
+            "0",
+            "--num-threads",
+            "1",
+            "--heartbeat-timeout",
+            "3",
+            "--dtype",
+            "float32",
+            "--device",
+            dp_device,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
     )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x.rstrip()) for x in proc.stdout], daemon=True).start()
@@ -223,8 +256,11 @@ def test_http_frontend_spreads_over_both_cores_with_unchanged_outputs(dp_daemon,
     before = core_steps(dp_daemon["port"])
 
     def complete(prompt: str) -> str:
-        r = httpx.post(dp_daemon["base_url"] + "/v1/completions", timeout=60.0, json={
-            "prompt": prompt, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True})
+        r = httpx.post(
+            dp_daemon["base_url"] + "/v1/completions",
+            timeout=60.0,
+            json={"prompt": prompt, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 

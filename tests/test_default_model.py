@@ -54,8 +54,14 @@ def _loss(model, ids: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------- files
 def test_default_model_path_is_a_complete_checkpoint_dir(path):
     assert os.path.isabs(path) and os.path.isdir(path)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", "TRAINING.md"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "TRAINING.md",
+    ):
         assert os.path.isfile(os.path.join(path, name)), name
 
 
@@ -92,7 +98,9 @@ def test_tokenizer_has_bos_eos_and_a_chat_template(tokenizer, path):
     ids = tokenizer.encode("The for statement")
     assert ids[0] == tokenizer.bos_token_id and len(ids) > 1
     assert tokenizer.decode(ids, skip_special_tokens=True) == "The for statement"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with open(os.path.join(path, "generation_config.json")) as f:
         gen = json.load(f)
@@ -141,8 +149,9 @@ def test_engine_greedy_matches_transformers_and_reads_as_english(path, tokenizer
     prompt = "The for statement"
     ids = torch.tensor([tokenizer.encode(prompt)])
     with torch.no_grad():
-        ref = hf_model.generate(ids, max_new_tokens=16, do_sample=False, repetition_penalty=1.0,
-                                pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        ref = hf_model.generate(
+            ids, max_new_tokens=16, do_sample=False, repetition_penalty=1.0, pad_token_id=tokenizer.pad_token_id
+        )[0, ids.shape[1] :].tolist()
     llm = LLM(model=path, dtype="float32", num_threads=1, multiprocess=False)
     try:
         out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0].outputs[0]
@@ -168,11 +177,17 @@ def test_engine_greedy_matches_transformers_and_reads_as_english(path, tokenizer
 def test_wheel_includes_the_default_model(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copy(os.path.join(repo, "pyproject.toml"), tmp_path)
-    shutil.copytree(os.path.join(repo, "vllm_lite"), tmp_path / "vllm_lite",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "build"))
+    shutil.copytree(
+        os.path.join(repo, "vllm_lite"),
+        tmp_path / "vllm_lite",
+        ignore=shutil.ignore_patterns("__pycache__", "*.so", "build"),
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", "dist"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("*.whl")

@@ -95,9 +95,16 @@ def test_this_host_uses_the_probed_facts() -> None:
 
 def test_engine_config_applies_the_policy(tmp_path) -> None:
     """create_engine_config reads only config.json, so a bf16 checkpoint's config is enough here."""
-    cfg = {"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16", "vocab_size": 128,
-           "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 128,
-           "max_position_embeddings": 256}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "torch_dtype": "bfloat16",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "intermediate_size": 128,
+        "max_position_embeddings": 256,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     got = EngineArgs(model=str(tmp_path), device="cpu").create_engine_config().model_config.dtype
     assert got == choose_dtype("auto", "bfloat16", CPU, platform.host_facts()).dtype

@@ -70,13 +70,16 @@ def test_optional_and_numeric_types_are_parsed():
     assert engine_parser().parse_args([]).max_model_len is None
 
 
-@pytest.mark.parametrize("flags", [
-    ["--preemption-mode", "sometimes"],
-    ["--scheduling-policy", "random"],
-    ["--dtype", "int8"],
-    ["--device", "gpu"],
-    ["--max-num-seqs", "many"],
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--preemption-mode", "sometimes"],
+        ["--scheduling-policy", "random"],
+        ["--dtype", "int8"],
+        ["--device", "gpu"],
+        ["--max-num-seqs", "many"],
+    ],
+)
 def test_values_outside_a_fields_fixed_set_or_type_are_rejected(flags, capsys):
     with pytest.raises(SystemExit) as e:
         engine_parser().parse_args(flags)
@@ -89,19 +92,76 @@ def test_device_accepts_auto_cpu_cuda_and_cuda_n():
 
 
 def test_parsing_gives_what_direct_construction_gives():
-    argv = ["--model", "/m", "--dtype", "float32", "--max-model-len", "256", "--block-size", "32",
-            "--kv-cache-memory-bytes", "1048576", "--no-enable-prefix-caching", "--swap-space", "2",
-            "--preemption-mode", "swap", "--max-num-batched-tokens", "512", "--max-num-seqs", "4",
-            "--long-prefill-token-threshold", "64", "--scheduling-policy", "priority", "--num-threads", "1",
-            "-tp", "2", "-dp", "3", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1",
-            "--master-port", "29500", "--seed", "7", "--device", "cpu", "--served-model-name", "a", "b"]
+    argv = [
+        "--model",
+        "/m",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--block-size",
+        "32",
+        "--kv-cache-memory-bytes",
+        "1048576",
+        "--no-enable-prefix-caching",
+        "--swap-space",
+        "2",
+        "--preemption-mode",
+        "swap",
+        "--max-num-batched-tokens",
+        "512",
+        "--max-num-seqs",
+        "4",
+        "--long-prefill-token-threshold",
+        "64",
+        "--scheduling-policy",
+        "priority",
+        "--num-threads",
+        "1",
+        "-tp",
+        "2",
+        "-dp",
+        "3",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "10.0.0.1",
+        "--master-port",
+        "29500",
+        "--seed",
+        "7",
+        "--device",
+        "cpu",
+        "--served-model-name",
+        "a",
+        "b",
+    ]
     got = EngineArgs.from_cli_args(engine_parser().parse_args(argv))
     want = EngineArgs(
-        model="/m", dtype="float32", max_model_len=256, block_size=32, kv_cache_memory_bytes=1 << 20,
-        enable_prefix_caching=False, swap_space=2.0, preemption_mode="swap", max_num_batched_tokens=512,
-        max_num_seqs=4, long_prefill_token_threshold=64, scheduling_policy="priority", num_threads=1,
-        tensor_parallel_size=2, data_parallel_size=3, nnodes=2, node_rank=0, master_addr="10.0.0.1",
-        master_port=29500, seed=7, device="cpu", served_model_name="a",
+        model="/m",
+        dtype="float32",
+        max_model_len=256,
+        block_size=32,
+        kv_cache_memory_bytes=1 << 20,
+        enable_prefix_caching=False,
+        swap_space=2.0,
+        preemption_mode="swap",
+        max_num_batched_tokens=512,
+        max_num_seqs=4,
+        long_prefill_token_threshold=64,
+        scheduling_policy="priority",
+        num_threads=1,
+        tensor_parallel_size=2,
+        data_parallel_size=3,
+        nnodes=2,
+        node_rank=0,
+        master_addr="10.0.0.1",
+        master_port=29500,
+        seed=7,
+        device="cpu",
+        served_model_name="a",
     )
     assert got == want
 
@@ -120,11 +180,44 @@ def test_every_engine_subcommand_takes_every_engine_flag(name):
 
 
 def test_readme_engine_flag_spellings_keep_their_meaning():
-    argv = ["chat", "--dtype", "float32", "--max-model-len", "64", "--block-size", "8",
-            "--kv-cache-memory-bytes", "4096", "--no-enable-prefix-caching", "--preemption-mode", "swap",
-            "--swap-space", "0.25", "--max-num-batched-tokens", "100", "--max-num-seqs", "3",
-            "--long-prefill-token-threshold", "16", "--scheduling-policy", "priority", "--num-threads", "2",
-            "-tp", "2", "-dp", "2", "--nnodes", "2", "--node-rank", "0", "--master-addr", "h", "--master-port", "9"]
+    argv = [
+        "chat",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "64",
+        "--block-size",
+        "8",
+        "--kv-cache-memory-bytes",
+        "4096",
+        "--no-enable-prefix-caching",
+        "--preemption-mode",
+        "swap",
+        "--swap-space",
+        "0.25",
+        "--max-num-batched-tokens",
+        "100",
+        "--max-num-seqs",
+        "3",
+        "--long-prefill-token-threshold",
+        "16",
+        "--scheduling-policy",
+        "priority",
+        "--num-threads",
+        "2",
+        "-tp",
+        "2",
+        "-dp",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "h",
+        "--master-port",
+        "9",
+    ]
     parser, _ = build_parser()
     ea = engine_args_from(parser.parse_args(argv))
     assert (ea.dtype, ea.max_model_len, ea.block_size, ea.kv_cache_memory_bytes) == ("float32", 64, 8, 4096)
@@ -146,9 +239,14 @@ def test_serve_takes_model_as_a_positional_and_served_names_for_http():
     from vllm_lite.entrypoints.cli.serve import serve_config_from
 
     parser, _ = build_parser()
-    cfg = serve_config_from(parser.parse_args(["serve", "/ckpt", "-dp", "2", "--served-model-name", "x", "y",
-                                               "--max-model-len", "64"]))
-    assert (cfg.engine_args.model, cfg.engine_args.served_model_name, cfg.engine_args.max_model_len) == ("/ckpt", "x", 64)
+    cfg = serve_config_from(
+        parser.parse_args(["serve", "/ckpt", "-dp", "2", "--served-model-name", "x", "y", "--max-model-len", "64"])
+    )
+    assert (cfg.engine_args.model, cfg.engine_args.served_model_name, cfg.engine_args.max_model_len) == (
+        "/ckpt",
+        "x",
+        64,
+    )
     assert cfg.data_parallel_size == cfg.engine_args.data_parallel_size == 2
     assert cfg.served_model_names == ["x", "y"]
 

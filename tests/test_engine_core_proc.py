@@ -244,8 +244,11 @@ def test_goodbye_detaches_for_good(core):
     a = core.frontend()
     a.send(EngineCoreRequestType.ADD, request("g", [1], max_tokens=1000))
     a.inp.send(EngineCoreRequestType.GOODBYE.value)
-    wait_until(lambda: not core.proc.registry and not core.proc.engine_core.reqs, DEADLINE_S,
-               "GOODBYE forgets the frontend and aborts its request")
+    wait_until(
+        lambda: not core.proc.registry and not core.proc.engine_core.reqs,
+        DEADLINE_S,
+        "GOODBYE forgets the frontend and aborts its request",
+    )
     # After GOODBYE the identity is a stranger: it must HELLO again.
     a.send(EngineCoreRequestType.UTILITY, UtilityRequest(0, 5, "ping"))
     while True:
@@ -315,7 +318,9 @@ def test_core_thread_policy_uses_configured_threads_or_all_cores_but_one_on_cpu(
         assert set_core_thread_policy(cfg) == 1 and torch.get_num_threads() == 1
         cfg.device_config.num_threads = None
         n = set_core_thread_policy(cfg)
-        assert n == max(1, len(os.sched_getaffinity(0)) - 1) and torch.get_num_threads() == n  # one core left for frontends
+        assert (
+            n == max(1, len(os.sched_getaffinity(0)) - 1) and torch.get_num_threads() == n
+        )  # one core left for frontends
         cfg.device_config.num_threads = 0
         with pytest.raises(ValueError, match="num_threads"):
             set_core_thread_policy(cfg)
@@ -326,11 +331,17 @@ def test_core_thread_policy_uses_configured_threads_or_all_cores_but_one_on_cpu(
 # ---------------------------------------------------------------------------------------------------- real process
 
 
-def _spawn_core(tmpdir: str, hf_extra: Optional[dict] = None, **options: Any) -> tuple[launcher.ChildProcess, CoreAddresses]:
+def _spawn_core(
+    tmpdir: str, hf_extra: Optional[dict] = None, **options: Any
+) -> tuple[launcher.ChildProcess, CoreAddresses]:
     """A fake core process started by the launcher, as `vllm-lite serve` starts real ones."""
     addresses = make_addresses(tmpdir)
-    args = EngineCoreArgs(vllm_config=encode_vllm_config(fake_config(**(hf_extra or {}))),
-                          input_address=addresses.input, output_address=addresses.output, **options)
+    args = EngineCoreArgs(
+        vllm_config=encode_vllm_config(fake_config(**(hf_extra or {}))),
+        input_address=addresses.input,
+        output_address=addresses.output,
+        **options,
+    )
     proc = launcher.start_child(FAKE_CORE_MODULE, args, EngineCoreReady, name="fake-core")
     try:
         ready = proc.wait_ready(120)
@@ -370,14 +381,19 @@ def test_busy_address_fails_fast_before_loading_the_model(tmp_path):
     try:
         # The bind error, not the model-loading one: the sockets are bound before the model loads.
         with pytest.raises(RuntimeError, match="could not bind its sockets"):
-            FakeEngineCoreProc(fake_config(fake_fail_startup="must not get this far"),
-                               CoreAddresses(input=busy, output=addresses.output), CoreProcOptions())
+            FakeEngineCoreProc(
+                fake_config(fake_fail_startup="must not get this far"),
+                CoreAddresses(input=busy, output=addresses.output),
+                CoreProcOptions(),
+            )
     finally:
         ctx.destroy(linger=0)
 
 
 def test_engine_addresses_from_one_base_address():
-    assert CoreAddresses.from_base("tcp://127.0.0.1:5555") == CoreAddresses("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556")
+    assert CoreAddresses.from_base("tcp://127.0.0.1:5555") == CoreAddresses(
+        "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"
+    )
     assert CoreAddresses.from_base("ipc:///tmp/core") == CoreAddresses("ipc:///tmp/core.in", "ipc:///tmp/core.out")
     for bad in ("localhost:5555", "tcp://127.0.0.1", "tcp://:80", "tcp://h:65535", "ipc://"):
         with pytest.raises(ValueError, match="engine address"):

@@ -14,7 +14,12 @@ PACKAGE = Path(envs.__file__).resolve().parent
 
 def _is_os_attr(node: ast.AST, name: str) -> bool:
     """`os.<name>` (the module is imported as `os` everywhere in the package)."""
-    return isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.value, ast.Name) and node.value.id == "os"
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == name
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "os"
+    )
 
 
 def environment_reads(source: str) -> list[tuple[int, str]]:
@@ -28,12 +33,15 @@ def environment_reads(source: str) -> list[tuple[int, str]]:
         hit = False
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             f = node.func
-            hit = _is_os_attr(f, "getenv") or (f.attr in ("get", "setdefault", "pop") and _is_os_attr(f.value, "environ"))
+            hit = _is_os_attr(f, "getenv") or (
+                f.attr in ("get", "setdefault", "pop") and _is_os_attr(f.value, "environ")
+            )
         elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
             hit = _is_os_attr(node.value, "environ")
         elif isinstance(node, ast.Compare):
             hit = any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and any(
-                _is_os_attr(c, "environ") for c in node.comparators)
+                _is_os_attr(c, "environ") for c in node.comparators
+            )
         if hit:
             found.append((node.lineno, lines[node.lineno - 1].strip()))
     return found

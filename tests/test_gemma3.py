@@ -29,8 +29,15 @@ PROMPT_LENS = (9, 40, 70)
 def test_greedy_float32_matches_hf_past_the_window_with_prefix_caching(monkeypatch) -> None:
     hits = record_prefix_hits(monkeypatch)
     path = get_checkpoint("gemma3")
-    with LLM(model=path, dtype="float32", multiprocess=False, block_size=8, max_model_len=256,
-             max_num_batched_tokens=32, enable_prefix_caching=True) as llm:
+    with LLM(
+        model=path,
+        dtype="float32",
+        multiprocess=False,
+        block_size=8,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+    ) as llm:
         prompts = greedy_prompts(llm.get_tokenizer(), PROMPT_LENS)
         first = generate_greedy(llm, prompts, NEW_TOKENS)
         hits.clear()
@@ -53,8 +60,9 @@ def test_layer_kinds_and_rope_bases_follow_the_config() -> None:
     w = TINY_WINDOW
     assert layer_sliding_windows(config) == [w, w, None, w]
     # The raw config.json the scheduler reads, without layer_types: the same answer from the pattern.
-    assert layer_sliding_windows({"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": w,
-                                  "sliding_window_pattern": 3}) == [w, w, None, w, w, None, w]
+    assert layer_sliding_windows(
+        {"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": w, "sliding_window_pattern": 3}
+    ) == [w, w, None, w, w, None, w]
     local, glob = layer_rope_parameters(config, "sliding_attention"), layer_rope_parameters(config, "full_attention")
     assert (local["rope_theta"], local["rope_type"]) == (10_000.0, "default")
     assert (glob["rope_theta"], glob["rope_type"], glob["factor"]) == (1_000_000.0, "linear", 8.0)
@@ -65,8 +73,16 @@ def test_bidirectional_gemma3_is_refused() -> None:
 
     from vllm_lite.worker.models.gemma3 import Gemma3ForCausalLM
 
-    cfg = Gemma3TextConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                           head_dim=16, intermediate_size=32, vocab_size=64, use_bidirectional_attention=True)
+    cfg = Gemma3TextConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=32,
+        vocab_size=64,
+        use_bidirectional_attention=True,
+    )
     with pytest.raises(ValueError, match="bidirectional"):
         Gemma3ForCausalLM(cfg)
 
@@ -82,8 +98,9 @@ def test_the_local_rope_base_matters_for_hf() -> None:
     ref = hf_greedy(hf_model_eager(path), prompt, 1)
     config = AutoConfig.from_pretrained(path)
     config.rope_parameters["sliding_attention"] = dict(config.rope_parameters["full_attention"])
-    same_base = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
+    same_base = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     assert abs(hf_greedy(same_base, prompt, 1).logprobs[0] - ref.logprobs[0]) > 1e-4
 
 
@@ -98,6 +115,7 @@ def test_the_window_changes_hf_output_on_these_prompts() -> None:
     ref = hf_greedy(hf_model_eager(path), prompt, 1)
     config = AutoConfig.from_pretrained(path)
     config.sliding_window = 4096  # same layer kinds and rotations; only the window no longer binds
-    no_window = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
+    no_window = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     assert abs(hf_greedy(no_window, prompt, 1).logprobs[0] - ref.logprobs[0]) > 1e-4

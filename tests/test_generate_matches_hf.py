@@ -60,7 +60,9 @@ def _hf_model(model_dir: str, dtype: torch.dtype):
 def test_greedy_float32_matches_hf_with_chunked_mixed_batches(arch: str) -> None:
     """Exact greedy tokens vs HF for 8 prompts; a 32-token budget forces chunked prefills mixed with decodes."""
     path = get_checkpoint(arch)
-    llm = LLM(model=path, dtype="float32", multiprocess=False, max_num_batched_tokens=32, block_size=16, max_model_len=256)
+    llm = LLM(
+        model=path, dtype="float32", multiprocess=False, max_num_batched_tokens=32, block_size=16, max_model_len=256
+    )
     prompts = _prompts(llm.get_tokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -100,7 +102,11 @@ def test_text_prompts_and_request_output_fields() -> None:
     """String prompts tokenize, detokenize back, and every vLLM RequestOutput field is filled."""
     path = get_checkpoint("llama")
     llm = LLM(model=path, dtype="float32", multiprocess=False)
-    outs = llm.generate(["Hello, my name is", "The for statement"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        ["Hello, my name is", "The for statement"],
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     tok = llm.get_tokenizer()
     for prompt, o in zip(["Hello, my name is", "The for statement"], outs):
         assert o.prompt == prompt
@@ -118,14 +124,31 @@ def test_greedy_matches_hf_under_forced_preemption(mode: str, caching: bool, mon
     """A KV cache so small that requests are preempted many times still gives HF's exact tokens."""
     path = get_checkpoint("qwen2")
     preempted = record_preemptions(monkeypatch)
-    llm = LLM(model=path, dtype="float32", multiprocess=False, max_model_len=136, block_size=4,
-              max_num_batched_tokens=24, enable_prefix_caching=caching, preemption_mode=mode)
+    llm = LLM(
+        model=path,
+        dtype="float32",
+        multiprocess=False,
+        max_model_len=136,
+        block_size=4,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=caching,
+        preemption_mode=mode,
+    )
     per_block = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.kv_cache_bytes_per_block()
     llm.shutdown()
     # 35 usable blocks of 4 tokens (one max_model_len sequence fits) for 8 requests growing to 35-133 tokens.
-    llm = LLM(model=path, dtype="float32", multiprocess=False, max_model_len=136, block_size=4,
-              max_num_batched_tokens=24, enable_prefix_caching=caching, preemption_mode=mode,
-              kv_cache_memory_bytes=per_block * 36, swap_space=per_block * 200 / (1 << 30))
+    llm = LLM(
+        model=path,
+        dtype="float32",
+        multiprocess=False,
+        max_model_len=136,
+        block_size=4,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=caching,
+        preemption_mode=mode,
+        kv_cache_memory_bytes=per_block * 36,
+        swap_space=per_block * 200 / (1 << 30),
+    )
     prompts = _prompts(llm.get_tokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

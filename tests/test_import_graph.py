@@ -23,9 +23,23 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(vllm_lite.__file__))
 
 LAYERS = ("client", "core", "worker", "entrypoints")
 # Top-level modules: configuration and plumbing every layer may use; they import no layer.
-TOP_LEVEL = ("config", "envs", "platform", "launcher", "launcher_child", "launcher_protocol", "device_layout",
-             "endpoints", "serialization", "sampling_params",
-             "outputs", "logging_utils", "cli_flags", "default_model", "dtype_policy")
+TOP_LEVEL = (
+    "config",
+    "envs",
+    "platform",
+    "launcher",
+    "launcher_child",
+    "launcher_protocol",
+    "device_layout",
+    "endpoints",
+    "serialization",
+    "sampling_params",
+    "outputs",
+    "logging_utils",
+    "cli_flags",
+    "default_model",
+    "dtype_policy",
+)
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "client": ("worker",),
     "core": ("client", "entrypoints"),
@@ -71,8 +85,11 @@ def _not_on_import(test: ast.expr) -> bool:
     if _is_type_checking(test):
         return True
     return (
-        isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
-        and len(test.comparators) == 1 and isinstance(test.comparators[0], ast.Constant)
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and len(test.comparators) == 1
+        and isinstance(test.comparators[0], ast.Constant)
         and test.comparators[0].value == "__main__"
     )
 
@@ -88,8 +105,9 @@ def _imports(tree: ast.AST) -> Iterator[tuple[ast.stmt, bool, bool]]:
                 yield from walk(child, False, type_only)
             elif isinstance(child, ast.If) and _not_on_import(child.test):
                 for stmt in child.body:
-                    yield from walk(ast.Module(body=[stmt], type_ignores=[]), False,
-                                    type_only or _is_type_checking(child.test))
+                    yield from walk(
+                        ast.Module(body=[stmt], type_ignores=[]), False, type_only or _is_type_checking(child.test)
+                    )
                 for stmt in child.orelse:
                     yield from walk(ast.Module(body=[stmt], type_ignores=[]), module_level, type_only)
             else:
@@ -198,8 +216,14 @@ def layer_of(module: str) -> Optional[str]:
 
 
 def test_parser_sees_function_level_relative_and_type_checking_imports(tmp_path):
-    modules = {"vllm_lite": "", "vllm_lite.core": "", "vllm_lite.core.a": "", "vllm_lite.core.b": "",
-               "vllm_lite.client": "", "vllm_lite.client.c": ""}
+    modules = {
+        "vllm_lite": "",
+        "vllm_lite.core": "",
+        "vllm_lite.core.a": "",
+        "vllm_lite.core.b": "",
+        "vllm_lite.client": "",
+        "vllm_lite.client.c": "",
+    }
     src = tmp_path / "a.py"
     src.write_text(
         "from typing import TYPE_CHECKING\n"
@@ -209,8 +233,12 @@ def test_parser_sees_function_level_relative_and_type_checking_imports(tmp_path)
         "if __name__ == '__main__':\n    import vllm_lite.core\n"
     )
     edges = {(e.target, e.module_level, e.type_only) for e in edges_of("vllm_lite.core.a", str(src), modules)}
-    assert edges == {("vllm_lite.core.b", True, False), ("vllm_lite.client.c", False, True),
-                     ("vllm_lite.client.c", False, False), ("vllm_lite.core", False, False)}
+    assert edges == {
+        ("vllm_lite.core.b", True, False),
+        ("vllm_lite.client.c", False, True),
+        ("vllm_lite.client.c", False, False),
+        ("vllm_lite.core", False, False),
+    }
 
 
 def test_cycle_finder_finds_a_cycle_and_nothing_in_a_chain():

@@ -15,8 +15,9 @@ def _workload(llm: LLM, stop: str):
         SamplingParams(temperature=0.0, max_tokens=32, stop=[stop], ignore_eos=True),
     ] * 3
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [[(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs]
-            for o in outs]
+    return [
+        [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs] for o in outs
+    ]
 
 
 def _same(a, b) -> bool:
@@ -36,8 +37,13 @@ def test_multiprocess_outputs_equal_inprocess_outputs() -> None:
     kw = dict(dtype="float32", max_model_len=256, num_threads=1)
     with LLM(model=path, multiprocess=False, **kw) as llm:
         # A stop string the greedy continuation of "def main():" really contains, mid-text.
-        probe = llm.generate("def main():", SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
-                             use_tqdm=False)[0].outputs[0].text
+        probe = (
+            llm.generate(
+                "def main():", SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False
+            )[0]
+            .outputs[0]
+            .text
+        )
         stop = probe[len(probe) // 2 : len(probe) // 2 + 3]
         inproc = _workload(llm, stop)
     with LLM(model=path, multiprocess=True, **kw) as llm:

@@ -102,7 +102,10 @@ def test_cuda_worker_kv_cache_memory_bytes_overrides_profiling(monkeypatch) -> N
 
 
 def test_gpu_memory_utilization_reaches_the_cache_config_and_is_checked(tiny_checkpoint: str) -> None:
-    assert EngineArgs(model=tiny_checkpoint, device="cpu").create_engine_config().cache_config.gpu_memory_utilization == 0.9
+    assert (
+        EngineArgs(model=tiny_checkpoint, device="cpu").create_engine_config().cache_config.gpu_memory_utilization
+        == 0.9
+    )
     cfg = EngineArgs(model=tiny_checkpoint, device="cpu", gpu_memory_utilization=0.6).create_engine_config()
     assert cfg.cache_config.gpu_memory_utilization == 0.6
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
@@ -113,7 +116,11 @@ def test_profile_run_drives_the_largest_step_and_leaves_the_runner_untouched(tin
     from vllm_lite.worker.model_runner import GPUModelRunner
 
     config = EngineArgs(
-        model=tiny_checkpoint, device="cpu", dtype="float32", max_model_len=64, max_num_seqs=6,
+        model=tiny_checkpoint,
+        device="cpu",
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=6,
         max_num_batched_tokens=200,
     ).create_engine_config()
     runner = GPUModelRunner(config, torch.device("cpu"))
@@ -131,7 +138,7 @@ def test_profile_run_drives_the_largest_step_and_leaves_the_runner_untouched(tin
     assert torch.equal(torch.get_rng_state(), rng_before), "profiling consumed the engine's random stream"
     assert all(layer.kv_cache is None for layer in runner.attn_layers), "the scratch KV cache stayed bound"
     assert runner.input_batch.num_reqs == 0
-    (scheduled, out), = steps
+    ((scheduled, out),) = steps
     assert len(scheduled) == 6 and sum(scheduled.values()) == 200 and max(scheduled.values()) <= 64
     assert all(len(toks) == 1 for toks in out.sampled_token_ids), "every profiled request samples"
 

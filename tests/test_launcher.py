@@ -51,8 +51,9 @@ def test_typed_args_round_trip_and_the_ready_struct_comes_back_typed():
 
 def test_arguments_and_secrets_never_reach_argv_or_an_inherited_environment(monkeypatch):
     monkeypatch.setenv("VLLM_LITE_AUTH_TOKEN", "parent-secret")
-    child = launcher.start_child(ECHO_MODULE, EchoArgs(value="argument-secret"), EchoReady, name="echo",
-                                 env={"ECHO_FOR_THIS_CHILD": "yes"})
+    child = launcher.start_child(
+        ECHO_MODULE, EchoArgs(value="argument-secret"), EchoReady, name="echo", env={"ECHO_FOR_THIS_CHILD": "yes"}
+    )
     try:
         ready = child.wait_ready(DEADLINE_S)
         argv = cmdline(child.pid)
@@ -131,6 +132,7 @@ def test_wait_ready_times_out_and_abort_can_interrupt():
     child = start_echo(value="v")
     try:
         with pytest.raises(KeyboardInterrupt):
+
             def abort() -> None:
                 raise KeyboardInterrupt
 
@@ -161,7 +163,10 @@ def test_a_child_exits_and_removes_its_cleanup_paths_when_its_parent_is_killed(t
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     parent = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import sys
             from vllm_lite import launcher
             from vllm_lite.testing.echo_child import ECHO_MODULE, EchoArgs, EchoReady
@@ -169,8 +174,11 @@ def test_a_child_exits_and_removes_its_cleanup_paths_when_its_parent_is_killed(t
                                      cleanup_paths=[{str(scratch)!r}])
             print(c.wait_ready(60).pid, flush=True)
             sys.stdin.read()
-        """)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         child_pid = int(parent.stdout.readline())
@@ -227,15 +235,22 @@ def test_llm_starts_from_any_kind_of_script_and_exits_cleanly(how, tmp_path):
 
 def test_killing_the_parent_takes_down_the_core_and_every_tensor_parallel_rank(tmp_path):
     parent = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent("""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
             import sys
             from vllm_lite import LLM, SamplingParams
             llm = LLM(tensor_parallel_size=2, device="cpu", num_threads=1)
             llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)
             print(llm.llm_engine.engine_core.proc.pid, flush=True)
             sys.stdin.read()
-        """)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     try:
         line = parent.stdout.readline()
@@ -247,8 +262,11 @@ def test_killing_the_parent_takes_down_the_core_and_every_tensor_parallel_rank(t
         parent.kill()
         parent.wait()
     # The deadline issue 12 sets for this behaviour (a pipe EOF, so far inside it): polled, not timed.
-    wait_until(lambda: process_gone(core_pid) and all(process_gone(r) for r in ranks), PARENT_DEATH_S,
-               "the core and its ranks exit after their parent was killed")
+    wait_until(
+        lambda: process_gone(core_pid) and all(process_gone(r) for r in ranks),
+        PARENT_DEATH_S,
+        "the core and its ranks exit after their parent was killed",
+    )
 
 
 def test_a_core_that_fails_at_start_up_reports_its_traceback(tmp_path):

@@ -16,8 +16,7 @@ from vllm_lite.client.async_llm import AsyncLLM
 from vllm_lite.config import EngineArgs
 from vllm_lite.testing.checkpoints import get_checkpoint
 
-PROMPTS = ["The for statement", "Hello world", "def f(x): return", "Exceptions are raised",
-           "while True:", "import sys"]
+PROMPTS = ["The for statement", "Hello world", "def f(x): return", "Exceptions are raised", "while True:", "import sys"]
 ENGINE_KW = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "max_num_seqs": 8}
 
 

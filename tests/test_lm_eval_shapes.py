@@ -39,16 +39,26 @@ def _offline(server, prompt, params: SamplingParams):
 
 def test_loglikelihood_request_scores_the_continuation(server):
     context, continuation = [5, 17, 29, 41, 53, 65], [77, 89, 101]
-    body = {"model": MODEL, "prompt": [context + continuation], "max_tokens": 0, "temperature": 0,
-            "logprobs": 1, "echo": True, "seed": 1234}
+    body = {
+        "model": MODEL,
+        "prompt": [context + continuation],
+        "max_tokens": 0,
+        "temperature": 0,
+        "logprobs": 1,
+        "echo": True,
+        "seed": 1234,
+    }
     resp = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     (choice,) = resp.json()["choices"]
     lp = choice["logprobs"]
     # lm-eval: sum(token_logprobs[ctxlen:]) is the log-likelihood; is_greedy compares top_logprobs' argmax.
     assert len(lp["token_logprobs"]) == len(context) + len(continuation)
-    oracle = _offline(server, {"prompt_token_ids": context + continuation},
-                      SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0))
+    oracle = _offline(
+        server,
+        {"prompt_token_ids": context + continuation},
+        SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0),
+    )
     expected = [oracle.prompt_logprobs[i][t].logprob for i, t in enumerate(context + continuation) if i > 0]
     assert lp["token_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
@@ -64,7 +74,7 @@ def test_loglikelihood_request_scores_the_continuation(server):
 def test_greedy_until_request_stops_at_the_stop_sequence(server):
     prompt = "The for statement"
     full = _offline(server, prompt, SamplingParams(max_tokens=24, temperature=0.0)).outputs[0].text
-    stop = full[len(full) // 2: len(full) // 2 + 2]  # a sequence the greedy text contains
+    stop = full[len(full) // 2 : len(full) // 2 + 2]  # a sequence the greedy text contains
     assert stop.strip(), f"degenerate greedy text {full!r}"
     body = {"model": MODEL, "prompt": [prompt], "max_tokens": 24, "temperature": 0, "stop": [stop], "seed": 1234}
     resp = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)

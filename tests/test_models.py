@@ -198,7 +198,6 @@ def test_model_exposes_attention_layers_in_order():
     assert layers[0] is model.model.layers[0].self_attn.attn
 
 
-
 def test_unsupported_rope_type_is_a_value_error_naming_supported_types():
     from vllm_lite.worker.models.layers import RotaryEmbedding
 

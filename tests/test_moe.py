@@ -109,8 +109,9 @@ def test_no_tokens_and_one_token_batches() -> None:
     _load_per_expert(layer, w1, w3, w2)
     assert layer(torch.empty(0, H), torch.empty(0, E)).shape == (0, H)
     x = torch.randn(1, H)
-    torch.testing.assert_close(layer(x, x @ gate_w.T).double(), _naive_moe(x, x @ gate_w.T, w1, w3, w2, K, True),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        layer(x, x @ gate_w.T).double(), _naive_moe(x, x @ gate_w.T, w1, w3, w2, K, True), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("tp", [2, 3])
@@ -136,9 +137,15 @@ def test_checkpoint_layouts_stack_into_the_same_fused_tensors() -> None:
     """Mixtral's w1/w3/w2, Qwen's gate/up/down_proj and transformers' fused gate_up_proj/down_proj."""
     _, w1, w3, w2 = _weights(5)
     assert expert_shard("model.layers.2.block_sparse_moe.experts.3.w3.weight") == (
-        "model.layers.2.block_sparse_moe.experts", "w13_weight", (3, "up"))
+        "model.layers.2.block_sparse_moe.experts",
+        "w13_weight",
+        (3, "up"),
+    )
     assert expert_shard("model.layers.0.mlp.experts.1.down_proj.weight") == (
-        "model.layers.0.mlp.experts", "w2_weight", (1, "down"))
+        "model.layers.0.mlp.experts",
+        "w2_weight",
+        (1, "down"),
+    )
     assert expert_shard("model.layers.0.mlp.gate_proj.weight") is None  # a dense MLP, not an expert
     per_expert = FusedMoE(E, K, H, I, True)
     _load_per_expert(per_expert, w1, w3, w2)
@@ -152,15 +159,22 @@ def test_checkpoint_layouts_stack_into_the_same_fused_tensors() -> None:
     assert half.loaded_params() == set(), "one expert's gate is not a loaded w13_weight"
 
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="package 'triton' is not installed")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="package 'triton' is not installed"
+)
 
 
 @needs_triton
 def test_triton_grouped_kernel_in_the_interpreter_matches_the_torch_path() -> None:
     """The CUDA kernel's logic on CPU: TRITON_INTERPRET=1 only in a subprocess's environment."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "vllm_lite.testing.moe_triton_check", "--device", "cpu"],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_lite.testing.moe_triton_check", "--device", "cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"the driver printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
     results = json.loads(lines[-1])["results"]
@@ -186,15 +200,37 @@ def test_triton_grouped_kernel_compiles_for_sm90_ahead_of_time(dtype: str) -> No
 
     from vllm_lite.worker.models import fused_moe_triton
 
-    sig = {"a_ptr": "*" + dtype, "w_ptr": "*" + dtype, "c_ptr": "*fp32", "sorted_pairs_ptr": "*i64",
-           "block_expert_ptr": "*i64", "pair_weight_ptr": "*fp32"}
-    sig.update({n: "i32" for n in ("num_pairs", "n_out", "k_in", "top_k", "stride_am", "stride_we", "stride_wn",
-                                   "stride_wk", "stride_cm")})
+    sig = {
+        "a_ptr": "*" + dtype,
+        "w_ptr": "*" + dtype,
+        "c_ptr": "*fp32",
+        "sorted_pairs_ptr": "*i64",
+        "block_expert_ptr": "*i64",
+        "pair_weight_ptr": "*fp32",
+    }
+    sig.update(
+        {
+            n: "i32"
+            for n in (
+                "num_pairs",
+                "n_out",
+                "k_in",
+                "top_k",
+                "stride_am",
+                "stride_we",
+                "stride_wn",
+                "stride_wk",
+                "stride_cm",
+            )
+        }
+    )
     consts = dict(A_BY_TOKEN=True, SCALE=True, IEEE=dtype == "fp32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)
     sig.update({n: "constexpr" for n in consts})
     try:
-        kernel = triton.compile(ASTSource(fn=fused_moe_triton._expert_gemm, signature=sig, constexprs=consts),
-                                target=GPUTarget("cuda", 90, 32))
+        kernel = triton.compile(
+            ASTSource(fn=fused_moe_triton._expert_gemm, signature=sig, constexprs=consts),
+            target=GPUTarget("cuda", 90, 32),
+        )
     except (ImportError, FileNotFoundError) as e:  # a Triton build without the CUDA backend or its ptxas
         pytest.skip(f"this Triton cannot compile for CUDA here: {e}")
     assert kernel.asm["cubin"]
@@ -204,8 +240,15 @@ def test_triton_grouped_kernel_compiles_for_sm90_ahead_of_time(dtype: str) -> No
 def test_greedy_float32_matches_hf_with_prefix_caching(arch: str, monkeypatch) -> None:
     hits = record_prefix_hits(monkeypatch)
     path = get_checkpoint(arch)
-    with LLM(model=path, dtype="float32", multiprocess=False, block_size=8, max_model_len=256,
-             max_num_batched_tokens=32, enable_prefix_caching=True) as llm:
+    with LLM(
+        model=path,
+        dtype="float32",
+        multiprocess=False,
+        block_size=8,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+    ) as llm:
         prompts = greedy_prompts(llm.get_tokenizer(), (9, 40, 70))
         first = generate_greedy(llm, prompts, NEW_TOKENS)
         hits.clear()

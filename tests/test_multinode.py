@@ -39,8 +39,15 @@ def _node0_engine(rendezvous: socket.socket, **kw: Any) -> Any:
     from vllm_lite.client.llm_engine import LLMEngine
     from vllm_lite.config import EngineArgs
 
-    config = EngineArgs(tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
-                        master_port=rendezvous.getsockname()[1], **kw, **ENGINE_KW).create_engine_config()
+    config = EngineArgs(
+        tensor_parallel_size=2,
+        nnodes=2,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=rendezvous.getsockname()[1],
+        **kw,
+        **ENGINE_KW,
+    ).create_engine_config()
     config.parallel_config.master_listen_fd = rendezvous.fileno()
     return LLMEngine(config)
 
@@ -72,9 +79,24 @@ def test_two_loopback_nodes_give_the_same_greedy_outputs_as_one_device():
     port = rendezvous.getsockname()[1]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     node1 = subprocess.Popen(
-        _worker_cmd("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                    "--master-port", str(port), "--tensor-parallel-size", "2", "--connect-timeout", "120"),
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        _worker_cmd(
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--tensor-parallel-size",
+            "2",
+            "--connect-timeout",
+            "120",
+        ),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         engine = _node0_engine(rendezvous, model=path)
@@ -95,8 +117,12 @@ def test_two_loopback_nodes_give_the_same_greedy_outputs_as_one_device():
 
 
 def test_worker_node_rejects_bad_multinode_flags_with_a_clear_error():
-    res = subprocess.run(_worker_cmd("--nnodes", "2", "--node-rank", "0", "--master-port", "29500"),
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        _worker_cmd("--nnodes", "2", "--node-rank", "0", "--master-port", "29500"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2
     assert "--node-rank must be in [1, 2)" in res.stderr
 
@@ -116,9 +142,19 @@ def test_killing_the_remote_nodes_rank_gives_engine_dead_error():
 
     rendezvous = _rendezvous_socket()
     node1 = subprocess.Popen(
-        _worker_cmd("--nnodes", "2", "--node-rank", "1", "--master-port", str(rendezvous.getsockname()[1]),
-                    "--connect-timeout", "120"),
-        env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        _worker_cmd(
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-port",
+            str(rendezvous.getsockname()[1]),
+            "--connect-timeout",
+            "120",
+        ),
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     engine = None
     try:

@@ -44,8 +44,15 @@ def _generate(llm: LLM, prompts: list[list[int]]):
 def test_greedy_float32_matches_hf_past_the_window_with_prefix_caching(arch: str, prefix_hits: list[int]) -> None:
     """Chunked prefills mixed with decodes, then the same prompts again from the prefix cache."""
     path = get_checkpoint(arch)
-    with LLM(model=path, dtype="float32", multiprocess=False, block_size=8, max_model_len=256,
-             max_num_batched_tokens=32, enable_prefix_caching=True) as llm:
+    with LLM(
+        model=path,
+        dtype="float32",
+        multiprocess=False,
+        block_size=8,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+    ) as llm:
         prompts = greedy_prompts(llm.get_tokenizer(), PROMPT_LENS)
         first = _generate(llm, prompts)
         prefix_hits.clear()
@@ -85,10 +92,18 @@ def test_which_layers_are_windowed_follows_transformers() -> None:
     assert layer_sliding_windows(qwen2) == [None, w, w] and uniform_sliding_window(qwen2) is None
     assert layer_sliding_windows(gemma2) == [w, None, w, None] and uniform_sliding_window(gemma2) is None
     # The same answers from the raw config.json dicts the scheduler reads, without layer_types.
-    assert layer_sliding_windows({"model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": w,
-                                  "use_sliding_window": True, "max_window_layers": 2}) == [None, None, w]
-    assert layer_sliding_windows({"model_type": "qwen2", "num_hidden_layers": 2, "sliding_window": w,
-                                  "use_sliding_window": False}) == [None, None]
+    assert layer_sliding_windows(
+        {
+            "model_type": "qwen2",
+            "num_hidden_layers": 3,
+            "sliding_window": w,
+            "use_sliding_window": True,
+            "max_window_layers": 2,
+        }
+    ) == [None, None, w]
+    assert layer_sliding_windows(
+        {"model_type": "qwen2", "num_hidden_layers": 2, "sliding_window": w, "use_sliding_window": False}
+    ) == [None, None]
     assert layer_sliding_windows({"model_type": "gemma2", "num_hidden_layers": 3, "sliding_window": w}) == [w, None, w]
     assert uniform_sliding_window({"model_type": "llama", "num_hidden_layers": 2}) is None
 
@@ -110,8 +125,15 @@ def test_blocks_in_use_per_sequence_stay_within_the_window(monkeypatch) -> None:
         return out
 
     monkeypatch.setattr(Scheduler, "schedule", recording)
-    with LLM(model=path, dtype="float32", multiprocess=False, block_size=block_size, max_model_len=256,
-             max_num_batched_tokens=budget, enable_prefix_caching=True) as llm:
+    with LLM(
+        model=path,
+        dtype="float32",
+        multiprocess=False,
+        block_size=block_size,
+        max_model_len=256,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=True,
+    ) as llm:
         prompts = greedy_prompts(llm.get_tokenizer(), (70, 40))
         outs = _generate(llm, prompts)
         assert llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.sliding_window == TINY_WINDOW
@@ -127,8 +149,16 @@ def test_prefix_hit_after_out_of_window_blocks_were_freed_and_evicted(prefix_hit
     path = get_checkpoint("mistral_sw")
     # 40 blocks of 4 tokens: K and V, 3 layers x 2 KV heads x 16 dims in float32 per token.
     per_block = 2 * 4 * 3 * 2 * 16 * 4
-    with LLM(model=path, dtype="float32", multiprocess=False, block_size=4, max_model_len=128,
-             max_num_batched_tokens=16, enable_prefix_caching=True, kv_cache_memory_bytes=per_block * 40) as llm:
+    with LLM(
+        model=path,
+        dtype="float32",
+        multiprocess=False,
+        block_size=4,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=per_block * 40,
+    ) as llm:
         kv = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
         assert kv.num_total_blocks < 45
         tok = llm.get_tokenizer()
@@ -161,9 +191,15 @@ def test_phi3_long_context_rope_is_refused_clearly() -> None:
 
     from vllm_lite.worker.models.phi3 import Phi3ForCausalLM
 
-    cfg = Phi3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                     max_position_embeddings=4096, original_max_position_embeddings=1024,
-                     rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
+    cfg = Phi3Config(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=4096,
+        original_max_position_embeddings=1024,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+    )
     with pytest.raises(ValueError, match="longrope"):
         Phi3ForCausalLM(cfg)
 
@@ -176,9 +212,18 @@ def test_windowed_model_under_preemption_matches_hf(mode: str, monkeypatch) -> N
     path = get_checkpoint("mistral_sw")
     per_block = 2 * 4 * 3 * 2 * 16 * 4  # K and V, 3 layers x 2 KV heads x 16 dims, float32, 4 tokens
     # Decodes free a block behind the window as often as they open one: long prefill chunks make the pressure.
-    with LLM(model=path, dtype="float32", multiprocess=False, block_size=4, max_model_len=96,
-             max_num_batched_tokens=32, enable_prefix_caching=False, preemption_mode=mode,
-             kv_cache_memory_bytes=per_block * 26, swap_space=per_block * 200 / (1 << 30)) as llm:
+    with LLM(
+        model=path,
+        dtype="float32",
+        multiprocess=False,
+        block_size=4,
+        max_model_len=96,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+        preemption_mode=mode,
+        kv_cache_memory_bytes=per_block * 26,
+        swap_space=per_block * 200 / (1 << 30),
+    ) as llm:
         prompts = greedy_prompts(llm.get_tokenizer(), (70, 66, 60, 48, 72, 52, 64, 58))
         outs = _generate(llm, prompts)
     assert preempted, "eight windowed requests in 25 blocks should preempt one another"

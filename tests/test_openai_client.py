@@ -135,8 +135,9 @@ def test_stop_string_truncates_the_text_and_reports_it(client: openai.OpenAI, re
     stop = full.strip()[len(full.strip()) // 2 :][:2]
     assert stop and stop.strip(), f"reference text too short: {full!r}"
     expected = full[: full.find(stop)]
-    kwargs = dict(model=MODEL, prompt=PROMPTS[2], temperature=0, max_tokens=12, stop=[stop],
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL, prompt=PROMPTS[2], temperature=0, max_tokens=12, stop=[stop], extra_body={"ignore_eos": True}
+    )
     if stream:
         chunks = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
         text = "".join(c.choices[0].text for c in chunks)
@@ -151,9 +152,18 @@ def test_stop_string_truncates_the_text_and_reports_it(client: openai.OpenAI, re
 # ---------------------------------------------------------------------------- n, logprobs
 
 
-def test_n2_seeded_sampling_gives_two_different_samples_equal_to_offline(client: openai.OpenAI, reference: dict) -> None:
-    kwargs = dict(model=MODEL, prompt="Once", n=2, temperature=1.0, seed=7, max_tokens=8,
-                  extra_body={"ignore_eos": True, "return_token_ids": True})
+def test_n2_seeded_sampling_gives_two_different_samples_equal_to_offline(
+    client: openai.OpenAI, reference: dict
+) -> None:
+    kwargs = dict(
+        model=MODEL,
+        prompt="Once",
+        n=2,
+        temperature=1.0,
+        seed=7,
+        max_tokens=8,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     resp = client.completions.create(**kwargs)
     assert [c.index for c in resp.choices] == [0, 1]
     ids = [c.model_extra["token_ids"] for c in resp.choices]
@@ -162,8 +172,9 @@ def test_n2_seeded_sampling_gives_two_different_samples_equal_to_offline(client:
     assert resp.usage.completion_tokens == 16
     again = client.completions.create(**kwargs)
     assert [c.model_extra["token_ids"] for c in again.choices] == ids  # seeded: reproducible
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, max_tokens=8, temperature=1.0, seed=7,
-                                          extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, n=2, max_tokens=8, temperature=1.0, seed=7, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in chat.choices] == [0, 1]
     assert [c.message.content for c in chat.choices] == reference["chat_sampled"]
     assert chat.choices[0].message.content != chat.choices[1].message.content
@@ -214,11 +225,14 @@ def test_missing_or_wrong_api_key_is_401(server: ServerThread) -> None:
     assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(temperature=-1), "temperature"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(top_p=0.0), "top_p"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_p=0.0), "top_p"),
+    ],
+)
 def test_bad_params_are_400(client: openai.OpenAI, kwargs: dict, needle: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hi", **kwargs)
@@ -244,8 +258,14 @@ def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
 def test_client_disconnect_mid_stream_aborts_the_request_and_frees_blocks(server: ServerThread) -> None:
     engine = server.engine
     total = server.call(lambda: engine.call_utility_async("get_num_total_blocks"))
-    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": MAX_MODEL_LEN - 20,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story",
+        "max_tokens": MAX_MODEL_LEN - 20,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server.base_url + "/v1/completions", json=body, headers=headers) as resp:
@@ -253,6 +273,7 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_frees_blocks(server
             lines = resp.iter_lines()
             got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
             assert got
+
     # The connection is closed with most of the 236 tokens still to go.
     def drained() -> bool:
         unfinished = server.call(lambda: engine.call_utility_async("get_num_unfinished_requests"))
@@ -274,8 +295,20 @@ def test_health_and_metrics_are_public(server: ServerThread) -> None:
 
 
 def test_killed_core_gives_503_and_the_server_exits_nonzero(ckpt: str) -> None:
-    srv = ServerProcess(["--model", ckpt, "--served-model-name", MODEL, "--dtype", "float32",
-                         "--max-model-len", str(MAX_MODEL_LEN), "--engine-dead-grace", "2"])
+    srv = ServerProcess(
+        [
+            "--model",
+            ckpt,
+            "--served-model-name",
+            MODEL,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--engine-dead-grace",
+            "2",
+        ]
+    )
     try:
         r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200
@@ -306,7 +339,9 @@ def test_api_server_attaches_to_a_running_core_and_leaves_it_running(ckpt: str, 
     addresses = CoreAddresses.from_base(base)
     args = EngineCoreArgs(
         vllm_config=encode_vllm_config(EngineArgs(model=ckpt, **ENGINE_KW).create_engine_config()),
-        input_address=addresses.input, output_address=addresses.output, auth_token="core-token",
+        input_address=addresses.input,
+        output_address=addresses.output,
+        auth_token="core-token",
     )
     core = launcher.start_child(ENGINE_CORE_MODULE, args, EngineCoreReady, name="engine-core")
     try:

@@ -49,8 +49,10 @@ def error_param(resp: httpx.Response) -> str:
 # ---------------------------------------------------------------------------- the table cannot drift
 
 
-@pytest.mark.parametrize("model, rules", [(CompletionRequest, field_support.COMPLETION_FIELDS),
-                                          (ChatCompletionRequest, field_support.CHAT_FIELDS)])
+@pytest.mark.parametrize(
+    "model, rules",
+    [(CompletionRequest, field_support.COMPLETION_FIELDS), (ChatCompletionRequest, field_support.CHAT_FIELDS)],
+)
 def test_every_schema_field_has_exactly_one_rule(model, rules):
     assert set(model.model_fields) == set(rules)
 
@@ -80,11 +82,14 @@ def test_refused_chat_field_is_400_naming_it(engine, field):
     assert error_param(post(build_app(engine, MODEL), "/v1/chat/completions", body)) == field
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "no_such_field": 1}),
-    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "no_such_field": 1}),
-    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt": "completions only"}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "no_such_field": 1}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "no_such_field": 1}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt": "completions only"}),
+    ],
+)
 def test_unknown_field_is_400_naming_it(engine, path, body):
     resp = post(build_app(engine, MODEL), path, body)
     unknown = [k for k in body if k not in ("prompt", "messages", "max_tokens")] or ["prompt"]
@@ -92,11 +97,14 @@ def test_unknown_field_is_400_naming_it(engine, path, body):
     assert "Unrecognized request argument" in resp.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("harmless", [
-    {"tools": [], "tool_choice": "none", "parallel_tool_calls": False},
-    {"response_format": {"type": "text"}, "modalities": ["text"], "use_beam_search": False},
-    {"store": False, "metadata": {"k": "v"}, "user": "u", "service_tier": "auto", "length_penalty": 1.0},
-])
+@pytest.mark.parametrize(
+    "harmless",
+    [
+        {"tools": [], "tool_choice": "none", "parallel_tool_calls": False},
+        {"response_format": {"type": "text"}, "modalities": ["text"], "use_beam_search": False},
+        {"store": False, "metadata": {"k": "v"}, "user": "u", "service_tier": "auto", "length_penalty": 1.0},
+    ],
+)
 def test_refused_fields_at_harmless_values_and_not_applicable_fields_are_accepted(engine, harmless):
     resp = post(build_app(engine, MODEL), "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **harmless})
     assert resp.status_code == 200, resp.text
@@ -106,8 +114,11 @@ def test_refused_fields_at_harmless_values_and_not_applicable_fields_are_accepte
 
 
 def test_echo_with_max_tokens_zero_returns_the_prompt_and_its_logprobs_only(engine):
-    resp = post(build_app(engine, MODEL), "/v1/completions",
-                {"prompt": "Hello world", "max_tokens": 0, "echo": True, "logprobs": 1})
+    resp = post(
+        build_app(engine, MODEL),
+        "/v1/completions",
+        {"prompt": "Hello world", "max_tokens": 0, "echo": True, "logprobs": 1},
+    )
     assert resp.status_code == 200, resp.text
     body = resp.json()
     (choice,) = body["choices"]
@@ -121,9 +132,12 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_and_its_logprobs_only(engi
 
 
 def test_echo_with_max_tokens_zero_streams_the_prompt_only(engine):
-    resp = post(build_app(engine, MODEL), "/v1/completions",
-                {"prompt": "Hello world", "max_tokens": 0, "echo": True, "stream": True})
-    chunks = [b[len("data: "):] for b in resp.text.split("\n\n") if b.strip()]
+    resp = post(
+        build_app(engine, MODEL),
+        "/v1/completions",
+        {"prompt": "Hello world", "max_tokens": 0, "echo": True, "stream": True},
+    )
+    chunks = [b[len("data: ") :] for b in resp.text.split("\n\n") if b.strip()]
     assert chunks[-1] == "[DONE]"
     import json
 
@@ -131,8 +145,11 @@ def test_echo_with_max_tokens_zero_streams_the_prompt_only(engine):
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(engine):
-    resp = post(build_app(engine, MODEL), "/v1/completions",
-                {"prompt": list(range(5, 25)), "max_tokens": 1, "truncate_prompt_tokens": 4})
+    resp = post(
+        build_app(engine, MODEL),
+        "/v1/completions",
+        {"prompt": list(range(5, 25)), "max_tokens": 1, "truncate_prompt_tokens": 4},
+    )
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["prompt_tokens"] == 4
 
@@ -147,27 +164,47 @@ def test_chat_template_flag_and_request_field_render_the_prompt(engine, tmp_path
     path = tmp_path / "t.jinja"
     path.write_text(TEMPLATE)
     app = build_app(engine, MODEL, chat_template=str(path), response_role="robot")
-    tok = request(app, "POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,
-                                                             "return_token_ids": True})
+    tok = request(
+        app, "POST", "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "return_token_ids": True}
+    )
     assert tok.status_code == 200, tok.text
     body = tok.json()
     assert engine.tokenizer.decode(body["prompt_token_ids"]) == engine.tokenizer.decode(
-        engine.tokenizer.encode("<<user:hi>>", add_special_tokens=False))
+        engine.tokenizer.encode("<<user:hi>>", add_special_tokens=False)
+    )
     assert body["choices"][0]["message"]["role"] == "robot"
-    other = request(app, "POST", "/v1/chat/completions", json={
-        "messages": CHAT, "max_tokens": 1, "return_token_ids": True, "chat_template": "[{{ messages[0]['content'] }}]"})
+    other = request(
+        app,
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": CHAT,
+            "max_tokens": 1,
+            "return_token_ids": True,
+            "chat_template": "[{{ messages[0]['content'] }}]",
+        },
+    )
     assert engine.tokenizer.decode(other.json()["prompt_token_ids"]) == engine.tokenizer.decode(
-        engine.tokenizer.encode("[hi]", add_special_tokens=False))
+        engine.tokenizer.encode("[hi]", add_special_tokens=False)
+    )
 
 
 def test_cors_preflight_is_answered_before_the_api_key(engine):
     app = build_app(engine, MODEL, api_key="k", allowed_origins=["http://ui.example"])
-    resp = request(app, "OPTIONS", "/v1/completions", headers={
-        "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
+    resp = request(
+        app,
+        "OPTIONS",
+        "/v1/completions",
+        headers={"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"},
+    )
     assert resp.status_code == 200
     assert resp.headers["access-control-allow-origin"] == "http://ui.example"
-    denied = request(app, "OPTIONS", "/v1/completions", headers={
-        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    denied = request(
+        app,
+        "OPTIONS",
+        "/v1/completions",
+        headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+    )
     assert "access-control-allow-origin" not in denied.headers
 
 
@@ -178,15 +215,43 @@ def test_server_flags_parse_with_vllm_names():
     from vllm_lite.entrypoints.openai.cli_args import check_api_server_args, make_arg_parser
 
     parser = make_arg_parser(argparse.ArgumentParser())
-    args = parser.parse_args([
-        "--model", "m", "--chat-template", "t.jinja", "--response-role", "bot", "--allowed-origins", '["http://a"]',
-        "--root-path", "/api", "--disable-log-requests", "--served-model-name", "a", "b", "--api-key", "k",
-        "--enforce-eager", "--max-logprobs", "5", "--generation-config", "vllm", "--disable-log-stats",
-        "--revision", "main", "--download-dir", "/tmp/x",
-    ])
+    args = parser.parse_args(
+        [
+            "--model",
+            "m",
+            "--chat-template",
+            "t.jinja",
+            "--response-role",
+            "bot",
+            "--allowed-origins",
+            '["http://a"]',
+            "--root-path",
+            "/api",
+            "--disable-log-requests",
+            "--served-model-name",
+            "a",
+            "b",
+            "--api-key",
+            "k",
+            "--enforce-eager",
+            "--max-logprobs",
+            "5",
+            "--generation-config",
+            "vllm",
+            "--disable-log-stats",
+            "--revision",
+            "main",
+            "--download-dir",
+            "/tmp/x",
+        ]
+    )
     opts = server_options(args)
     assert (opts["chat_template"], opts["response_role"], opts["allowed_origins"], opts["root_path"]) == (
-        "t.jinja", "bot", ["http://a"], "/api")
+        "t.jinja",
+        "bot",
+        ["http://a"],
+        "/api",
+    )
     assert opts["disable_log_requests"] and args.enforce_eager and args.max_logprobs == 5
     assert args.served_model_name == ["a", "b"] and args.api_key == "k"
     with pytest.raises(ValueError, match="--ssl-certfile"):

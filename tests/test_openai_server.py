@@ -54,7 +54,7 @@ def sse_events(resp: httpx.Response) -> list[Any]:
         if not block.strip():
             continue
         assert block.startswith("data: "), block
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -78,8 +78,9 @@ def expected_ids(engine: FakeAsyncLLM, prompt: str, n_tokens: int, j: int = 0) -
 
 def test_completion_returns_generated_text_and_usage(engine: FakeAsyncLLM) -> None:
     app = build_app(engine, MODEL)
-    resp = post(app, "/v1/completions", {"model": MODEL, "prompt": "Hello world", "max_tokens": 5,
-                                         "return_token_ids": True})
+    resp = post(
+        app, "/v1/completions", {"model": MODEL, "prompt": "Hello world", "max_tokens": 5, "return_token_ids": True}
+    )
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
@@ -100,8 +101,11 @@ def test_completion_without_model_field_uses_served_model(engine: FakeAsyncLLM) 
 def test_completion_prompt_list_and_n_index_choices_prompt_major(engine: FakeAsyncLLM) -> None:
     app = build_app(engine, MODEL)
     prompts = ["one two", "three"]
-    resp = post(app, "/v1/completions", {"prompt": prompts, "n": 2, "max_tokens": 3, "temperature": 0.8,
-                                         "return_token_ids": True})
+    resp = post(
+        app,
+        "/v1/completions",
+        {"prompt": prompts, "n": 2, "max_tokens": 3, "temperature": 0.8, "return_token_ids": True},
+    )
     assert resp.status_code == 200, resp.text
     choices = resp.json()["choices"]
     assert [c["index"] for c in choices] == list(range(4))
@@ -137,8 +141,11 @@ def test_completion_logprobs_have_openai_parallel_lists(engine: FakeAsyncLLM) ->
 
 
 def test_completion_echo_prepends_prompt_and_its_logprobs(engine: FakeAsyncLLM) -> None:
-    resp = post(build_app(engine, MODEL), "/v1/completions",
-                {"prompt": "Hello world", "max_tokens": 2, "echo": True, "logprobs": 1})
+    resp = post(
+        build_app(engine, MODEL),
+        "/v1/completions",
+        {"prompt": "Hello world", "max_tokens": 2, "echo": True, "logprobs": 1},
+    )
     assert resp.status_code == 200, resp.text
     (choice,) = resp.json()["choices"]
     gen_ids = expected_ids(engine, "Hello world", 2)
@@ -163,8 +170,13 @@ def test_completion_echo_prepends_prompt_and_its_logprobs(engine: FakeAsyncLLM) 
 
 
 def test_completion_echo_without_logprobs_streams_the_prompt_first(engine: FakeAsyncLLM) -> None:
-    events = sse_events(post(build_app(engine, MODEL), "/v1/completions",
-                             {"prompt": "Hello world", "max_tokens": 3, "echo": True, "stream": True}))
+    events = sse_events(
+        post(
+            build_app(engine, MODEL),
+            "/v1/completions",
+            {"prompt": "Hello world", "max_tokens": 3, "echo": True, "stream": True},
+        )
+    )
     assert events[-1] == "[DONE]"
     text = "".join(ev["choices"][0]["text"] for ev in events[:-1])
     assert text == "Hello world" + engine.tokenizer.decode(expected_ids(engine, "Hello world", 3))
@@ -175,7 +187,7 @@ def test_completion_best_of_reaches_the_engine_and_cannot_stream(engine: FakeAsy
     app = build_app(engine, MODEL)
     resp = post(app, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "n": 1, "best_of": 3, "temperature": 1.0})
     assert resp.status_code == 200, resp.text
-    (_, params), = engine.requests.values()
+    ((_, params),) = engine.requests.values()
     assert (params.n, params.best_of, params.num_samples) == (1, 3, 3)
     err = assert_openai_error(post(app, "/v1/completions", {"prompt": "Hi", "n": 1, "best_of": 3, "stream": True}), 400)
     assert err["param"] == "best_of"
@@ -186,8 +198,14 @@ def test_completion_best_of_reaches_the_engine_and_cannot_stream(engine: FakeAsy
 
 def test_completion_stream_deltas_join_to_full_text_and_usage_comes_last(engine: FakeAsyncLLM) -> None:
     app = build_app(engine, MODEL)
-    body = {"prompt": "Hello", "max_tokens": 6, "n": 2, "stream": True, "temperature": 0.7,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "Hello",
+        "max_tokens": 6,
+        "n": 2,
+        "stream": True,
+        "temperature": 0.7,
+        "stream_options": {"include_usage": True},
+    }
     resp = post(app, "/v1/completions", body)
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-type"].startswith("text/event-stream")
@@ -209,8 +227,9 @@ def test_completion_stream_deltas_join_to_full_text_and_usage_comes_last(engine:
 
 
 def test_completion_stream_without_include_usage_has_no_usage_chunk(engine: FakeAsyncLLM) -> None:
-    events = sse_events(post(build_app(engine, MODEL), "/v1/completions",
-                             {"prompt": "Hello", "max_tokens": 3, "stream": True}))
+    events = sse_events(
+        post(build_app(engine, MODEL), "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True})
+    )
     assert events[-1] == "[DONE]"
     assert all(ev["choices"] for ev in events[:-1])
 
@@ -220,13 +239,16 @@ def test_completion_stream_without_include_usage_has_no_usage_chunk(engine: Fake
 
 def test_chat_completion_renders_template_and_returns_assistant_message(engine: FakeAsyncLLM) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    resp = post(build_app(engine, MODEL), "/v1/chat/completions",
-                {"model": MODEL, "messages": messages, "max_completion_tokens": 4})
+    resp = post(
+        build_app(engine, MODEL),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": messages, "max_completion_tokens": 4},
+    )
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     rendered = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    (prompt, params), = engine.requests.values()
+    ((prompt, params),) = engine.requests.values()
     assert prompt["prompt"] == rendered
     assert prompt["prompt_token_ids"] == engine.tokenizer.encode(rendered, add_special_tokens=False)
     assert params.max_tokens == 4
@@ -239,8 +261,11 @@ def test_chat_completion_renders_template_and_returns_assistant_message(engine: 
 
 def test_chat_content_parts_are_joined(engine: FakeAsyncLLM) -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert post(build_app(engine, MODEL), "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).status_code == 200
-    (prompt, _), = engine.requests.values()
+    assert (
+        post(build_app(engine, MODEL), "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).status_code
+        == 200
+    )
+    ((prompt, _),) = engine.requests.values()
     joined = [{"role": "user", "content": "a\nb"}]
     assert prompt["prompt"] == engine.tokenizer.apply_chat_template(joined, tokenize=False, add_generation_prompt=True)
 
@@ -253,19 +278,25 @@ def test_chat_image_content_part_is_400(engine: FakeAsyncLLM) -> None:
 
 def test_chat_default_max_tokens_is_rest_of_context(engine: FakeAsyncLLM) -> None:
     post(build_app(engine, MODEL), "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
-    (prompt, params), = engine.requests.values()
+    ((prompt, params),) = engine.requests.values()
     assert params.max_tokens == 128 - len(prompt["prompt_token_ids"])
 
 
 def test_chat_stream_role_first_then_content_then_usage(engine: FakeAsyncLLM) -> None:
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "n": 2, "stream": True,
-            "temperature": 0.5, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 5,
+        "n": 2,
+        "stream": True,
+        "temperature": 0.5,
+        "stream_options": {"include_usage": True},
+    }
     events = sse_events(post(build_app(engine, MODEL), "/v1/chat/completions", body))
     assert events[-1] == "[DONE]"
     assert [ev["choices"][0]["delta"] for ev in events[:2]] == [{"role": "assistant", "content": ""}] * 2
     assert sorted(ev["choices"][0]["index"] for ev in events[:2]) == [0, 1]
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 10
-    (prompt, _), = engine.requests.values()
+    ((prompt, _),) = engine.requests.values()
     for j in (0, 1):
         text = "".join(ev["choices"][0]["delta"]["content"] for ev in events[2:-2] if ev["choices"][0]["index"] == j)
         assert text == engine.tokenizer.decode([fake_token(prompt["prompt_token_ids"], k, j) for k in range(5)])
@@ -317,8 +348,11 @@ def test_bad_completion_params_are_400_with_openai_error_shape(engine: FakeAsync
 
 
 def test_bad_chat_params_are_400(engine: FakeAsyncLLM) -> None:
-    resp = post(build_app(engine, MODEL), "/v1/chat/completions",
-                {"messages": [{"role": "user", "content": "Hi"}], "temperature": -1, "stream": True})
+    resp = post(
+        build_app(engine, MODEL),
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "temperature": -1, "stream": True},
+    )
     assert "temperature" in assert_openai_error(resp, 400)["message"]
 
 
@@ -340,8 +374,10 @@ def test_too_long_prompt_is_400_and_names_the_lengths(engine: FakeAsyncLLM) -> N
 
 def test_unknown_model_is_404(engine: FakeAsyncLLM) -> None:
     app = build_app(engine, MODEL)
-    for path, body in [("/v1/completions", {"prompt": "x"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:
+    for path, body in [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ]:
         err = assert_openai_error(post(app, path, {"model": "gpt-17", **body}), 404)
         assert "gpt-17" in err["message"] and err["type"] == "NotFoundError"
 
@@ -408,7 +444,7 @@ def test_health_is_503_when_requests_pend_and_no_step_finishes(engine: FakeAsync
         clock.now += 4.9
         assert (await call(app, "GET", "/health")).status_code == 200  # within the limit
         clock.now += 0.2
-        stuck = (await call(app, "GET", "/health"))
+        stuck = await call(app, "GET", "/health")
         engine.step_counter += 1  # progress again
         recovered = (await call(app, "GET", "/health")).status_code
         assert "stuck" in stuck.json()["error"]["message"]
@@ -466,8 +502,9 @@ def test_models_version_tokenize_detokenize(engine: FakeAsyncLLM) -> None:
     assert tok["tokens"] == engine.tokenizer.encode("Hello world") and tok["count"] == len(tok["tokens"])
     assert tok["max_model_len"] == 128
     chat_tok = post(app, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
-    rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                                    add_generation_prompt=True)
+    rendered = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat_tok["tokens"] == engine.tokenizer.encode(rendered, add_special_tokens=False)
     detok = post(app, "/detokenize", {"tokens": tok["tokens"][1:]}).json()
     assert detok["prompt"] == "Hello world"
@@ -498,14 +535,30 @@ def test_metrics_count_tokens_finish_reasons_and_engine_gauges(engine: FakeAsync
 
 
 def test_protocol_builds_sampling_params_with_vllm_extensions() -> None:
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_k=5, min_p=0.1,
-                                repetition_penalty=1.2, seed=3, stop=["\n"], ignore_eos=True, temperature=0.3)
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}],
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        seed=3,
+        stop=["\n"],
+        ignore_eos=True,
+        temperature=0.3,
+    )
     sp = req.build_sampling_params(max_tokens=7, logprobs=None, prompt_logprobs=None, defaults=None, stream=False)
     assert (sp.top_k, sp.min_p, sp.repetition_penalty, sp.seed, sp.stop, sp.ignore_eos, sp.max_tokens) == (
-        5, 0.1, 1.2, 3, ["\n"], True, 7)
+        5,
+        0.1,
+        1.2,
+        3,
+        ["\n"],
+        True,
+        7,
+    )
     with pytest.raises(ValueError, match="stream_options"):
         CompletionRequest(prompt="x", stream_options={"include_usage": True}).build_sampling_params(
-            max_tokens=1, logprobs=None, prompt_logprobs=None, defaults=None, stream=False)
+            max_tokens=1, logprobs=None, prompt_logprobs=None, defaults=None, stream=False
+        )
 
 
 # ---------------------------------------------------------------------------- a real uvicorn, still model-free
@@ -517,14 +570,19 @@ def test_live_server_disconnect_while_queued_aborts_the_request(ckpt: str) -> No
         for stream in (True, False):
             before = len(srv.engine.aborted)
             body = json.dumps({"prompt": "Hi", "max_tokens": 5, "stream": stream}).encode()
-            head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                    f"Content-Length: {len(body)}\r\n\r\n").encode()
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
             # A raw connection, closed only once the request is known to be in the engine.
             with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as conn:
                 conn.sendall(head + body)
                 wait_until(lambda: srv.engine.running, 30, "the request reaches the engine")
-            wait_until(lambda before=before: len(srv.engine.aborted) > before and not srv.engine.running, 30,
-                       "the server aborts the request of the client that left")
+            wait_until(
+                lambda before=before: len(srv.engine.aborted) > before and not srv.engine.running,
+                30,
+                "the server aborts the request of the client that left",
+            )
     finally:
         srv.stop()
 
@@ -540,8 +598,23 @@ def test_vllm_lite_cli_has_api_server_subcommand_with_engine_args(ckpt: str) -> 
     from vllm_lite.entrypoints.openai.cli_args import engine_args_from_cli
 
     parser, by_name = build_parser()
-    args = parser.parse_args(["api-server", "--model", ckpt, "--port", "9123", "--api-key", "k",
-                              "--served-model-name", "a", "b", "--max-model-len", "64", "--no-enable-prefix-caching"])
+    args = parser.parse_args(
+        [
+            "api-server",
+            "--model",
+            ckpt,
+            "--port",
+            "9123",
+            "--api-key",
+            "k",
+            "--served-model-name",
+            "a",
+            "b",
+            "--max-model-len",
+            "64",
+            "--no-enable-prefix-caching",
+        ]
+    )
     run_api_server = by_name["api-server"].run
     assert args.func == run_api_server
     assert (args.port, args.api_key, args.served_model_name) == (9123, "k", ["a", "b"])

@@ -151,7 +151,12 @@ def _lp_tensors(rows: list[tuple[int, float, int, list[tuple[int, float]]]]) -> 
 
 
 def test_logprobs_become_dicts_trimmed_to_request_and_decoded(tokenizer):
-    a, b, c, d = ids_of(tokenizer, "a")[0], ids_of(tokenizer, "b")[0], ids_of(tokenizer, "c")[0], ids_of(tokenizer, "d")[0]
+    a, b, c, d = (
+        ids_of(tokenizer, "a")[0],
+        ids_of(tokenizer, "b")[0],
+        ids_of(tokenizer, "c")[0],
+        ids_of(tokenizer, "d")[0],
+    )
     proc = OutputProcessor(tokenizer)
     proc.add_request(make_request(tokenizer, logprobs=1, output_kind=FINAL), None)
     # The batch computed 3 candidates; this request asked for 1.
@@ -176,7 +181,11 @@ def test_delta_logprobs_come_per_piece(tokenizer):
     proc.add_request(make_request(tokenizer, logprobs=0, output_kind=DELTA), None)
     r1 = proc.process_outputs([EngineCoreOutput("r0", [a], new_logprobs=_lp_tensors([(a, -1.0, 2, [(b, -0.4)])]))])
     r2 = proc.process_outputs(
-        [EngineCoreOutput("r0", [b], new_logprobs=_lp_tensors([(b, -0.2, 1, [(b, -0.2)])]), finish_reason=FinishReason.LENGTH)]
+        [
+            EngineCoreOutput(
+                "r0", [b], new_logprobs=_lp_tensors([(b, -0.2, 1, [(b, -0.2)])]), finish_reason=FinishReason.LENGTH
+            )
+        ]
     )
     o1, o2 = r1.request_outputs[0].outputs[0], r2.request_outputs[0].outputs[0]
     assert [list(d) for d in o1.logprobs] == [[a]] and [list(d) for d in o2.logprobs] == [[b]]
@@ -191,9 +200,18 @@ def test_prompt_logprobs_start_with_none_and_accumulate_over_chunks(tokenizer):
     rows = [(p[i], -float(i), i, [(p[0], -0.01)]) for i in range(1, len(p))]
     half = len(rows) // 2
     # Chunked prefill: prompt logprobs arrive in two pieces, the second with the first token.
-    assert proc.process_outputs([EngineCoreOutput("r0", [], new_prompt_logprobs_tensors=_lp_tensors(rows[:half]))]).request_outputs == []
+    assert (
+        proc.process_outputs(
+            [EngineCoreOutput("r0", [], new_prompt_logprobs_tensors=_lp_tensors(rows[:half]))]
+        ).request_outputs
+        == []
+    )
     res = proc.process_outputs(
-        [EngineCoreOutput("r0", [5], new_prompt_logprobs_tensors=_lp_tensors(rows[half:]), finish_reason=FinishReason.LENGTH)]
+        [
+            EngineCoreOutput(
+                "r0", [5], new_prompt_logprobs_tensors=_lp_tensors(rows[half:]), finish_reason=FinishReason.LENGTH
+            )
+        ]
     )
     pl = res.request_outputs[0].prompt_logprobs
     assert len(pl) == len(p) and pl[0] is None
@@ -232,7 +250,9 @@ def test_n_gt_1_final_only_returns_once_all_children_finished_sorted(tokenizer):
     order = ["2_p", "0_p", "1_p"]
     emitted = []
     for cid in order:
-        res = proc.process_outputs([EngineCoreOutput(cid, ids_of(tokenizer, texts[cid]), finish_reason=FinishReason.LENGTH)])
+        res = proc.process_outputs(
+            [EngineCoreOutput(cid, ids_of(tokenizer, texts[cid]), finish_reason=FinishReason.LENGTH)]
+        )
         emitted += res.request_outputs
     assert len(emitted) == 1
     ro = emitted[0]
@@ -346,7 +366,9 @@ def test_collector_merges_deltas_when_consumer_is_slow(tokenizer):
     proc.add_request(make_request(tokenizer, output_kind=DELTA), None, queue=q)
     ids = ids_of(tokenizer, "merged text here")
     for i, t in enumerate(ids):
-        res = proc.process_outputs([EngineCoreOutput("r0", [t], finish_reason=FinishReason.LENGTH if i == len(ids) - 1 else None)])
+        res = proc.process_outputs(
+            [EngineCoreOutput("r0", [t], finish_reason=FinishReason.LENGTH if i == len(ids) - 1 else None)]
+        )
         assert res.request_outputs == []  # went to the queue
     got = q.get_nowait()
     assert got.outputs[0].text == "merged text here" and got.outputs[0].token_ids == ids and got.finished

@@ -102,7 +102,13 @@ def test_out_of_vocabulary_prompt_ids_are_rejected(proc, bad_id):
 
 @pytest.mark.parametrize(
     "prompt, exc",
-    [(3.5, TypeError), ([1, "x"], TypeError), ([1, True], TypeError), ({"text": "x"}, ValueError), ({"prompt": 5}, TypeError)],
+    [
+        (3.5, TypeError),
+        ([1, "x"], TypeError),
+        ([1, True], TypeError),
+        ({"text": "x"}, ValueError),
+        ({"prompt": 5}, TypeError),
+    ],
 )
 def test_malformed_prompts_are_rejected(proc, prompt, exc):
     with pytest.raises(exc, match="prompt"):
@@ -154,7 +160,14 @@ def test_generation_config_eos_ids_become_stop_ids_except_tokenizer_eos(tokenize
 
 
 def test_default_sampling_params_come_from_generation_config(tokenizer, tmp_path):
-    gen = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 64, "do_sample": True}
+    gen = {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "repetition_penalty": 1.1,
+        "max_new_tokens": 64,
+        "do_sample": True,
+    }
     proc = make_processor(tokenizer, str(tmp_path), gen)
     p = proc.get_default_sampling_params()
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.6, 0.9, 20, 1.1, 64)

@@ -533,16 +533,30 @@ def test_engine_seeded_sampling_is_batch_invariant_and_features_apply_end_to_end
         alone = llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].token_ids
         crowd_prompts = [{"prompt_token_ids": [i + 3, i + 11, 2 * i + 1]} for i in range(6)]
         crowd_params = [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)] * 6
-        outs = llm.generate([*crowd_prompts[:3], prompt, *crowd_prompts[3:]], [*crowd_params[:3], seeded, *crowd_params[3:]], use_tqdm=False)
+        outs = llm.generate(
+            [*crowd_prompts[:3], prompt, *crowd_prompts[3:]],
+            [*crowd_params[:3], seeded, *crowd_params[3:]],
+            use_tqdm=False,
+        )
         assert outs[3].outputs[0].token_ids == alone
         assert llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].token_ids == alone
 
         allowed = [10, 20, 30]
-        out = llm.generate(prompt, SamplingParams(temperature=1.0, allowed_token_ids=allowed, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        out = llm.generate(
+            prompt,
+            SamplingParams(temperature=1.0, allowed_token_ids=allowed, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
         assert set(out[0].outputs[0].token_ids) <= set(allowed)
-        out = llm.generate(prompt, SamplingParams(temperature=1.0, logit_bias={33: 100.0}, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        out = llm.generate(
+            prompt,
+            SamplingParams(temperature=1.0, logit_bias={33: 100.0}, max_tokens=6, ignore_eos=True),
+            use_tqdm=False,
+        )
         assert out[0].outputs[0].token_ids == [33] * 6
-        greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False)[0].outputs[0]
+        greedy = llm.generate(
+            prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False
+        )[0].outputs[0]
         bad_tok = greedy.token_ids[0]
         banned = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={bad_tok: -100.0})
         assert llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0].token_ids[0] != bad_tok

@@ -172,8 +172,11 @@ def _greedy_text_and_bounds(llm, prompt: str) -> tuple[str, list[int]]:
 def test_stop_string_cuts_at_the_right_character_with_and_without_include(llm) -> None:
     text, bounds = _greedy_text_and_bounds(llm, PROMPTS[0])
     # A stop string inside one token's text, whose first occurrence is in the middle of the output.
-    k = next(i for i in range(3, len(bounds)) if bounds[i] - bounds[i - 1] >= 3
-             and text.find(text[bounds[i - 1] + 1 : bounds[i]]) == bounds[i - 1] + 1)
+    k = next(
+        i
+        for i in range(3, len(bounds))
+        if bounds[i] - bounds[i - 1] >= 3 and text.find(text[bounds[i - 1] + 1 : bounds[i]]) == bounds[i - 1] + 1
+    )
     at = bounds[k - 1] + 1
     stop = text[at : bounds[k]]
     out = _gen(llm, PROMPTS[0], max_tokens=24, stop=[stop], **GREEDY)
@@ -191,9 +194,13 @@ def test_stop_string_cuts_at_the_right_character_with_and_without_include(llm) -
 def test_stop_string_split_across_tokens_is_found(llm) -> None:
     text, bounds = _greedy_text_and_bounds(llm, PROMPTS[0])
     # Last 2 characters of token k + first 2 of token k + 1, first occurring exactly there.
-    k = next(i for i in range(2, len(bounds) - 1)
-             if bounds[i] - bounds[i - 1] >= 2 and bounds[i + 1] - bounds[i] >= 2
-             and text.find(text[bounds[i] - 2 : bounds[i] + 2]) == bounds[i] - 2)
+    k = next(
+        i
+        for i in range(2, len(bounds) - 1)
+        if bounds[i] - bounds[i - 1] >= 2
+        and bounds[i + 1] - bounds[i] >= 2
+        and text.find(text[bounds[i] - 2 : bounds[i] + 2]) == bounds[i] - 2
+    )
     stop = text[bounds[k] - 2 : bounds[k] + 2]
     at = bounds[k] - 2
     out = _gen(llm, PROMPTS[0], max_tokens=24, stop=[stop], **GREEDY)
@@ -278,7 +285,10 @@ def test_seeded_n3_is_the_same_in_other_processes_with_and_without_a_core_proces
     for multiprocess in ("1", "0"):
         res = subprocess.run(
             [sys.executable, str(script), path, multiprocess, PROMPTS[0], json.dumps(kw)],
-            capture_output=True, text=True, timeout=300, env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
         )
         assert res.returncode == 0, res.stderr[-2000:]
         assert json.loads(res.stdout.strip().splitlines()[-1]) == here, f"multiprocess={multiprocess}"
@@ -295,8 +305,9 @@ def test_greedy_float32_is_the_same_at_batch_sizes_1_7_and_64(llm) -> None:
 
 # ---------------------------------------------------------------------- penalties, against HF's logits
 @torch.no_grad()
-def _reference_greedy_with_penalties(hf, prompt: list[int], n: int, presence: float, frequency: float,
-                                     repetition: float) -> list[int]:
+def _reference_greedy_with_penalties(
+    hf, prompt: list[int], n: int, presence: float, frequency: float, repetition: float
+) -> list[int]:
     """Greedy decoding of HF's logits with vLLM's penalty rules applied by hand (one token at a time)."""
     out: list[int] = []
     for _ in range(n):
@@ -316,8 +327,15 @@ def _reference_greedy_with_penalties(hf, prompt: list[int], n: int, presence: fl
 def test_penalties_match_a_reference_on_hf_logits(llm, hf, presence, frequency, repetition) -> None:
     for prompt in PROMPTS[::2]:
         ids = _ids(llm, prompt)
-        got = _gen(llm, prompt, max_tokens=12, presence_penalty=presence, frequency_penalty=frequency,
-                   repetition_penalty=repetition, **GREEDY).token_ids
+        got = _gen(
+            llm,
+            prompt,
+            max_tokens=12,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            **GREEDY,
+        ).token_ids
         assert got == _reference_greedy_with_penalties(hf, ids, 12, presence, frequency, repetition)
 
 

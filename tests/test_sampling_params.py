@@ -73,8 +73,17 @@ def test_non_finite_numbers_raise_value_error(field: str, value: float) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", "0.5"), ("top_p", None), ("top_k", 2.5), ("n", True), ("seed", 1.0), ("max_tokens", "8"),
-     ("stop_token_ids", 5), ("allowed_token_ids", (1, 2)), ("logit_bias", [(1, 2.0)])],
+    [
+        ("temperature", "0.5"),
+        ("top_p", None),
+        ("top_k", 2.5),
+        ("n", True),
+        ("seed", 1.0),
+        ("max_tokens", "8"),
+        ("stop_token_ids", 5),
+        ("allowed_token_ids", (1, 2)),
+        ("logit_bias", [(1, 2.0)]),
+    ],
 )
 def test_wrong_types_raise_type_error_naming_field(field: str, value: Any) -> None:
     with pytest.raises(TypeError, match=field):

@@ -33,8 +33,14 @@ def make_request(
     tokens = list(range(start, start + prompt)) if isinstance(prompt, int) else list(prompt)
     sp.setdefault("max_tokens", 16)
     return Request(
-        rid, tokens, SamplingParams(**sp), eos, float(next(_arrivals)) if arrival is None else arrival,
-        priority=priority, client_index=client_index, cache_salt=cache_salt,
+        rid,
+        tokens,
+        SamplingParams(**sp),
+        eos,
+        float(next(_arrivals)) if arrival is None else arrival,
+        priority=priority,
+        client_index=client_index,
+        cache_salt=cache_salt,
     )
 
 
@@ -387,7 +393,9 @@ def test_stop_token_ids_stop_and_set_stop_reason():
 
 
 def test_min_tokens_defers_eos_and_stop_tokens():
-    _, got, last = _run_one(make_request("a", 3, eos=2, stop_token_ids=[3], min_tokens=3), lambda r: 2 + r.num_output_tokens % 2)
+    _, got, last = _run_one(
+        make_request("a", 3, eos=2, stop_token_ids=[3], min_tokens=3), lambda r: 2 + r.num_output_tokens % 2
+    )
     assert got == [2, 3, 2]
     assert last.finish_reason == FinishReason.STOP and last.stop_reason is None
 
@@ -567,8 +575,11 @@ def test_real_model_greedy_tokens_unchanged_by_preemption_and_prefix_hits(mode, 
 
     monkeypatch.setattr(Scheduler, "_preempt", counting)
     cramped = run(
-        preemption_mode=mode, kv_cache_memory_bytes=block_bytes * 30, max_num_batched_tokens=16,
-        enable_prefix_caching=True, swap_space=block_bytes * 40 / (1 << 30),
+        preemption_mode=mode,
+        kv_cache_memory_bytes=block_bytes * 30,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+        swap_space=block_bytes * 40 / (1 << 30),
     )
     assert cramped == reference
     assert preemptions, "the cramped run never preempted: the test lost its point"

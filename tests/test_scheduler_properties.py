@@ -51,7 +51,9 @@ class FakeWorker:
         for nr in so.scheduled_new_reqs:
             assert nr.req_id not in self.reqs, f"{nr.req_id} sent as new while in the batch"
             assert 0 not in nr.block_ids, "null block handed out"
-            self.reqs[nr.req_id] = _WorkerReq(nr.prompt_token_ids + nr.output_token_ids, list(nr.block_ids), nr.num_computed_tokens)
+            self.reqs[nr.req_id] = _WorkerReq(
+                nr.prompt_token_ids + nr.output_token_ids, list(nr.block_ids), nr.num_computed_tokens
+            )
         c = so.scheduled_cached_reqs
         for rid, new_blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             r = self.reqs[rid]
@@ -154,9 +156,15 @@ def test_random_workloads_keep_block_accounting_and_budget_and_drain(w):
     max_model_len = 32
     num_gpu_blocks = w["num_blocks"] + 1  # the cache may be smaller than max_model_len: the scheduler caps it
     cfg = make_config(
-        num_gpu_blocks=num_gpu_blocks, block_size=bs, max_num_batched_tokens=w["budget"],
-        max_num_seqs=w["max_num_seqs"], max_model_len=max_model_len, policy=w["policy"],
-        preemption_mode=w["mode"], enable_prefix_caching=w["prefix"], num_cpu_blocks=w["cpu_blocks"],
+        num_gpu_blocks=num_gpu_blocks,
+        block_size=bs,
+        max_num_batched_tokens=w["budget"],
+        max_num_seqs=w["max_num_seqs"],
+        max_model_len=max_model_len,
+        policy=w["policy"],
+        preemption_mode=w["mode"],
+        enable_prefix_caching=w["prefix"],
+        num_cpu_blocks=w["cpu_blocks"],
         long_prefill_token_threshold=w["threshold"],
     )
     s = Scheduler(cfg)
@@ -235,14 +243,20 @@ def test_generated_tokens_do_not_depend_on_budget_or_preemption(prompts, block_s
 
     def run(num_blocks: int, budget_: int, mode: str) -> dict[str, list[int]]:
         cfg = make_config(
-            num_gpu_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget_, max_model_len=32,
-            preemption_mode=mode, num_cpu_blocks=4,
+            num_gpu_blocks=num_blocks,
+            block_size=block_size,
+            max_num_batched_tokens=budget_,
+            max_model_len=32,
+            preemption_mode=mode,
+            num_cpu_blocks=4,
         )
         s = Scheduler(cfg)
         worker = FakeWorker(block_size, 999)
         got: dict[str, list[int]] = {}
         for i, n in enumerate(prompts):
-            s.add_request(Request(f"r{i}", [i * 100 + j for j in range(n)], SamplingParams(max_tokens=8), 999, float(i)))
+            s.add_request(
+                Request(f"r{i}", [i * 100 + j for j in range(n)], SamplingParams(max_tokens=8), 999, float(i))
+            )
         for _ in range(3000):
             if not s.has_unfinished_requests():
                 break

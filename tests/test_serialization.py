@@ -38,7 +38,9 @@ def _logprobs(n: int, k: int) -> LogprobsTensors:
 
 
 def test_engine_core_request_roundtrips_with_sampling_params():
-    params = SamplingParams(temperature=0.7, top_k=5, stop=["x"], logit_bias={3: 1.5}, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.7, top_k=5, stop=["x"], logit_bias={3: 1.5}, output_kind=RequestOutputKind.DELTA
+    )
     req = EngineCoreRequest("r1", [1, 2, 3], params, eos_token_id=2, arrival_time=12.5, priority=3, client_index=1)
     frames = MsgpackEncoder().encode(req)
     assert len(frames) == 1

@@ -170,7 +170,9 @@ class Frontend:
         spec = {"name": name, "address": address, "token": token, "prompts": prompts, "max_tokens": max_tokens}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", FRONTEND_SCRIPT, json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -216,8 +218,11 @@ def _attach_refused_as_shutting_down(address: str) -> bool:
 
 
 def http_complete(base_url: str, prompt: str, max_tokens: int) -> str:
-    r = httpx.post(f"{base_url}/v1/completions", timeout=60.0, json={
-        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
+    r = httpx.post(
+        f"{base_url}/v1/completions",
+        timeout=60.0,
+        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -228,8 +233,21 @@ def http_complete(base_url: str, prompt: str, max_tokens: int) -> str:
 @pytest.fixture(scope="module")
 def daemon(long_ckpt, tmp_path_factory):
     d = Daemon(
-        [long_ckpt, "--port", "0", "--auth-token", TOKEN, "--heartbeat-timeout", str(HEARTBEAT_S),
-         "--api-port", "0", "--num-threads", "1", "--shutdown-timeout", "5"],
+        [
+            long_ckpt,
+            "--port",
+            "0",
+            "--auth-token",
+            TOKEN,
+            "--heartbeat-timeout",
+            str(HEARTBEAT_S),
+            "--api-port",
+            "0",
+            "--num-threads",
+            "1",
+            "--shutdown-timeout",
+            "5",
+        ],
         str(tmp_path_factory.mktemp("serve-log") / "daemon.log"),
     )
     d.address, d.listening = d.core_line()
@@ -282,9 +300,12 @@ def test_two_python_frontends_and_http_share_the_core_each_sees_only_its_own_out
 
         # The victim's requests were aborted and every block came back (the heartbeat watch dropped it).
         wait_until(
-            lambda: probe.call_utility("get_num_unfinished_requests") == 0
-            and probe.call_utility("get_num_free_blocks") == total,
-            DEADLINE_S, "the killed frontend's blocks are freed",
+            lambda: (
+                probe.call_utility("get_num_unfinished_requests") == 0
+                and probe.call_utility("get_num_free_blocks") == total
+            ),
+            DEADLINE_S,
+            "the killed frontend's blocks are freed",
         )
         assert "victim" not in [f["name"] for f in probe.call_utility("list_frontends")]
         assert "Dropping frontend 'victim'" in daemon.log()
@@ -383,9 +404,24 @@ def test_loopback_detection():
 def test_serve_refuses_a_non_loopback_bind_without_a_token(long_ckpt):
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LITE_AUTH_TOKEN"}
     res = subprocess.run(
-        [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", long_ckpt, "--core-host", "0.0.0.0",
-         "--core-port", "0", "--headless", "--dtype", "float32"],
-        capture_output=True, text=True, timeout=60, env=env,
+        [
+            sys.executable,
+            "-m",
+            "vllm_lite.entrypoints.cli",
+            "serve",
+            long_ckpt,
+            "--core-host",
+            "0.0.0.0",
+            "--core-port",
+            "0",
+            "--headless",
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert res.returncode == 2
     assert "refusing to bind the engine core to '0.0.0.0' without an auth token" in res.stderr
@@ -396,8 +432,10 @@ def test_serve_refuses_a_non_loopback_bind_without_a_token(long_ckpt):
 
 
 def test_sigterm_drains_running_requests_aborts_past_the_timeout_and_exits_0(long_ckpt, tmp_path, reference):
-    d = Daemon([long_ckpt, "--core-port", "0", "--headless", "--num-threads", "1", "--shutdown-timeout", "3"],
-               str(tmp_path / "daemon.log"))
+    d = Daemon(
+        [long_ckpt, "--core-port", "0", "--headless", "--num-threads", "1", "--shutdown-timeout", "3"],
+        str(tmp_path / "daemon.log"),
+    )
     try:
         address, _ = d.core_line()
         eng = LLMEngine.attach(address)
@@ -412,8 +450,12 @@ def test_sigterm_drains_running_requests_aborts_past_the_timeout_and_exits_0(lon
                         d.proc.send_signal(signal.SIGTERM)
                         first = False
                         # Draining: running requests go on, but nobody new gets in.
-                        wait_until(lambda: _attach_refused_as_shutting_down(address), DEADLINE_S,
-                                   "a new frontend is refused while draining", interval_s=0.1)
+                        wait_until(
+                            lambda: _attach_refused_as_shutting_down(address),
+                            DEADLINE_S,
+                            "a new frontend is refused while draining",
+                            interval_s=0.1,
+                        )
                     if out.finished:
                         outs[out.request_id] = out
             # The short one drained to its end; the endless one was aborted at the drain deadline.
@@ -429,10 +471,13 @@ def test_sigterm_drains_running_requests_aborts_past_the_timeout_and_exits_0(lon
         d.stop()
 
 
-def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down_non_zero(long_ckpt, tmp_path,
-                                                                                           reference):
-    d = Daemon([long_ckpt, "--port", "0", "--api-port", "0", "--api-servers", "2",
-                "--num-threads", "1"], str(tmp_path / "daemon.log"))
+def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down_non_zero(
+    long_ckpt, tmp_path, reference
+):
+    d = Daemon(
+        [long_ckpt, "--port", "0", "--api-port", "0", "--api-servers", "2", "--num-threads", "1"],
+        str(tmp_path / "daemon.log"),
+    )
     try:
         address, line = d.core_line()
         base_url, api_line = d.api_url()
@@ -471,8 +516,11 @@ def test_serve_without_model_uses_the_bundled_default_on_an_ipc_address_and_sigt
         _, line = d.core_line()
         assert line.startswith(f"vllm-lite engine core listening on {address} (model {DEFAULT_MODEL_NAME}, ")
         base_url, _ = d.api_url()
-        r = httpx.post(f"{base_url}/v1/completions", timeout=60.0,
-                       json={"prompt": "The for statement", "max_tokens": 4, "temperature": 0.0})
+        r = httpx.post(
+            f"{base_url}/v1/completions",
+            timeout=60.0,
+            json={"prompt": "The for statement", "max_tokens": 4, "temperature": 0.0},
+        )
         assert r.status_code == 200 and r.json()["model"] == DEFAULT_MODEL_NAME
         with LLM(engine_address=address) as llm:
             assert len(llm.generate("Hello", greedy(3), use_tqdm=False)[0].outputs[0].token_ids) == 3
@@ -495,20 +543,27 @@ def test_killing_the_serve_process_leaves_no_core_or_frontend_behind(long_ckpt, 
         assert len(frontends) == 1
         d.proc.kill()
         d.proc.wait(10)
-        wait_until(lambda: process_gone(core_pid) and all(process_gone(p) for p in frontends), DEADLINE_S,
-                   "the orphans exit")
+        wait_until(
+            lambda: process_gone(core_pid) and all(process_gone(p) for p in frontends), DEADLINE_S, "the orphans exit"
+        )
     finally:
         d.stop()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--core-address", "tcp://127.0.0.1:7000", "--core-port", "7000"], "either --core-address or --core-host/--core-port"),
-    (["--api-port", "8000", "--api-servers", "0"], "api_servers must be a positive integer"),
-    (["--data-parallel-size", "0"], "--data-parallel-size must be at least 1"),
-    (["--address", "http://127.0.0.1:7000"], "engine address must be tcp://HOST:PORT or ipc:///PATH"),
-    (["--core-port", "65534", "--data-parallel-size", "2"], "need ports up to 65537"),
-    (["--api-port", "0", "--core-port", "0"], "old spellings of --port/--host"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--core-address", "tcp://127.0.0.1:7000", "--core-port", "7000"],
+            "either --core-address or --core-host/--core-port",
+        ),
+        (["--api-port", "8000", "--api-servers", "0"], "api_servers must be a positive integer"),
+        (["--data-parallel-size", "0"], "--data-parallel-size must be at least 1"),
+        (["--address", "http://127.0.0.1:7000"], "engine address must be tcp://HOST:PORT or ipc:///PATH"),
+        (["--core-port", "65534", "--data-parallel-size", "2"], "need ports up to 65537"),
+        (["--api-port", "0", "--core-port", "0"], "old spellings of --port/--host"),
+    ],
+)
 def test_serve_rejects_bad_flags_before_starting_anything(long_ckpt, capsys, flags, message):
     from vllm_lite.entrypoints.cli import main
 

@@ -73,7 +73,7 @@ def test_qkv_shards_hold_each_ranks_heads_and_replicate_kv_heads_when_fewer_than
         q, k, v = (t.view(5, -1, head_dim) for t in part.split(part(x)))
         q_per = heads // tp
         assert part.num_heads == q_per and part.num_kv_heads == max(1, kv_heads // tp)
-        torch.testing.assert_close(q, q_full[:, rank * q_per:(rank + 1) * q_per])
+        torch.testing.assert_close(q, q_full[:, rank * q_per : (rank + 1) * q_per])
         # The KV heads this rank holds are the ones its query heads attend with (GQA groups).
         group = heads // kv_heads
         want_kv = sorted({h // group for h in range(rank * q_per, (rank + 1) * q_per)})
@@ -91,7 +91,7 @@ def test_row_parallel_partials_sum_to_the_full_product_with_bias_added_once():
         layer = RowParallelLinear(8, 6, bias=True)
         layer.load_weight(layer.weight, w)
         layer.load_weight(layer.bias, b)
-        total += torch.nn.functional.linear(x[:, rank * 4:(rank + 1) * 4], layer.weight)  # what each rank adds
+        total += torch.nn.functional.linear(x[:, rank * 4 : (rank + 1) * 4], layer.weight)  # what each rank adds
     torch.testing.assert_close(total + layer.bias, want)
 
 
@@ -104,8 +104,8 @@ def test_merged_gate_up_shards_split_each_projection_by_rank():
         layer.weight_loader(layer.weight, gate, 0)
         layer.weight_loader(layer.weight, up, 1)
         out = layer(x)
-        torch.testing.assert_close(out[:, :4], x @ gate[rank * 4:(rank + 1) * 4].T)
-        torch.testing.assert_close(out[:, 4:], x @ up[rank * 4:(rank + 1) * 4].T)
+        torch.testing.assert_close(out[:, :4], x @ gate[rank * 4 : (rank + 1) * 4].T)
+        torch.testing.assert_close(out[:, 4:], x @ up[rank * 4 : (rank + 1) * 4].T)
 
 
 def test_vocab_parallel_embedding_and_lm_head_cover_an_uneven_vocab():
@@ -147,8 +147,9 @@ def test_rank_loads_only_its_shard_of_the_checkpoint():
     torch.testing.assert_close(q, ckpt["model.layers.0.self_attn.q_proj.weight"][32:])
     torch.testing.assert_close(k, ckpt["model.layers.0.self_attn.k_proj.weight"][16:])
     torch.testing.assert_close(model.model.embed_tokens.weight, ckpt["model.embed_tokens.weight"][1000:])
-    torch.testing.assert_close(model.model.layers[0].mlp.down_proj.weight,
-                               ckpt["model.layers.0.mlp.down_proj.weight"][:, 64:])
+    torch.testing.assert_close(
+        model.model.layers[0].mlp.down_proj.weight, ckpt["model.layers.0.mlp.down_proj.weight"][:, 64:]
+    )
 
 
 # ---------------------------------------------------------------------------- engines
@@ -164,8 +165,13 @@ def _greedy(llm: LLM) -> list[Generation]:
     for o in outs:
         c = o.outputs[0]
         steps = [sorted(step.items()) for step in c.logprobs]
-        res.append((list(c.token_ids), [[tid for tid, _ in st] for st in steps],
-                    [[lp.logprob for _, lp in st] for st in steps]))
+        res.append(
+            (
+                list(c.token_ids),
+                [[tid for tid, _ in st] for st in steps],
+                [[lp.logprob for _, lp in st] for st in steps],
+            )
+        )
     return res
 
 
@@ -233,8 +239,11 @@ def test_killing_a_tp_worker_mid_run_raises_engine_dead_error_and_no_rank_surviv
         with pytest.raises(EngineDeadError):
             while time.monotonic() < deadline:
                 engine.step()
-        wait_until(lambda: all(process_gone(p) for p in workers), DEADLINE_S,
-                   "every worker process exits after the engine died")
+        wait_until(
+            lambda: all(process_gone(p) for p in workers),
+            DEADLINE_S,
+            "every worker process exits after the engine died",
+        )
     finally:
         engine.shutdown()
 
@@ -251,6 +260,9 @@ def test_a_rank_that_fails_to_load_its_shard_fails_engine_startup_with_its_error
     weights = load_file(str(tmp_path / "model.safetensors"))
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(EngineStartupError, match=r"tensor-parallel rank \d: .*lacks parameters: "
-                                                 r"model\.layers\.1\.mlp\.down_proj\.weight"):
+    with pytest.raises(
+        EngineStartupError,
+        match=r"tensor-parallel rank \d: .*lacks parameters: "
+        r"model\.layers\.1\.mlp\.down_proj\.weight",
+    ):
         LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_KW)

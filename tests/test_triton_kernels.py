@@ -91,11 +91,30 @@ def test_attention_kernel_compiles_for_sm90_ahead_of_time(dtype, num_reqs):
 
     sig = {name: "*" + dtype for name in ("out_ptr", "q_ptr", "kv_ptr")}
     sig.update({name: "*i32" for name in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")})
-    sig.update(scale="fp32", window="i32", soft_cap="fp32", num_reqs="i32", stride_q_tok="i32", stride_q_head="i32", stride_o_tok="i32")
+    sig.update(
+        scale="fp32",
+        window="i32",
+        soft_cap="fp32",
+        num_reqs="i32",
+        stride_q_tok="i32",
+        stride_q_head="i32",
+        stride_o_tok="i32",
+    )
     sig.update(stride_o_head="i32", stride_bt="i32", kv_half="i64")
-    consts = dict(BLOCK_SIZE=16, NUM_KV_HEADS=2, GROUP=4, HEAD_SIZE=96, HEAD_PAD=128, BLOCK_Q=16, BLOCK_M=64,
-                  TILE_N=32, DOT_IN_BF16=dtype == "bf16", INTERPRET=False,
-                  USE_WINDOW=num_reqs > 1, USE_SOFT_CAP=num_reqs > 1)  # the windowed, soft-capped variant too
+    consts = dict(
+        BLOCK_SIZE=16,
+        NUM_KV_HEADS=2,
+        GROUP=4,
+        HEAD_SIZE=96,
+        HEAD_PAD=128,
+        BLOCK_Q=16,
+        BLOCK_M=64,
+        TILE_N=32,
+        DOT_IN_BF16=dtype == "bf16",
+        INTERPRET=False,
+        USE_WINDOW=num_reqs > 1,
+        USE_SOFT_CAP=num_reqs > 1,
+    )  # the windowed, soft-capped variant too
     if num_reqs == 1:  # Triton specialises an int argument equal to 1 to a constant
         consts["num_reqs"] = 1
     sig.update({name: "constexpr" for name in consts})

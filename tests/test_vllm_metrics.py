@@ -17,8 +17,9 @@ def server(tiny_checkpoint):
     from vllm_lite.config import EngineArgs
 
     srv = ServerThread(
-        lambda: AsyncLLM.from_engine_args(EngineArgs(
-            model=tiny_checkpoint, dtype="float32", max_model_len=256, device="cpu", block_size=16)),
+        lambda: AsyncLLM.from_engine_args(
+            EngineArgs(model=tiny_checkpoint, dtype="float32", max_model_len=256, device="cpu", block_size=16)
+        ),
         served_model_name=MODEL,
     )
     yield srv
@@ -40,8 +41,11 @@ def test_request_phase_histograms_and_step_counters_count_every_request(server):
     prompt = list(range(5, 5 + 40))  # two full blocks: the repeat hits the prefix cache
     n = 3
     for _ in range(n):
-        r = httpx.post(server.base_url + "/v1/completions",
-                       json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}, timeout=120)
+        r = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
     after = scrape(server)
 
@@ -67,8 +71,24 @@ def test_a_scrape_under_two_api_servers_counts_every_request(tiny_checkpoint):
 
     env = {k: v for k, v in os.environ.items() if k not in ("PROMETHEUS_MULTIPROC_DIR", "VLLM_LITE_API_KEY")}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    srv = ServeProcess([tiny_checkpoint, "--port", "0", "--core-port", "0", "--api-server-count", "2",
-                        "--num-threads", "1", "--max-model-len", "256", "--served-model-name", MODEL], env)
+    srv = ServeProcess(
+        [
+            tiny_checkpoint,
+            "--port",
+            "0",
+            "--core-port",
+            "0",
+            "--api-server-count",
+            "2",
+            "--num-threads",
+            "1",
+            "--max-model-len",
+            "256",
+            "--served-model-name",
+            MODEL,
+        ],
+        env,
+    )
     try:
         base = srv.api_base()
         sent = 8

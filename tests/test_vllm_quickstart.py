@@ -64,8 +64,24 @@ def test_offline_quickstart_generate_and_chat(hf_env):
 
 @pytest.fixture(scope="module")
 def served(hf_env):
-    srv = ServeProcess([REPO, "--port", "0", "--core-port", "0", "--api-key", API_KEY, "--num-threads", "1",
-                        "--max-model-len", "256", "--max-logprobs", "25"], hf_env)
+    srv = ServeProcess(
+        [
+            REPO,
+            "--port",
+            "0",
+            "--core-port",
+            "0",
+            "--api-key",
+            API_KEY,
+            "--num-threads",
+            "1",
+            "--max-model-len",
+            "256",
+            "--max-logprobs",
+            "25",
+        ],
+        hf_env,
+    )
     try:
         core = srv.core_address()
         yield srv, core, srv.api_base()
@@ -89,14 +105,19 @@ def test_serve_quickstart_with_the_openai_client(served):
 
     chat = client.chat.completions.create(
         model=REPO,
-        messages=[{"role": "system", "content": "You are a helpful assistant."},
-                  {"role": "user", "content": "Tell me a joke."}],
+        messages=[
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Tell me a joke."},
+        ],
         max_tokens=8,
     )
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content is not None
 
     stream = client.chat.completions.create(
-        model=REPO, messages=[{"role": "user", "content": "Say this is a test"}], max_tokens=8, stream=True,
+        model=REPO,
+        messages=[{"role": "user", "content": "Say this is a test"}],
+        max_tokens=8,
+        stream=True,
     )
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "".join(pieces)

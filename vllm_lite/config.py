@@ -182,78 +182,142 @@ class EngineArgs:
     `--field-name` for every field, so a new field is a new flag with nothing else to write.
     """
 
-    model: str = field(metadata={
-        "help": "Checkpoint directory or Hugging Face repo id (the HF cache is read; downloads unless "
-                "HF_HUB_OFFLINE=1). Default: the bundled vllm-lite model.",
-        "aliases": ("-m",)})
-    tokenizer: Optional[str] = field(default=None, metadata={
-        "help": "Tokenizer directory or repo id (default: the model's)."})
-    revision: Optional[str] = field(default=None, metadata={
-        "help": "Model revision (branch, tag or commit) when the model is a repo id."})
-    tokenizer_revision: Optional[str] = field(default=None, metadata={
-        "help": "Tokenizer revision when the tokenizer is a repo id (default: the model's revision)."})
-    download_dir: Optional[str] = field(default=None, metadata={
-        "help": "Hugging Face cache directory to read and download repo ids into (default: HF's own)."})
-    trust_remote_code: bool = field(default=False, metadata={
-        "help": "Accepted for vLLM compatibility; True is refused: vllm-lite runs only its own model code."})
-    generation_config: str = field(default="auto", metadata={
-        "help": "Request defaults: auto (the model's generation_config.json), vllm (vLLM's defaults) or a "
-                "directory holding a generation_config.json."})
-    quantization: Optional[str] = field(default=None, metadata={
-        "help": "Quantization method; none is implemented yet, so any value is refused.", "aliases": ("-q",)})
-    enforce_eager: bool = field(default=False, metadata={
-        "help": "Never capture CUDA graphs (accepted; on CPU everything runs eager anyway)."})
-    max_logprobs: int = field(default=20, metadata={
-        "help": "Most logprobs or prompt logprobs one request may ask for."})
-    disable_log_stats: bool = field(default=False, metadata={
-        "help": "Turn off the engine core's periodic statistics log line."})
-    dtype: str = field(default="auto", metadata={
-        "help": "Compute dtype; auto follows the checkpoint and what the device computes fast.",
-        "choices": ("auto", *_STR_DTYPES)})
+    model: str = field(
+        metadata={
+            "help": "Checkpoint directory or Hugging Face repo id (the HF cache is read; downloads unless "
+            "HF_HUB_OFFLINE=1). Default: the bundled vllm-lite model.",
+            "aliases": ("-m",),
+        }
+    )
+    tokenizer: Optional[str] = field(
+        default=None, metadata={"help": "Tokenizer directory or repo id (default: the model's)."}
+    )
+    revision: Optional[str] = field(
+        default=None, metadata={"help": "Model revision (branch, tag or commit) when the model is a repo id."}
+    )
+    tokenizer_revision: Optional[str] = field(
+        default=None,
+        metadata={"help": "Tokenizer revision when the tokenizer is a repo id (default: the model's revision)."},
+    )
+    download_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Hugging Face cache directory to read and download repo ids into (default: HF's own)."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Accepted for vLLM compatibility; True is refused: vllm-lite runs only its own model code."},
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": "Request defaults: auto (the model's generation_config.json), vllm (vLLM's defaults) or a "
+            "directory holding a generation_config.json."
+        },
+    )
+    quantization: Optional[str] = field(
+        default=None,
+        metadata={"help": "Quantization method; none is implemented yet, so any value is refused.", "aliases": ("-q",)},
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "Never capture CUDA graphs (accepted; on CPU everything runs eager anyway)."}
+    )
+    max_logprobs: int = field(
+        default=20, metadata={"help": "Most logprobs or prompt logprobs one request may ask for."}
+    )
+    disable_log_stats: bool = field(
+        default=False, metadata={"help": "Turn off the engine core's periodic statistics log line."}
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "Compute dtype; auto follows the checkpoint and what the device computes fast.",
+            "choices": ("auto", *_STR_DTYPES),
+        },
+    )
     seed: int = field(default=0, metadata={"help": "Engine seed (torch's RNG in the engine core)."})
-    max_model_len: Optional[int] = field(default=None, metadata={
-        "help": "Context length: prompt plus output tokens (default: the model's max_position_embeddings)."})
+    max_model_len: Optional[int] = field(
+        default=None,
+        metadata={"help": "Context length: prompt plus output tokens (default: the model's max_position_embeddings)."},
+    )
     block_size: int = field(default=16, metadata={"help": "Tokens per KV-cache block (a power of two)."})
-    kv_cache_memory_bytes: Optional[int] = field(default=None, metadata={
-        "help": "KV cache size in bytes (default: a size for the device)."})
-    gpu_memory_utilization: float = field(default=0.9, metadata={
-        "help": "CUDA: fraction of the card's total memory this engine may use (weights, activations and "
-                "KV cache); the KV cache gets what a profiling pass leaves. --kv-cache-memory-bytes overrides."})
-    enable_prefix_caching: bool = field(default=True, metadata={
-        "help": "Reuse KV blocks of shared prompt prefixes."})
-    swap_space: float = field(default=1.0, metadata={
-        "help": "GiB of host memory for swapped-out KV blocks (--preemption-mode swap)."})
-    preemption_mode: str = field(default="recompute", metadata={
-        "help": "When KV blocks run out: drop and re-prefill (recompute), or swap blocks to host memory.",
-        "choices": ("recompute", "swap")})
-    max_num_batched_tokens: Optional[int] = field(default=None, metadata={
-        "help": "Token budget per engine step (default: max(2048, min(max_model_len, 8192)))."})
+    kv_cache_memory_bytes: Optional[int] = field(
+        default=None, metadata={"help": "KV cache size in bytes (default: a size for the device)."}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={
+            "help": "CUDA: fraction of the card's total memory this engine may use (weights, activations and "
+            "KV cache); the KV cache gets what a profiling pass leaves. --kv-cache-memory-bytes overrides."
+        },
+    )
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "Reuse KV blocks of shared prompt prefixes."})
+    swap_space: float = field(
+        default=1.0, metadata={"help": "GiB of host memory for swapped-out KV blocks (--preemption-mode swap)."}
+    )
+    preemption_mode: str = field(
+        default="recompute",
+        metadata={
+            "help": "When KV blocks run out: drop and re-prefill (recompute), or swap blocks to host memory.",
+            "choices": ("recompute", "swap"),
+        },
+    )
+    max_num_batched_tokens: Optional[int] = field(
+        default=None, metadata={"help": "Token budget per engine step (default: max(2048, min(max_model_len, 8192)))."}
+    )
     max_num_seqs: int = field(default=128, metadata={"help": "Most requests running at once."})
-    long_prefill_token_threshold: int = field(default=0, metadata={
-        "help": "Most tokens of one prompt prefilled per step (0: no cap)."})
-    scheduling_policy: str = field(default="fcfs", metadata={
-        "help": "fcfs: arrival order; priority: lowest priority value first, then arrival.",
-        "choices": ("fcfs", "priority")})
-    tensor_parallel_size: int = field(default=1, metadata={
-        "help": "Ranks the model is split over (one process each).", "aliases": ("-tp",)})
-    data_parallel_size: int = field(default=1, metadata={
-        "help": "Independent engine cores (own model copy and KV cache each); requests are spread over them.",
-        "aliases": ("-dp",)})
+    long_prefill_token_threshold: int = field(
+        default=0, metadata={"help": "Most tokens of one prompt prefilled per step (0: no cap)."}
+    )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={
+            "help": "fcfs: arrival order; priority: lowest priority value first, then arrival.",
+            "choices": ("fcfs", "priority"),
+        },
+    )
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Ranks the model is split over (one process each).", "aliases": ("-tp",)}
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Independent engine cores (own model copy and KV cache each); requests are spread over them.",
+            "aliases": ("-dp",),
+        },
+    )
     nnodes: int = field(default=1, metadata={"help": "Machines the tensor-parallel ranks are spread over (evenly)."})
-    node_rank: int = field(default=0, metadata={
-        "help": "This machine's index: 0 runs the engine, 1..nnodes-1 run `vllm-lite worker`."})
-    master_addr: str = field(default="127.0.0.1", metadata={
-        "help": "Node 0's address, reachable from every node."})
-    master_port: int = field(default=0, metadata={
-        "help": "torch.distributed rendezvous (TCPStore) port on node 0 (0: a free one; set it when --nnodes > 1)."})
-    device: str = field(default="auto", metadata={
-        "help": "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.", "type": parse_device_name,
-        "metavar": "{auto,cpu,cuda,cuda:N}"})
-    num_threads: Optional[int] = field(default=None, metadata={
-        "help": "Torch threads per engine core (default: all cores but one on CPU, shared out under data parallel)."})
-    served_model_name: Optional[str] = field(default=None, metadata={
-        "help": "Model name(s) the engine reports; the first is the engine's, all are accepted by the HTTP API "
-                "(default: the model path).", "nargs": "+"})
+    node_rank: int = field(
+        default=0, metadata={"help": "This machine's index: 0 runs the engine, 1..nnodes-1 run `vllm-lite worker`."}
+    )
+    master_addr: str = field(default="127.0.0.1", metadata={"help": "Node 0's address, reachable from every node."})
+    master_port: int = field(
+        default=0,
+        metadata={
+            "help": "torch.distributed rendezvous (TCPStore) port on node 0 (0: a free one; set it when --nnodes > 1)."
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.",
+            "type": parse_device_name,
+            "metavar": "{auto,cpu,cuda,cuda:N}",
+        },
+    )
+    num_threads: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Torch threads per engine core (default: all cores but one on CPU, shared out under data parallel)."
+        },
+    )
+    served_model_name: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Model name(s) the engine reports; the first is the engine's, all are accepted by the HTTP API "
+            "(default: the model path).",
+            "nargs": "+",
+        },
+    )
 
     @classmethod
     def add_cli_args(
@@ -271,9 +335,7 @@ class EngineArgs:
         from vllm_lite.cli_flags import add_dataclass_args
 
         group = parser.add_argument_group("engine")
-        add_dataclass_args(
-            group, cls, exclude=exclude, only=only, positional=("model",) if positional_model else ()
-        )
+        add_dataclass_args(group, cls, exclude=exclude, only=only, positional=("model",) if positional_model else ())
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineArgs":
@@ -316,9 +378,7 @@ class EngineArgs:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads!r}.")
         max_model_len = self.max_model_len or max_pos
         if max_model_len > max_pos:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}."
-            )
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size!r}.")
         if self.preemption_mode not in ("recompute", "swap"):

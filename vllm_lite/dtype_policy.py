@@ -70,21 +70,33 @@ def _auto(ckpt: torch.dtype, device: torch.device, host: HostFacts) -> DtypeChoi
     if device.type == "cpu":
         if not host.cpu_native_bf16:
             if ckpt in (torch.bfloat16, torch.float16):
-                return DtypeChoice(torch.float32, (
-                    f"dtype=auto: the {_name(ckpt)} checkpoint computes in float32 on {host.cpu_name} "
-                    f"({_SLOW_BF16}); pass dtype='bfloat16' to keep 16-bit weights."))
+                return DtypeChoice(
+                    torch.float32,
+                    (
+                        f"dtype=auto: the {_name(ckpt)} checkpoint computes in float32 on {host.cpu_name} "
+                        f"({_SLOW_BF16}); pass dtype='bfloat16' to keep 16-bit weights."
+                    ),
+                )
             return DtypeChoice(ckpt)
         if ckpt in (torch.float32, torch.float16):
-            return DtypeChoice(torch.bfloat16, (
-                f"dtype=auto: the {_name(ckpt)} checkpoint computes in bfloat16, native on {host.cpu_name} "
-                "(as vLLM downcasts); pass dtype='float32' for exact float32."))
+            return DtypeChoice(
+                torch.bfloat16,
+                (
+                    f"dtype=auto: the {_name(ckpt)} checkpoint computes in bfloat16, native on {host.cpu_name} "
+                    "(as vLLM downcasts); pass dtype='float32' for exact float32."
+                ),
+            )
         return DtypeChoice(ckpt)
     if device.type == "cuda":
         half = torch.bfloat16 if host.cuda_bf16 else torch.float16
         if ckpt == torch.float32 or (ckpt == torch.bfloat16 and not host.cuda_bf16):
-            return DtypeChoice(half, (
-                f"dtype=auto: the {_name(ckpt)} checkpoint computes in {_name(half)} on this GPU "
-                "(as vLLM downcasts); pass dtype='float32' for exact float32."))
+            return DtypeChoice(
+                half,
+                (
+                    f"dtype=auto: the {_name(ckpt)} checkpoint computes in {_name(half)} on this GPU "
+                    "(as vLLM downcasts); pass dtype='float32' for exact float32."
+                ),
+            )
         return DtypeChoice(ckpt)
     return DtypeChoice(ckpt)
 
@@ -93,15 +105,21 @@ def _explicit(want: torch.dtype, device: torch.device, host: HostFacts) -> Dtype
     if device.type == "cpu":
         if want == torch.float16:
             slow = "" if host.cpu_native_bf16 else f"; {_SLOW_BF16}: dtype='float32' is faster here"
-            return DtypeChoice(torch.bfloat16, (
-                f"dtype=float16 computes in bfloat16 on CPU (float16 matmuls crawl there){slow}."), warn=True)
+            return DtypeChoice(
+                torch.bfloat16,
+                (f"dtype=float16 computes in bfloat16 on CPU (float16 matmuls crawl there){slow}."),
+                warn=True,
+            )
         if want == torch.bfloat16 and not host.cpu_native_bf16:
-            return DtypeChoice(torch.bfloat16, (
-                f"dtype=bfloat16 on {host.cpu_name}: {_SLOW_BF16}; dtype='auto' or 'float32' is faster here."),
-                warn=True)
+            return DtypeChoice(
+                torch.bfloat16,
+                (f"dtype=bfloat16 on {host.cpu_name}: {_SLOW_BF16}; dtype='auto' or 'float32' is faster here."),
+                warn=True,
+            )
     if device.type == "cuda" and want == torch.bfloat16 and not host.cuda_bf16:
-        return DtypeChoice(want, "dtype=bfloat16 on a GPU without native bf16 will be slow; 'float16' is faster.",
-                           warn=True)
+        return DtypeChoice(
+            want, "dtype=bfloat16 on a GPU without native bf16 will be slow; 'float16' is faster.", warn=True
+        )
     return DtypeChoice(want)
 
 

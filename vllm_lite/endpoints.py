@@ -46,7 +46,7 @@ class CoreAddresses:
 
 def split_tcp(address: str) -> tuple[str, int]:
     """``tcp://HOST:PORT`` -> (HOST, PORT); ValueError naming the expected form otherwise."""
-    host, sep, port = address[len("tcp://"):].rpartition(":")
+    host, sep, port = address[len("tcp://") :].rpartition(":")
     if not address.startswith("tcp://") or not sep or not host or not port.isdigit():
         raise ValueError(f"engine address must look like tcp://HOST:PORT (PORT < 65535), got {address!r}.")
     return host, int(port)

@@ -20,10 +20,7 @@ _ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.
 def looks_like_local_path(name: str) -> bool:
     """A name that can only mean a path (absolute, relative with ./ or ~, or more than one '/')."""
     return (
-        os.path.isabs(name)
-        or name.startswith((".", "~"))
-        or name.count("/") > 1
-        or (os.sep != "/" and os.sep in name)
+        os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
     )
 
 

@@ -176,7 +176,9 @@ def native_kernels() -> Capability:
     """Whether the native CPU kernels are usable: the loader's result once it has run, else whether a
     compiler is there to build them (nothing is built here)."""
     if _native_kernels_loaded is not None:
-        return Capability(_native_kernels_loaded, "" if _native_kernels_loaded else "the kernel loader failed (see its log)")
+        return Capability(
+            _native_kernels_loaded, "" if _native_kernels_loaded else "the kernel loader failed (see its log)"
+        )
     if cxx_compiler() is None:
         return Capability(False, f"no C++ compiler (CXX={envs.CXX!r})")
     return Capability(True, "")

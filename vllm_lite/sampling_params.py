@@ -152,9 +152,7 @@ class SamplingParams(
             raise bad("min_tokens", self.min_tokens, f"must be less than or equal to max_tokens={self.max_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", self.logprobs, "must be non-negative")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
-        ):
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             raise bad("prompt_logprobs", self.prompt_logprobs, "must be non-negative")
         if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
             raise bad("seed", self.seed, "must be in [-2**63, 2**64)")
@@ -186,7 +184,8 @@ class SamplingParams(
                     or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in w)
                 ):
                     raise bad(
-                        "bad_words_token_ids", self._bad_words_token_ids,
+                        "bad_words_token_ids",
+                        self._bad_words_token_ids,
                         "must be non-empty lists of non-negative token ids",
                     )
         if self._all_stop_token_ids is not None and any(

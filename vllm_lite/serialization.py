@@ -97,7 +97,9 @@ class MsgpackEncoder:
             return self._encode_ndarray(obj)
         raise TypeError(f"Cannot serialize object of type {type(obj).__name__} on the engine wire.")
 
-    def _record(self, code_inline: int, dtype_code: int, shape: tuple[int, ...], arr: np.ndarray) -> msgspec.msgpack.Ext:
+    def _record(
+        self, code_inline: int, dtype_code: int, shape: tuple[int, ...], arr: np.ndarray
+    ) -> msgspec.msgpack.Ext:
         """``arr``: C-contiguous numpy view of the data (no copy yet)."""
         ndim = len(shape)
         if ndim > MAX_NDIM:

@@ -30,7 +30,10 @@ DEADLINE_S = 120.0
 @pytest.fixture(scope="module")
 def client() -> Iterator[EngineCoreClient]:
     cfg = EngineArgs(
-        model=get_checkpoint("llama"), device="cpu", max_model_len=TINY_MAX_MODEL_LEN, block_size=8,
+        model=get_checkpoint("llama"),
+        device="cpu",
+        max_model_len=TINY_MAX_MODEL_LEN,
+        block_size=8,
         kv_cache_memory_bytes=1 << 20,
     ).create_engine_config()
     c = make_client(cfg, multiprocess=True, asyncio_mode=False)
@@ -55,13 +58,16 @@ def _collect(client: EngineCoreClient, ids: set[str]) -> dict[str, Result]:
     return results
 
 
-@pytest.mark.parametrize("field,value", [
-    ("logit_bias", {10**6: 5.0}),
-    ("allowed_token_ids", [3, 2**40]),
-    ("_bad_words_token_ids", [[4, 99_999]]),
-    ("logprobs", 21),
-    ("n", 10**6),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logit_bias", {10**6: 5.0}),
+        ("allowed_token_ids", [3, 2**40]),
+        ("_bad_words_token_ids", [[4, 99_999]]),
+        ("logprobs", 21),
+        ("n", 10**6),
+    ],
+)
 def test_a_hostile_add_gets_an_error_and_the_core_keeps_serving(
     client: EngineCoreClient, field: str, value: Any
 ) -> None:

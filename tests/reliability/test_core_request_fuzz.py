@@ -43,9 +43,7 @@ NOT_INTS = [1.5, "3", True, None, [1]]
 NOT_FLOATS = ["1.0", True, None, [0.5]]
 BAD_FLOATS = [math.nan, math.inf, -math.inf]
 
-SETTINGS = settings(
-    max_examples=250, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
-)
+SETTINGS = settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 PER_FIELD_SETTINGS = settings(SETTINGS, max_examples=25)
 
 
@@ -153,17 +151,33 @@ def field_cases(vocab: int) -> dict[str, tuple[str, st.SearchStrategy]]:
         "eos_token_id": ("eos_token_id", ints(0, vocab - 1, optional=True)),
         "priority": ("priority", ints(I64_MIN, I64_MAX)),
         "client_index": ("client_index", ints(0, I64_MAX)),
-        "arrival_time": ("arrival_time", st.one_of(
-            ok(st.floats(allow_nan=False, allow_infinity=False)), ok(st.integers(-10, 10)),
-            bad(st.sampled_from(BAD_FLOATS + NOT_FLOATS)),
-        )),
-        "cache_salt": ("cache_salt", st.one_of(
-            ok(st.none()), ok(st.text(max_size=20)), ok(st.just("s" * 1024)),
-            bad(st.just("s" * 1025)), bad(st.just(b"salt")), bad(st.just(7)),
-        )),
-        "request_id": ("request_id", st.one_of(
-            ok(st.integers(1, 1000)), bad(st.just(1025)), bad(st.just(0)),
-        )),
+        "arrival_time": (
+            "arrival_time",
+            st.one_of(
+                ok(st.floats(allow_nan=False, allow_infinity=False)),
+                ok(st.integers(-10, 10)),
+                bad(st.sampled_from(BAD_FLOATS + NOT_FLOATS)),
+            ),
+        ),
+        "cache_salt": (
+            "cache_salt",
+            st.one_of(
+                ok(st.none()),
+                ok(st.text(max_size=20)),
+                ok(st.just("s" * 1024)),
+                bad(st.just("s" * 1025)),
+                bad(st.just(b"salt")),
+                bad(st.just(7)),
+            ),
+        ),
+        "request_id": (
+            "request_id",
+            st.one_of(
+                ok(st.integers(1, 1000)),
+                bad(st.just(1025)),
+                bad(st.just(0)),
+            ),
+        ),
         "n": ("n", ints(1, 128)),
         "best_of": ("best_of", ints(1, 128, optional=True)),
         "temperature": ("temperature", floats(0.0, F32_MAX)),
@@ -291,14 +305,19 @@ def test_many_hostile_fields_at_once_never_break_the_core(core: EngineCore) -> N
     _report("several fields per request (key: fields mutated)", tried, per_field)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("logit_bias", {5000: 1.0}),
-    ("allowed_token_ids", [1, 99999]),
-    ("_bad_words_token_ids", [[3, 2000]]),
-    ("stop_token_ids", [2000]),
-    ("_all_stop_token_ids", [1 << 40]),
-])
-def test_out_of_vocab_ids_sent_over_the_wire_are_refused_before_any_step(core: EngineCore, field: str, value: Any) -> None:
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logit_bias", {5000: 1.0}),
+        ("allowed_token_ids", [1, 99999]),
+        ("_bad_words_token_ids", [[3, 2000]]),
+        ("stop_token_ids", [2000]),
+        ("_all_stop_token_ids", [1 << 40]),
+    ],
+)
+def test_out_of_vocab_ids_sent_over_the_wire_are_refused_before_any_step(
+    core: EngineCore, field: str, value: Any
+) -> None:
     """The issue's crash: ids the frontend never checked, decoded by the core like any ADD."""
     params = SamplingParams(temperature=0.0, max_tokens=2)
     setattr(params, field, value)
@@ -324,10 +343,22 @@ def test_valid_values_at_every_limit_together_run(core: EngineCore) -> None:
     vocab = core.request_limits.vocab_size
     params = SamplingParams(temperature=1.0, seed=(1 << 64) - 1, max_tokens=MAX_TOKENS, ignore_eos=True)
     edges: dict[str, Any] = dict(
-        n=128, best_of=128, top_p=1.0, top_k=I64_MAX, min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0,
-        repetition_penalty=F32_MAX, min_tokens=MAX_TOKENS, logprobs=20, prompt_logprobs=20,
-        stop=["s"] * 128, stop_token_ids=[vocab - 1] * 1024, allowed_token_ids=list(range(vocab)),
-        logit_bias={0: -100.0, vocab - 1: 100.0}, _bad_words_token_ids=[[vocab - 1]] * 2048,
+        n=128,
+        best_of=128,
+        top_p=1.0,
+        top_k=I64_MAX,
+        min_p=1.0,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=F32_MAX,
+        min_tokens=MAX_TOKENS,
+        logprobs=20,
+        prompt_logprobs=20,
+        stop=["s"] * 128,
+        stop_token_ids=[vocab - 1] * 1024,
+        allowed_token_ids=list(range(vocab)),
+        logit_bias={0: -100.0, vocab - 1: 100.0},
+        _bad_words_token_ids=[[vocab - 1]] * 2048,
     )
     for name, value in edges.items():
         setattr(params, name, value)
@@ -338,4 +369,3 @@ def test_valid_values_at_every_limit_together_run(core: EngineCore) -> None:
     res = results[req.request_id]
     assert res.finish_reason == FinishReason.LENGTH and res.error is None and len(res.token_ids) == 1
     assert_no_leak(core)
-

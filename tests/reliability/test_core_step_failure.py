@@ -103,7 +103,9 @@ def _workload() -> list[tuple[list[int], SamplingParams]]:
     ]
 
 
-def _run(core: EngineCore, extra: list[tuple[str, list[int], SamplingParams]]) -> tuple[list[Result], dict[str, Result]]:
+def _run(
+    core: EngineCore, extra: list[tuple[str, list[int], SamplingParams]]
+) -> tuple[list[Result], dict[str, Result]]:
     """The workload plus `extra` requests, all added at once; the workload's results in order, and all."""
     ids = [unique_id("w") for _ in _workload()]
     for rid, (prompt, params) in zip(ids, _workload(), strict=True):
@@ -142,8 +144,10 @@ def test_poisoned_request_gets_an_error_and_the_others_the_same_tokens(core: Eng
         again, later = _run(core, [])  # the core goes on serving
     finally:
         restore()
-    print(f"\n[poison {when}] executor calls={executor.calls} raised={executor.raised} "
-          f"(failed step + probes), other requests={len(got)}")
+    print(
+        f"\n[poison {when}] executor calls={executor.calls} raised={executor.raised} "
+        f"(failed step + probes), other requests={len(got)}"
+    )
     bad = results[poisoned_id]
     assert bad.finish_reason == FinishReason.ERROR
     assert bad.error and "RuntimeError" in bad.error and "poisoned" in bad.error

@@ -159,7 +159,10 @@ class AsyncLLM:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}.")
         prompt_text, request = self.processor.process_inputs(
-            request_id, prompt, sampling_params, priority=priority,
+            request_id,
+            prompt,
+            sampling_params,
+            priority=priority,
             client_index=self.engine_core.client_index,
         )
         queue = RequestOutputCollector(request.sampling_params.output_kind)

@@ -62,8 +62,7 @@ class AsyncMPClient(MPClientBase, AsyncOnlyClient):
                 loop.add_reader(proc_fd, self._on_process_exit)
             except NotImplementedError:  # event loops without add_reader: a thread waits instead
                 threading.Thread(
-                    target=lambda: (select.select([proc_fd], [], []),
-                                    loop.call_soon_threadsafe(self._on_process_exit)),
+                    target=lambda: (select.select([proc_fd], [], []), loop.call_soon_threadsafe(self._on_process_exit)),
                     daemon=True,
                 ).start()
 

@@ -74,7 +74,11 @@ def validate_beam_search_params(params: Any, max_logprobs: int) -> BeamSearchPar
         )
     if isinstance(params.length_penalty, bool) or not isinstance(params.length_penalty, (int, float)):
         raise TypeError(f"length_penalty must be a number, got {params.length_penalty!r}.")
-    if isinstance(params.temperature, bool) or not isinstance(params.temperature, (int, float)) or params.temperature < 0:
+    if (
+        isinstance(params.temperature, bool)
+        or not isinstance(params.temperature, (int, float))
+        or params.temperature < 0
+    ):
         raise ValueError(f"temperature must be a non-negative number, got {params.temperature!r}.")
     return params
 
@@ -128,7 +132,9 @@ class BeamSearch:
         )
 
     # ------------------------------------------------------------------ driver
-    def run(self, prompts: Sequence[Any], on_step: Optional[Callable[[], None]] = None) -> list[list[BeamSearchSequence]]:
+    def run(
+        self, prompts: Sequence[Any], on_step: Optional[Callable[[], None]] = None
+    ) -> list[list[BeamSearchSequence]]:
         """Best beams per prompt, best first; prompts are what `LLM.generate` accepts (one each).
 
         `on_step` is called after every engine round trip (for progress bars).
@@ -205,7 +211,7 @@ class BeamSearch:
                     seq = extend(c, "stop" if is_eos else "length")
                     if is_eos:
                         seq.stop_reason = None  # EOS, as vLLM reports it
-                    seq.score = c[0] / (gen_len ** self.params.length_penalty)
+                    seq.score = c[0] / (gen_len**self.params.length_penalty)
                     new.append(seq)
             if new:
                 merged = st.finished + new  # stable: earlier hypotheses win ties
@@ -222,12 +228,7 @@ class BeamSearch:
             best_possible = st.live[0].cum_logprob / (best_len**lp)
             st.improvable = st.improvable and best_possible > st.finished[-1].score  # type: ignore[operator]
         full = len(st.finished) == self.width
-        st.done = (
-            not st.improvable
-            or (full and self.early_stopping is True)
-            or all(hits)
-            or not st.live
-        )
+        st.done = not st.improvable or (full and self.early_stopping is True) or all(hits) or not st.live
 
 
 def _top_logprobs(out: RequestOutput, k: int) -> list[tuple[int, Logprob]]:

@@ -30,9 +30,19 @@ from vllm_lite.client.sync_mp_client import SyncMPClient
 from vllm_lite.config import VllmConfig
 
 __all__ = [
-    "DEFAULT_ENGINE_SILENCE_TIMEOUT_S", "DEFAULT_HANDSHAKE_TIMEOUT_S", "DEFAULT_STARTUP_TIMEOUT_S",
-    "ENGINE_CORE_MODULE", "AsyncMPClient", "AsyncOnlyClient", "EngineCoreClient", "InprocClient",
-    "MPClientBase", "PrivateCore", "SyncMPClient", "make_client", "set_frontend_thread_policy",
+    "DEFAULT_ENGINE_SILENCE_TIMEOUT_S",
+    "DEFAULT_HANDSHAKE_TIMEOUT_S",
+    "DEFAULT_STARTUP_TIMEOUT_S",
+    "ENGINE_CORE_MODULE",
+    "AsyncMPClient",
+    "AsyncOnlyClient",
+    "EngineCoreClient",
+    "InprocClient",
+    "MPClientBase",
+    "PrivateCore",
+    "SyncMPClient",
+    "make_client",
+    "set_frontend_thread_policy",
     "spawn_private_core",
 ]
 

@@ -94,7 +94,8 @@ class _DPClientBase(EngineCoreClient):
     ) -> None:
         # `clients`: already-connected per-core clients (private cores this frontend started) to route over.
         self.clients = (
-            list(clients) if clients is not None
+            list(clients)
+            if clients is not None
             else _attach_all(self.per_core_cls, addresses, auth_token, client_kwargs)
         )
         try:

@@ -31,7 +31,9 @@ class InprocClient(EngineCoreClient):
         except (ValueError, TypeError) as e:
             # Same contract as the process client: a bad request fails alone, as an output.
             message = f"{type(e).__name__}: {e}"
-            self._errors.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, error=message))
+            self._errors.append(
+                EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, error=message)
+            )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -74,8 +74,12 @@ class LLMEngine:
         from vllm_lite.client.dp_client import make_attached_client
 
         client = make_attached_client(
-            address, auth_token, data_parallel_size=data_parallel_size, asyncio_mode=False,
-            client_name=client_name, **client_kwargs,
+            address,
+            auth_token,
+            data_parallel_size=data_parallel_size,
+            asyncio_mode=False,
+            client_name=client_name,
+            **client_kwargs,
         )
         try:
             return cls(attached_frontend_config(client), client=client)
@@ -108,7 +112,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         return self.processor.process_inputs(
-            request_id, prompt, params, arrival_time=arrival_time or time.time(), priority=priority,
+            request_id,
+            prompt,
+            params,
+            arrival_time=arrival_time or time.time(),
+            priority=priority,
             client_index=self.client_index,
         )
 

@@ -106,9 +106,7 @@ class LogprobsProcessor:
         self._prompt_delta_start = 0
 
     @classmethod
-    def from_new_request(
-        cls, request: EngineCoreRequest, text_cache: Optional[TokenTextCache]
-    ) -> "LogprobsProcessor":
+    def from_new_request(cls, request: EngineCoreRequest, text_cache: Optional[TokenTextCache]) -> "LogprobsProcessor":
         params = request.sampling_params
         return cls(params.logprobs, params.prompt_logprobs, text_cache if params.detokenize else None)
 

@@ -128,8 +128,14 @@ class MPClientBase(EngineCoreClient):
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._finalizer = weakref.finalize(
-            self, _cleanup, self.proc, self.tmpdir, [self._in_sync, self._out_sync], self._zmq,
-            self._stop, self._threads,
+            self,
+            _cleanup,
+            self.proc,
+            self.tmpdir,
+            [self._in_sync, self._out_sync],
+            self._zmq,
+            self._stop,
+            self._threads,
         )
         try:
             for sock, addr in ((self._out_sync, addresses.output), (self._in_sync, addresses.input)):
@@ -182,9 +188,13 @@ class MPClientBase(EngineCoreClient):
                 continue
             reply: HandshakeReply = decoder.decode(frames[1:])
             if not reply.accepted:
-                raise EngineHandshakeError(f"Engine core at {self.addresses.input} refused this frontend: {reply.reason}.")
+                raise EngineHandshakeError(
+                    f"Engine core at {self.addresses.input} refused this frontend: {reply.reason}."
+                )
             return reply
-        raise EngineHandshakeError(f"Engine core at {self.addresses.input} did not answer HELLO within {timeout_s:.0f} s.")
+        raise EngineHandshakeError(
+            f"Engine core at {self.addresses.input} did not answer HELLO within {timeout_s:.0f} s."
+        )
 
     # -------------------------------------------------------------- what we send
     def _frames(self, kind: EngineCoreRequestType, obj: Any) -> list[Any]:
@@ -205,7 +215,9 @@ class MPClientBase(EngineCoreClient):
         call_id = next(self._call_ids)
         with self._calls_lock:
             self._calls[call_id] = fut
-        return call_id, self._frames(EngineCoreRequestType.UTILITY, UtilityRequest(self.client_index, call_id, method, list(args)))
+        return call_id, self._frames(
+            EngineCoreRequestType.UTILITY, UtilityRequest(self.client_index, call_id, method, list(args))
+        )
 
     def _forget_call(self, call_id: int) -> None:
         with self._calls_lock:

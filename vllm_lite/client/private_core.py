@@ -61,8 +61,14 @@ def spawn_private_core(
     )
     proc: Optional[launcher.ChildProcess] = None
     try:
-        proc = launcher.start_child(module, args, EngineCoreReady, name="engine-core", cleanup_paths=[tmpdir],
-                                    pass_fds=vllm_config.parallel_config.inherited_fds)
+        proc = launcher.start_child(
+            module,
+            args,
+            EngineCoreReady,
+            name="engine-core",
+            cleanup_paths=[tmpdir],
+            pass_fds=vllm_config.parallel_config.inherited_fds,
+        )
         ready = proc.wait_ready(startup_timeout_s)
     except BaseException as e:
         if proc is not None:

@@ -38,9 +38,7 @@ def start_private_cores(
     return clients
 
 
-def make_private_dp_client(
-    configs: Sequence[VllmConfig], asyncio_mode: bool, **client_kwargs: Any
-) -> EngineCoreClient:
+def make_private_dp_client(configs: Sequence[VllmConfig], asyncio_mode: bool, **client_kwargs: Any) -> EngineCoreClient:
     """A routing client over len(configs) private cores (a plain client when there is one).
 
     `client_kwargs` go to every per-core client (e.g. a start-up timeout).

@@ -129,7 +129,9 @@ class Processor:
                 if not isinstance(prompt, str):
                     raise TypeError(f"prompt must be a str, got {type(prompt).__name__}.")
             else:
-                raise ValueError(f"a dict prompt needs a 'prompt' or 'prompt_token_ids' key, got keys {sorted(prompt)!r}.")
+                raise ValueError(
+                    f"a dict prompt needs a 'prompt' or 'prompt_token_ids' key, got keys {sorted(prompt)!r}."
+                )
         if isinstance(prompt, str):
             if prompt == "":
                 raise ValueError("Invalid prompt: prompt is empty (an empty string has no tokens).")

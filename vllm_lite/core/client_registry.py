@@ -73,8 +73,10 @@ class ClientRegistry:
     def refusal(self, hello: HelloRequest, accepting: bool) -> Optional[str]:
         """Why this HELLO is refused, or None to accept it."""
         if hello.protocol_version != PROTOCOL_VERSION:
-            return (f"protocol version mismatch: frontend speaks {hello.protocol_version}, "
-                    f"engine core speaks {PROTOCOL_VERSION}")
+            return (
+                f"protocol version mismatch: frontend speaks {hello.protocol_version}, "
+                f"engine core speaks {PROTOCOL_VERSION}"
+            )
         if self.auth_token is not None and not hmac.compare_digest(
             (hello.auth_token or "").encode(), self.auth_token.encode()
         ):
@@ -83,7 +85,9 @@ class ClientRegistry:
             return "engine core is shutting down"
         return None
 
-    def hello(self, identity: bytes, hello: HelloRequest, accepting: bool = True) -> tuple[Optional[AttachedClient], Optional[str]]:
+    def hello(
+        self, identity: bytes, hello: HelloRequest, accepting: bool = True
+    ) -> tuple[Optional[AttachedClient], Optional[str]]:
         """Attach (or re-greet) a frontend: ``(client, None)``, or ``(None, reason)`` when refused."""
         reason = self.refusal(hello, accepting)
         if reason is not None:

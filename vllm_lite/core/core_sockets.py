@@ -88,8 +88,12 @@ class CoreSockets:
         ready = [threading.Event(), threading.Event()]
         errors: list[BaseException] = []
         self._threads = [
-            threading.Thread(target=self._input_main, args=(input_fd, ready[0], errors), name="core-input", daemon=True),
-            threading.Thread(target=self._output_main, args=(output_fd, ready[1], errors), name="core-output", daemon=True),
+            threading.Thread(
+                target=self._input_main, args=(input_fd, ready[0], errors), name="core-input", daemon=True
+            ),
+            threading.Thread(
+                target=self._output_main, args=(output_fd, ready[1], errors), name="core-output", daemon=True
+            ),
         ]
         for t in self._threads:
             t.start()
@@ -97,7 +101,9 @@ class CoreSockets:
             ev.wait(_BIND_TIMEOUT_S)
         if errors or not all(ev.is_set() for ev in ready):
             self.stop()
-            raise RuntimeError(f"Engine core could not bind its sockets {addresses}: {errors[0] if errors else 'timeout'}")
+            raise RuntimeError(
+                f"Engine core could not bind its sockets {addresses}: {errors[0] if errors else 'timeout'}"
+            )
 
     def send(self, identity: bytes, kind: EngineCoreOutputType, obj: Any = None) -> None:
         """Queue one message for a frontend (any thread)."""
@@ -115,8 +121,9 @@ class CoreSockets:
         self._zmq.term()
 
     # ------------------------------------------------------------------ threads
-    def _bind(self, address: str, linger: int, fd: Optional[int], mandatory: bool = False,
-              sndhwm: Optional[int] = None) -> zmq.Socket:
+    def _bind(
+        self, address: str, linger: int, fd: Optional[int], mandatory: bool = False, sndhwm: Optional[int] = None
+    ) -> zmq.Socket:
         """A bound ROUTER socket, or an exception with nothing left open (so the context can terminate).
 
         ``fd``: a listening socket our parent already bound to ``address`` (no bind-and-release race)."""
@@ -175,7 +182,9 @@ class CoreSockets:
             sock.close(linger=0)
 
     @staticmethod
-    def _decode(frames: list[Any], decoders: dict[EngineCoreRequestType, MsgpackDecoder]) -> tuple[EngineCoreRequestType, Any]:
+    def _decode(
+        frames: list[Any], decoders: dict[EngineCoreRequestType, MsgpackDecoder]
+    ) -> tuple[EngineCoreRequestType, Any]:
         if len(frames) < 2:
             raise ValueError("message has no type frame")
         kind = EngineCoreRequestType(frames[1].bytes)
@@ -188,8 +197,9 @@ class CoreSockets:
     def _output_main(self, fd: Optional[int], ready: threading.Event, errors: list[BaseException]) -> None:
         # No send limit: with ROUTER_MANDATORY a full pipe would block every frontend's outputs
         # behind one slow reader (a reader that stops altogether is dropped by the heartbeat watch).
-        sock = self._bind_or_report(ready, errors, address=self.addresses.output, linger=2000, fd=fd,
-                                    mandatory=True, sndhwm=0)
+        sock = self._bind_or_report(
+            ready, errors, address=self.addresses.output, linger=2000, fd=fd, mandatory=True, sndhwm=0
+        )
         if sock is None:
             return
         encoder = MsgpackEncoder()
@@ -227,7 +237,9 @@ def _encode(encoder: MsgpackEncoder, identity: bytes, kind: EngineCoreOutputType
     except (TypeError, ValueError, OverflowError) as e:
         util = getattr(obj, "utility_output", None)
         if util is not None:
-            failed = UtilityOutput(util.call_id, failure_message=f"result cannot be sent: {e}", failure_type="TypeError")
+            failed = UtilityOutput(
+                util.call_id, failure_message=f"result cannot be sent: {e}", failure_type="TypeError"
+            )
             return [identity, kind.value, *encoder.encode(EngineCoreOutputs(utility_output=failed))]
         logger.error("Could not encode outputs for %s: %s", identity.hex(), e)
         return None

@@ -53,8 +53,12 @@ class EngineCore:
         self.startup_time_s = time.perf_counter() - t0
         logger.info(
             "engine core ready in %.2fs: model=%s dtype=%s kv_blocks=%d (block_size=%d) swap_blocks=%d",
-            self.startup_time_s, mc.model, str(mc.dtype).replace("torch.", ""), num_gpu,
-            vllm_config.cache_config.block_size, num_cpu,
+            self.startup_time_s,
+            mc.model,
+            str(mc.dtype).replace("torch.", ""),
+            num_gpu,
+            vllm_config.cache_config.block_size,
+            num_cpu,
         )
 
     # ------------------------------------------------------------------ requests
@@ -161,8 +165,13 @@ class _StatsLogger:
         logger.info(
             "engine stats: prompt_tput=%.1f tok/s gen_tput=%.1f tok/s running=%d waiting=%d kv_usage=%.1f%% "
             "prefix_cache_hit_rate=%.1f%% preemptions=%d",
-            self.prompt_tokens / dt, self.gen_tokens / dt, stats.num_running_reqs, stats.num_waiting_reqs,
-            100 * stats.kv_cache_usage, 100 * hit_rate, self.preemptions,
+            self.prompt_tokens / dt,
+            self.gen_tokens / dt,
+            stats.num_running_reqs,
+            stats.num_waiting_reqs,
+            100 * stats.kv_cache_usage,
+            100 * hit_rate,
+            self.preemptions,
         )
         self.last_log = now
         self.prompt_tokens = self.gen_tokens = self.queries = self.hits = self.preemptions = 0

@@ -133,8 +133,9 @@ class EngineCoreProc:
         self.registry = ClientRegistry(self.options.auth_token, drop_log)
         self.shutdown_state = ShutdownState(self.options.drain_timeout_s)
         self._last_housekeeping = 0.0
-        self.sockets = CoreSockets(addresses, self.registry.touch, drop_log,
-                                   input_fd=self.options.input_fd, output_fd=self.options.output_fd)
+        self.sockets = CoreSockets(
+            addresses, self.registry.touch, drop_log, input_fd=self.options.input_fd, output_fd=self.options.output_fd
+        )
         # Sockets first (a busy port fails in milliseconds, not after loading the model); frontends
         # that connect meanwhile wait in the input queue until the loop starts.
         try:
@@ -156,12 +157,16 @@ class EngineCoreProc:
 
         facts = self.model_facts
         return EngineCoreReady(
-            model=str(facts.get("model", "")), model_path=self._model_path, tokenizer=self._tokenizer,
-            max_model_len=int(facts.get("max_model_len", 0)), block_size=int(facts.get("block_size", 0)),
+            model=str(facts.get("model", "")),
+            model_path=self._model_path,
+            tokenizer=self._tokenizer,
+            max_model_len=int(facts.get("max_model_len", 0)),
+            block_size=int(facts.get("block_size", 0)),
             num_gpu_blocks=int(facts.get("num_gpu_blocks", 0)),
             num_cpu_blocks=int(vllm_config.cache_config.num_cpu_blocks or 0),
             vocab_size=int(facts.get("vocab_size", 0)),
-            vllm_lite_version=str(vllm_lite.__version__), torch_version=str(torch.__version__),
+            vllm_lite_version=str(vllm_lite.__version__),
+            torch_version=str(torch.__version__),
         )
 
     def install_signal_handlers(self) -> None:
@@ -342,8 +347,13 @@ class EngineCoreProc:
             self._drop_client(client, f"silent for {silent_s:.1f} s (heartbeat timeout {timeout} s)")
 
     def _drop_client(self, client: AttachedClient, why: str, may_return: bool = True) -> None:
-        logger.warning("Dropping frontend %r (client %d): %s; aborting its %d requests.",
-                       client.name, client.index, why, len(client.request_ids))
+        logger.warning(
+            "Dropping frontend %r (client %d): %s; aborting its %d requests.",
+            client.name,
+            client.index,
+            why,
+            len(client.request_ids),
+        )
         ids = self.registry.drop(client, may_return)
         # If it is alive after all, it learns why its requests ended instead of waiting forever.
         self._abort_and_tell(client, ids, f"aborted by the engine core: this frontend was dropped ({why})")
@@ -375,9 +385,12 @@ def run_engine_core(args: EngineCoreArgs, channel: "ChildChannel", proc_cls: typ
     if not args.handle_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     options = CoreProcOptions(
-        auth_token=args.auth_token, heartbeat_timeout_s=args.heartbeat_timeout_s,
-        drain_timeout_s=args.drain_timeout_s, handle_sigint=args.handle_sigint,
-        input_fd=args.input_fd, output_fd=args.output_fd,
+        auth_token=args.auth_token,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
+        handle_sigint=args.handle_sigint,
+        input_fd=args.input_fd,
+        output_fd=args.output_fd,
     )
     try:
         vllm_config = decode_vllm_config(args.vllm_config)

@@ -176,9 +176,7 @@ class _Prober:
         self.drop.add(_CANARY_ID)
         new = NewRequestData(_CANARY_ID, [0], [], canary.sampling_params, kv.get_block_ids(_CANARY_ID), 0)
         try:
-            self.executor.execute_model(
-                SchedulerOutput([new], CachedRequestData(), {_CANARY_ID: 1}, 1, set(self.drop))
-            )
+            self.executor.execute_model(SchedulerOutput([new], CachedRequestData(), {_CANARY_ID: 1}, 1, set(self.drop)))
         except Exception as e:  # noqa: BLE001 -- the answer is "no"
             logger.error("The canary request failed too: %s: %s", type(e).__name__, e)
             return False
@@ -191,15 +189,17 @@ class _Prober:
         new_reqs = []
         for rid in ids:
             req = self.step[rid][0]
-            new_reqs.append(NewRequestData(
-                req_id=rid,
-                prompt_token_ids=list(req.prompt_token_ids),
-                output_token_ids=list(req.output_token_ids),
-                sampling_params=req.sampling_params,
-                block_ids=kv.get_block_ids(rid),
-                num_computed_tokens=req.num_computed_tokens,
-                eos_token_id=req.eos_token_id,
-            ))
+            new_reqs.append(
+                NewRequestData(
+                    req_id=rid,
+                    prompt_token_ids=list(req.prompt_token_ids),
+                    output_token_ids=list(req.output_token_ids),
+                    sampling_params=req.sampling_params,
+                    block_ids=kv.get_block_ids(rid),
+                    num_computed_tokens=req.num_computed_tokens,
+                    eos_token_id=req.eos_token_id,
+                )
+            )
         scheduled = {rid: self.step[rid][1] for rid in ids}
         # Swap-ins are idempotent (host blocks are not reused during recovery); swap-outs never get here.
         return SchedulerOutput(

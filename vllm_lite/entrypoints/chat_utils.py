@@ -85,7 +85,9 @@ def resolve_chat_template(tokenizer: Any, chat_template: Optional[str]) -> str:
     """The Jinja template to use: the caller's (text, or a path to a file), else the tokenizer's."""
     if chat_template is not None:
         if not isinstance(chat_template, str) or not chat_template:
-            raise TypeError(f"chat_template must be a non-empty str (template text or file path), got {chat_template!r}.")
+            raise TypeError(
+                f"chat_template must be a non-empty str (template text or file path), got {chat_template!r}."
+            )
         if os.path.isfile(chat_template):
             with open(chat_template, encoding="utf-8") as f:
                 return f.read()

@@ -105,7 +105,9 @@ class LLM:
                 raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(sp).__name__}")
             rid = str(next(self._counter))
             try:
-                processed.append(engine.process_request(rid, p, _final_only(sp), priority=priority[i] if priority else 0))
+                processed.append(
+                    engine.process_request(rid, p, _final_only(sp), priority=priority[i] if priority else 0)
+                )
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e
         ids = [req.request_id for _, req in processed]
@@ -140,7 +142,11 @@ class LLM:
         from vllm_lite.entrypoints.chat_utils import chat_prompts
 
         prompts = chat_prompts(
-            self.get_tokenizer(), messages, chat_template, add_generation_prompt, continue_final_message,
+            self.get_tokenizer(),
+            messages,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
             chat_template_kwargs,
         )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -131,7 +131,7 @@ def is_loopback_host(host: str) -> bool:
 def check_bind_allowed(address: str, auth_token: Optional[str]) -> None:
     """Refuse (ValueError) to bind a non-loopback TCP address without an auth token."""
     if address.startswith("tcp://"):
-        host = address[len("tcp://"):].rpartition(":")[0]
+        host = address[len("tcp://") :].rpartition(":")[0]
         if not is_loopback_host(host) and not auth_token:
             raise ValueError(
                 f"refusing to bind the engine core to {host!r} without an auth token: anyone who can reach it "
@@ -219,18 +219,31 @@ class ServeSupervisor:
             self.http_socket = bind_http_socket(cfg.api_host, cfg.api_port)
         self.address, reserved = resolve_port_zero(cfg.address, cfg.data_parallel_size)
         try:
-            for rank, (addr, config) in enumerate(zip(dp_core_addresses(self.address, cfg.data_parallel_size), configs, strict=True)):
+            for rank, (addr, config) in enumerate(
+                zip(dp_core_addresses(self.address, cfg.data_parallel_size), configs, strict=True)
+            ):
                 addresses = CoreAddresses.from_base(addr)
                 fds = _reserved_fds(reserved, rank)
                 args = EngineCoreArgs(
-                    vllm_config=encode_vllm_config(config), input_address=addresses.input,
-                    output_address=addresses.output, input_fd=fds[0], output_fd=fds[1],
-                    auth_token=cfg.auth_token, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                    drain_timeout_s=cfg.shutdown_timeout_s, handle_sigint=True,
+                    vllm_config=encode_vllm_config(config),
+                    input_address=addresses.input,
+                    output_address=addresses.output,
+                    input_fd=fds[0],
+                    output_fd=fds[1],
+                    auth_token=cfg.auth_token,
+                    heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                    drain_timeout_s=cfg.shutdown_timeout_s,
+                    handle_sigint=True,
                 )
                 # Own session: a terminal's Ctrl-C reaches only the supervisor, which stops everything in order.
-                proc = launcher.start_child(ENGINE_CORE_MODULE, args, EngineCoreReady, name=f"engine-core-{rank}",
-                                            new_session=True, pass_fds=[fd for fd in fds if fd is not None])
+                proc = launcher.start_child(
+                    ENGINE_CORE_MODULE,
+                    args,
+                    EngineCoreReady,
+                    name=f"engine-core-{rank}",
+                    new_session=True,
+                    pass_fds=[fd for fd in fds if fd is not None],
+                )
                 self.cores.append(_Core(rank, addr, proc))
         finally:
             if reserved is not None:
@@ -252,8 +265,10 @@ class ServeSupervisor:
         if self.http_socket is not None:
             self._start_frontends()
         if len(self.cores) > 1:
-            self._say(f"vllm-lite data parallel: {len(self.cores)} engine cores; attach with "
-                      f"engine_address={self.address!r}, data_parallel_size={len(self.cores)}")
+            self._say(
+                f"vllm-lite data parallel: {len(self.cores)} engine cores; attach with "
+                f"engine_address={self.address!r}, data_parallel_size={len(self.cores)}"
+            )
 
     def _start_frontends(self) -> None:
         from vllm_lite.entrypoints.serve_frontend import FRONTEND_MODULE, FrontendArgs, FrontendReady
@@ -268,15 +283,25 @@ class ServeSupervisor:
         self.metrics_dir = tempfile.mkdtemp(prefix="vllm-lite-metrics-")
         for i in range(cfg.api_servers):
             args = FrontendArgs(
-                engine=[c.address for c in self.cores], listen_fd=listen_fd,
-                core_pids=[c.proc.pid for c in self.cores], frontend_name=f"http-{i}",
-                auth_token=cfg.auth_token, api_key=cfg.api_key,  # in the typed args, never on the command line
-                served_model_names=list(cfg.served_model_names), uvicorn_log_level=cfg.uvicorn_log_level,
+                engine=[c.address for c in self.cores],
+                listen_fd=listen_fd,
+                core_pids=[c.proc.pid for c in self.cores],
+                frontend_name=f"http-{i}",
+                auth_token=cfg.auth_token,
+                api_key=cfg.api_key,  # in the typed args, never on the command line
+                served_model_names=list(cfg.served_model_names),
+                uvicorn_log_level=cfg.uvicorn_log_level,
                 **cfg.http_options,
             )
-            proc = launcher.start_child(FRONTEND_MODULE, args, FrontendReady, name=f"http-{i}",
-                                        pass_fds=[listen_fd], new_session=True,
-                                        env={"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir})
+            proc = launcher.start_child(
+                FRONTEND_MODULE,
+                args,
+                FrontendReady,
+                name=f"http-{i}",
+                pass_fds=[listen_fd],
+                new_session=True,
+                env={"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir},
+            )
             self.frontends.append(_Frontend(i, proc))
 
         def check() -> None:
@@ -293,9 +318,11 @@ class ServeSupervisor:
         port = self.http_socket.getsockname()[1]
         scheme = "https" if cfg.http_options.get("ssl_certfile") else "http"
         loopback = " (loopback only: --host 0.0.0.0 serves other machines)" if is_loopback_host(cfg.api_host) else ""
-        self._say(f"vllm-lite OpenAI API on {scheme}://{host}:{port}{cfg.http_options.get('root_path', '')} "
-                  f"({len(self.frontends)} HTTP frontend{'s' if len(self.frontends) != 1 else ''} sharing the port)"
-                  f"{loopback}")
+        self._say(
+            f"vllm-lite OpenAI API on {scheme}://{host}:{port}{cfg.http_options.get('root_path', '')} "
+            f"({len(self.frontends)} HTTP frontend{'s' if len(self.frontends) != 1 else ''} sharing the port)"
+            f"{loopback}"
+        )
 
     # -------------------------------------------------------------- run
     def run(self) -> int:
@@ -308,13 +335,15 @@ class ServeSupervisor:
                 return self._stop_all(failed=False)
             for core in self.cores:
                 if not core.proc.is_alive():
-                    logger.error("Engine core %d exited unexpectedly with code %s: stopping.",
-                                 core.rank, core.proc.exitcode)
+                    logger.error(
+                        "Engine core %d exited unexpectedly with code %s: stopping.", core.rank, core.proc.exitcode
+                    )
                     return self._stop_all(failed=True)
             for fe in self.frontends:
                 if not fe.proc.is_alive():
-                    logger.error("HTTP frontend %d exited unexpectedly with code %s: stopping.",
-                                 fe.index, fe.proc.exitcode)
+                    logger.error(
+                        "HTTP frontend %d exited unexpectedly with code %s: stopping.", fe.index, fe.proc.exitcode
+                    )
                     return self._stop_all(failed=True)
             select.select(watched, [], [], _POLL_S)  # wakes on a child's exit; signals are seen within _POLL_S
 

@@ -139,9 +139,15 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
             channel.on_control(on_control)
         pidfds = watch_pids(loop, args.core_pids, core_exited)
         sock = socket.socket(fileno=args.listen_fd)
-        task = loop.create_task(serve_app(
-            app, sock=sock, log_level=args.uvicorn_log_level, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile
-        ))
+        task = loop.create_task(
+            serve_app(
+                app,
+                sock=sock,
+                log_level=args.uvicorn_log_level,
+                ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile,
+            )
+        )
         while not task.done():
             server = app.state.server
             if server is not None and getattr(server, "started", False):

@@ -74,8 +74,9 @@ def run_json_subprocess(argv: list[str], timeout_s: Optional[float] = None) -> d
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the baseline gets torch's own default
         env.pop(var, None)
-    out = subprocess.run([sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True, check=True,
-                         timeout=timeout_s)
+    out = subprocess.run(
+        [sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True, check=True, timeout=timeout_s
+    )
     lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
     return json.loads(lines[-1])
 

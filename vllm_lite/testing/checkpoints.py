@@ -20,8 +20,21 @@ import torch
 from vllm_lite import envs
 
 CACHE_VERSION = "v1"
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt", "phi3", "gpt2", "gemma2", "mistral_sw", "qwen2_sw",
-         "gemma3", "mixtral", "qwen3_moe")
+ARCHS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "opt",
+    "phi3",
+    "gpt2",
+    "gemma2",
+    "mistral_sw",
+    "qwen2_sw",
+    "gemma3",
+    "mixtral",
+    "qwen3_moe",
+)
 # Sliding window of the *_sw and gemma2 builds: small, so test prompts run past it.
 TINY_WINDOW = 24
 SIZES = ("tiny", "100m", "moe-small")
@@ -95,9 +108,17 @@ def _tiny_kwargs(arch: str, vocab: int) -> dict[str, Any]:
     )
     if arch == "gpt2":
         return dict(
-            vocab_size=vocab, n_embd=64, n_layer=3, n_head=4, n_positions=1024, n_inner=None,
-            activation_function="gelu_new", tie_word_embeddings=True,
-            bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+            vocab_size=vocab,
+            n_embd=64,
+            n_layer=3,
+            n_head=4,
+            n_positions=1024,
+            n_inner=None,
+            activation_function="gelu_new",
+            tie_word_embeddings=True,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
         )
     if arch == "opt":
         # Projected embeddings (word_embed_proj_dim != hidden) exercise project_in/out.
@@ -113,38 +134,73 @@ def _tiny_kwargs(arch: str, vocab: int) -> dict[str, Any]:
         return dict(common, tie_word_embeddings=False, head_dim=16, sliding_window=TINY_WINDOW)
     if arch == "qwen2_sw":  # Qwen2's rule: layers >= max_window_layers windowed (here 1 and 2)
         return dict(
-            common, tie_word_embeddings=True, rope_theta=100000.0, use_sliding_window=True,
-            sliding_window=TINY_WINDOW, max_window_layers=1,
+            common,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+            use_sliding_window=True,
+            sliding_window=TINY_WINDOW,
+            max_window_layers=1,
         )
     if arch == "phi3":  # Phi-4-mini-like: partial rotary, GQA; fused qkv/gate_up in the checkpoint
         return dict(
-            common, tie_word_embeddings=False, partial_rotary_factor=0.5, sliding_window=None,
-            resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+            common,
+            tie_word_embeddings=False,
+            partial_rotary_factor=0.5,
+            sliding_window=None,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
         )
     if arch == "gemma2":  # Gemma-2-2b-like: head_dim != hidden/heads, query_pre_attn_scalar != head_dim
         # Soft caps scaled down with the weights so both actually bind on random tiny activations.
         return dict(
-            common, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
-            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+            common,
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=TINY_WINDOW,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            hidden_activation="gelu_pytorch_tanh",
             tie_word_embeddings=True,
         )
     if arch == "gemma3":  # Gemma-3-1b-like: global every 3rd layer, local/global rope bases, q/k norm, no caps
         return dict(
-            common, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
-            sliding_window_pattern=3, attn_logit_softcapping=None, final_logit_softcapping=None,
+            common,
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=TINY_WINDOW,
+            sliding_window_pattern=3,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
             },
-            hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
         )
     if arch == "mixtral":  # Mixtral-8x7B scaled down: 4 experts, top-2
-        return dict(common, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
-                    sliding_window=None, router_jitter_noise=0.0)
+        return dict(
+            common,
+            tie_word_embeddings=False,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+        )
     if arch == "qwen3_moe":  # Qwen3-30B-A3B scaled down: 4 experts top-2, renormalised; layer 1 dense
         return dict(
-            common, tie_word_embeddings=False, head_dim=32, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
+            common,
+            tie_word_embeddings=False,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
             use_sliding_window=False,
         )
     if arch == "qwen3":
@@ -199,8 +255,14 @@ def _hf_config(arch: str, size: str, vocab: int, overrides: Optional[dict[str, A
             raise ValueError(f"size 'moe-small' is Mixtral-shaped: use arch='mixtral', got {arch!r}.")
         # Mixtral-8x7B's layout (8 experts, top-2, GQA 4:1) at ~25M parameters (~8M active per token).
         kwargs = dict(
-            _tiny_kwargs("mixtral", vocab), hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=2, intermediate_size=896, num_local_experts=8, max_position_embeddings=4096,
+            _tiny_kwargs("mixtral", vocab),
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            intermediate_size=896,
+            num_local_experts=8,
+            max_position_embeddings=4096,
             rope_theta=1_000_000.0,
         )
     else:

@@ -57,8 +57,7 @@ def _main(args: EchoArgs, channel: ChildChannel) -> int:
         channel.on_control(record)
     level = logging.getLevelName(logging.getLogger("vllm_lite").getEffectiveLevel())
     env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_LITE_") or k.startswith("ECHO_")}
-    channel.ready(EchoReady(value=args.value, pid=os.getpid(), parent_pid=channel.parent_pid,
-                            log_level=level, env=env))
+    channel.ready(EchoReady(value=args.value, pid=os.getpid(), parent_pid=channel.parent_pid, log_level=level, env=env))
     threading.Event().wait()  # until a signal, or the parent's death, ends the process
     return 0
 

@@ -127,7 +127,9 @@ class FakeEngineCore:
                 out.finish_reason = FinishReason.LENGTH
                 self.abort_requests([rid])
             per_client.setdefault(req.client_index, []).append(out)
-        stats = SchedulerStats(num_running_reqs=len(self.reqs), num_free_blocks=self.free_blocks, step_counter=self.steps)
+        stats = SchedulerStats(
+            num_running_reqs=len(self.reqs), num_free_blocks=self.free_blocks, step_counter=self.steps
+        )
         return {c: EngineCoreOutputs(outputs=o, scheduler_stats=stats) for c, o in per_client.items()}
 
     def call_utility(self, method: str, args: list) -> Any:
@@ -152,8 +154,13 @@ def fake_config(**hf_extra: Any) -> VllmConfig:
     hf = {"architectures": ["FakeForCausalLM"], "vocab_size": VOCAB, **hf_extra}
     return VllmConfig(
         model_config=ModelConfig(
-            model="fake-model", tokenizer="fake-model", dtype=torch.float32, max_model_len=256,
-            hf_config=hf, architecture="FakeForCausalLM", vocab_size=VOCAB,
+            model="fake-model",
+            tokenizer="fake-model",
+            dtype=torch.float32,
+            max_model_len=256,
+            hf_config=hf,
+            architecture="FakeForCausalLM",
+            vocab_size=VOCAB,
         ),
         cache_config=CacheConfig(block_size=16),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=64, max_model_len=256),

@@ -22,7 +22,9 @@ def hf_model_eager(path: str, **overrides: Any) -> torch.nn.Module:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path, **{k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()})
+    config = AutoConfig.from_pretrained(
+        path, **{k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()}
+    )
     return AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=torch.float32, attn_implementation="eager"
     ).eval()

@@ -34,7 +34,7 @@ def run_case(device: str, tokens: int, experts: int, top_k: int, hidden: int, in
     w2 = torch.randn(experts, hidden, inter, generator=g) * 0.2
     logits = torch.randn(tokens, experts, generator=g)
     if empty:
-        logits[:, experts - empty:] -= 100.0
+        logits[:, experts - empty :] -= 100.0
     weights, ids = route(logits, top_k, renormalize=True)
     x, w13, w2, weights, ids = (t.to(device) for t in (x, w13, w2, weights, ids))
     sorted_pairs, block_expert = align_pairs(ids, experts, 16)

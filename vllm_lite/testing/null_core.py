@@ -25,8 +25,13 @@ class NullCore:
     """EngineCore's interface doing no work: each step emits one token per running request."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
-        self.model_facts = {"model": "null", "max_model_len": 1 << 20, "block_size": 16, "num_gpu_blocks": 0,
-                            "vocab_size": 32000}
+        self.model_facts = {
+            "model": "null",
+            "max_model_len": 1 << 20,
+            "block_size": 16,
+            "num_gpu_blocks": 0,
+            "vocab_size": 32000,
+        }
         self.reqs: dict[str, EngineCoreRequest] = {}
         self.logprobs = int(vllm_config.model_config.hf_config.get("logprobs", 0))
         self.step_s = float(vllm_config.model_config.hf_config.get("step_ms", 0.0)) / 1000
@@ -49,7 +54,9 @@ class NullCore:
             o = EngineCoreOutput(rid, [7])
             if self.logprobs:
                 k = self.logprobs + 1
-                o.new_logprobs = LogprobsTensors(torch.zeros(1, k, dtype=torch.int64), torch.zeros(1, k), torch.ones(1, dtype=torch.int64))
+                o.new_logprobs = LogprobsTensors(
+                    torch.zeros(1, k, dtype=torch.int64), torch.zeros(1, k), torch.ones(1, dtype=torch.int64)
+                )
             outs.append(o)
         return {0: EngineCoreOutputs(outputs=outs, scheduler_stats=SchedulerStats(num_running_reqs=len(outs)))}
 
@@ -65,7 +72,10 @@ class NullCore:
 def null_config(logprobs: int, step_ms: float = 0.0) -> VllmConfig:
     return VllmConfig(
         ModelConfig("null", "null", torch.float32, 1 << 20, {"logprobs": logprobs, "step_ms": step_ms}, "Null", 32000),
-        CacheConfig(), SchedulerConfig(), ParallelConfig(), DeviceConfig(num_threads=1),
+        CacheConfig(),
+        SchedulerConfig(),
+        ParallelConfig(),
+        DeviceConfig(num_threads=1),
     )
 
 

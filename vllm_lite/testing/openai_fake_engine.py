@@ -61,9 +61,14 @@ class FakeAsyncLLM:
         try:
             if self.hang:
                 await aborted.wait()
-                yield self._out(request_id, prompt_text, ids, [
-                    CompletionOutput(j, "", [], None, None, "abort") for j in range(params.n)
-                ], True, metrics)
+                yield self._out(
+                    request_id,
+                    prompt_text,
+                    ids,
+                    [CompletionOutput(j, "", [], None, None, "abort") for j in range(params.n)],
+                    True,
+                    metrics,
+                )
                 return
             assert params.max_tokens is not None
             samples = [[fake_token(ids, k, j) for k in range(params.max_tokens)] for j in range(params.n)]
@@ -92,13 +97,20 @@ class FakeAsyncLLM:
                     text = self.tokenizer.decode(new) if delta else self.tokenizer.decode(toks)
                     outs.append(
                         CompletionOutput(
-                            index=j, text=text, token_ids=list(new), cumulative_logprob=None, logprobs=lps,
-                            finish_reason="length" if last else None, stop_reason=None,
+                            index=j,
+                            text=text,
+                            token_ids=list(new),
+                            cumulative_logprob=None,
+                            logprobs=lps,
+                            finish_reason="length" if last else None,
+                            stop_reason=None,
                         )
                     )
                 prompt_lps = None
                 if params.prompt_logprobs is not None and (k == 0 or not delta):
-                    prompt_lps = [None] + [self._position_lps(t, i, params.prompt_logprobs) for i, t in enumerate(ids[1:])]
+                    prompt_lps = [None] + [
+                        self._position_lps(t, i, params.prompt_logprobs) for i, t in enumerate(ids[1:])
+                    ]
                 out = self._out(request_id, prompt_text, ids, outs, last, metrics)
                 out.prompt_logprobs = prompt_lps
                 yield out
@@ -113,8 +125,14 @@ class FakeAsyncLLM:
         return d
 
     @staticmethod
-    def _out(rid: str, text: Optional[str], ids: list[int], outs: list[CompletionOutput], finished: bool,
-             metrics: RequestMetrics) -> RequestOutput:
+    def _out(
+        rid: str,
+        text: Optional[str],
+        ids: list[int],
+        outs: list[CompletionOutput],
+        finished: bool,
+        metrics: RequestMetrics,
+    ) -> RequestOutput:
         return RequestOutput(rid, text, ids, None, outs, finished, metrics=metrics)
 
     async def abort(self, request_id: str) -> None:

@@ -117,8 +117,16 @@ class ServerProcess:
     def __init__(self, args: list[str], startup_timeout_s: float = 300.0) -> None:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_lite.entrypoints.openai.api_server", *args, "--port", "0",
-             "--uvicorn-log-level", "info"],
+            [
+                sys.executable,
+                "-m",
+                "vllm_lite.entrypoints.openai.api_server",
+                *args,
+                "--port",
+                "0",
+                "--uvicorn-log-level",
+                "info",
+            ],
             env=env,
             stderr=subprocess.PIPE,
         )

@@ -21,15 +21,26 @@ def make_config(
 ) -> VllmConfig:
     """A VllmConfig whose scheduler and KV cache are real and whose model is only a vocabulary size."""
     model = ModelConfig(
-        model="fake", tokenizer="fake", dtype=torch.float32, max_model_len=max_model_len, hf_config={},
-        architecture="FakeForCausalLM", vocab_size=1000,
+        model="fake",
+        tokenizer="fake",
+        dtype=torch.float32,
+        max_model_len=max_model_len,
+        hf_config={},
+        architecture="FakeForCausalLM",
+        vocab_size=1000,
     )
     cache = CacheConfig(
-        block_size=block_size, enable_prefix_caching=enable_prefix_caching, preemption_mode=preemption_mode,
-        num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+        block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
+        preemption_mode=preemption_mode,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
     )
     sched = SchedulerConfig(
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        policy=policy,
     )
     return VllmConfig(model, cache, sched, ParallelConfig(), DeviceConfig())

@@ -18,7 +18,10 @@ class ServeProcess:
         """`stderr`: where the child's stderr goes (default: merged into the stdout lines read here)."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_lite.entrypoints.cli", "serve", *args],
-            env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []

@@ -82,11 +82,7 @@ def attention_cases(full: bool) -> list[AttentionCase]:
     cases = []
     tiles = (16, 32, 64)
     for i, (dtype, block_size, head_size, gqa) in enumerate(
-        (dt, bs, hs, g)
-        for dt in DTYPES
-        for bs in (1, 16, 32)
-        for hs in (32, 64, 96, 128)
-        for g in (1, 2, 4, 8)
+        (dt, bs, hs, g) for dt in DTYPES for bs in (1, 16, 32) for hs in (32, 64, 96, 128) for g in (1, 2, 4, 8)
     ):
         cases.append(AttentionCase(dtype, block_size, head_size, gqa, tiles[i % 3], MIXED_LONG, seed=i))
     cases += [AttentionCase(dt, 16, 64, 4, batch=SINGLE) for dt in DTYPES]
@@ -127,8 +123,14 @@ def check_attention(case: AttentionCase, device: str) -> None:
     dtype = DTYPES[case.dtype]
     query_lens, seq_lens = case.batch
     query, cache, md = random_attention_case(
-        list(query_lens), list(seq_lens), NUM_KV_HEADS * case.gqa, NUM_KV_HEADS, case.head_size,
-        case.block_size, dtype, seed=case.seed,
+        list(query_lens),
+        list(seq_lens),
+        NUM_KV_HEADS * case.gqa,
+        NUM_KV_HEADS,
+        case.head_size,
+        case.block_size,
+        dtype,
+        seed=case.seed,
     )
     scale = 1.0 / math.sqrt(case.head_size)
     expected = reference_paged_attention(query, cache, md, scale, case.window, case.soft_cap)
@@ -177,8 +179,10 @@ def check_rejects_bad_shapes(device: str) -> None:
 
     query, cache, md = random_attention_case([2], [4], 3, 2, 32, 16, torch.float32)
     query, cache, md = _to_device(device, query, cache, md)
-    for make, pattern in ((lambda: TritonBackend().forward(query, cache, md, 1.0), "num_kv_heads"),
-                          (lambda: TritonBackend(tile_n=24), "tile_n")):
+    for make, pattern in (
+        (lambda: TritonBackend().forward(query, cache, md, 1.0), "num_kv_heads"),
+        (lambda: TritonBackend(tile_n=24), "tile_n"),
+    ):
         try:
             make()
         except ValueError as e:

@@ -68,7 +68,11 @@ class GPUWorker:
         budget = kv_budget_from_utilization(total, utilization, total - free, peak)
         logger.debug(
             "memory on %s: %.2f GiB total x %.2f, %.2f GiB in use after loading, %.2f GiB peak activations",
-            self.device, total / (1 << 30), utilization, (total - free) / (1 << 30), peak / (1 << 30),
+            self.device,
+            total / (1 << 30),
+            utilization,
+            (total - free) / (1 << 30),
+            peak / (1 << 30),
         )
         return budget
 

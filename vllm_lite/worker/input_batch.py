@@ -70,7 +70,9 @@ class InputBatch:
         if n_prompt + n_out > self.max_model_len:
             raise ValueError(f"request {req_id!r} holds {n_prompt + n_out} tokens > max_model_len={self.max_model_len}")
         if len(new.block_ids) > self.max_blocks_per_req:
-            raise RuntimeError(f"request {req_id!r} would hold {len(new.block_ids)} blocks > max {self.max_blocks_per_req}")
+            raise RuntimeError(
+                f"request {req_id!r} would hold {len(new.block_ids)} blocks > max {self.max_blocks_per_req}"
+            )
         try:  # first, since it validates the parameters
             self.sampling.add_request(
                 row, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_id

@@ -60,7 +60,17 @@ def _hf_config(model_config: ModelConfig):
     return config
 
 
-_INIT_FNS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "trunc_normal_", "ones_", "zeros_", "constant_")
+_INIT_FNS = (
+    "uniform_",
+    "normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "trunc_normal_",
+    "ones_",
+    "zeros_",
+    "constant_",
+)
 
 
 @contextlib.contextmanager

@@ -82,11 +82,19 @@ class GPUModelRunner:
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
-        self.swap_caches = [
-            torch.zeros((2, num_cpu_blocks, self.block_size, a.num_kv_heads, a.head_size), dtype=self.dtype,
-                        device="cpu", pin_memory=self.device.type == "cuda")
-            for a in self.attn_layers
-        ] if num_cpu_blocks > 0 else []
+        self.swap_caches = (
+            [
+                torch.zeros(
+                    (2, num_cpu_blocks, self.block_size, a.num_kv_heads, a.head_size),
+                    dtype=self.dtype,
+                    device="cpu",
+                    pin_memory=self.device.type == "cuda",
+                )
+                for a in self.attn_layers
+            ]
+            if num_cpu_blocks > 0
+            else []
+        )
 
     # ------------------------------------------------------------------ profiling
     @torch.inference_mode()
@@ -109,11 +117,16 @@ class GPUModelRunner:
         params = SamplingParams(temperature=1.0, top_p=0.95)
         first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]])
         for i in range(num_reqs):
-            batch.add_request(NewRequestData(
-                req_id=f"profile-{i}", prompt_token_ids=[0] * int(per_req[i]), output_token_ids=[],
-                sampling_params=params, block_ids=list(range(int(first_block[i]), int(first_block[i] + blocks[i]))),
-                num_computed_tokens=0,
-            ))
+            batch.add_request(
+                NewRequestData(
+                    req_id=f"profile-{i}",
+                    prompt_token_ids=[0] * int(per_req[i]),
+                    output_token_ids=[],
+                    sampling_params=params,
+                    block_ids=list(range(int(first_block[i]), int(first_block[i] + blocks[i]))),
+                    num_computed_tokens=0,
+                )
+            )
         scheduled = {f"profile-{i}": int(per_req[i]) for i in range(num_reqs)}
         bound = [layer.kv_cache for layer in self.attn_layers]
         rng_devices = [self.device.index or 0] if self.device.type == "cuda" else []
@@ -121,7 +134,8 @@ class GPUModelRunner:
             for layer in self.attn_layers:
                 layer.kv_cache = torch.zeros(
                     (2, int(blocks.sum()), self.block_size, layer.num_kv_heads, layer.head_size),
-                    dtype=self.dtype, device=self.device,
+                    dtype=self.dtype,
+                    device=self.device,
                 )
             with torch.random.fork_rng(devices=rng_devices, device_type=self.device.type):
                 with measure_peak_allocated(self.device) as peak:
@@ -146,11 +160,17 @@ class GPUModelRunner:
 
     def _move_blocks(self, so: SchedulerOutput) -> None:
         if so.blocks_to_swap_out:
-            self.backend.swap_blocks(self.kv_caches, self.swap_caches, torch.tensor(so.blocks_to_swap_out, dtype=torch.int64))
+            self.backend.swap_blocks(
+                self.kv_caches, self.swap_caches, torch.tensor(so.blocks_to_swap_out, dtype=torch.int64)
+            )
         if so.blocks_to_swap_in:
-            self.backend.swap_blocks(self.swap_caches, self.kv_caches, torch.tensor(so.blocks_to_swap_in, dtype=torch.int64))
+            self.backend.swap_blocks(
+                self.swap_caches, self.kv_caches, torch.tensor(so.blocks_to_swap_in, dtype=torch.int64)
+            )
         if so.blocks_to_copy:
-            self.backend.copy_blocks(self.kv_caches, torch.tensor(so.blocks_to_copy, dtype=torch.int64, device=self.device))
+            self.backend.copy_blocks(
+                self.kv_caches, torch.tensor(so.blocks_to_copy, dtype=torch.int64, device=self.device)
+            )
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()

@@ -85,7 +85,10 @@ class MultiprocExecutor:
         # torch.distributed sets up the process group through it.
         startup_timeout_s = envs.VLLM_LITE_TP_STARTUP_TIMEOUT_S
         self._store = dist.TCPStore(
-            host, pc.master_port, is_master=True, wait_for_workers=False,
+            host,
+            pc.master_port,
+            is_master=True,
+            wait_for_workers=False,
             timeout=datetime.timedelta(seconds=startup_timeout_s),
             master_listen_fd=pc.master_listen_fd,  # a socket bound for us already (None: bind master_port)
         )
@@ -105,15 +108,25 @@ class MultiprocExecutor:
         threads = vllm_config.device_config.num_threads or worker_threads(per_node)
         for local_rank in range(per_node):
             spec = RankSpec(
-                rank=local_rank, local_rank=local_rank, world_size=self.world_size, master_addr=host,
-                master_port=self.master_port, num_threads=threads,
+                rank=local_rank,
+                local_rank=local_rank,
+                world_size=self.world_size,
+                master_addr=host,
+                master_port=self.master_port,
+                num_threads=threads,
             )
-            self._procs[local_rank] = launcher.start_child(TP_RANK_MODULE, spec, RankReady, name=f"tp-rank-{local_rank}")
+            self._procs[local_rank] = launcher.start_child(
+                TP_RANK_MODULE, spec, RankReady, name=f"tp-rank-{local_rank}"
+            )
         for proc in self._procs.values():
             self._poller.register(proc.fileno(), zmq.POLLIN)
         logger.info(
             "tensor parallel: %d ranks (%d on this node, %d node(s)); rendezvous %s:%d",
-            self.world_size, per_node, pc.nnodes, host, self.master_port,
+            self.world_size,
+            per_node,
+            pc.nnodes,
+            host,
+            self.master_port,
         )
         ready: set[int] = set()
         deadline = time.monotonic() + startup_timeout_s

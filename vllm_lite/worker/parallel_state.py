@@ -52,12 +52,21 @@ def init_distributed(
     if device_id is not None:
         torch.cuda.set_device(device_id)
     dist.init_process_group(
-        backend=backend, store=store, world_size=world_size, rank=rank,
-        timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id,
+        backend=backend,
+        store=store,
+        world_size=world_size,
+        rank=rank,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device_id,
     )
     _TP_RANK, _TP_SIZE = rank, world_size
-    logger.info("rank %d/%d joined the %s tensor-parallel group%s", rank, world_size, backend,
-                f" on {device_id}" if device_id is not None else "")
+    logger.info(
+        "rank %d/%d joined the %s tensor-parallel group%s",
+        rank,
+        world_size,
+        backend,
+        f" on {device_id}" if device_id is not None else "",
+    )
 
 
 def nccl_device(device: Optional[torch.device]) -> torch.device:
@@ -116,8 +125,9 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     return torch.cat(parts, dim=dim)
 
 
-def broadcast_from_driver(x: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
-                          device: torch.device) -> torch.Tensor:
+def broadcast_from_driver(
+    x: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """Rank 0's x on every rank (other ranks pass None and the expected shape/dtype); identity at TP=1."""
     if _TP_SIZE == 1:
         assert x is not None

@@ -219,14 +219,19 @@ def warp(logits: torch.Tensor, md: SamplingMetadata, rows: Optional[torch.Tensor
 
 
 # ---------------------------------------------------------------------- sampling
-def exponential_noise(shape: torch.Size, device: torch.device, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def exponential_noise(
+    shape: torch.Size, device: torch.device, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
     """Exp(1) samples as -log(U), U in [0, 1): never 0 (so p/E is never 0/0), and ~3x faster than exponential_ on CPU."""
     return torch.rand(shape, device=device, generator=generator).log_().neg_()
 
 
 def _race(
-    logits: torch.Tensor, batch_rows: Optional[torch.Tensor], ids: Optional[torch.Tensor],
-    generators: dict[int, torch.Generator], vocab: int,
+    logits: torch.Tensor,
+    batch_rows: Optional[torch.Tensor],
+    ids: Optional[torch.Tensor],
+    generators: dict[int, torch.Generator],
+    vocab: int,
 ) -> torch.Tensor:
     """Exponential race argmax(p / E) on some rows, E ~ Exp(1) i.i.d. per token, which draws token i with prob. p_i.
 

@@ -88,7 +88,9 @@ class _RankProcess:
         self.spec = spec
         self.P = P
         self.store = dist.TCPStore(
-            spec.master_addr, spec.master_port, is_master=False,
+            spec.master_addr,
+            spec.master_port,
+            is_master=False,
             timeout=datetime.timedelta(seconds=spec.connect_timeout_s),
         )
         self.store.wait([P.STORE_CONFIG_KEY, P.STORE_ADDRESS_KEY])

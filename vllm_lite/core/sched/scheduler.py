@@ -73,7 +73,11 @@ class Scheduler:
             logger.warning(
                 "KV cache holds only %d tokens (%d blocks of %d), less than max_model_len=%d: "
                 "requests are capped at %d tokens",
-                capacity, self.kv_cache_manager.num_total_blocks, self.block_size, sc.max_model_len, capacity,
+                capacity,
+                self.kv_cache_manager.num_total_blocks,
+                self.block_size,
+                sc.max_model_len,
+                capacity,
             )
 
         self.requests: dict[str, Request] = {}

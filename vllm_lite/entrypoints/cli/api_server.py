@@ -15,7 +15,8 @@ class ApiServerCommand(CLISubcommand):
         from vllm_lite.entrypoints.openai.cli_args import make_arg_parser
 
         p = subparsers.add_parser(
-            self.name, help=self.help,
+            self.name,
+            help=self.help,
             description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health, /metrics.",
         )
         return make_arg_parser(p)

@@ -68,7 +68,12 @@ class ChatSession:
 
 
 def chat_loop(
-    engine: Any, session: ChatSession, params: Any, inp: TextIO, out: TextIO, interactive: bool,
+    engine: Any,
+    session: ChatSession,
+    params: Any,
+    inp: TextIO,
+    out: TextIO,
+    interactive: bool,
     err: Optional[TextIO] = None,
 ) -> int:
     """Read, generate, stream, repeat; returns the number of replies given.
@@ -134,9 +139,7 @@ class ChatCommand(CLISubcommand):
         sampling_params_from(args, None, RequestOutputKind.DELTA)  # bad flags fail before the engine starts
         engine = build_engine(args)
         try:
-            params = sampling_params_from(
-                args, engine.processor.get_default_sampling_params(), RequestOutputKind.DELTA
-            )
+            params = sampling_params_from(args, engine.processor.get_default_sampling_params(), RequestOutputKind.DELTA)
             session = ChatSession(
                 engine.get_tokenizer(), engine.vllm_config.model_config.max_model_len, args.max_tokens, args.system
             )
@@ -147,4 +150,3 @@ class ChatCommand(CLISubcommand):
         finally:
             engine.shutdown()
         return 0
-

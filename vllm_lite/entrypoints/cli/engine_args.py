@@ -28,11 +28,20 @@ def add_engine_args(
     EngineArgs.add_cli_args(parser, exclude=exclude, positional_model=positional_model)
     g = parser.add_argument_group("engine process")
     if multiprocess:
-        g.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=True,
-                       help="Run the engine core in its own process (--no-multiprocess: in this one, for debugging).")
+        g.add_argument(
+            "--multiprocess",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="Run the engine core in its own process (--no-multiprocess: in this one, for debugging).",
+        )
     if log_level is not None:
-        g.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=log_level,
-                       help=f"vllm-lite's log level, engine core included (default {log_level}).")
+        g.add_argument(
+            "--log-level",
+            type=str.lower,
+            choices=LOG_LEVELS,
+            default=log_level,
+            help=f"vllm-lite's log level, engine core included (default {log_level}).",
+        )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

@@ -23,12 +23,18 @@ class GenerateCommand(CLISubcommand):
 
     def add_parser(self, subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
         p = subparsers.add_parser(
-            self.name, help=self.help, description=self.help,
+            self.name,
+            help=self.help,
+            description=self.help,
             epilog='example: vllm-lite generate "The for statement" --max-tokens 32 --temperature 0',
         )
         p.add_argument("prompt", help="Prompt text; '-' reads it from stdin.")
-        p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
-                       help="Print tokens as they arrive (--no-stream: print the whole completion at the end).")
+        p.add_argument(
+            "--stream",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="Print tokens as they arrive (--no-stream: print the whole completion at the end).",
+        )
         p.add_argument("--echo", action="store_true", help="Print the prompt before the completion.")
         p.add_argument("--verbose", "-v", action="store_true", help="Print token count and speed to stderr.")
         add_sampling_args(p, default_max_tokens=64)
@@ -69,4 +75,3 @@ class GenerateCommand(CLISubcommand):
                 file=sys.stderr,
             )
         return 0
-

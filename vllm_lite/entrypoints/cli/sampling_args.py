@@ -19,8 +19,13 @@ _FLAG_FIELDS = {
 
 def add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int) -> None:
     g = parser.add_argument_group("sampling (unset: the model's generation_config, else vLLM's defaults)")
-    g.add_argument("--max-tokens", "-n", type=int, default=default_max_tokens,
-                   help=f"Most tokens to generate (default {default_max_tokens}).")
+    g.add_argument(
+        "--max-tokens",
+        "-n",
+        type=int,
+        default=default_max_tokens,
+        help=f"Most tokens to generate (default {default_max_tokens}).",
+    )
     g.add_argument("--temperature", "-t", type=float, default=None, help="0 is greedy.")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None, help="0 or -1 disables.")
@@ -29,8 +34,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int) 
     g.add_argument("--presence-penalty", type=float, default=None)
     g.add_argument("--frequency-penalty", type=float, default=None)
     g.add_argument("--seed", type=int, default=None, help="Seed for sampling (and the engine).")
-    g.add_argument("--stop", action="append", default=None, metavar="STRING",
-                   help="Stop at this string (repeatable).")
+    g.add_argument("--stop", action="append", default=None, metavar="STRING", help="Stop at this string (repeatable).")
     g.add_argument("--ignore-eos", action="store_true", help="Keep generating past the end-of-text token.")
 
 

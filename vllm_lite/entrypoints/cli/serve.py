@@ -55,40 +55,80 @@ class ServeCommand(CLISubcommand):
         )
 
         p = subparsers.add_parser(
-            self.name, help=self.help, description=self.help, epilog=EPILOG,
+            self.name,
+            help=self.help,
+            description=self.help,
+            epilog=EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         from vllm_lite.entrypoints.openai.cli_args import add_http_options
 
         h = p.add_argument_group("OpenAI HTTP API (as vllm serve)")
-        h.add_argument("--host", default=None,
-                       help="Address the HTTP API binds (default 127.0.0.1, loopback only, unlike vLLM's all "
-                            "interfaces: pass --host 0.0.0.0 to serve other machines).")
+        h.add_argument(
+            "--host",
+            default=None,
+            help="Address the HTTP API binds (default 127.0.0.1, loopback only, unlike vLLM's all "
+            "interfaces: pass --host 0.0.0.0 to serve other machines).",
+        )
         h.add_argument("--port", type=int, default=None, help="HTTP API port (default 8000; 0: a free one).")
-        h.add_argument("--headless", action="store_true",
-                       help="No HTTP API: run the engine core(s) alone, for frontends that attach.")
-        h.add_argument("--api-server-count", "--api-servers", dest="api_servers", type=int, default=1,
-                       help="HTTP frontend processes, all attached to the core(s), sharing the port.")
-        h.add_argument("--api-key", default=envs.VLLM_LITE_API_KEY,
-                       help="Require 'Authorization: Bearer KEY' on the HTTP API (default: $VLLM_LITE_API_KEY).")
-        h.add_argument("--uvicorn-log-level", default="warning",
-                       choices=["critical", "error", "warning", "info", "debug"])
+        h.add_argument(
+            "--headless",
+            action="store_true",
+            help="No HTTP API: run the engine core(s) alone, for frontends that attach.",
+        )
+        h.add_argument(
+            "--api-server-count",
+            "--api-servers",
+            dest="api_servers",
+            type=int,
+            default=1,
+            help="HTTP frontend processes, all attached to the core(s), sharing the port.",
+        )
+        h.add_argument(
+            "--api-key",
+            default=envs.VLLM_LITE_API_KEY,
+            help="Require 'Authorization: Bearer KEY' on the HTTP API (default: $VLLM_LITE_API_KEY).",
+        )
+        h.add_argument(
+            "--uvicorn-log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
+        )
         add_http_options(h)
         h.add_argument("--api-port", type=int, default=None, help=argparse.SUPPRESS)  # old spelling of --port
         h.add_argument("--api-host", default=None, help=argparse.SUPPRESS)  # old spelling of --host
         d = p.add_argument_group("engine core (attachable)")
         d.add_argument("--core-host", default=None, help="Address the engine core binds (default: loopback only).")
-        d.add_argument("--core-port", type=int, default=None,
-                       help=f"First of the two TCP ports the core binds (default {DEFAULT_PORT}; 0: pick free ones).")
-        d.add_argument("--core-address", "--address", dest="address", default=None, metavar="ADDRESS",
-                       help="Bind the core at this tcp://HOST:PORT or ipc:///PATH instead of --core-host/--core-port.")
-        d.add_argument("--auth-token", default=envs.VLLM_LITE_AUTH_TOKEN,
-                       help="Frontends must present this token (default: $VLLM_LITE_AUTH_TOKEN). "
-                            "Required to bind a non-loopback address.")
-        d.add_argument("--heartbeat-timeout", type=_positive_float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
-                       help="Seconds of silence after which a frontend is dropped and its requests aborted.")
-        d.add_argument("--shutdown-timeout", type=_non_negative_float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                       help="On SIGTERM/SIGINT, seconds to let running requests finish before aborting them.")
+        d.add_argument(
+            "--core-port",
+            type=int,
+            default=None,
+            help=f"First of the two TCP ports the core binds (default {DEFAULT_PORT}; 0: pick free ones).",
+        )
+        d.add_argument(
+            "--core-address",
+            "--address",
+            dest="address",
+            default=None,
+            metavar="ADDRESS",
+            help="Bind the core at this tcp://HOST:PORT or ipc:///PATH instead of --core-host/--core-port.",
+        )
+        d.add_argument(
+            "--auth-token",
+            default=envs.VLLM_LITE_AUTH_TOKEN,
+            help="Frontends must present this token (default: $VLLM_LITE_AUTH_TOKEN). "
+            "Required to bind a non-loopback address.",
+        )
+        d.add_argument(
+            "--heartbeat-timeout",
+            type=_positive_float,
+            default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+            help="Seconds of silence after which a frontend is dropped and its requests aborted.",
+        )
+        d.add_argument(
+            "--shutdown-timeout",
+            type=_non_negative_float,
+            default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+            help="On SIGTERM/SIGINT, seconds to let running requests finish before aborting them.",
+        )
         add_engine_args(p, positional_model=True)  # MODEL, -dp, --served-model-name, ... with the engine flags
         return p
 
@@ -116,10 +156,14 @@ def _split_host_port(args: argparse.Namespace) -> tuple[str, int | None, str, in
     if not legacy:
         return args.host or "127.0.0.1", 8000 if args.port is None else args.port, args.core_host, args.core_port
     if args.core_host is not None or args.core_port is not None:
-        raise ValueError("--api-port/--api-host are the old spellings of --port/--host: with --core-host/--core-port "
-                         "use --port/--host for the HTTP API.")
-    logger.warning("--api-port/--api-host are the old spellings: the HTTP API is now on --port/--host and the "
-                   "engine core on --core-port/--core-host (as `vllm serve`); the old meaning is kept here.")
+        raise ValueError(
+            "--api-port/--api-host are the old spellings of --port/--host: with --core-host/--core-port "
+            "use --port/--host for the HTTP API."
+        )
+    logger.warning(
+        "--api-port/--api-host are the old spellings: the HTTP API is now on --port/--host and the "
+        "engine core on --core-port/--core-host (as `vllm serve`); the old meaning is kept here."
+    )
     return args.api_host or "127.0.0.1", args.api_port, args.host, args.port
 
 
@@ -154,4 +198,3 @@ def serve_config_from(args: argparse.Namespace):
         uvicorn_log_level=args.uvicorn_log_level,
         http_options={**server_options(args), "ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile},
     )
-

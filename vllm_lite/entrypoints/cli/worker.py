@@ -27,7 +27,9 @@ class WorkerCommand(CLISubcommand):
 
     def add_parser(self, subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
         p = subparsers.add_parser(
-            self.name, help=self.help, description=self.help,
+            self.name,
+            help=self.help,
+            description=self.help,
             epilog="example: vllm-lite worker --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500",
         )
         from vllm_lite.config import EngineArgs
@@ -35,10 +37,15 @@ class WorkerCommand(CLISubcommand):
         EngineArgs.add_cli_args(p, only=WORKER_ENGINE_FIELDS)
         # A worker node takes the engine's sizes from node 0: -tp is only checked, and node 0 is the engine's.
         p.set_defaults(tensor_parallel_size=None, node_rank=1, master_port=None)
-        p.add_argument("--model", "-m", default=None,
-                       help="This node's path to the engine's checkpoint (default: the engine's path).")
-        p.add_argument("--connect-timeout", type=float, default=300.0,
-                       help="Seconds to wait for node 0's rendezvous store.")
+        p.add_argument(
+            "--model",
+            "-m",
+            default=None,
+            help="This node's path to the engine's checkpoint (default: the engine's path).",
+        )
+        p.add_argument(
+            "--connect-timeout", type=float, default=300.0, help="Seconds to wait for node 0's rendezvous store."
+        )
         return p
 
     def run(self, args: argparse.Namespace) -> int:
@@ -62,12 +69,14 @@ def run_worker_node(args: argparse.Namespace) -> int:
     if args.nnodes < 2:
         raise ValueError(f"--nnodes must be at least 2 for a worker node, got {args.nnodes}.")
     if not 0 < args.node_rank < args.nnodes:
-        raise ValueError(f"--node-rank must be in [1, {args.nnodes}) for a worker node (0 runs the engine), "
-                         f"got {args.node_rank}.")
+        raise ValueError(
+            f"--node-rank must be in [1, {args.nnodes}) for a worker node (0 runs the engine), got {args.node_rank}."
+        )
     if args.connect_timeout <= 0:
         raise ValueError(f"--connect-timeout must be positive, got {args.connect_timeout}.")
-    store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
-                          timeout=datetime.timedelta(seconds=args.connect_timeout))
+    store = dist.TCPStore(
+        args.master_addr, args.master_port, is_master=False, timeout=datetime.timedelta(seconds=args.connect_timeout)
+    )
     store.wait([P.STORE_CONFIG_KEY])
     config = decode_vllm_config(store.get(P.STORE_CONFIG_KEY))
     pc = config.parallel_config
@@ -75,12 +84,18 @@ def run_worker_node(args: argparse.Namespace) -> int:
     if pc.nnodes != args.nnodes:
         raise ValueError(f"--nnodes={args.nnodes} but the engine on node 0 was started with nnodes={pc.nnodes}.")
     if args.tensor_parallel_size is not None and args.tensor_parallel_size != pc.tensor_parallel_size:
-        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} but the engine on node 0 uses "
-                         f"tensor_parallel_size={pc.tensor_parallel_size}.")
+        raise ValueError(
+            f"--tensor-parallel-size={args.tensor_parallel_size} but the engine on node 0 uses "
+            f"tensor_parallel_size={pc.tensor_parallel_size}."
+        )
     per_node = pc.ranks_per_node
     first = args.node_rank * per_node
-    print(f"vllm-lite worker: node {args.node_rank}/{pc.nnodes} runs ranks {first}..{first + per_node - 1} "
-          f"of {pc.tensor_parallel_size}", file=sys.stderr, flush=True)
+    print(
+        f"vllm-lite worker: node {args.node_rank}/{pc.nnodes} runs ranks {first}..{first + per_node - 1} "
+        f"of {pc.tensor_parallel_size}",
+        file=sys.stderr,
+        flush=True,
+    )
     threads = config.device_config.num_threads or worker_threads(per_node)
     procs: list[launcher.ChildProcess] = []
 
@@ -93,9 +108,14 @@ def run_worker_node(args: argparse.Namespace) -> int:
     try:
         for local in range(per_node):
             spec = RankSpec(
-                rank=first + local, local_rank=local, world_size=pc.tensor_parallel_size,
-                master_addr=args.master_addr, master_port=args.master_port, num_threads=threads,
-                model_override=args.model, connect_timeout_s=args.connect_timeout,
+                rank=first + local,
+                local_rank=local,
+                world_size=pc.tensor_parallel_size,
+                master_addr=args.master_addr,
+                master_port=args.master_port,
+                num_threads=threads,
+                model_override=args.model,
+                connect_timeout_s=args.connect_timeout,
             )
             procs.append(launcher.start_child(TP_RANK_MODULE, spec, RankReady, name=f"tp-rank-{first + local}"))
         codes = [p.wait() for p in procs]

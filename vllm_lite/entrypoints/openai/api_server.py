@@ -179,7 +179,9 @@ def build_app(
             await monitor.stop()
 
     app = FastAPI(
-        title="vllm-lite OpenAI-compatible server", version=vllm_lite.__version__, lifespan=lifespan,
+        title="vllm-lite OpenAI-compatible server",
+        version=vllm_lite.__version__,
+        lifespan=lifespan,
         root_path=root_path,
     )
     app.state.engine = engine
@@ -193,8 +195,11 @@ def build_app(
     app.add_middleware(_AuthAndCountMiddleware, api_key=api_key, metrics=metrics)
     # Outermost: CORS preflights are answered before the API-key check (browsers send no key on them).
     app.add_middleware(
-        CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
-        allow_headers=list(allowed_headers), allow_credentials=allow_credentials,
+        CORSMiddleware,
+        allow_origins=list(allowed_origins),
+        allow_methods=list(allowed_methods),
+        allow_headers=list(allowed_headers),
+        allow_credentials=allow_credentials,
     )
     request_log = _RequestLog(disable_log_requests)
 
@@ -262,8 +267,7 @@ def build_app(
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         cards = [
-            ModelCard(id=name, root=engine.model_config.model, max_model_len=completion.max_model_len)
-            for name in names
+            ModelCard(id=name, root=engine.model_config.model, max_model_len=completion.max_model_len) for name in names
         ]
         return JSONResponse(ModelList(data=cards).model_dump())
 
@@ -327,8 +331,14 @@ async def serve_app(
     if (ssl_keyfile is None) != (ssl_certfile is None):
         raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile.")
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_keep_alive=5, lifespan="on",
-        ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_keep_alive=5,
+        lifespan="on",
+        ssl_keyfile=ssl_keyfile,
+        ssl_certfile=ssl_certfile,
         # Exit even if a client holds a stream open (the engine may be dead and a supervisor waiting).
         timeout_graceful_shutdown=10,
     )
@@ -355,7 +365,8 @@ def build_engine(args: Any) -> Any:
 
     if getattr(args, "engine", None):
         return AsyncLLM.attach(
-            args.engine, auth_token=getattr(args, "auth_token", None),
+            args.engine,
+            auth_token=getattr(args, "auth_token", None),
             data_parallel_size=getattr(args, "data_parallel_size", 1),
         )
     return AsyncLLM.from_engine_args(engine_args_from_cli(args))
@@ -381,12 +392,20 @@ def run_server(args: Any) -> int:
             )
             scheme = "https" if args.ssl_certfile else "http"
             logger.info(
-                "OpenAI API on %s://%s:%d%s%s", scheme, args.host, args.port, args.root_path,
+                "OpenAI API on %s://%s:%d%s%s",
+                scheme,
+                args.host,
+                args.port,
+                args.root_path,
                 " (loopback only: pass --host 0.0.0.0 to serve other machines)" if args.host == "127.0.0.1" else "",
             )
             return await serve_app(
-                app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.uvicorn_log_level,
+                ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile,
             )
         finally:
             try:

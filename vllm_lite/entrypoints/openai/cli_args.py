@@ -37,9 +37,12 @@ def _json_list(text: str) -> list[str]:
 
 def add_http_options(srv: argparse._ArgumentGroup) -> None:
     """vLLM's HTTP-layer flags (chat template, roles, CORS, TLS, root path, request log), same names and meaning."""
-    srv.add_argument("--chat-template", default=None,
-                     help="Chat template (a file path or the template text) used when a request sends none "
-                          "(default: the tokenizer's).")
+    srv.add_argument(
+        "--chat-template",
+        default=None,
+        help="Chat template (a file path or the template text) used when a request sends none "
+        "(default: the tokenizer's).",
+    )
     srv.add_argument("--response-role", default="assistant", help="Role of the generated chat messages.")
     srv.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS origins, a JSON list.")
     srv.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS methods, a JSON list.")
@@ -54,9 +57,12 @@ def add_http_options(srv: argparse._ArgumentGroup) -> None:
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the server's and the engine's options to `parser`."""
     srv = parser.add_argument_group("server")
-    srv.add_argument("--host", default="127.0.0.1",
-                     help="Address to bind (default 127.0.0.1, loopback only, unlike vLLM's all interfaces: "
-                          "pass --host 0.0.0.0 to serve other machines).")
+    srv.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="Address to bind (default 127.0.0.1, loopback only, unlike vLLM's all interfaces: "
+        "pass --host 0.0.0.0 to serve other machines).",
+    )
     srv.add_argument("--port", type=int, default=8000)
     add_http_options(srv)
     srv.add_argument(
@@ -65,21 +71,28 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Require 'Authorization: Bearer KEY' on API routes (default: $VLLM_LITE_API_KEY, else open).",
     )
     srv.add_argument(
-        "--health-stuck-timeout", type=_positive_float, default=60.0,
+        "--health-stuck-timeout",
+        type=_positive_float,
+        default=60.0,
         help="Seconds of pending requests without a finished engine step before /health reports 503.",
     )
     srv.add_argument(
-        "--engine-dead-grace", type=_positive_float, default=1.0,
+        "--engine-dead-grace",
+        type=_positive_float,
+        default=1.0,
         help="Seconds to keep answering 503 after the engine died before exiting with code 1.",
     )
     srv.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     att = parser.add_argument_group("attach (instead of --model)")
     att.add_argument(
-        "--engine", default=None, metavar="ADDRESS",
+        "--engine",
+        default=None,
+        metavar="ADDRESS",
         help="Attach to a running `vllm-lite serve` core at ADDRESS instead of spawning one (with -dp D: its D cores).",
     )
-    att.add_argument("--auth-token", default=envs.VLLM_LITE_AUTH_TOKEN,
-                     help="Token for --engine (default: $VLLM_LITE_AUTH_TOKEN).")
+    att.add_argument(
+        "--auth-token", default=envs.VLLM_LITE_AUTH_TOKEN, help="Token for --engine (default: $VLLM_LITE_AUTH_TOKEN)."
+    )
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -95,7 +108,8 @@ def check_api_server_args(args: argparse.Namespace) -> None:
         raise ValueError("pass only one of --model and --engine.")
     if args.engine:
         ignored = [
-            flag_name(spec.name) for spec in flag_specs(EngineArgs)
+            flag_name(spec.name)
+            for spec in flag_specs(EngineArgs)
             if spec.name not in _ATTACH_FIELDS and getattr(args, spec.name, None) != spec.kwargs["default"]
         ]
         if ignored:

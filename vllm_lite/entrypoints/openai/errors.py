@@ -79,7 +79,24 @@ def _guess_param(message: str) -> Optional[str]:
 
 
 _KNOWN_PARAMS = {
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs", "prompt",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens",
-    "logit_bias", "messages", "top_logprobs", "best_of", "suffix", "model",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "logprobs",
+    "prompt",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "max_tokens",
+    "min_tokens",
+    "logit_bias",
+    "messages",
+    "top_logprobs",
+    "best_of",
+    "suffix",
+    "model",
 }

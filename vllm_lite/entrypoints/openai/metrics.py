@@ -26,14 +26,75 @@ from vllm_lite import envs
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import RequestOutputKind
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0)
-_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+_E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
 
 # vLLM V1's request_latency_buckets (queue, prefill, decode, inference times) and iteration-token buckets.
-_REQUEST_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                          240.0, 480.0, 960.0, 1920.0, 7680.0)
+_REQUEST_PHASE_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -52,7 +113,10 @@ class ServerMetrics:
         # Engine gauges: every frontend reads the same core, so the latest value is the value.
         gauge_mode = {"multiprocess_mode": "mostrecent"} if self.multiproc_dir else {}
         self.request_success = Counter(
-            "vllm:request_success", "Finished sequences (one per sample when n > 1) by finish reason.", labels + ["finished_reason"], registry=r
+            "vllm:request_success",
+            "Finished sequences (one per sample when n > 1) by finish reason.",
+            labels + ["finished_reason"],
+            registry=r,
         )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r)
@@ -60,12 +124,18 @@ class ServerMetrics:
             "vllm:time_to_first_token_seconds", "Time to first token.", labels, buckets=_LATENCY_BUCKETS, registry=r
         )
         self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between generated tokens.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "vllm:inter_token_latency_seconds",
+            "Time between generated tokens.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "Request latency from arrival to finish.", labels,
-            buckets=_E2E_BUCKETS, registry=r,
+            "vllm:e2e_request_latency_seconds",
+            "Request latency from arrival to finish.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=r,
         )
         self.num_running = Gauge(
             "vllm:num_requests_running", "Requests running in the engine.", labels, registry=r, **gauge_mode
@@ -78,7 +148,9 @@ class ServerMetrics:
             "vllm:http_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"], registry=r
         )
         self.prefix_cache_queries = Counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", labels,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels,
             registry=r,
         )
         self.prefix_cache_hits = Counter(
@@ -88,8 +160,11 @@ class ServerMetrics:
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r
         )
         self.iteration_tokens = Histogram(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
-            buckets=_ITERATION_TOKEN_BUCKETS, registry=r,
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            labels,
+            buckets=_ITERATION_TOKEN_BUCKETS,
+            registry=r,
         )
         phase = {
             "queue": "Histogram of time spent in WAITING phase for request.",
@@ -126,8 +201,12 @@ class ServerMetrics:
         if tokens:
             self.iteration_tokens.labels(m).observe(tokens)
         for f in it.finished_requests:
-            for name, value in (("queue", f.queue_time_s), ("prefill", f.prefill_time_s),
-                                ("decode", f.decode_time_s), ("inference", f.inference_time_s)):
+            for name, value in (
+                ("queue", f.queue_time_s),
+                ("prefill", f.prefill_time_s),
+                ("decode", f.decode_time_s),
+                ("inference", f.inference_time_s),
+            ):
                 if value is not None:
                     self.phase_times[name].labels(m).observe(value)
 

@@ -67,9 +67,12 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         created = int(time.time())
         gen = self.generate(
-            {"prompt": prompt_text, "prompt_token_ids": prompt_ids} if prompt_ids is full_ids
+            {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+            if prompt_ids is full_ids
             else {"prompt_token_ids": prompt_ids},
-            params, request_id, request.priority,
+            params,
+            request_id,
+            request.priority,
         )
         if request.stream:
             body = self._stream(request, prompt_ids, gen, request_id, created, raw_request)
@@ -149,7 +152,13 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # OpenAI's first chunk per choice carries only the role.
             for i in range(n):
-                first = chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""))])
+                first = chunk(
+                    [
+                        ChatCompletionResponseStreamChoice(
+                            index=i, delta=DeltaMessage(role=self.response_role, content="")
+                        )
+                    ]
+                )
                 if request.return_token_ids and i == 0:
                     first.prompt_token_ids = prompt_ids
                 yield sse(first)
@@ -178,7 +187,10 @@ class OpenAIServingChat(OpenAIServing):
                         )
             if request.include_usage:
                 final = ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[],
+                    id=request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[],
                     usage=_usage(len(prompt_ids), sum(completion_tokens)),
                 )
                 yield sse(final)

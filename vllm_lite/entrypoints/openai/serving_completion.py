@@ -68,9 +68,12 @@ class OpenAIServingCompletion(OpenAIServing):
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         generators = [
             self.generate(
-                {"prompt": p.text, "prompt_token_ids": p.token_ids} if p.text is not None
+                {"prompt": p.text, "prompt_token_ids": p.token_ids}
+                if p.text is not None
                 else {"prompt_token_ids": p.token_ids},
-                params, rid, request.priority,
+                params,
+                rid,
+                request.priority,
             )
             for p, params, rid in zip(prompts, params_list, request_ids)
         ]
@@ -230,7 +233,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield sse(chunk)
             if request.include_usage:
                 final = CompletionStreamResponse(
-                    id=base_id, created=created, model=self.model_name, choices=[],
+                    id=base_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[],
                     usage=_usage(prompt_tokens, sum(completion_tokens)),
                 )
                 yield sse(final)

@@ -147,7 +147,9 @@ class OpenAIServing:
         except (ValueError, TypeError, KeyError) as e:
             raise BadRequestError(f"Could not apply the chat template: {e}", param="messages") from e
         except Exception as e:  # jinja2 template errors
-            raise BadRequestError(f"Could not apply the chat template: {type(e).__name__}: {e}", param="messages") from e
+            raise BadRequestError(
+                f"Could not apply the chat template: {type(e).__name__}: {e}", param="messages"
+            ) from e
         if not isinstance(text, str):
             raise BadRequestError("The chat template did not render to text.", param="messages")
         return text

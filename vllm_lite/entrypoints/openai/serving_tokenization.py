@@ -37,7 +37,5 @@ class OpenAIServingTokenization(OpenAIServing):
         vocab = int(getattr(self.model_config, "vocab_size", 0) or len(self.tokenizer))
         bad = [t for t in request.tokens if t < 0 or t >= vocab]
         if bad:
-            raise BadRequestError(
-                f"tokens contains ids out of vocabulary (size {vocab}): {bad[:8]!r}.", param="tokens"
-            )
+            raise BadRequestError(f"tokens contains ids out of vocabulary (size {vocab}): {bad[:8]!r}.", param="tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))

@@ -30,7 +30,8 @@ async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncGenerator[
         return
     loop = asyncio.get_running_loop()
     pending: dict[asyncio.Future, int] = {
-        loop.create_task(_anext(it)): i for i, it in enumerate(iterators)  # type: ignore[arg-type]
+        loop.create_task(_anext(it)): i
+        for i, it in enumerate(iterators)  # type: ignore[arg-type]
     }
     try:
         while pending:

@@ -72,7 +72,9 @@ class AttentionBackend(ABC):
         for cache in kv_caches:
             cache[:, dst] = cache[:, src]
 
-    def swap_blocks(self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
+    def swap_blocks(
+        self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src_to_dst: torch.Tensor
+    ) -> None:
         """Move blocks between two sets of caches (device <-> host swap space)."""
         if src_to_dst.numel() == 0:
             return

@@ -69,7 +69,13 @@ def build_key() -> str:
     for p in source_files():
         h.update(p.name.encode())
         h.update(p.read_bytes())
-    for part in (torch.__version__, sys.version, platform.machine(), " ".join(EXTRA_CFLAGS + EXTRA_LDFLAGS), _cpu_flags()):
+    for part in (
+        torch.__version__,
+        sys.version,
+        platform.machine(),
+        " ".join(EXTRA_CFLAGS + EXTRA_LDFLAGS),
+        _cpu_flags(),
+    ):
         h.update(part.encode())
     return h.hexdigest()[:16]
 

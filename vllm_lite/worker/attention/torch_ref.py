@@ -67,7 +67,7 @@ def _build_group(
     num_blocks = int(((sl + block_size - 1) // block_size - first_block).max())
     max_s = num_blocks * block_size
     # Query j (position ctx + j) sees keys at positions <= ctx + j (and > ctx + j - window).
-    qpos = (ctx.view(r, 1, 1) + torch.arange(max_q).view(1, max_q, 1))
+    qpos = ctx.view(r, 1, 1) + torch.arange(max_q).view(1, max_q, 1)
     kpos = (first_block * block_size).view(r, 1, 1) + torch.arange(max_s).view(1, 1, max_s)
     mask = (kpos <= qpos) & (kpos < sl.view(r, 1, 1))
     if window is not None:

@@ -183,17 +183,59 @@ if HAS_TRITON:
             start_n = key_begin
             while start_n < num_keys:
                 m_i, l_i, acc = _attend_key_tile(
-                    m_i, l_i, acc, q, pos, row_ok, start_n, num_keys, kv_ptr, block_table_ptr + b * stride_bt,
-                    kv_half, kvh, offs_d, d_ok, scale, window, soft_cap, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE,
-                    TILE_N, DOT_IN_BF16, USE_WINDOW, USE_SOFT_CAP,
+                    m_i,
+                    l_i,
+                    acc,
+                    q,
+                    pos,
+                    row_ok,
+                    start_n,
+                    num_keys,
+                    kv_ptr,
+                    block_table_ptr + b * stride_bt,
+                    kv_half,
+                    kvh,
+                    offs_d,
+                    d_ok,
+                    scale,
+                    window,
+                    soft_cap,
+                    BLOCK_SIZE,
+                    NUM_KV_HEADS,
+                    HEAD_SIZE,
+                    TILE_N,
+                    DOT_IN_BF16,
+                    USE_WINDOW,
+                    USE_SOFT_CAP,
                 )
                 start_n += TILE_N
         else:
             for start_n in range(key_begin, num_keys, TILE_N):
                 m_i, l_i, acc = _attend_key_tile(
-                    m_i, l_i, acc, q, pos, row_ok, start_n, num_keys, kv_ptr, block_table_ptr + b * stride_bt,
-                    kv_half, kvh, offs_d, d_ok, scale, window, soft_cap, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE,
-                    TILE_N, DOT_IN_BF16, USE_WINDOW, USE_SOFT_CAP,
+                    m_i,
+                    l_i,
+                    acc,
+                    q,
+                    pos,
+                    row_ok,
+                    start_n,
+                    num_keys,
+                    kv_ptr,
+                    block_table_ptr + b * stride_bt,
+                    kv_half,
+                    kvh,
+                    offs_d,
+                    d_ok,
+                    scale,
+                    window,
+                    soft_cap,
+                    BLOCK_SIZE,
+                    NUM_KV_HEADS,
+                    HEAD_SIZE,
+                    TILE_N,
+                    DOT_IN_BF16,
+                    USE_WINDOW,
+                    USE_SOFT_CAP,
                 )
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -255,7 +297,9 @@ class TritonBackend(AttentionBackend):
             return
         _, _, _, kvh, d = kv_cache.shape
         if key.shape[1:] != (kvh, d) or value.shape != key.shape:
-            raise ValueError(f"key/value must have shape [T, {kvh}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}.")
+            raise ValueError(
+                f"key/value must have shape [T, {kvh}, {d}], got {tuple(key.shape)} and {tuple(value.shape)}."
+            )
         key, value = _packed_rows(key.to(kv_cache.dtype)), _packed_rows(value.to(kv_cache.dtype))
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous.")

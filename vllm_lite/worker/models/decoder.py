@@ -21,7 +21,9 @@ class CausalLM(nn.Module):
 
     model: nn.Module
 
-    def init_lm_head(self, config, embedding: VocabParallelEmbedding, tie_default: bool, width: int | None = None) -> None:
+    def init_lm_head(
+        self, config, embedding: VocabParallelEmbedding, tie_default: bool, width: int | None = None
+    ) -> None:
         """Tie to `embedding` when the config says so (`tie_default`: the family's HF default), else a new head."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", tie_default))
         if self.tie_word_embeddings:

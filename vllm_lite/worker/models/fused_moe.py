@@ -36,7 +36,9 @@ from vllm_lite.worker.parallel_state import (
 )
 
 # Per-expert checkpoint names: Mixtral's w1 (gate) / w3 (up) / w2 (down), Qwen-MoE's gate/up/down_proj.
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+)
 # transformers' fused in-memory layout, should a checkpoint be saved that way.
 _FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 _PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -104,8 +106,14 @@ class FusedMoE(nn.Module):
     """The experts of one MoE layer: stacked weights, this rank's slice of every expert's intermediate dim."""
 
     def __init__(
-        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-        act: str = "silu", round_weights: bool = False,
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        act: str = "silu",
+        round_weights: bool = False,
     ) -> None:
         super().__init__()
         self.round_weights = round_weights
@@ -190,8 +198,14 @@ class SparseMoeBlock(nn.Module):
     """Router (`gate`, replicated) + `experts` (FusedMoE), named as Mixtral's and Qwen-MoE's checkpoints name them."""
 
     def __init__(
-        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-        act: str = "silu", round_weights: bool = False,
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        act: str = "silu",
+        round_weights: bool = False,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)

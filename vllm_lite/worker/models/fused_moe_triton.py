@@ -56,11 +56,27 @@ if HAS_TRITON:
 
     @triton.jit
     def _expert_gemm(
-        a_ptr, w_ptr, c_ptr, sorted_pairs_ptr, block_expert_ptr, pair_weight_ptr,
-        num_pairs, n_out, k_in, top_k,
-        stride_am, stride_we, stride_wn, stride_wk, stride_cm,
-        A_BY_TOKEN: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        a_ptr,
+        w_ptr,
+        c_ptr,
+        sorted_pairs_ptr,
+        block_expert_ptr,
+        pair_weight_ptr,
+        num_pairs,
+        n_out,
+        k_in,
+        top_k,
+        stride_am,
+        stride_we,
+        stride_wn,
+        stride_wk,
+        stride_cm,
+        A_BY_TOKEN: tl.constexpr,
+        SCALE: tl.constexpr,
+        IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         """c[pair, n] = sum_k a[row(pair), k] * w[e, n, k] (* weight[pair]) for this block's pairs of expert e."""
         pid_m = tl.program_id(0)
@@ -77,18 +93,25 @@ if HAS_TRITON:
         for k0 in range(0, k_in, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_in
-            a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            a = tl.load(
+                a_ptr + rows[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            w = tl.load(
+                w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                mask=k_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )
             if IEEE:
                 acc += tl.dot(a, w, input_precision="ieee")
             else:
                 acc += tl.dot(a, w)
         if SCALE:
             acc = acc * tl.load(pair_weight_ptr + pairs, mask=row_ok, other=0.0)[:, None]
-        tl.store(c_ptr + pairs[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(
+            c_ptr + pairs[:, None] * stride_cm + offs_n[None, :],
+            acc.to(c_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & n_ok[None, :],
+        )
 
 
 def _launch(a, w, c, sorted_pairs, block_expert, pair_weights, top_k, by_token, scale) -> None:
@@ -97,11 +120,27 @@ def _launch(a, w, c, sorted_pairs, block_expert, pair_weights, top_k, by_token, 
     block_k = 32
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
     _expert_gemm[grid](
-        a, w, c, sorted_pairs, block_expert, pair_weights,
-        c.shape[0], n_out, k_in, top_k,
-        a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
-        A_BY_TOKEN=by_token, SCALE=scale, IEEE=a.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        a,
+        w,
+        c,
+        sorted_pairs,
+        block_expert,
+        pair_weights,
+        c.shape[0],
+        n_out,
+        k_in,
+        top_k,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        c.stride(0),
+        A_BY_TOKEN=by_token,
+        SCALE=scale,
+        IEEE=a.dtype == torch.float32,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
 
 

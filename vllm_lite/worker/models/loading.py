@@ -46,7 +46,9 @@ def load_hf_weights(
                 break
         else:
             if name not in params:
-                raise ValueError(f"unexpected checkpoint weight {name!r} (no such parameter in {type(model).__name__}).")
+                raise ValueError(
+                    f"unexpected checkpoint weight {name!r} (no such parameter in {type(model).__name__})."
+                )
             owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             # Sharded modules (row/column-parallel, vocab-parallel) read only their rank's part.
             getattr(owner, "load_weight", default_weight_loader)(params[name], tensor)

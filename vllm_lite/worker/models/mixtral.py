@@ -53,8 +53,12 @@ class MixtralForCausalLM(CausalLM):
 
     def make_layer(self, config, index: int, sliding_window: int | None) -> MoEDecoderLayer:
         moe = SparseMoeBlock(
-            config.num_local_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
-            renormalize=True, act=getattr(config, "hidden_act", "silu"),
+            config.num_local_experts,
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.intermediate_size,
+            renormalize=True,
+            act=getattr(config, "hidden_act", "silu"),
         )
         return MoEDecoderLayer(config, self.make_attention(config, sliding_window), moe, "block_sparse_moe")
 

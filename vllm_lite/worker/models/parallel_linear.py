@@ -114,7 +114,11 @@ class MergedLinear(ColumnParallelLinear):
     """
 
     def __init__(
-        self, in_features: int, out_sizes: Sequence[int], bias: bool, shard_ids: Sequence[Any],
+        self,
+        in_features: int,
+        out_sizes: Sequence[int],
+        bias: bool,
+        shard_ids: Sequence[Any],
         what: str = "out_features",
     ) -> None:
         if len(out_sizes) != len(shard_ids):

@@ -31,8 +31,13 @@ class Qwen3MoeForCausalLM(MixtralForCausalLM):
         act = getattr(config, "hidden_act", "silu")
         if is_sparse_layer(config, index):
             mlp = SparseMoeBlock(
-                config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
-                renormalize=bool(getattr(config, "norm_topk_prob", False)), act=act, round_weights=True,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.hidden_size,
+                config.moe_intermediate_size,
+                renormalize=bool(getattr(config, "norm_topk_prob", False)),
+                act=act,
+                round_weights=True,
             )
         else:
             mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False, act)
