@@ -22,7 +22,7 @@ import numpy as np
 
 def run(model: str, multiprocess: bool, num_prompts: int, in_len: int, out_len: int, dtype: str) -> dict:
     from vllm_lite import LLMEngine, SamplingParams
-    from vllm_lite.config import EngineArgs
+    from vllm_lite.engine_args import EngineArgs
 
     engine = LLMEngine.from_engine_args(
         EngineArgs(model=model, dtype=dtype, max_model_len=in_len + out_len + 8, max_num_seqs=num_prompts),

@@ -22,8 +22,8 @@ import torch
 
 
 def _core(path: str, tp: int):
-    from vllm_lite.config import EngineArgs
     from vllm_lite.core.engine_core import EngineCore
+    from vllm_lite.engine_args import EngineArgs
 
     args = EngineArgs(
         model=path,

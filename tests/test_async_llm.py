@@ -16,7 +16,6 @@ import zmq
 from vllm_lite.client import async_llm as async_llm_module
 from vllm_lite.client.async_llm import AsyncLLM
 from vllm_lite.client.exceptions import EngineDeadError, EngineStartupError
-from vllm_lite.config import EngineArgs
 from vllm_lite.core.messages import (
     PROTOCOL_VERSION,
     EngineCoreOutputType,
@@ -24,6 +23,7 @@ from vllm_lite.core.messages import (
     HelloRequest,
     UtilityRequest,
 )
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
 from vllm_lite.serialization import MsgpackEncoder
 from vllm_lite.testing.checkpoints import get_checkpoint

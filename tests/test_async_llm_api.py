@@ -8,7 +8,8 @@ import pytest
 
 from vllm_lite.client.async_llm import AsyncLLM
 from vllm_lite.client.exceptions import EngineDeadError
-from vllm_lite.config import EngineArgs, ModelConfig, VllmConfig
+from vllm_lite.config import ModelConfig, VllmConfig
+from vllm_lite.engine_args import EngineArgs
 
 
 def test_accessors_are_awaited_and_state_follows_shutdown(tiny_checkpoint):

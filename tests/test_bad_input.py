@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from vllm_lite import LLM, LLMEngine, SamplingParams
-from vllm_lite.config import EngineArgs
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.testing.checkpoints import get_checkpoint
 
 

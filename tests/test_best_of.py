@@ -90,7 +90,7 @@ def test_best_of_through_the_streaming_engine_emits_only_the_ranked_final(llm: L
 
 def test_best_of_through_async_llm_matches_llm(llm: LLM) -> None:
     from vllm_lite.client.async_llm import AsyncLLM
-    from vllm_lite.config import EngineArgs
+    from vllm_lite.engine_args import EngineArgs
 
     seed, samples = _seed_where_first_is_not_best(llm, 1)
     best_ids = max(samples, key=lambda s: s[1])[0]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_lite import platform
-from vllm_lite.config import EngineArgs
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.platform import Capability
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.paged import PagedModelDriver

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from vllm_lite import platform
-from vllm_lite.config import EngineArgs, ParallelConfig
+from vllm_lite.config import ParallelConfig
 from vllm_lite.device_layout import verify_cuda_device_count
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.worker.gpu_worker import indexed_device
 from vllm_lite.worker.parallel_state import nccl_device
 

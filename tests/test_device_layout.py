@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from vllm_lite import platform
-from vllm_lite.config import EngineArgs
 from vllm_lite.device_layout import check_engine_devices, engine_device, tp_rank_device
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.testing.checkpoints import get_checkpoint
 
 ENGINE_KW = {"dtype": "float32", "max_model_len": 64, "max_num_seqs": 4}

@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from vllm_lite.cli_flags import field_default, flag_name, flag_specs
-from vllm_lite.config import EngineArgs
 from vllm_lite.default_model import DEFAULT_MODEL_NAME, default_model_path
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.entrypoints.cli import build_parser
 from vllm_lite.entrypoints.cli.engine_args import engine_args_from
 from vllm_lite.entrypoints.openai.cli_args import (

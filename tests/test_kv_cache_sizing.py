@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_lite.config import CacheConfig, EngineArgs, SchedulerConfig
+from vllm_lite.config import CacheConfig, SchedulerConfig
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.worker import gpu_worker as gpu_worker_mod
 from vllm_lite.worker.gpu_worker import GPUWorker
 from vllm_lite.worker.kv_cache_sizing import (

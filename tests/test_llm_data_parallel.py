@@ -13,7 +13,7 @@ import pytest
 
 from vllm_lite import LLM, SamplingParams
 from vllm_lite.client.async_llm import AsyncLLM
-from vllm_lite.config import EngineArgs
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.testing.checkpoints import get_checkpoint
 
 PROMPTS = ["The for statement", "Hello world", "def f(x): return", "Exceptions are raised", "while True:", "import sys"]

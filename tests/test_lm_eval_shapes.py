@@ -15,7 +15,7 @@ MODEL = "tiny-llama"
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     from vllm_lite.client.async_llm import AsyncLLM
-    from vllm_lite.config import EngineArgs
+    from vllm_lite.engine_args import EngineArgs
 
     srv = ServerThread(
         lambda: AsyncLLM.from_engine_args(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_lite.config import EngineArgs
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.worker.model_loader import iterate_weights, load_model, safetensors_files
 from vllm_lite.worker.models.registry import get_model_class, supported_architectures

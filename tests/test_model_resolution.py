@@ -13,7 +13,7 @@ import pytest
 
 from vllm_lite import envs
 from vllm_lite.client.processor import Processor
-from vllm_lite.config import EngineArgs
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.testing.hf_cache import place_in_hf_cache
 

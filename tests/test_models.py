@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from vllm_lite.config import EngineArgs
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.paged import PagedModelDriver
 from vllm_lite.worker.attention.layer import Attention

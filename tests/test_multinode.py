@@ -37,7 +37,7 @@ def _rendezvous_socket() -> socket.socket:
 def _node0_engine(rendezvous: socket.socket, **kw: Any) -> Any:
     """Node 0: an LLMEngine (private core process) whose rendezvous store listens on ``rendezvous``."""
     from vllm_lite.client.llm_engine import LLMEngine
-    from vllm_lite.config import EngineArgs
+    from vllm_lite.engine_args import EngineArgs
 
     config = EngineArgs(
         tensor_parallel_size=2,

@@ -63,7 +63,7 @@ def reference(ckpt: str) -> dict:
 @pytest.fixture(scope="module")
 def server(ckpt: str):
     from vllm_lite.client.async_llm import AsyncLLM
-    from vllm_lite.config import EngineArgs
+    from vllm_lite.engine_args import EngineArgs
 
     srv = ServerThread(
         lambda: AsyncLLM.from_engine_args(EngineArgs(model=ckpt, **ENGINE_KW)),
@@ -331,9 +331,10 @@ def test_killed_core_gives_503_and_the_server_exits_nonzero(ckpt: str) -> None:
 def test_api_server_attaches_to_a_running_core_and_leaves_it_running(ckpt: str, reference: dict, tmp_path) -> None:
     from vllm_lite import launcher
     from vllm_lite.client.core_client import ENGINE_CORE_MODULE
-    from vllm_lite.config import EngineArgs, encode_vllm_config
+    from vllm_lite.config import encode_vllm_config
     from vllm_lite.core.messages import EngineCoreArgs, EngineCoreReady
     from vllm_lite.endpoints import CoreAddresses
+    from vllm_lite.engine_args import EngineArgs
 
     base = f"ipc://{tmp_path}/core"
     addresses = CoreAddresses.from_base(base)

@@ -19,7 +19,7 @@ import torch
 
 from vllm_lite import LLM, SamplingParams, launcher
 from vllm_lite.client.exceptions import EngineDeadError
-from vllm_lite.config import EngineArgs
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.testing.checkpoints import ARCHS, get_checkpoint
 from vllm_lite.testing.devices import requires_cuda_devices
 from vllm_lite.testing.processes import process_gone, rank_children

@@ -11,7 +11,7 @@ _LAZY = {
     "LLM": "vllm_lite.entrypoints.llm",
     "LLMEngine": "vllm_lite.client.llm_engine",
     "AsyncLLM": "vllm_lite.client.async_llm",
-    "EngineArgs": "vllm_lite.config",
+    "EngineArgs": "vllm_lite.engine_args",
     "SamplingParams": "vllm_lite.sampling_params",
     "BeamSearchParams": "vllm_lite.sampling_params",
     "RequestOutputKind": "vllm_lite.sampling_params",
@@ -25,7 +25,7 @@ __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
     from vllm_lite.client.llm_engine import LLMEngine
-    from vllm_lite.config import EngineArgs
+    from vllm_lite.engine_args import EngineArgs
     from vllm_lite.entrypoints.llm import LLM
     from vllm_lite.outputs import CompletionOutput, Logprob, RequestOutput
     from vllm_lite.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams

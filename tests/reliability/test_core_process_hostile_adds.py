@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from vllm_lite.client.core_client import EngineCoreClient, make_client
-from vllm_lite.config import EngineArgs
 from vllm_lite.core.messages import FinishReason
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.core_harness import TINY_MAX_MODEL_LEN, Result, make_request, unique_id

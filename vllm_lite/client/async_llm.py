@@ -23,8 +23,9 @@ from vllm_lite.client.output_processor import OutputProcessor, RequestOutputColl
 from vllm_lite.client.parallel_sampling import ParentRequest
 from vllm_lite.client.processor import Processor, PromptType
 from vllm_lite.client.tokenizer import get_tokenizer
-from vllm_lite.config import EngineArgs, ModelConfig, VllmConfig
+from vllm_lite.config import ModelConfig, VllmConfig
 from vllm_lite.core.messages import EngineCoreRequest, SchedulerStats
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 

@@ -12,8 +12,9 @@ from vllm_lite.client.output_processor import OutputProcessor
 from vllm_lite.client.parallel_sampling import ParentRequest
 from vllm_lite.client.processor import Processor, PromptType
 from vllm_lite.client.tokenizer import get_tokenizer
-from vllm_lite.config import EngineArgs, VllmConfig
+from vllm_lite.config import VllmConfig
 from vllm_lite.core.messages import EngineCoreRequest
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from vllm_lite.client.llm_engine import LLMEngine
 from vllm_lite.client.processor import PromptType
-from vllm_lite.config import EngineArgs
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.outputs import RequestOutput
 from vllm_lite.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 

@@ -53,7 +53,7 @@ from vllm_lite.endpoints import (
 )
 
 if TYPE_CHECKING:  # the heavy imports (torch) wait until serving starts: `vllm-lite --help` stays fast
-    from vllm_lite.config import EngineArgs
+    from vllm_lite.engine_args import EngineArgs
 
 __all__ = ["DEFAULT_PORT", "ServeConfig", "ServeSupervisor", "make_address", "run_serve"]
 

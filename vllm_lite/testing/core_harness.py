@@ -11,9 +11,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vllm_lite.config import EngineArgs
 from vllm_lite.core.engine_core import EngineCore
 from vllm_lite.core.messages import EngineCoreRequest, FinishReason
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.testing.checkpoints import get_checkpoint
 

@@ -14,7 +14,7 @@ from typing import Any, AsyncGenerator, Optional
 from vllm_lite.client.exceptions import EngineDeadError
 from vllm_lite.client.processor import Processor
 from vllm_lite.client.tokenizer import get_tokenizer
-from vllm_lite.config import EngineArgs
+from vllm_lite.engine_args import EngineArgs
 from vllm_lite.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
 

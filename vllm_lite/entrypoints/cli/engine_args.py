@@ -7,7 +7,7 @@ import contextlib
 import logging
 from typing import Any, Iterator, Sequence
 
-from vllm_lite.config import EngineArgs
+from vllm_lite.engine_args import EngineArgs
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 

@@ -169,7 +169,7 @@ def _split_host_port(args: argparse.Namespace) -> tuple[str, int | None, str, in
 
 def serve_config_from(args: argparse.Namespace):
     """ServeConfig from the parsed flags (ValueError on bad ones, before anything starts)."""
-    from vllm_lite.config import EngineArgs
+    from vllm_lite.engine_args import EngineArgs
     from vllm_lite.entrypoints.openai.api_server import server_options
     from vllm_lite.entrypoints.serve_daemon import ServeConfig, make_address
 

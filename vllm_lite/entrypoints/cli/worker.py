@@ -32,7 +32,7 @@ class WorkerCommand(CLISubcommand):
             description=self.help,
             epilog="example: vllm-lite worker --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500",
         )
-        from vllm_lite.config import EngineArgs
+        from vllm_lite.engine_args import EngineArgs
 
         EngineArgs.add_cli_args(p, only=WORKER_ENGINE_FIELDS)
         # A worker node takes the engine's sizes from node 0: -tp is only checked, and node 0 is the engine's.

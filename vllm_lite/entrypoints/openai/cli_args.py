@@ -11,7 +11,7 @@ import json
 
 from vllm_lite import envs
 from vllm_lite.cli_flags import flag_name, flag_specs
-from vllm_lite.config import EngineArgs
+from vllm_lite.engine_args import EngineArgs
 
 # Engine flags that still mean something when attaching to a running core (--engine).
 _ATTACH_FIELDS = ("model", "data_parallel_size", "served_model_name")

@@ -1,0 +1,342 @@
+"""EngineArgs: every engine knob a user can set, with vLLM's names (as vLLM's ``arg_utils.py``).
+
+Each field's metadata carries its CLI help, so ``add_cli_args`` generates one flag per field for every
+subcommand; ``create_engine_config`` validates and builds the ``VllmConfig`` the engine runs on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from vllm_lite import platform as _platform
+from vllm_lite.config import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    _note_once,
+    verify_parallel_config,
+)
+from vllm_lite.device_layout import engine_device, verify_cuda_device_count
+from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
+from vllm_lite.dtype_policy import resolve_dtype
+from vllm_lite.platform import resolve_device
+
+_DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def parse_device_name(text: str) -> str:
+    """The --device flag's value, checked for form (whether CUDA is there is checked at engine start)."""
+    if not _DEVICE_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"invalid device {text!r} (auto, cpu, cuda or cuda:N)")
+    return text
+
+
+@dataclass
+class EngineArgs:
+    """Every engine knob a user can set, with vLLM's names.
+
+    Each field's `help` (and `aliases`, `choices`) is its CLI flag's: `add_cli_args` generates
+    `--field-name` for every field, so a new field is a new flag with nothing else to write.
+    """
+
+    model: str = field(
+        metadata={
+            "help": "Checkpoint directory or Hugging Face repo id (the HF cache is read; downloads unless "
+            "HF_HUB_OFFLINE=1). Default: the bundled vllm-lite model.",
+            "aliases": ("-m",),
+        }
+    )
+    tokenizer: Optional[str] = field(
+        default=None, metadata={"help": "Tokenizer directory or repo id (default: the model's)."}
+    )
+    revision: Optional[str] = field(
+        default=None, metadata={"help": "Model revision (branch, tag or commit) when the model is a repo id."}
+    )
+    tokenizer_revision: Optional[str] = field(
+        default=None,
+        metadata={"help": "Tokenizer revision when the tokenizer is a repo id (default: the model's revision)."},
+    )
+    download_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Hugging Face cache directory to read and download repo ids into (default: HF's own)."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Accepted for vLLM compatibility; True is refused: vllm-lite runs only its own model code."},
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": "Request defaults: auto (the model's generation_config.json), vllm (vLLM's defaults) or a "
+            "directory holding a generation_config.json."
+        },
+    )
+    quantization: Optional[str] = field(
+        default=None,
+        metadata={"help": "Quantization method; none is implemented yet, so any value is refused.", "aliases": ("-q",)},
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "Never capture CUDA graphs (accepted; on CPU everything runs eager anyway)."}
+    )
+    max_logprobs: int = field(
+        default=20, metadata={"help": "Most logprobs or prompt logprobs one request may ask for."}
+    )
+    disable_log_stats: bool = field(
+        default=False, metadata={"help": "Turn off the engine core's periodic statistics log line."}
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "Compute dtype; auto follows the checkpoint and what the device computes fast.",
+            "choices": ("auto", *_STR_DTYPES),
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "Engine seed (torch's RNG in the engine core)."})
+    max_model_len: Optional[int] = field(
+        default=None,
+        metadata={"help": "Context length: prompt plus output tokens (default: the model's max_position_embeddings)."},
+    )
+    block_size: int = field(default=16, metadata={"help": "Tokens per KV-cache block (a power of two)."})
+    kv_cache_memory_bytes: Optional[int] = field(
+        default=None, metadata={"help": "KV cache size in bytes (default: a size for the device)."}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={
+            "help": "CUDA: fraction of the card's total memory this engine may use (weights, activations and "
+            "KV cache); the KV cache gets what a profiling pass leaves. --kv-cache-memory-bytes overrides."
+        },
+    )
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "Reuse KV blocks of shared prompt prefixes."})
+    swap_space: float = field(
+        default=1.0, metadata={"help": "GiB of host memory for swapped-out KV blocks (--preemption-mode swap)."}
+    )
+    preemption_mode: str = field(
+        default="recompute",
+        metadata={
+            "help": "When KV blocks run out: drop and re-prefill (recompute), or swap blocks to host memory.",
+            "choices": ("recompute", "swap"),
+        },
+    )
+    max_num_batched_tokens: Optional[int] = field(
+        default=None, metadata={"help": "Token budget per engine step (default: max(2048, min(max_model_len, 8192)))."}
+    )
+    max_num_seqs: int = field(default=128, metadata={"help": "Most requests running at once."})
+    long_prefill_token_threshold: int = field(
+        default=0, metadata={"help": "Most tokens of one prompt prefilled per step (0: no cap)."}
+    )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={
+            "help": "fcfs: arrival order; priority: lowest priority value first, then arrival.",
+            "choices": ("fcfs", "priority"),
+        },
+    )
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Ranks the model is split over (one process each).", "aliases": ("-tp",)}
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Independent engine cores (own model copy and KV cache each); requests are spread over them.",
+            "aliases": ("-dp",),
+        },
+    )
+    nnodes: int = field(default=1, metadata={"help": "Machines the tensor-parallel ranks are spread over (evenly)."})
+    node_rank: int = field(
+        default=0, metadata={"help": "This machine's index: 0 runs the engine, 1..nnodes-1 run `vllm-lite worker`."}
+    )
+    master_addr: str = field(default="127.0.0.1", metadata={"help": "Node 0's address, reachable from every node."})
+    master_port: int = field(
+        default=0,
+        metadata={
+            "help": "torch.distributed rendezvous (TCPStore) port on node 0 (0: a free one; set it when --nnodes > 1)."
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.",
+            "type": parse_device_name,
+            "metavar": "{auto,cpu,cuda,cuda:N}",
+        },
+    )
+    num_threads: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Torch threads per engine core (default: all cores but one on CPU, shared out under data parallel)."
+        },
+    )
+    served_model_name: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Model name(s) the engine reports; the first is the engine's, all are accepted by the HTTP API "
+            "(default: the model path).",
+            "nargs": "+",
+        },
+    )
+
+    @classmethod
+    def add_cli_args(
+        cls,
+        parser: argparse.ArgumentParser,
+        *,
+        exclude: Sequence[str] = (),
+        only: Optional[Sequence[str]] = None,
+        positional_model: bool = False,
+    ) -> None:
+        """Add a flag for every field (group "engine"); `exclude`: fields the caller defines itself;
+        `only`: just these fields. `positional_model`: MODEL is an optional positional argument
+        (`vllm-lite serve MODEL`) instead of --model.
+        """
+        from vllm_lite.cli_flags import add_dataclass_args
+
+        group = parser.add_argument_group("engine")
+        add_dataclass_args(group, cls, exclude=exclude, only=only, positional=("model",) if positional_model else ())
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineArgs":
+        """EngineArgs from parsed flags (fields the namespace lacks keep their defaults; `overrides` win).
+
+        No model means the bundled default model; a list of served names gives the engine the first.
+        """
+        from vllm_lite.cli_flags import dataclass_kwargs_from
+
+        kwargs = {**dataclass_kwargs_from(args, cls), **overrides}
+        names = kwargs.get("served_model_name")
+        if isinstance(names, (list, tuple)):
+            kwargs["served_model_name"] = names[0] if names else None
+        if not kwargs.get("model"):
+            from vllm_lite.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+            kwargs["model"] = default_model_path()
+            kwargs["served_model_name"] = kwargs.get("served_model_name") or DEFAULT_MODEL_NAME
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> VllmConfig:
+        from vllm_lite.model_resolution import check_model_options, resolve_model_and_tokenizer
+
+        check_model_options(self.trust_remote_code, self.quantization, self.max_logprobs)
+        model_dir, tokenizer_dir, gen_dir = resolve_model_and_tokenizer(self)
+        hf = ModelConfig.read_hf_config(model_dir)
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError(f"config.json in {self.model!r} names no architectures.")
+        device = resolve_device(self.device)
+        if self.enforce_eager:
+            _note_once(
+                f"enforce_eager=True accepted: this engine captures no CUDA graphs, so {device.type} runs eager anyway."
+            )
+        dtype = resolve_dtype(self.dtype, hf.get("torch_dtype") or hf.get("dtype"), device)
+        max_pos = hf.get("max_position_embeddings") or hf.get("n_positions") or 2048  # n_positions: GPT-2
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}.")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads!r}.")
+        max_model_len = self.max_model_len or max_pos
+        if max_model_len > max_pos:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}.")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size!r}.")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs!r}.")
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+        )
+        verify_parallel_config(parallel_config, hf)
+        if device.type == "cuda":
+            verify_cuda_device_count(parallel_config, device, _platform.cuda_device_count())
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}.")
+        if self.node_rank != 0:
+            raise ValueError(
+                f"node_rank={self.node_rank}: the engine runs on node 0; start nodes 1..{self.nnodes - 1} "
+                "with `vllm-lite worker --node-rank N ...`."
+            )
+        max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
+        if max_batched < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched!r}.")
+        model_config = ModelConfig(
+            model=model_dir,
+            tokenizer=tokenizer_dir,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            hf_config=hf,
+            architecture=archs[0],
+            vocab_size=int(hf.get("vocab_size", 0)),
+            seed=self.seed,
+            # A repo id stays the model's name (as in vLLM), not the cache path it resolved to.
+            served_model_name=self.served_model_name or (self.model if model_dir != self.model else None),
+            max_logprobs=self.max_logprobs,
+            generation_config="auto" if gen_dir == model_dir else gen_dir or "vllm",
+            enforce_eager=self.enforce_eager,
+        )
+        return VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                swap_space_bytes=int(self.swap_space * (1 << 30)),
+                preemption_mode=self.preemption_mode,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_batched,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=max_model_len,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
+                log_stats_interval_s=float("inf") if self.disable_log_stats else 10.0,
+            ),
+            parallel_config=parallel_config,
+            device_config=DeviceConfig(device=device, num_threads=self.num_threads),
+        )
+
+    def create_dp_engine_configs(self) -> list[VllmConfig]:
+        """One VllmConfig per data-parallel rank: its own CUDA devices or a share of the CPU threads.
+
+        On CUDA, rank r's engine sits on the first of its tensor-parallel devices
+        (``device_layout.engine_device``: cuda:(first + r*tp)); its TP ranks take the next ones.
+
+        Validates once, with a clear error, before any process starts. Each rank's
+        tensor-parallel group gets its own rendezvous port (master_port + 10 r).
+        """
+        import dataclasses
+
+        base = self.create_engine_config()
+        dp = self.data_parallel_size
+        if dp == 1:
+            return [base]
+        configs = []
+        for rank in range(dp):
+            kw: dict[str, Any] = {}
+            if base.device_config.device.type == "cuda":
+                first = engine_device(base.device_config.device, rank, base.parallel_config.ranks_per_node)
+                kw["device"] = str(first)
+            elif self.num_threads is None:
+                try:
+                    ncpu = len(os.sched_getaffinity(0))
+                except AttributeError:
+                    ncpu = os.cpu_count() or 1
+                kw["num_threads"] = max(1, ncpu // dp)
+            if self.master_port:
+                kw["master_port"] = self.master_port + 10 * rank
+            configs.append(dataclasses.replace(self, **kw).create_engine_config())
+        return configs
