@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from vllm_lite import dtype_policy, platform
-from vllm_lite.dtype_policy import resolve_dtype
-from vllm_lite.dtype_policy import choose_dtype
+from vllm_lite.dtype_policy import choose_dtype, resolve_dtype
 from vllm_lite.engine_args import EngineArgs
 from vllm_lite.platform import HostFacts
 
