@@ -29,6 +29,53 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One output constraint, as vLLM's `StructuredOutputsParams`: exactly one of the constraint fields is set.
+
+    It travels inside `SamplingParams` over the ZMQ protocol; the core's grammar backend compiles it.
+    """
+
+    json: Optional[Union[str, dict[str, Any]]] = None  # a JSON schema (object or its JSON text)
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None  # EBNF/GBNF or Lark, as the backend takes it
+    json_object: Optional[bool] = None  # any JSON object
+    structural_tag: Optional[str] = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) > 1:
+            raise ValueError(f"structured_outputs: only one kind of constraint may be set, got {', '.join(kinds)}.")
+        if not kinds:
+            raise ValueError(
+                "structured_outputs: one constraint must be set (json, regex, choice, grammar, json_object or "
+                "structural_tag)."
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise TypeError(f"structured_outputs.json must be a JSON schema object or string, got {self.json!r}.")
+        for field in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, field)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"structured_outputs.{field} must be a string, got {value!r}.")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or any(not isinstance(c, str) for c in self.choice):
+                raise TypeError(f"structured_outputs.choice must be a list of strings, got {self.choice!r}.")
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must not be empty.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 class SamplingParams(
     msgspec.Struct,
     omit_defaults=True,
@@ -62,6 +109,7 @@ class SamplingParams(
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Filled in by the frontend: token-id sequences for bad_words, and EOS ids
     # from generation_config that count as stop tokens.
     _bad_words_token_ids: Optional[list[list[int]]] = None
@@ -119,6 +167,10 @@ class SamplingParams(
             value = getattr(self, field)
             if value is not None and not isinstance(value, list):
                 raise TypeError(f"{field} must be a list, got {value!r}.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}."
+            )
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}.")
 
