@@ -22,6 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
+from vllm_lite.testing.baselines import hf_generate_left_padded
+
 
 def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
@@ -69,21 +71,9 @@ def run_hf(model: str, prompts: list[list[int]], out_len: int, dtype: torch.dtyp
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
-    pad = 0
 
     def generate(chunk: list[list[int]], new_tokens: int) -> int:
-        width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        out = hf.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=pad,
-        )
-        return (out.shape[1] - width) * len(chunk)
+        return hf_generate_left_padded(hf, chunk, new_tokens)
 
     per_batch = {}
     with torch.no_grad():

@@ -142,25 +142,16 @@ def _child_hf(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from vllm_lite.testing.baselines import hf_generate_left_padded
+
     dtype = "auto" if spec["dtype"] == "auto" else getattr(torch, spec["dtype"])
     t0 = time.perf_counter()
     hf = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).eval()
     ready = time.perf_counter() - t0
-    prompts, batch, out_len, pad = spec["prompts"], spec["hf_batch"], spec["output_len"], 0
+    prompts, batch, out_len = spec["prompts"], spec["hf_batch"], spec["output_len"]
 
     def run(chunk: list[list[int]], new: int) -> int:
-        width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        out = hf.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            pad_token_id=pad,
-        )
-        return (out.shape[1] - width) * len(chunk)
+        return hf_generate_left_padded(hf, chunk, new)
 
     with torch.inference_mode():
         run(prompts[: min(batch, 4)], 4)  # warm-up: kernels, allocator, generation config

@@ -35,6 +35,27 @@ class RunConfig:
         return asdict(self)
 
 
+def hf_generate_left_padded(hf: Any, prompts: list[list[int]], new_tokens: int, pad: int = 0) -> int:
+    """One HF `generate` over a left-padded batch of token-id prompts, exactly `new_tokens` each, greedy.
+
+    Returns the output tokens produced. Shared by every benchmark's HF baseline so they all run HF alike.
+    """
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+    )
+    return (out.shape[1] - width) * len(prompts)
+
+
 def fairness_problems(engine: RunConfig, baseline: RunConfig) -> list[str]:
     """Each compared field where baseline differs from engine and does not say why."""
     problems = []
