@@ -247,6 +247,8 @@ def daemon(long_ckpt, tmp_path_factory):
             "1",
             "--shutdown-timeout",
             "5",
+            "--prefix-caching-scope",  # the frontends here trust each other (the default isolates them)
+            "shared",
         ],
         str(tmp_path_factory.mktemp("serve-log") / "daemon.log"),
     )

@@ -65,6 +65,9 @@ class CacheConfig:
     kv_cache_memory_bytes: Optional[int] = None  # None: a default for the device
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card's total memory this engine may use
     enable_prefix_caching: bool = True
+    # Who may hit whose cached prefixes on a core that serves several frontends: "client" salts the
+    # cache per frontend (a tenant cannot probe another's prompts), "shared" lets all frontends share it.
+    prefix_caching_scope: str = "client"
     swap_space_bytes: int = 1 << 30
     preemption_mode: str = "recompute"  # or "swap"
     # Set once the worker has sized the cache.
@@ -149,6 +152,58 @@ class DeviceConfig:
     num_threads: Optional[int] = None  # torch intra-op threads in the engine core; None: a policy
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """The engine's structured-outputs settings, with vLLM's names (``--structured-outputs-config``)."""
+
+    # auto: xgrammar, falling back to guidance (llguidance) for what xgrammar cannot compile.
+    backend: str = "auto"
+    disable_fallback: bool = False  # auto: report xgrammar's error instead of trying guidance
+    disable_any_whitespace: bool = False  # JSON without optional whitespace (compact)
+    disable_additional_properties: bool = False  # guidance: additionalProperties false unless the schema says
+    reasoning_parser: str = ""  # accepted for vLLM compatibility; no reasoning parsers yet
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_config.backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                f"got {self.backend!r}."
+            )
+        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs_config.{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.reasoning_parser:
+            raise ValueError(
+                f"structured_outputs_config.reasoning_parser: no reasoning parsers are implemented, "
+                f"got {self.reasoning_parser!r}."
+            )
+
+    @classmethod
+    def from_value(cls, value: Any) -> "StructuredOutputsConfig":
+        """From a StructuredOutputsConfig, a dict or its JSON text; unknown keys are a ValueError naming them."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs_config must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a dict or JSON object, got {value!r}.")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"structured_outputs_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
+            )
+        return cls(**value)
+
+
 @dataclass
 class VllmConfig:
     model_config: ModelConfig
@@ -156,6 +211,7 @@ class VllmConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 # ---------------------------------------------------------------------------- wire form (JSON, no pickle)

@@ -115,6 +115,16 @@ class EngineArgs:
         },
     )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "Reuse KV blocks of shared prompt prefixes."})
+    prefix_caching_scope: str = field(
+        default="client",
+        metadata={
+            "help": "Which frontends attached to one engine core share cached prefixes. client: each its own "
+            "(the core salts the cache per authenticated frontend, so a tenant cannot detect another's prompt "
+            "through num_cached_tokens or timing); shared: all of them (more hits; only for frontends that "
+            "trust each other).",
+            "choices": ("client", "shared"),
+        },
+    )
     swap_space: float = field(
         default=1.0, metadata={"help": "GiB of host memory for swapped-out KV blocks (--preemption-mode swap)."}
     )
@@ -247,6 +257,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be a power of two, got {self.block_size!r}.")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
+        if self.prefix_caching_scope not in ("client", "shared"):
+            raise ValueError(f"prefix_caching_scope must be 'client' or 'shared', got {self.prefix_caching_scope!r}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.max_num_seqs < 1:
@@ -294,6 +306,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_scope=self.prefix_caching_scope,
                 swap_space_bytes=int(self.swap_space * (1 << 30)),
                 preemption_mode=self.preemption_mode,
             ),

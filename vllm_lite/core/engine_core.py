@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from vllm_lite.config import VllmConfig
 from vllm_lite.core.messages import (
@@ -21,6 +21,8 @@ from vllm_lite.core.step_recovery import RecoveredStep, recover_failed_step
 from vllm_lite.worker.executor import get_executor_class
 
 logger = logging.getLogger("vllm_lite.engine_core")
+# Longest a step with nothing to run waits for a compiling grammar (new input is read between steps).
+_GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -62,13 +64,16 @@ class EngineCore:
         )
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Validate against the model and queue; a bad request raises ValueError and leaves everything else untouched."""
+    def add_request(self, request: EngineCoreRequest, tenant_salt: Optional[bytes] = None) -> None:
+        """Validate against the model and queue; a bad request raises ValueError and leaves everything else untouched.
+
+        ``tenant_salt``: the sending frontend's prefix-cache salt, from the core (see engine_core_proc).
+        """
         validate_request(request, self.request_limits)
         rid = request.request_id
         if self.scheduler.get_request(rid) is not None:
             raise ValueError(f"duplicate request id {rid!r}: a request with this id is still running")
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        self.scheduler.add_request(Request.from_engine_core_request(request, tenant_salt))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -94,6 +99,9 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if recovered is not None:
             _add_error_outputs(outputs, recovered)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # Only grammars compiling (or nothing runnable): wait briefly for one rather than spin.
+            self.scheduler.wait_for_grammar(_GRAMMAR_WAIT_S)
         self._stats_log.record(scheduler_output.total_num_scheduled_tokens, outputs)
         return outputs
 
@@ -116,6 +124,7 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        self.scheduler.structured_output_manager.shutdown()
         self.executor.shutdown()
 
 

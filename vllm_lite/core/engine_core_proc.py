@@ -22,7 +22,8 @@ Lifecycle: SIGTERM stops new work, drains running requests for at most ``drain_t
 aborts the rest and exits 0. A fatal error in the loop sends ``EngineCoreOutputs(engine_dead=True)``
 to every frontend and exits 1. A frontend silent for longer than ``heartbeat_timeout_s`` (any
 message counts) is dropped and its requests aborted (with ABORT outputs sent to it, in case it
-was only slow; if it speaks again it is taken back). GOODBYE detaches at once.
+was only slow; if it speaks again it is taken back). A frontend whose connection closes (its
+process died: the socket monitor reports it at once) is dropped the same way. GOODBYE detaches at once.
 
 The process is started by ``vllm_lite.launcher`` (``python -m vllm_lite.core.engine_core_main``,
 arguments ``EngineCoreArgs``); ``run_engine_core`` answers ``EngineCoreReady`` or the start-up
@@ -31,9 +32,12 @@ error with its traceback, and the launcher ends the process when its parent dies
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import queue
+import secrets
 import signal
 import time
 import traceback
@@ -42,9 +46,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from vllm_lite import envs, process_watch
 from vllm_lite.config import VllmConfig, decode_vllm_config
 from vllm_lite.core.client_registry import AttachedClient, ClientRegistry
-from vllm_lite.core.core_sockets import CoreSockets, InputItem
+from vllm_lite.core.core_sockets import CoreSockets, InputItem, SocketEvent, max_input_message_bytes
 from vllm_lite.core.log_limiter import LogLimiter
 from vllm_lite.core.messages import (
     EngineCoreArgs,
@@ -87,6 +92,8 @@ class CoreProcOptions:
     # Listening sockets a parent bound for us (input, output): served on instead of binding again.
     input_fd: Optional[int] = None
     output_fd: Optional[int] = None
+    # ZMQ_MAXMSGSIZE of the input socket; None: $VLLM_LITE_MAX_MESSAGE_BYTES, else sized from the model.
+    max_message_bytes: Optional[int] = None
 
 
 def set_core_thread_policy(vllm_config: VllmConfig) -> int:
@@ -129,12 +136,23 @@ class EngineCoreProc:
         self.num_threads = set_core_thread_policy(vllm_config)
         self._model_path = vllm_config.model_config.model
         self._tokenizer = vllm_config.model_config.tokenizer
+        # --prefix-caching-scope client: a key that never leaves this process, for per-frontend cache salts.
+        scope = vllm_config.cache_config.prefix_caching_scope
+        self._tenant_key = secrets.token_bytes(32) if scope == "client" else None
         drop_log = LogLimiter(logger)  # shared by the input thread and the loop; races only miscount
         self.registry = ClientRegistry(self.options.auth_token, drop_log)
         self.shutdown_state = ShutdownState(self.options.drain_timeout_s)
         self._last_housekeeping = 0.0
+        # Sent in every READY: a frontend on this host watches our process instead of waiting on heartbeats.
+        self._host_id, self._started = process_watch.host_id(), process_watch.start_ticks(os.getpid())
         self.sockets = CoreSockets(
-            addresses, self.registry.touch, drop_log, input_fd=self.options.input_fd, output_fd=self.options.output_fd
+            addresses,
+            self.registry.touch,
+            drop_log,
+            input_fd=self.options.input_fd,
+            output_fd=self.options.output_fd,
+            may_return=self.registry.was_dropped,
+            max_message_bytes=self._max_message_bytes(vllm_config),
         )
         # Sockets first (a busy port fails in milliseconds, not after loading the model); frontends
         # that connect meanwhile wait in the input queue until the loop starts.
@@ -144,6 +162,17 @@ class EngineCoreProc:
         except BaseException:
             self.sockets.stop()
             raise
+
+    def _max_message_bytes(self, vllm_config: VllmConfig) -> int:
+        """The largest message a frontend may send (a bigger one drops its connection)."""
+        if self.options.max_message_bytes is not None:
+            return int(self.options.max_message_bytes)
+        configured = int(envs.VLLM_LITE_MAX_MESSAGE_BYTES)
+        if configured > 0:
+            return configured
+        model = vllm_config.model_config
+        vocab = model.hf_config.get("vocab_size", 0)
+        return max_input_message_bytes(int(model.max_model_len or 0), vocab if isinstance(vocab, int) else 0)
 
     def _make_engine_core(self, vllm_config: VllmConfig) -> Any:
         """The engine this process serves (a subclass may serve another with EngineCore's interface)."""
@@ -225,6 +254,10 @@ class EngineCoreProc:
                 client = self.registry.get(identity)
                 if client is not None:
                     self._drop_client(client, "it said GOODBYE", may_return=False)
+            elif kind is SocketEvent.DISCONNECTED:
+                client = self.registry.get(identity)
+                if client is not None:  # may come back (a reconnect after a network blip): remembered
+                    self._drop_client(client, "its connection closed")
 
     def _take_input(self, block: bool) -> list[InputItem]:
         """Everything queued now; when ``block``, wait a little for the first item."""
@@ -259,6 +292,9 @@ class EngineCoreProc:
             tokenizer=self._tokenizer,
             max_logprobs=int(facts.get("max_logprobs", 20)),
             generation_config=str(facts.get("generation_config", "auto")),
+            core_pid=os.getpid(),
+            core_host=self._host_id,
+            core_started=self._started,
         )
         self.sockets.send(identity, EngineCoreOutputType.READY, reply)
 
@@ -283,10 +319,20 @@ class EngineCoreProc:
             return self._reject(client, rid, f"duplicate request id {rid!r}: a request with this id is still running")
         request.client_index = client.index
         try:
-            self.engine_core.add_request(request)
+            self.engine_core.add_request(request, tenant_salt=self._tenant_salt(client))
         except (ValueError, TypeError) as e:
             return self._reject(client, rid, f"{type(e).__name__}: {e}")
         self.registry.own(client, rid)
+
+    def _tenant_salt(self, client: AttachedClient) -> Optional[bytes]:
+        """The prefix-cache salt of a frontend: a keyed hash of the ZMQ identity that passed HELLO.
+
+        Derived here, never read from the wire, so no frontend can claim another's cached prefixes;
+        the identity is stable, so a frontend keeps its own prefixes (n>1, repeats, after a re-attach).
+        """
+        if self._tenant_key is None:
+            return None
+        return hmac.new(self._tenant_key, client.identity, hashlib.sha256).digest()[:16]
 
     def _reject(self, client: AttachedClient, request_id: str, message: str) -> None:
         logger.warning("Request %r from client %d failed: %s", request_id, client.index, message)

@@ -33,13 +33,20 @@ def hash_block_tokens(
 
 
 def block_extra_keys(request: "Request", block_index: int) -> Optional[tuple]:
-    """Keys besides tokens that make a block's KV differ: the cache salt, mixed into the first block only.
+    """Keys besides tokens that make a block's KV unshareable: the salts, mixed into the first block only.
 
-    The chain carries it to every later block, so two salts never share any block.
+    The tenant salt (the core's, per frontend) and the request's own ``cache_salt`` sit in separate
+    slots, so no choice of ``cache_salt`` reproduces another frontend's chain. The chain carries them
+    to every later block, so two salts never share any block.
     """
-    if block_index == 0 and request.cache_salt is not None:
-        return ("salt", request.cache_salt)
-    return None
+    if block_index != 0:
+        return None
+    keys: tuple = ()
+    if request.tenant_salt is not None:
+        keys += ("tenant", request.tenant_salt)
+    if request.cache_salt is not None:
+        keys += ("salt", request.cache_salt)
+    return keys or None
 
 
 def update_request_block_hashes(request: "Request", block_size: int) -> list[BlockHash]:

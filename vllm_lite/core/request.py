@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 from vllm_lite.core.messages import EngineCoreRequest, FinishReason
 from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -15,6 +16,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2  # recompute: back in the waiting queue with no blocks
     SWAPPED = 3  # swap: blocks live in host swap space
+    WAITING_FOR_FSM = 4  # structured output: its grammar compiles off the step loop; not schedulable yet
     # Everything after this is finished.
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11
@@ -51,6 +53,7 @@ class Request:
         priority: int = 0,
         client_index: int = 0,
         cache_salt: Optional[str] = None,
+        tenant_salt: Optional[bytes] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -60,6 +63,9 @@ class Request:
         self.priority = priority
         self.client_index = client_index
         self.cache_salt = cache_salt
+        # Set by the engine core from the sending frontend's authenticated identity (never from the wire):
+        # prefixes are shared only between requests with equal tenant and cache salts.
+        self.tenant_salt = tenant_salt
 
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -75,9 +81,11 @@ class Request:
         self.max_tokens = sampling_params.max_tokens
         # Filled by the KV cache manager: hashes of this request's full blocks.
         self.block_hashes: list[bytes] = []
+        # Set by the scheduler for a request with structured_outputs: its grammar and matcher.
+        self.structured_output_request: Optional[StructuredOutputRequest] = None
 
     @classmethod
-    def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":
+    def from_engine_core_request(cls, req: EngineCoreRequest, tenant_salt: Optional[bytes] = None) -> "Request":
         return cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -87,6 +95,7 @@ class Request:
             priority=req.priority,
             client_index=req.client_index,
             cache_salt=req.cache_salt,
+            tenant_salt=tenant_salt,
         )
 
     def append_output_token_ids(self, token_ids: Union[int, list[int]]) -> None:

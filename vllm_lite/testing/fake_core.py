@@ -83,7 +83,7 @@ class FakeEngineCore:
     def _blocks(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, tenant_salt: Optional[bytes] = None) -> None:
         if request.request_id in self.reqs:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if not request.prompt_token_ids:

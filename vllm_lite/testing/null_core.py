@@ -8,7 +8,7 @@ core process the launcher starts as ``python -m vllm_lite.testing.null_core_main
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -36,7 +36,7 @@ class NullCore:
         self.logprobs = int(vllm_config.model_config.hf_config.get("logprobs", 0))
         self.step_s = float(vllm_config.model_config.hf_config.get("step_ms", 0.0)) / 1000
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, tenant_salt: Optional[bytes] = None) -> None:
         self.reqs[request.request_id] = request
 
     def abort_requests(self, request_ids: list[str]) -> None:
