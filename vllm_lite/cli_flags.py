@@ -121,3 +121,44 @@ def add_dataclass_args(
 def dataclass_kwargs_from(namespace: argparse.Namespace, cls: type) -> dict[str, Any]:
     """Keyword arguments for `cls` from the fields `namespace` has (absent ones keep their defaults)."""
     return {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls) if hasattr(namespace, f.name)}
+
+
+# ---------------------------------------------------------------------------- nested configs (vLLM's dotted flags)
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_subconfig_args(
+    group: Union[argparse.ArgumentParser, "argparse._ArgumentGroup"],
+    field_name: str,
+    cls: type,
+    aliases: Optional[dict[str, tuple[str, ...]]] = None,
+) -> None:
+    """``--field-name.sub VALUE`` for each field of the nested dataclass `cls`, as vLLM's dotted JSON flags.
+
+    Underscores and dashes are both accepted after the dot; a bool takes an optional true/false. Values
+    land on the namespace as ``field_name.sub`` (absent unless given); `subconfig_overrides` collects them.
+    """
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        spellings = {f"{flag_name(field_name)}.{f.name}", f"{flag_name(field_name)}.{f.name.replace('_', '-')}"}
+        flags = sorted(spellings) + list((aliases or {}).get(f.name, ()))
+        kwargs: dict[str, Any] = {"dest": f"{field_name}.{f.name}", "default": argparse.SUPPRESS}
+        base, _ = _unwrap_optional(hints[f.name])
+        if base is bool:
+            kwargs.update(nargs="?", const=True, type=parse_bool, metavar="{true,false}")
+        else:
+            kwargs["type"] = base if base in (int, float, str) else str
+        kwargs["help"] = f"Set {field_name}'s {f.name} alone (see --{field_name.replace('_', '-')})."
+        group.add_argument(*flags, **kwargs)
+
+
+def subconfig_overrides(namespace: argparse.Namespace, field_name: str) -> dict[str, Any]:
+    """The nested fields given as ``--field-name.sub`` flags, by sub-field name."""
+    prefix = field_name + "."
+    return {k[len(prefix) :]: v for k, v in vars(namespace).items() if k.startswith(prefix)}

@@ -19,6 +19,7 @@ from vllm_lite.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     VllmConfig,
     _note_once,
     verify_parallel_config,
@@ -29,6 +30,14 @@ from vllm_lite.dtype_policy import resolve_dtype
 from vllm_lite.platform import resolve_device
 
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def parse_structured_outputs_config(text: str) -> StructuredOutputsConfig:
+    """--structured-outputs-config's JSON value, e.g. '{"backend": "guidance"}'."""
+    try:
+        return StructuredOutputsConfig.from_value(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_device_name(text: str) -> str:
@@ -184,6 +193,17 @@ class EngineArgs:
             "help": "Torch threads per engine core (default: all cores but one on CPU, shared out under data parallel)."
         },
     )
+    structured_outputs_config: Optional[StructuredOutputsConfig] = field(
+        default=None,
+        metadata={
+            "help": 'Structured outputs as JSON, e.g. \'{"backend": "guidance"}\': backend (auto: xgrammar, falling '
+            "back to guidance; xgrammar; guidance), disable_fallback, disable_any_whitespace, "
+            "disable_additional_properties. One field alone: --structured-outputs-config.backend xgrammar "
+            "(or --structured-outputs-backend). Python: a StructuredOutputsConfig or a dict.",
+            "type": parse_structured_outputs_config,
+            "metavar": "JSON",
+        },
+    )
     served_model_name: Optional[str] = field(
         default=None,
         metadata={
@@ -206,10 +226,19 @@ class EngineArgs:
         `only`: just these fields. `positional_model`: MODEL is an optional positional argument
         (`vllm-lite serve MODEL`) instead of --model.
         """
-        from vllm_lite.cli_flags import add_dataclass_args
+        from vllm_lite.cli_flags import add_dataclass_args, add_subconfig_args
 
         group = parser.add_argument_group("engine")
-        add_dataclass_args(group, cls, exclude=exclude, only=only, positional=("model",) if positional_model else ())
+        added = add_dataclass_args(
+            group, cls, exclude=exclude, only=only, positional=("model",) if positional_model else ()
+        )
+        if any(spec.name == "structured_outputs_config" for spec in added):
+            add_subconfig_args(
+                group,
+                "structured_outputs_config",
+                StructuredOutputsConfig,
+                aliases={"backend": ("--structured-outputs-backend",)},
+            )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineArgs":
@@ -217,9 +246,15 @@ class EngineArgs:
 
         No model means the bundled default model; a list of served names gives the engine the first.
         """
-        from vllm_lite.cli_flags import dataclass_kwargs_from
+        from vllm_lite.cli_flags import dataclass_kwargs_from, subconfig_overrides
 
         kwargs = {**dataclass_kwargs_from(args, cls), **overrides}
+        nested = subconfig_overrides(args, "structured_outputs_config")
+        if nested:  # --structured-outputs-config.FIELD flags refine the JSON one
+            import dataclasses
+
+            base = StructuredOutputsConfig.from_value(kwargs.get("structured_outputs_config"))
+            kwargs["structured_outputs_config"] = StructuredOutputsConfig(**{**dataclasses.asdict(base), **nested})
         names = kwargs.get("served_model_name")
         if isinstance(names, (list, tuple)):
             kwargs["served_model_name"] = names[0] if names else None
@@ -234,6 +269,7 @@ class EngineArgs:
         from vllm_lite.model_resolution import check_model_options, resolve_model_and_tokenizer
 
         check_model_options(self.trust_remote_code, self.quantization, self.max_logprobs)
+        structured_outputs_config = StructuredOutputsConfig.from_value(self.structured_outputs_config)
         model_dir, tokenizer_dir, gen_dir = resolve_model_and_tokenizer(self)
         hf = ModelConfig.read_hf_config(model_dir)
         archs = hf.get("architectures") or []
@@ -320,6 +356,7 @@ class EngineArgs:
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),
+            structured_outputs_config=structured_outputs_config,
         )
 
     def create_dp_engine_configs(self) -> list[VllmConfig]:

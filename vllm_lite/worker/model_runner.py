@@ -179,14 +179,16 @@ class GPUModelRunner:
         self._move_blocks(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
-        return self._run_step(self.input_batch, so.num_scheduled_tokens)
+        return self._run_step(self.input_batch, so.num_scheduled_tokens, so)
 
-    def _run_step(self, batch: InputBatch, num_scheduled_tokens: dict[str, int]) -> ModelRunnerOutput:
+    def _run_step(
+        self, batch: InputBatch, num_scheduled_tokens: dict[str, int], so: Optional[SchedulerOutput] = None
+    ) -> ModelRunnerOutput:
         """Prepare inputs, run the model, sample, and report: one forward pass over `batch`."""
         inputs = build_step_inputs(batch, num_scheduled_tokens, self.block_size, self._arange)
         hidden = self._run_model(inputs)
         prompt_lp = self._prompt_logprobs(batch, inputs, hidden)
-        sampled = self._sample(batch, inputs, hidden)
+        sampled = self._sample(batch, inputs, hidden, so)
         # Advance progress locally; the scheduler re-sends the authoritative value next step.
         batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
         return _build_output(inputs, sampled, prompt_lp)
@@ -197,7 +199,9 @@ class GPUModelRunner:
         with set_forward_context(md, self.backend):
             return self.model(input_ids, positions)
 
-    def _sample(self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor) -> "_Sampled":
+    def _sample(
+        self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor, so: Optional[SchedulerOutput] = None
+    ) -> "_Sampled":
         """Sample one token for each row whose prompt is complete, and record it in the batch."""
         sampling = inputs.sampling_mask(batch.num_tokens[inputs.rows])
         s_idx = np.nonzero(sampling)[0]
@@ -208,7 +212,10 @@ class GPUModelRunner:
         logits = self.model.compute_logits(hidden[logits_idx])
         out = None
         if self.is_driver:  # under tensor parallelism only rank 0 samples; the others take its tokens
-            out = self.sampler(logits, batch.sampling_metadata(s_rows))
+            bitmask = _grammar_bitmask_rows(so, [inputs.req_ids[i] for i in s_idx.tolist()])
+            if bitmask is not None:
+                bitmask = bitmask.to(self.device, non_blocking=True)
+            out = self.sampler(logits, batch.sampling_metadata(s_rows), bitmask)
         sampled = self._share_sampled(out, len(s_idx)).cpu().numpy()
         batch.record_sampled(s_rows, sampled)  # the scheduler records the same on its side
         logprobs = None
@@ -268,6 +275,20 @@ def _build_output(
         logprobs=sampled.logprobs,
         prompt_logprobs_dict=prompt_lp,
     )
+
+
+def _grammar_bitmask_rows(so: Optional[SchedulerOutput], sampled_req_ids: list[str]) -> Optional[torch.Tensor]:
+    """The scheduler's grammar bitmask laid out in sampling order: int32 [S, W], all ones on unconstrained rows."""
+    if so is None or so.grammar_bitmask is None or not so.structured_output_request_ids:
+        return None
+    src = torch.as_tensor(so.grammar_bitmask, dtype=torch.int32)
+    rows = so.structured_output_request_ids
+    dst_idx = [j for j, rid in enumerate(sampled_req_ids) if rid in rows]
+    if not dst_idx:
+        return None
+    full = torch.full((len(sampled_req_ids), src.shape[1]), -1, dtype=torch.int32)
+    full[dst_idx] = src[[rows[sampled_req_ids[j]] for j in dst_idx]]
+    return full
 
 
 def _scatter_rows(lp: LogprobsTensors, idx: np.ndarray, n: int) -> LogprobsTensors:

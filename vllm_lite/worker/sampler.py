@@ -1,6 +1,6 @@
 """The batched sampler: logits processors, then greedy or random sampling, plus logprobs.
 
-Order follows vLLM V1: allowed-token mask, bans (bad words, min_tokens stop
+Order follows vLLM V1: the structured-output grammar bitmask, allowed-token mask, bans (bad words, min_tokens stop
 ids), logit bias -> repetition/frequency/presence penalties -> (greedy rows:
 argmax here) -> temperature -> min-p -> top-k -> top-p -> sample with the
 exponential race (argmax of probs / Exponential(1)), which equals drawing from
@@ -44,6 +44,21 @@ def apply_allowed_and_bans(logits: torch.Tensor, md: SamplingMetadata) -> torch.
     if md.banned_index is not None:
         logits[md.banned_index] = _NEG_INF
     return logits
+
+
+def expand_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [N, W] packed bits (bit t%32 of word t//32 = token t) -> bool [N, vocab_size]; missing bits False."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).to(torch.bool).flatten(1)
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return allowed[:, :vocab_size]
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured outputs: tokens the row's grammar forbids -> -inf (in place), one batched op on the device."""
+    allowed = expand_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
+    return logits.masked_fill_(~allowed, _NEG_INF)
 
 
 def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -300,7 +315,13 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor
 class Sampler(torch.nn.Module):
     """Turns a batch of logits into one token per row, honouring each row's SamplingParams."""
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def forward(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, grammar_bitmask: Optional[torch.Tensor] = None
+    ) -> SamplerOutput:
+        """`grammar_bitmask`: int32 [N, ceil(V/32)] (all ones on unconstrained rows), or None.
+
+        Logprobs stay those of the raw distribution (before the grammar mask, as before any processor).
+        """
         md = metadata
         if logits.dim() != 2 or logits.shape[0] != md.num_rows:
             raise ValueError(f"logits must be [{md.num_rows}, V], got {tuple(logits.shape)}.")
@@ -308,7 +329,7 @@ class Sampler(torch.nn.Module):
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
 
-        logits = self.apply_logits_processors(logits, md)
+        logits = self.apply_logits_processors(logits, md, grammar_bitmask)
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
@@ -328,20 +349,28 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(sampled_token_ids=sampled.to(torch.int64), logprobs_tensors=lp)
 
     @staticmethod
-    def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Processors that change the argmax: masks, bias, penalties. Never modifies the caller's tensor."""
+    def apply_logits_processors(
+        logits: torch.Tensor, md: SamplingMetadata, grammar_bitmask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Processors that change the argmax: grammar mask, masks, bias, penalties. Never modifies the caller's
+        tensor."""
         if (
-            md.allowed_index is None
+            grammar_bitmask is None
+            and md.allowed_index is None
             and md.banned_index is None
             and md.logit_bias_index is None
             and md.penalty_token_ids is None
         ):
             return logits.to(torch.float32)  # nothing to do: no copy
         logits = logits.to(torch.float32, copy=True)
+        if grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(logits, grammar_bitmask)
         logits = apply_allowed_and_bans(logits, md)
         logits = apply_logit_bias(logits, md)
         return apply_penalties(logits, md)
 
-    def processed_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def processed_logits(
+        self, logits: torch.Tensor, md: SamplingMetadata, grammar_bitmask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """The final logits every row's random draw uses (softmax gives the distribution); for tests and tools."""
-        return warp(self.apply_logits_processors(logits, md), md, None).to_dense()
+        return warp(self.apply_logits_processors(logits, md, grammar_bitmask), md, None).to_dense()

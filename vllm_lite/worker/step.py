@@ -54,6 +54,11 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # device -> host
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # host -> device
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # device -> device
+    # Structured outputs: req_id -> its row in grammar_bitmask, for the requests that sample this step
+    # under a grammar. grammar_bitmask: int32 [rows, ceil(vocab/32)] (numpy in the core; a tensor once
+    # decoded on a TP rank), bit t%32 of word t//32 set = token t allowed. None when no request is constrained.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Optional[Any] = None
 
     @staticmethod
     def empty() -> "SchedulerOutput":

@@ -7,6 +7,11 @@ running request that cannot get KV blocks preempts the lowest-priority running
 request (possibly itself) by recompute or swap. `num_computed_tokens` advances
 when a step is scheduled (as in vLLM), and blocks enter the prefix cache only
 after the step that wrote them has come back.
+
+Structured outputs (vLLM V1): a constrained request waits in WAITING_FOR_FSM, outside the waiting
+queue, while the StructuredOutputManager compiles its grammar in a thread pool; it joins the queue
+once ready (or finishes with the compiler's error). Each step the scheduler fills one bitmask row per
+constrained request that samples, and advances each matcher on the tokens that come back.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from vllm_lite.core.kv_cache_utils import KVCacheBlock
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.request_queue import RequestQueue, create_request_queue
+from vllm_lite.structured_output.manager import StructuredOutputManager
 from vllm_lite.worker.models.sliding_window import uniform_sliding_window
 from vllm_lite.worker.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -93,6 +99,11 @@ class Scheduler:
         self._order_counter = itertools.count()
         self._num_preemptions = 0
         self._step_counter = 0
+        # Structured outputs: requests whose grammar is compiling, and error messages owed to finished ones.
+        self.structured_output_manager = StructuredOutputManager(vllm_config)
+        self._waiting_for_grammar: dict[str, Request] = {}
+        self._errors: dict[str, str] = {}
+        self._failed_before_running: list[Request] = []
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -112,6 +123,12 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: status must be WAITING to be added, got {request.status.name}.")
         self.requests[rid] = request
         self._arrival_order[rid] = next(self._order_counter)
+        so_params = request.sampling_params.structured_outputs
+        if so_params is not None:
+            request.structured_output_request = self.structured_output_manager.grammar_init(so_params)
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self._waiting_for_grammar[rid] = request
+            return
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[Request]:
@@ -132,6 +149,9 @@ class Scheduler:
         self.waiting.remove_requests(r for r in reqs if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED))
         self.swapped.remove_requests(r for r in reqs if r.status == RequestStatus.SWAPPED)
         for req in reqs:
+            if self._waiting_for_grammar.pop(req.request_id, None) is not None:
+                assert req.structured_output_request is not None
+                req.structured_output_request.cancel()
             req.status = finished_status
             self._release(req)
         return reqs
@@ -168,7 +188,7 @@ class Scheduler:
             self._num_preemptions = 0
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.swapped),
+            num_waiting_reqs=len(self.waiting) + len(self.swapped) + len(self._waiting_for_grammar),
             kv_cache_usage=self.kv_cache_manager.usage(),
             num_free_blocks=self.num_free_blocks,
             num_total_blocks=self.num_total_blocks,
@@ -181,6 +201,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         self._step_counter += 1
+        self._admit_ready_grammars()
         kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -290,6 +311,11 @@ class Scheduler:
             if n:
                 r.num_computed_tokens += n
                 self._scheduled[r.request_id] = r
+        for r in to_worker_as_new:  # resumed after preemption: the matcher must hold exactly the kept outputs
+            sor = r.structured_output_request
+            if sor is not None and sor.matcher is not None and not sor.matcher.resync(r.output_token_ids):
+                logger.error("request %s: its kept output tokens no longer match its grammar", r.request_id)
+        so_ids, bitmask = self._grammar_bitmask()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -298,7 +324,65 @@ class Scheduler:
             finished_req_ids=finished_ids,
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
+            structured_output_request_ids=so_ids,
+            grammar_bitmask=bitmask,
         )
+
+    # ------------------------------------------------------------------ structured outputs
+    def _admit_ready_grammars(self) -> None:
+        """Requests whose grammar is ready join the waiting queue; failed ones finish with the compiler's error."""
+        if not self._waiting_for_grammar:
+            return
+        for rid, req in list(self._waiting_for_grammar.items()):
+            sor = req.structured_output_request
+            assert sor is not None
+            if not sor.is_ready():
+                continue
+            del self._waiting_for_grammar[rid]
+            if sor.error is not None:
+                req.status = RequestStatus.FINISHED_ERROR
+                self._errors[rid] = sor.error
+                self._failed_before_running.append(req)
+                self._release(req)
+            else:
+                req.status = RequestStatus.WAITING
+                self.waiting.add(req)
+
+    def has_requests_waiting_for_grammar(self) -> bool:
+        return bool(self._waiting_for_grammar)
+
+    def wait_for_grammar(self, timeout: float) -> None:
+        """Block up to `timeout` s for a grammar to finish compiling (when a step had nothing to run)."""
+        if self._waiting_for_grammar:
+            self.structured_output_manager.wait_for_grammar(timeout)
+
+    def _grammar_bitmask(self) -> tuple[dict[str, int], Optional[object]]:
+        """One bitmask row per constrained request that samples this step (its whole sequence is computed)."""
+        matchers = []
+        ids: dict[str, int] = {}
+        for rid, req in self._scheduled.items():
+            sor = req.structured_output_request
+            if sor is None or sor.matcher is None or req.num_computed_tokens < req.num_tokens:
+                continue
+            ids[rid] = len(matchers)
+            matchers.append(sor.matcher)
+        if not matchers:
+            return {}, None
+        return ids, self.structured_output_manager.fill_bitmask(matchers)
+
+    def _advance_grammar(self, req: Request, token_id: int) -> bool:
+        """Feed a sampled token to the request's matcher; True if the grammar finishes the request."""
+        sor = req.structured_output_request
+        if sor is None or sor.matcher is None:
+            return False
+        if not sor.matcher.accept_tokens([token_id]):
+            req.status = RequestStatus.FINISHED_ERROR
+            self._errors[req.request_id] = f"structured outputs: sampled token {token_id} is not allowed by the grammar"
+            return True
+        if sor.matcher.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
         """Tokens to run now: what is left, cut by the chunk threshold, the budget and max_model_len."""
@@ -353,7 +437,7 @@ class Scheduler:
                 for tok in sampled:
                     req.append_output_token_ids(tok)
                     new_token_ids.append(tok)
-                    if self._check_stop(req):
+                    if self._check_stop(req) or self._advance_grammar(req, tok):
                         finished = True
                         break
             new_logprobs = None
@@ -372,11 +456,18 @@ class Scheduler:
                         new_prompt_logprobs_tensors=prompt_lp,
                         finish_reason=req.get_finish_reason() if finished else None,
                         stop_reason=req.stop_reason,
+                        error=self._errors.pop(rid, None) if finished else None,
                         num_cached_tokens=max(req.num_cached_tokens, 0),
                         queued_ts=req.queued_ts if first else 0.0,
                         scheduled_ts=req.scheduled_ts if first else 0.0,
                     )
                 )
+        failed, self._failed_before_running = self._failed_before_running, []
+        for req in failed:  # grammar compile errors: one ERROR output each, to their own frontend
+            message = self._errors.pop(req.request_id, None)
+            per_client[req.client_index].append(
+                EngineCoreOutput(req.request_id, [], finish_reason=req.get_finish_reason(), error=message)
+            )
         if stopped:
             ids = {r.request_id for r in stopped}
             self.running = [r for r in self.running if r.request_id not in ids]

@@ -1,0 +1,55 @@
+"""A request's constraint as a hashable spec: what a backend compiles and the grammar cache's key."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+from vllm_lite.sampling_params import StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One constraint in canonical text form (JSON schemas re-serialized with sorted keys, choices as a JSON list)."""
+
+    kind: str  # json, regex, choice, grammar, json_object, structural_tag
+    text: str
+    any_whitespace: bool = True
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+
+    @property
+    def field(self) -> str:
+        """The user-visible field this constraint came from, for error messages."""
+        return f"structured_outputs.{self.kind}"
+
+
+def spec_from_params(
+    params: StructuredOutputsParams, disable_any_whitespace: bool = False, disable_additional_properties: bool = False
+) -> GrammarSpec:
+    """The spec for `params`; the engine-wide flags are OR-ed with the request's own. Raises ValueError on bad JSON."""
+    kind = params.kind
+    if kind == "json":
+        schema = params.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}.")
+        text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    elif kind == "choice":
+        text = json.dumps(params.choice, ensure_ascii=False)
+    elif kind == "json_object":
+        text = '{"type": "object"}'
+    else:
+        text = getattr(params, kind)
+    return GrammarSpec(
+        kind=kind,
+        text=text,
+        any_whitespace=not (disable_any_whitespace or params.disable_any_whitespace),
+        disable_additional_properties=disable_additional_properties or params.disable_additional_properties,
+        whitespace_pattern=params.whitespace_pattern,
+    )
