@@ -75,6 +75,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _float("VLLM_LITE_TP_STEP_TIMEOUT_S", 600.0),
         "Seconds one tensor-parallel step may take before the engine is declared dead (default 600).",
     ),
+    "VLLM_LITE_MAX_MESSAGE_BYTES": (
+        _float("VLLM_LITE_MAX_MESSAGE_BYTES", 0.0),
+        "Largest message (bytes) an engine core accepts from a frontend; a bigger one drops that "
+        "connection (ZMQ_MAXMSGSIZE). Unset or 0: sized from the model (16 MiB + 32 B per token of "
+        "max_model_len and of the vocabulary).",
+    ),
     "VLLM_LITE_TEST_CACHE": (
         _str("VLLM_LITE_TEST_CACHE", None),
         "Where tests and benchmarks cache the checkpoints they build (default ~/.cache/vllm_lite_test).",

@@ -54,10 +54,10 @@ class AsyncMPClient(MPClientBase, AsyncOnlyClient):
         while old_queue is not None and not old_queue.empty():
             self._outputs.put_nowait(old_queue.get_nowait())
         self._tasks.append(loop.create_task(self._receive_loop(), name="core-client-output"))
-        if self.heartbeat_timeout_s or self.proc is None:
+        if self.heartbeat_interval_s is not None:
             self._tasks.append(loop.create_task(self._heartbeat_loop(), name="core-client-heartbeat"))
-        if self.proc is not None:
-            proc_fd = self.proc.fileno()
+        proc_fd = self._process_fd()
+        if proc_fd is not None:
             try:
                 loop.add_reader(proc_fd, self._on_process_exit)
             except NotImplementedError:  # event loops without add_reader: a thread waits instead
@@ -67,10 +67,11 @@ class AsyncMPClient(MPClientBase, AsyncOnlyClient):
                 ).start()
 
     def _unwatch_process(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self.proc is None:
+        proc_fd = self._process_fd()
+        if proc_fd is None:
             return
         try:
-            loop.remove_reader(self.proc.fileno())
+            loop.remove_reader(proc_fd)
         except (NotImplementedError, ValueError, RuntimeError):
             pass
 
@@ -112,15 +113,15 @@ class AsyncMPClient(MPClientBase, AsyncOnlyClient):
                 self._set_dead(self._death_message(f"socket error {e}"))
 
     async def _heartbeat_loop(self) -> None:
-        interval = self.heartbeat_interval_s or 1.0
+        interval = self.heartbeat_interval_s
         while self._dead is None and not self._closed:
-            if self.heartbeat_timeout_s:
+            if interval is not None:
                 await self._in.send(EngineCoreRequestType.HEARTBEAT.value)
             silence = self._silence_death(time.monotonic())
             if silence is not None:
                 self._set_dead(silence)
                 return
-            await asyncio.sleep(min(interval, 1.0))
+            await asyncio.sleep(min(interval or 1.0, 1.0))
 
     def _on_process_exit(self) -> None:
         if self._loop is not None:
@@ -129,7 +130,7 @@ class AsyncMPClient(MPClientBase, AsyncOnlyClient):
             return
         # Let the receive task deliver what the core sent before dying, then fail everyone.
         assert self._loop is not None
-        self._loop.call_later(0.1, self._set_dead, self._death_message("the engine core process exited"))
+        self._loop.call_later(0.1, self._set_dead, self._process_exit_message())
 
     def shutdown(self) -> None:
         """Stop tasks, close sockets, stop the private core. Safe from inside or outside the loop."""

@@ -9,9 +9,12 @@ Here live the handshake, the frames it sends, decoding and dispatching what the 
 death bookkeeping. The shells (``SyncMPClient``: a receive thread and a queue; ``AsyncMPClient``:
 tasks on the running loop) only receive, send and queue.
 
-Engine death (the process exits -- watched through its launcher fd --, the core says
-``engine_dead``, or an attached core goes silent) fails every pending and future call with
-``EngineDeadError`` instead of hanging.
+Engine death fails every pending and future call with ``EngineDeadError`` instead of hanging,
+within seconds, however the core went: a private core's process exits (its launcher fd), an
+attached core's process on this host exits (a pidfd on the pid its READY named, see
+``vllm_lite.process_watch``), the core says ``engine_dead``, or an attached core elsewhere stops
+answering the heartbeats we send each second (``engine_silence_timeout_s``, default 4 s: three
+missed beats).
 """
 
 from __future__ import annotations
@@ -53,13 +56,20 @@ from vllm_lite.core.messages import (
     UtilityRequest,
 )
 from vllm_lite.endpoints import CoreAddresses
+from vllm_lite.process_watch import ProcessWatch, watch_local_process
 from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0
-# An attached core (no process to watch) that says nothing for this long is dead.
-DEFAULT_ENGINE_SILENCE_TIMEOUT_S = 30.0
+# An attached core on another host (no process to watch) that answers no heartbeat for this long is
+# dead: three missed beats of HEARTBEAT_INTERVAL_S, and a little slack.
+DEFAULT_ENGINE_SILENCE_TIMEOUT_S = 4.0
+# An attached core on this host is watched through its process; silence only backs that up (a live
+# but wedged process), so it may be long and never mistakes a busy host for a dead core.
+LOCAL_ENGINE_SILENCE_TIMEOUT_S = 30.0
+# How often an attached frontend heartbeats at most (more often when the core asks for it).
+HEARTBEAT_INTERVAL_S = 1.0
 
 _UTILITY_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
 
@@ -71,6 +81,7 @@ def _cleanup(
     ctx: zmq.Context,
     stop: threading.Event,
     threads: list[threading.Thread],
+    watches: list[ProcessWatch],
 ) -> None:
     """Close a client, also at interpreter exit: its threads first, so none sees the core stop as a death."""
     stop.set()
@@ -83,6 +94,8 @@ def _cleanup(
     for s in sockets:
         s.close()  # LINGER is 0 unless a GOODBYE is on its way
     ctx.term()
+    for w in watches:
+        w.close()
     if tmpdir is not None:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -103,7 +116,7 @@ class MPClientBase(EngineCoreClient):
         client_name: str = "",
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
-        engine_silence_timeout_s: float = DEFAULT_ENGINE_SILENCE_TIMEOUT_S,
+        engine_silence_timeout_s: Optional[float] = None,
         namespace_request_ids: bool = False,
     ) -> None:
         self.proc: Optional[launcher.ChildProcess] = None
@@ -117,7 +130,6 @@ class MPClientBase(EngineCoreClient):
             self.proc, self.tmpdir, addresses, auth_token = core.proc, core.tmpdir, core.addresses, core.auth_token
         self.addresses = addresses
         self._auth_token = auth_token
-        self.engine_silence_timeout_s = engine_silence_timeout_s
         # Attached to a core that other frontends share: our request ids get a namespace of their own.
         self.namespace = RequestIdNamespace() if namespace_request_ids else None
         self.identity = uuid.uuid4().bytes
@@ -127,6 +139,7 @@ class MPClientBase(EngineCoreClient):
         # Set, and the client's threads joined, before anything else closes (see _cleanup).
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._watches: list[ProcessWatch] = []  # the attached core's process, when on this host
         self._finalizer = weakref.finalize(
             self,
             _cleanup,
@@ -136,6 +149,7 @@ class MPClientBase(EngineCoreClient):
             self._zmq,
             self._stop,
             self._threads,
+            self._watches,
         )
         try:
             for sock, addr in ((self._out_sync, addresses.output), (self._in_sync, addresses.input)):
@@ -149,6 +163,16 @@ class MPClientBase(EngineCoreClient):
             raise
         self.client_index = reply.client_index
         self.heartbeat_timeout_s = reply.heartbeat_timeout_s
+        self.core_watch: Optional[ProcessWatch] = None
+        if self.proc is None:
+            self.core_watch = watch_local_process(reply.core_pid, reply.core_host, reply.core_started)
+            if self.core_watch is not None:
+                self._watches.append(self.core_watch)
+        # None: a private core, watched through its launcher fd only.
+        self.engine_silence_timeout_s: Optional[float] = None
+        if self.proc is None:
+            default = DEFAULT_ENGINE_SILENCE_TIMEOUT_S if self.core_watch is None else LOCAL_ENGINE_SILENCE_TIMEOUT_S
+            self.engine_silence_timeout_s = default if engine_silence_timeout_s is None else engine_silence_timeout_s
         self.model_facts = {
             "model": reply.model,
             "max_model_len": reply.max_model_len,
@@ -274,14 +298,34 @@ class MPClientBase(EngineCoreClient):
     # -------------------------------------------------------------- liveness and death
     @property
     def heartbeat_interval_s(self) -> Optional[float]:
-        """How often to heartbeat (a quarter of the core's timeout), or None when it asks for none."""
-        return self.heartbeat_timeout_s / 4 if self.heartbeat_timeout_s else None
+        """How often to heartbeat, or None (a private core that asks for none).
+
+        An attached frontend beats every second at most, so that the answers prove the core alive
+        (three missed ones mean death); faster when the core's own timeout or ours is shorter."""
+        intervals = [self.heartbeat_timeout_s / 4] if self.heartbeat_timeout_s else []
+        if self.engine_silence_timeout_s is not None:
+            intervals += [HEARTBEAT_INTERVAL_S, self.engine_silence_timeout_s / 3]
+        return min(intervals) if intervals else None
+
+    def _process_fd(self) -> Optional[int]:
+        """An fd readable once the core's process exits (launcher fd or pidfd), or None."""
+        if self.proc is not None:
+            return self.proc.fileno()
+        return self.core_watch.fd if self.core_watch is not None else None
 
     def _silence_death(self, now: float) -> Optional[EngineDeadError]:
-        """An attached core (no process to watch) silent for too long is dead."""
-        if self.proc is None and now - self._last_heard > self.engine_silence_timeout_s:
-            return self._death_message(f"no message for {self.engine_silence_timeout_s:.0f} s")
+        """An attached core that answers no heartbeat for too long (or whose process, polled where
+        no pidfd exists, is gone) is dead."""
+        if self.core_watch is not None and self.core_watch.fd is None and self.core_watch.gone():
+            return self._death_message(f"the engine core process (pid {self.core_watch.pid}) exited")
+        timeout = self.engine_silence_timeout_s
+        if timeout is not None and now - self._last_heard > timeout:
+            return self._death_message(f"no message for {timeout:.0f} s")
         return None
+
+    def _process_exit_message(self) -> EngineDeadError:
+        pid = self.proc.pid if self.proc is not None else self.core_watch.pid if self.core_watch is not None else 0
+        return self._death_message(f"the engine core process (pid {pid}) exited")
 
     def _death_message(self, why: str) -> EngineDeadError:
         code = f" (exit code {self.proc.exitcode})" if self.proc is not None and self.proc.exitcode is not None else ""

@@ -60,7 +60,7 @@ class SyncMPClient(MPClientBase):
     def _receive_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._out_sync, zmq.POLLIN)
-        proc_fd = self.proc.fileno() if self.proc is not None else None
+        proc_fd = self._process_fd()
         if proc_fd is not None:
             poller.register(proc_fd, zmq.POLLIN)
         next_heartbeat = time.monotonic()
@@ -79,7 +79,7 @@ class SyncMPClient(MPClientBase):
                     # Deliver whatever the core managed to send before it died, then fail everyone.
                     while self._out_sync.poll(50):
                         self._on_message(self._out_sync.recv_multipart(copy=False))
-                    self._set_dead(self._death_message("the engine core process exited"))
+                    self._set_dead(self._process_exit_message())
                     return
                 now = time.monotonic()
                 interval = self.heartbeat_interval_s

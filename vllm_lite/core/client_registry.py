@@ -91,7 +91,8 @@ class ClientRegistry:
         """Attach (or re-greet) a frontend: ``(client, None)``, or ``(None, reason)`` when refused."""
         reason = self.refusal(hello, accepting)
         if reason is not None:
-            logger.warning("Refused frontend %r (%s): %s.", hello.client_name, identity.hex(), reason)
+            # Rate-limited: a peer spraying wrong tokens must not flood the log.
+            self.drop_log.warn("Refused frontend %r (%s): %s.", hello.client_name[:100], identity.hex(), reason)
             return None, reason
         client = self._by_identity.get(identity)
         if client is None:

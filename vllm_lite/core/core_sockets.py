@@ -14,10 +14,21 @@ Sockets (the core always binds, frontends connect):
 Two sockets because a ZMQ socket belongs to one thread: the input thread owns ``input`` and
 the output thread owns ``output``, so decoding and encoding overlap with the model step.
 
-* input thread: recv -> typed decode -> input queue. A malformed or wrong-typed message is
-  dropped with a log line; it never reaches the loop. HEARTBEATs from attached frontends are
+* input thread: recv -> typed decode -> input queue. Only a HELLO (at most ``MAX_HELLO_BYTES``)
+  is decoded for an identity that has not completed one (or been dropped and may return):
+  anything else from a stranger is counted and dropped undecoded, so a peer without the token
+  cannot make the core parse anything big. A malformed or wrong-typed message is dropped with a
+  (rate-limited) log line; it never reaches the loop. HEARTBEATs from attached frontends are
   answered right here (straight onto the output queue), so a long model step does not look
   like a dead core.
+* limits: ``ZMQ_MAXMSGSIZE`` on the input socket (``max_input_message_bytes``: the largest legitimate
+  ADD for this model, with room to spare) and a tiny one on the output socket (frontends never
+  send there): a bigger message makes libzmq drop that connection, before any of it is queued.
+* disconnects: a monitor on the input socket reports each closed connection by its fd; the fd
+  of each identity's connection is learned from its messages (``ZMQ_SRCFD``), so a frontend
+  whose process died is reported to the loop as ``SocketEvent.DISCONNECTED`` within
+  milliseconds instead of after a heartbeat timeout. (``ZMQ_ROUTER_NOTIFY`` would name the
+  identity directly, but it is a draft option that pyzmq's bundled libzmq lacks.)
 * output thread: output queue -> encode -> send. A handshake reply to a frontend whose output
   DEALER is still connecting is retried for a few seconds; other messages to an unreachable
   frontend are dropped (logged once). A utility result msgpack cannot carry fails that call.
@@ -27,13 +38,15 @@ Sockets are bound before the model loads, so a busy address fails at once.
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from vllm_lite.core.log_limiter import LogLimiter
 from vllm_lite.core.messages import (
@@ -54,8 +67,31 @@ logger = logging.getLogger(__name__)
 READY_RETRY_S = 5.0
 _BIND_TIMEOUT_S = 10.0
 
-# Items on the input queue: (identity, request type, decoded payload).
-InputItem = tuple[bytes, EngineCoreRequestType, Any]
+# A HELLO carries a version, a token and a name: anything bigger is not one.
+MAX_HELLO_BYTES = 16 * 1024
+# Frontends never send on the output socket; its ROUTER only needs room for nothing.
+MAX_OUTPUT_SOCKET_MESSAGE_BYTES = 256
+# Room for strings a request may carry (stop strings, bad words, a structured-output schema).
+_MESSAGE_SLACK_BYTES = 16 << 20
+# msgpack bytes per token id or vocab entry, worst case: ids (<= 9 bytes each) in the prompt,
+# allowed_token_ids and bad words, plus a logit_bias entry (an id and a float64).
+_BYTES_PER_TOKEN = 32
+
+
+def max_input_message_bytes(max_model_len: int, vocab_size: int) -> int:
+    """The ZMQ_MAXMSGSIZE of the input socket: a prompt of ``max_model_len`` ids plus sampling
+    params that name every vocab entry, with 16 MiB for strings; 16 MiB + 32 B/token in all."""
+    return _MESSAGE_SLACK_BYTES + _BYTES_PER_TOKEN * (max(0, max_model_len) + max(0, vocab_size))
+
+
+class SocketEvent(enum.Enum):
+    """Input-queue items that the socket itself produced (never on the wire)."""
+
+    DISCONNECTED = "disconnected"  # the frontend's input connection closed: it is gone
+
+
+# Items on the input queue: (identity, request type or socket event, decoded payload).
+InputItem = tuple[bytes, Union[EngineCoreRequestType, SocketEvent], Any]
 # Items on the output queue: (identity, output type, struct or None), or None to stop.
 OutputItem = Optional[tuple[bytes, EngineCoreOutputType, Any]]
 
@@ -68,6 +104,13 @@ class CoreSockets:
 
     ``is_attached(identity)`` is called on the input thread for every message: True means the
     sender completed HELLO (its heartbeats are then answered at once, not queued).
+    ``may_return(identity)``: a frontend the loop dropped but would take back; its messages
+    are decoded too. Every other identity gets its HELLO decoded and nothing else.
+    ``max_message_bytes``: ZMQ_MAXMSGSIZE of the input socket (None: no limit).
+
+    Counters (read by tests and stats; written by the input thread only): ``decoded_messages``,
+    ``undecoded_refusals`` (messages from strangers dropped without decoding), ``disconnects``
+    (frontends reported gone by the socket monitor).
     """
 
     def __init__(
@@ -77,10 +120,17 @@ class CoreSockets:
         drop_log: LogLimiter,
         input_fd: Optional[int] = None,
         output_fd: Optional[int] = None,
+        may_return: Callable[[bytes], bool] = lambda identity: False,
+        max_message_bytes: Optional[int] = None,
     ) -> None:
         self.addresses = addresses
         self._is_attached = is_attached
+        self._may_return = may_return
         self._drop_log = drop_log
+        self.max_message_bytes = max_message_bytes
+        self.decoded_messages = 0
+        self.undecoded_refusals = 0
+        self.disconnects = 0
         self.input_queue: queue.Queue[InputItem] = queue.Queue()
         self.output_queue: queue.Queue[OutputItem] = queue.Queue()
         self._stop_input = threading.Event()
@@ -122,7 +172,13 @@ class CoreSockets:
 
     # ------------------------------------------------------------------ threads
     def _bind(
-        self, address: str, linger: int, fd: Optional[int], mandatory: bool = False, sndhwm: Optional[int] = None
+        self,
+        address: str,
+        linger: int,
+        fd: Optional[int],
+        mandatory: bool = False,
+        sndhwm: Optional[int] = None,
+        max_msg_size: Optional[int] = None,
     ) -> zmq.Socket:
         """A bound ROUTER socket, or an exception with nothing left open (so the context can terminate).
 
@@ -137,6 +193,8 @@ class CoreSockets:
                 sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if sndhwm is not None:
                 sock.setsockopt(zmq.SNDHWM, sndhwm)
+            if max_msg_size is not None:
+                sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
             sock.bind(address)
         except BaseException:
             sock.close(linger=0)
@@ -153,52 +211,100 @@ class CoreSockets:
             ready.set()
 
     def _input_main(self, fd: Optional[int], ready: threading.Event, errors: list[BaseException]) -> None:
-        sock = self._bind_or_report(ready, errors, address=self.addresses.input, linger=0, fd=fd)
+        sock = self._bind_or_report(
+            ready, errors, address=self.addresses.input, linger=0, fd=fd, max_msg_size=self.max_message_bytes
+        )
         if sock is None:
             return
+        monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         decoders = {
             EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
             EngineCoreRequestType.HELLO: MsgpackDecoder(HelloRequest),
         }
+        conns = _Connections()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop_input.is_set():
-                if not sock.poll(100):
+                if not poller.poll(100):
                     continue
-                frames = sock.recv_multipart(copy=False)
-                identity = frames[0].bytes
-                try:
-                    kind, payload = self._decode(frames, decoders)
-                except Exception as e:  # noqa: BLE001 -- whatever a peer sends, it never kills the core
-                    self._drop_log.warn("Dropped malformed message from %s: %s", identity.hex(), e)
-                    continue
-                if self._is_attached(identity) and kind is EngineCoreRequestType.HEARTBEAT:
-                    self.send(identity, EngineCoreOutputType.HEARTBEAT)
-                    continue
-                # Everything else goes to the loop, which also decides about unknown frontends.
-                self.input_queue.put((identity, kind, payload))
+                self._drain_monitor(monitor, conns)
+                for _ in range(64):  # a batch, then the stop flag again
+                    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                    frames = sock.recv_multipart(copy=False)
+                    # A connection that closed before this message was read is reported first,
+                    # so a new connection that reuses its fd is never mistaken for the old one.
+                    self._drain_monitor(monitor, conns)
+                    self._on_message(frames, decoders, conns)
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
 
-    @staticmethod
-    def _decode(
-        frames: list[Any], decoders: dict[EngineCoreRequestType, MsgpackDecoder]
-    ) -> tuple[EngineCoreRequestType, Any]:
-        if len(frames) < 2:
-            raise ValueError("message has no type frame")
-        kind = EngineCoreRequestType(frames[1].bytes)
-        if kind in _NO_PAYLOAD:
-            return kind, None
-        if len(frames) < 3:
-            raise ValueError(f"{kind.name} message has no payload")
-        return kind, decoders[kind].decode(frames[2:])
+    def _drain_monitor(self, monitor: zmq.Socket, conns: "_Connections") -> None:
+        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = parse_monitor_message(monitor.recv_multipart())
+            conn_fd = int(event["value"])
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                identity = conns.closed(conn_fd)
+                if identity is not None:
+                    self.disconnects += 1
+                    self.input_queue.put((identity, SocketEvent.DISCONNECTED, None))
+            else:  # ACCEPTED: a new connection on this fd, nobody's yet
+                conns.closed(conn_fd)
+
+    def _on_message(
+        self, frames: list[Any], decoders: dict[EngineCoreRequestType, MsgpackDecoder], conns: "_Connections"
+    ) -> None:
+        identity = frames[0].bytes
+        try:
+            kind = _kind(frames)
+        except ValueError as e:
+            self._drop_log.warn("Dropped malformed message from %s: %s", identity.hex(), e)
+            return
+        attached = self._is_attached(identity)
+        if kind is EngineCoreRequestType.HELLO:
+            size = sum(len(f) for f in frames[2:])
+            if size > MAX_HELLO_BYTES:
+                self.undecoded_refusals += 1
+                self._drop_log.warn(
+                    "Dropped a %d-byte HELLO from %s (at most %d).", size, identity.hex(), MAX_HELLO_BYTES
+                )
+                return
+        elif not attached and not self._may_return(identity):
+            # Not decoded: a stranger's ADD could be anything up to the size limit.
+            self.undecoded_refusals += 1
+            self._drop_log.warn("Dropped %s from %s, which has not completed HELLO.", kind.name, identity.hex())
+            return
+        try:
+            payload = _payload(kind, frames, decoders)
+        except Exception as e:  # noqa: BLE001 -- whatever a peer sends, it never kills the core
+            self._drop_log.warn("Dropped malformed message from %s: %s", identity.hex(), e)
+            return
+        self.decoded_messages += 1
+        conns.seen(frames[0], identity)
+        if attached and kind is EngineCoreRequestType.HEARTBEAT:
+            self.send(identity, EngineCoreOutputType.HEARTBEAT)
+            return
+        # Everything else goes to the loop, which also decides about unknown frontends.
+        self.input_queue.put((identity, kind, payload))
 
     def _output_main(self, fd: Optional[int], ready: threading.Event, errors: list[BaseException]) -> None:
         # No send limit: with ROUTER_MANDATORY a full pipe would block every frontend's outputs
         # behind one slow reader (a reader that stops altogether is dropped by the heartbeat watch).
         sock = self._bind_or_report(
-            ready, errors, address=self.addresses.output, linger=2000, fd=fd, mandatory=True, sndhwm=0
+            ready,
+            errors,
+            address=self.addresses.output,
+            linger=2000,
+            fd=fd,
+            mandatory=True,
+            sndhwm=0,
+            max_msg_size=MAX_OUTPUT_SOCKET_MESSAGE_BYTES,
         )
         if sock is None:
             return
@@ -228,6 +334,57 @@ class CoreSockets:
                     pending.append((frames, give_up))
         finally:
             sock.close()
+
+
+class _Connections:
+    """Which identity each input connection (by fd) belongs to, learned from its messages.
+
+    Input thread only. One connection per identity: a frontend that reconnects (ROUTER_HANDOVER)
+    moves to its new fd, so the old connection's close does not report it gone."""
+
+    def __init__(self) -> None:
+        self._by_fd: dict[int, bytes] = {}
+        self._fd_of: dict[bytes, int] = {}
+
+    def seen(self, frame: Any, identity: bytes) -> None:
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+            return
+        if fd < 0 or self._by_fd.get(fd) == identity:
+            return
+        old = self._fd_of.pop(identity, None)
+        if old is not None:
+            self._by_fd.pop(old, None)
+        prev = self._by_fd.pop(fd, None)
+        if prev is not None:
+            self._fd_of.pop(prev, None)
+        self._by_fd[fd] = identity
+        self._fd_of[identity] = fd
+
+    def closed(self, fd: int) -> Optional[bytes]:
+        """The identity whose connection this fd was (now forgotten), or None."""
+        identity = self._by_fd.pop(fd, None)
+        if identity is not None:
+            self._fd_of.pop(identity, None)
+        return identity
+
+
+def _kind(frames: list[Any]) -> EngineCoreRequestType:
+    """Frame 1's message type (frame 0 is the identity), without looking at the payload."""
+    if len(frames) < 2:
+        raise ValueError("message has no type frame")
+    return EngineCoreRequestType(frames[1].bytes)
+
+
+def _payload(
+    kind: EngineCoreRequestType, frames: list[Any], decoders: dict[EngineCoreRequestType, MsgpackDecoder]
+) -> Any:
+    if kind in _NO_PAYLOAD:
+        return None
+    if len(frames) < 3:
+        raise ValueError(f"{kind.name} message has no payload")
+    return decoders[kind].decode(frames[2:])
 
 
 def _encode(encoder: MsgpackEncoder, identity: bytes, kind: EngineCoreOutputType, obj: Any) -> Optional[list[Any]]:

@@ -157,6 +157,11 @@ class HandshakeReply(msgspec.Struct, omit_defaults=True):
     # The core's request rules an attached frontend must apply the same way (ModelConfig's fields).
     max_logprobs: int = 20
     generation_config: str = "auto"
+    # The core process, for a frontend on the same host to watch (vllm_lite.process_watch): its pid,
+    # this host's boot id and the process's start time; a frontend elsewhere relies on heartbeats.
+    core_pid: int = 0
+    core_host: str = ""
+    core_started: int = 0
 
 
 # ---------------------------------------------------------------------------- engine-core process start-up (launcher)
