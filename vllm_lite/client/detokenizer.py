@@ -127,8 +127,15 @@ class _TextDetokenizer(IncrementalDetokenizer):
         # Hold-back only matters when a stop string would be cut out of the text.
         self._hold_back = bool(self.stop) and not self.include_stop_str_in_output
         self._streamed_upto = 0  # chars of output_text already handed out as deltas
+        # Ids that gave no text yet (the start of a character that later ids complete): at the
+        # finish they decode as they are, as the tokenizer's own decode of the whole output does.
+        self._undecoded: list[int] = []
 
     def decode_next(self, token_id: int) -> str:
+        raise NotImplementedError
+
+    def decode_ids(self, token_ids: list[int]) -> str:
+        """Plain decode of `token_ids` (the held-back tail when the request finishes)."""
         raise NotImplementedError
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> Optional[str]:
@@ -144,7 +151,9 @@ class _TextDetokenizer(IncrementalDetokenizer):
         check_from = len(self.output_text)
         for tid in new_token_ids:
             self.token_ids.append(tid)
-            self.output_text += self.decode_next(tid)
+            piece = self.decode_next(tid)
+            self.output_text += piece
+            self._undecoded = [] if piece else self._undecoded + [tid]
             if self.min_tokens and len(self.token_ids) <= self.min_tokens:
                 # Stop strings may not end before min_tokens tokens exist.
                 check_from = len(self.output_text)
@@ -160,10 +169,14 @@ class _TextDetokenizer(IncrementalDetokenizer):
             return None
         stop_str, truncate_to = hit
         self.output_text = self.output_text[:truncate_to]
+        self._undecoded = []  # after the stop string: cut with the rest
         return stop_str
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The whole text so far (or the unseen piece, when `delta`), minus a possible stop-string start."""
+        if finished and self._undecoded:  # the output ends inside a character: no later id completes it
+            self.output_text += self.decode_ids(self._undecoded)
+            self._undecoded = []
         end = len(self.output_text)
         if not finished and self._hold_back:
             end -= stop_prefix_holdback(self.output_text, self.stop)
@@ -218,6 +231,12 @@ class FastIncrementalDetokenizer(_TextDetokenizer):
                 piece = content
             self._last_was_added = content is not None
         return piece
+
+    def decode_ids(self, token_ids: list[int]) -> str:
+        try:
+            return self.backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        except Exception:  # ids the tokenizer cannot decode gave no text while streaming either
+            return ""
 
 
 def _prompt_tail_for_context(backend: Any, prompt_ids: list[int]) -> list[int]:
@@ -285,3 +304,9 @@ class SlowIncrementalDetokenizer(_TextDetokenizer):
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.tokens)
         return piece
+
+    def decode_ids(self, token_ids: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        except Exception:  # ids the tokenizer cannot decode gave no text while streaming either
+            return ""
