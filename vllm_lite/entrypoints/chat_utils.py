@@ -7,6 +7,7 @@ writes the ones it wants (BOS, role markers); adding them again would double the
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Optional, Sequence, Union
 
@@ -75,9 +76,33 @@ def normalize_conversation(conversation: Sequence[Any], index: int = 0) -> Conve
             raise ValueError(f"{mwhere}.role must be a non-empty str, got {role!r}.")
         if "content" not in msg and not msg.get("tool_calls"):
             raise ValueError(f"{mwhere} has no 'content'.")
-        norm = dict(msg)  # other keys (name, tool_calls, ...) go to the template untouched
+        norm = with_tool_call_arguments_parsed(msg)  # other keys (name, tool_call_id, ...) go to the template
         norm["content"] = _content_text(msg.get("content"), mwhere)
         out.append(norm)
+    return out
+
+
+def with_tool_call_arguments_parsed(message: Message) -> Message:
+    """A copy whose `tool_calls[*].function.arguments` are objects, not OpenAI's JSON text.
+
+    Chat templates (Hermes, Qwen, Llama 3) write the arguments with `tojson` and expect a mapping,
+    as vLLM hands them over; arguments that are not JSON are left as they came.
+    """
+    out = dict(message)
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return out
+    parsed_calls = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                call = {**call, "function": {**function, "arguments": json.loads(arguments)}}
+            except ValueError:
+                pass
+        parsed_calls.append(call)
+    out["tool_calls"] = parsed_calls
     return out
 
 

@@ -116,6 +116,8 @@ def build_app(
     allowed_headers: Sequence[str] = ("*",),
     allow_credentials: bool = False,
     disable_log_requests: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: Optional[str] = None,
 ) -> FastAPI:
     """The FastAPI app for `engine` (AsyncLLM or anything with its interface).
 
@@ -190,7 +192,15 @@ def build_app(
     app.state.metrics = metrics
     app.state.health_monitor = monitor
     completion = OpenAIServingCompletion(engine, names, metrics)
-    chat = OpenAIServingChat(engine, names, metrics, chat_template=chat_template, response_role=response_role)
+    chat = OpenAIServingChat(
+        engine,
+        names,
+        metrics,
+        chat_template=chat_template,
+        response_role=response_role,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+    )
     tokenization = OpenAIServingTokenization(engine, names, metrics, chat_template=chat_template)
     app.add_middleware(_AuthAndCountMiddleware, api_key=api_key, metrics=metrics)
     # Outermost: CORS preflights are answered before the API-key check (browsers send no key on them).
@@ -418,6 +428,9 @@ def run_server(args: Any) -> int:
 
 def server_options(args: Any) -> dict[str, Any]:
     """build_app's vLLM-named keyword options from parsed server flags (cli_args.make_arg_parser)."""
+    from vllm_lite.entrypoints.openai.cli_args import check_tool_args
+
+    check_tool_args(args)  # ValueError before anything starts
     return {
         "chat_template": args.chat_template,
         "response_role": args.response_role,
@@ -427,6 +440,8 @@ def server_options(args: Any) -> dict[str, Any]:
         "allowed_headers": args.allowed_headers,
         "allow_credentials": args.allow_credentials,
         "disable_log_requests": args.disable_log_requests,
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "tool_call_parser": args.tool_call_parser,
     }
 
 

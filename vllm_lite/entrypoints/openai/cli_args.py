@@ -12,6 +12,7 @@ import json
 from vllm_lite import envs
 from vllm_lite.cli_flags import flag_name, flag_specs
 from vllm_lite.engine_args import EngineArgs
+from vllm_lite.entrypoints.openai.tool_parsers import ToolParserManager
 
 # Engine flags that still mean something when attaching to a running core (--engine).
 _ATTACH_FIELDS = ("model", "data_parallel_size", "served_model_name")
@@ -52,6 +53,25 @@ def add_http_options(srv: argparse._ArgumentGroup) -> None:
     srv.add_argument("--ssl-certfile", default=None, help="Serve HTTPS with this certificate (with --ssl-keyfile).")
     srv.add_argument("--root-path", default="", help="URL prefix when behind a path-based proxy (FastAPI root_path).")
     srv.add_argument("--disable-log-requests", action="store_true", help="Do not log each generation request.")
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let chat requests use tool_choice "auto" (the default when tools are given); needs --tool-call-parser.',
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=ToolParserManager.names(),
+        help="How tool calls are read out of the model's replies under tool_choice auto (vLLM's parser names).",
+    )
+
+
+def check_tool_args(args: argparse.Namespace) -> None:
+    """ValueError when --enable-auto-tool-choice comes without a parser, as vLLM refuses it at start-up."""
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (one of: " + ", ".join(ToolParserManager.names()) + ")."
+        )
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -100,6 +120,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def check_api_server_args(args: argparse.Namespace) -> None:
     """ValueError unless exactly one of --model and --engine is given, no engine flag would be ignored,
     and TLS gets both of its files."""
+    check_tool_args(args)
     if bool(getattr(args, "ssl_keyfile", None)) != bool(getattr(args, "ssl_certfile", None)):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: pass both for HTTPS.")
     if not args.model and not args.engine:

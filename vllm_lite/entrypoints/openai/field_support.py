@@ -13,8 +13,7 @@ from typing import Any, Callable, Optional
 
 WORKS, REFUSED, NOT_APPLICABLE = "works", "400", "n/a"
 
-_STRUCTURED = "structured outputs are not implemented yet"
-_TOOLS = "tool calling is not implemented yet"
+_ONE_CONSTRAINT = "one output constraint per request"
 
 
 def _is_none_or(*harmless: Any) -> Callable[[Any], bool]:
@@ -24,10 +23,6 @@ def _is_none_or(*harmless: Any) -> Callable[[Any], bool]:
 
 def _empty(v: Any) -> bool:
     return v is None or v == [] or v == {}
-
-
-def _text_format(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("type") == "text")
 
 
 # name -> (status, note, accepts(value) for refused fields: True where the value asks for nothing).
@@ -65,14 +60,18 @@ _COMMON: dict[str, Rule] = {
     "use_beam_search": (REFUSED, "beam search is offline only (LLM.beam_search)", _is_none_or(False)),
     "length_penalty": (REFUSED, "applies to beam search only", _is_none_or(1.0)),
     "prompt_logprobs": (REFUSED, "use echo with logprobs (completions) for prompt logprobs", None),
-    "response_format": (REFUSED, _STRUCTURED + " (type text is fine)", _text_format),
-    "structured_outputs": (REFUSED, _STRUCTURED, None),
-    "guided_json": (REFUSED, _STRUCTURED, None),
-    "guided_regex": (REFUSED, _STRUCTURED, None),
-    "guided_choice": (REFUSED, _STRUCTURED, None),
-    "guided_grammar": (REFUSED, _STRUCTURED, None),
-    "guided_decoding_backend": (REFUSED, _STRUCTURED, None),
-    "guided_whitespace_pattern": (REFUSED, _STRUCTURED, None),
+    "response_format": (WORKS, f"text, json_object, json_schema; {_ONE_CONSTRAINT}", None),
+    "structured_outputs": (WORKS, f"vLLM extra: json, regex, choice, grammar, json_object; {_ONE_CONSTRAINT}", None),
+    "guided_json": (WORKS, "vLLM extra (older spelling of structured_outputs.json)", None),
+    "guided_regex": (WORKS, "vLLM extra (older spelling of structured_outputs.regex)", None),
+    "guided_choice": (WORKS, "vLLM extra (older spelling of structured_outputs.choice)", None),
+    "guided_grammar": (WORKS, "vLLM extra (older spelling of structured_outputs.grammar)", None),
+    "guided_whitespace_pattern": (WORKS, "vLLM extra: with a JSON constraint", None),
+    "guided_decoding_backend": (
+        REFUSED,
+        "the backend is chosen at launch (--structured-outputs-backend), not per request",
+        None,
+    ),
     "logits_processors": (REFUSED, "no custom logits processors (no code from requests)", _empty),
     "return_tokens_as_token_ids": (REFUSED, "not implemented", _is_none_or(False)),
     "cache_salt": (REFUSED, "the prefix cache is salted per frontend; per-request salts are not exposed", None),
@@ -106,12 +105,17 @@ CHAT_FIELDS: dict[str, Rule] = {
     "service_tier": (NOT_APPLICABLE, "accepted, no effect", None),
     "prompt_cache_key": (NOT_APPLICABLE, "accepted, no effect (the prefix cache needs no key)", None),
     "safety_identifier": (NOT_APPLICABLE, "accepted, no effect", None),
-    "parallel_tool_calls": (NOT_APPLICABLE, "accepted, no effect without tools", None),
+    "parallel_tool_calls": (NOT_APPLICABLE, "accepted, no effect (as in vLLM, replies may hold several calls)", None),
     "include_reasoning": (NOT_APPLICABLE, "vLLM extra; accepted, no effect (no reasoning parser)", None),
-    "tools": (REFUSED, _TOOLS, _empty),
-    "tool_choice": (REFUSED, _TOOLS + " (none and auto without tools are fine)", _is_none_or("none", "auto")),
-    "functions": (REFUSED, _TOOLS, _empty),
-    "function_call": (REFUSED, _TOOLS, _is_none_or("none", "auto")),
+    "tools": (WORKS, "function tools; given to the chat template as `tools`", None),
+    "tool_choice": (
+        WORKS,
+        "none; auto (--enable-auto-tool-choice --tool-call-parser); required and a named function "
+        "(through a JSON-schema constraint)",
+        None,
+    ),
+    "functions": (REFUSED, "deprecated by OpenAI: use tools", _empty),
+    "function_call": (REFUSED, "deprecated by OpenAI: use tool_choice", _is_none_or("none", "auto")),
     "audio": (REFUSED, "text output only", None),
     "modalities": (REFUSED, "text output only", lambda v: v is None or v == ["text"]),
     "prediction": (REFUSED, "predicted outputs are not implemented", None),

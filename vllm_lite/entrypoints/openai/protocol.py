@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
 
@@ -96,14 +96,15 @@ class SamplingRequestFields(StrictRequestModel):
     use_beam_search: Optional[Any] = None
     length_penalty: Optional[Any] = None
     prompt_logprobs: Optional[Any] = None
-    response_format: Optional[Any] = None
-    structured_outputs: Optional[Any] = None
-    guided_json: Optional[Any] = None
-    guided_regex: Optional[Any] = None
-    guided_choice: Optional[Any] = None
-    guided_grammar: Optional[Any] = None
     guided_decoding_backend: Optional[Any] = None
-    guided_whitespace_pattern: Optional[Any] = None
+    # Structured outputs (structured_outputs.py turns them into SamplingParams.structured_outputs).
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
     logits_processors: Optional[Any] = None
     return_tokens_as_token_ids: Optional[Any] = None
     cache_salt: Optional[Any] = None
@@ -241,9 +242,10 @@ class ChatCompletionRequest(SamplingRequestFields):
     safety_identifier: Optional[Any] = None
     parallel_tool_calls: Optional[Any] = None
     include_reasoning: Optional[Any] = None
+    # Tool calling (tool_choice.py).
+    tools: Optional[list[ChatCompletionToolsParam]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoiceParam]] = None
     # Refused unless harmless (field_support.py).
-    tools: Optional[Any] = None
-    tool_choice: Optional[Any] = None
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
     audio: Optional[Any] = None
@@ -262,6 +264,11 @@ class ChatCompletionRequest(SamplingRequestFields):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler: Any) -> Any:
+        return _omit_empty(handler(self), "tool_calls")
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -300,6 +307,11 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler: Any) -> Any:
+        return _omit_empty(handler(self), "tool_calls")
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -365,3 +377,103 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+# ---------------------------------------------------------------------------- structured outputs and tools
+
+
+class JsonSchemaResponseFormat(StrictRequestModel):
+    """`response_format.json_schema`: OpenAI's named schema (`schema` is aliased: BaseModel has a `schema`)."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=False, validate_by_alias=True)
+    name: str
+    description: Optional[str] = None
+    json_schema: Optional[Union[dict[str, Any], bool]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(StrictRequestModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaResponseFormat] = None
+
+
+class StructuredOutputsRequest(StrictRequestModel):
+    """vLLM's `structured_outputs` request object: the fields of `StructuredOutputsParams`."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=False, validate_by_alias=True)
+    # `json` on the wire (aliased: BaseModel has a `json` method).
+    json_schema: Optional[Union[str, dict[str, Any], bool]] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+
+
+class FunctionDefinition(StrictRequestModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatCompletionToolsParam(StrictRequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(StrictRequestModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(StrictRequestModel):
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> Any:
+        return _omit_empty(handler(self), "name", "arguments")
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """One streamed piece of a tool call: the first carries id, type and name; later ones argument text."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> Any:
+        return _omit_empty(handler(self), "id", "type", "function")
+
+
+def _omit_empty(data: Any, *keys: str) -> Any:
+    """Leave out these keys when None or empty, as OpenAI's API leaves them out of its bodies."""
+    if isinstance(data, dict):
+        for key in keys:
+            if data.get(key) in (None, []):
+                data.pop(key, None)
+    return data

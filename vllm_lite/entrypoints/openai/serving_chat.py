@@ -16,21 +16,47 @@ from vllm_lite.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     UsageInfo,
     random_id,
 )
 from vllm_lite.entrypoints.openai.serving_engine import OpenAIServing
+from vllm_lite.entrypoints.openai.structured_outputs import build_structured_outputs
+from vllm_lite.entrypoints.openai.tool_choice import ToolPlan, plan_tools
+from vllm_lite.entrypoints.openai.tool_parsers import StreamDelta, ToolCallStreamer, ToolParser, ToolParserManager
 from vllm_lite.entrypoints.openai.utils import SSE_DONE, DisconnectWatcher, shielded, sse
 from vllm_lite.outputs import RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Chat completions; `response_role` is the role of the replies (vLLM's --response-role)."""
+    """Chat completions; `response_role` is the role of the replies (vLLM's --response-role).
 
-    def __init__(self, *args: Any, response_role: str = "assistant", **kwargs: Any) -> None:
+    `enable_auto_tool_choice` and `tool_call_parser` are vLLM's --enable-auto-tool-choice and
+    --tool-call-parser: tool_choice "auto" reads tool calls out of replies with that parser.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        response_role: str = "assistant",
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: Optional[str] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.response_role = response_role
+        self.tool_parser: Optional[ToolParser] = None
+        if enable_auto_tool_choice:
+            if not tool_call_parser:
+                raise ValueError("--enable-auto-tool-choice needs --tool-call-parser to say how to read tool calls.")
+            try:
+                self.tool_parser = ToolParserManager.get_tool_parser(tool_call_parser)(self.tokenizer)
+            except KeyError as e:
+                raise ValueError(f"--tool-call-parser: {e.args[0]}") from None
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Any = None
@@ -44,12 +70,15 @@ class OpenAIServingChat(OpenAIServing):
         if top_logprobs and not request.logprobs:
             raise BadRequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         num_logprobs = (top_logprobs or 0) if request.logprobs else None
+        plan = plan_tools(request, self.tool_parser)
+        constraint = build_structured_outputs(request, plan.constraint)
         prompt_text = self.render_chat(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template_kwargs,
             request.chat_template,
+            tools=plan.tools,
         )
         full_ids = self.tokenize(prompt_text, request.add_special_tokens)
         prompt_ids = self.truncate(full_ids, request.truncate_prompt_tokens)
@@ -62,7 +91,10 @@ class OpenAIServingChat(OpenAIServing):
             defaults=self.default_sampling_params,
             stream=request.stream,
         )
-        self.validate_request(prompt_ids, params)
+        constraint_field = None
+        if constraint is not None:
+            constraint_field, params.structured_outputs = constraint
+        self.validate_request(prompt_ids, params, constraint_field)
 
         request_id = random_id("chatcmpl")
         created = int(time.time())
@@ -74,8 +106,11 @@ class OpenAIServingChat(OpenAIServing):
             request_id,
             request.priority,
         )
+        if constraint_field is not None:
+            async with DisconnectWatcher(raw_request, lambda: self.abort_all([request_id])):
+                gen = await self.refused_before_tokens(gen, constraint_field)
         if request.stream:
-            body = self._stream(request, prompt_ids, gen, request_id, created, raw_request)
+            body = self._stream(request, prompt_ids, gen, request_id, created, raw_request, plan)
             return StreamingResponse(body, media_type="text/event-stream")
 
         final: Optional[RequestOutput] = None
@@ -85,7 +120,7 @@ class OpenAIServingChat(OpenAIServing):
                     final = out
             finally:
                 await shielded(gen.aclose())
-        return self._response(request, prompt_ids, final, request_id, created, num_logprobs)
+        return self._response(request, prompt_ids, final, request_id, created, num_logprobs, plan)
 
     # ------------------------------------------------------------------ whole response
     def _response(
@@ -96,6 +131,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id: str,
         created: int,
         num_logprobs: Optional[int],
+        plan: ToolPlan,
     ) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
@@ -106,12 +142,13 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if num_logprobs is not None:
                 logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], num_logprobs)
+            message, finish_reason = self._message(c.text, c.finish_reason, plan)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
-                    message=ChatMessage(role=self.response_role, content=c.text),
+                    message=message,
                     logprobs=logprobs,
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                     token_ids=list(c.token_ids) if request.return_token_ids else None,
                 )
@@ -129,6 +166,17 @@ class OpenAIServingChat(OpenAIServing):
             prompt_token_ids=prompt_ids if request.return_token_ids else None,
         )
 
+    def _message(self, text: str, finish_reason: Optional[str], plan: ToolPlan) -> tuple[ChatMessage, Optional[str]]:
+        """The reply, with its tool calls when the plan reads them; finish_reason "tool_calls" when it made some."""
+        if plan.parser is None:
+            return ChatMessage(role=self.response_role, content=text), finish_reason
+        info = plan.parser.extract_tool_calls(text)
+        if not info.tools_called:
+            return ChatMessage(role=self.response_role, content=info.content), finish_reason
+        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in info.tool_calls]
+        message = ChatMessage(role=self.response_role, content=info.content, tool_calls=calls)
+        return message, _tool_finish_reason(finish_reason)
+
     # ------------------------------------------------------------------ streaming
     async def _stream(
         self,
@@ -138,10 +186,13 @@ class OpenAIServingChat(OpenAIServing):
         request_id: str,
         created: int,
         raw_request: Any,
+        plan: ToolPlan,
     ) -> AsyncGenerator[str, None]:
         n = request.n
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         completion_tokens = [0] * n
+        parser = plan.parser
+        streamers = [ToolCallStreamer(parser) for _ in range(n)] if parser is not None else None
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> ChatCompletionStreamResponse:
             c = ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=choices)
@@ -171,14 +222,26 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs = None
                         if num_logprobs is not None:
                             logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], num_logprobs)
+                        delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                        if streamers is not None:
+                            streamer = streamers[c.index]
+                            parsed = streamer.feed(c.text)
+                            if c.finish_reason is not None:
+                                parsed = _merge(parsed, streamer.finish())
+                            if not parsed and c.finish_reason is None and logprobs is None:
+                                if not request.return_token_ids:
+                                    continue  # held back (a possible tool-call marker): nothing to send yet
+                            delta = _delta_message(parsed)
+                            if streamer.tools_called:
+                                finish_reason = _tool_finish_reason(c.finish_reason)
                         yield sse(
                             chunk(
                                 [
                                     ChatCompletionResponseStreamChoice(
                                         index=c.index,
-                                        delta=DeltaMessage(content=c.text),
+                                        delta=delta,
                                         logprobs=logprobs,
-                                        finish_reason=c.finish_reason,
+                                        finish_reason=finish_reason,
                                         stop_reason=c.stop_reason,
                                         token_ids=list(c.token_ids) if request.return_token_ids else None,
                                     )
@@ -205,3 +268,24 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
     )
+
+
+def _tool_finish_reason(finish_reason: Optional[str]) -> Optional[str]:
+    """A reply that ended normally with tool calls finishes with "tool_calls"; length and abort stay."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _merge(a: StreamDelta, b: StreamDelta) -> StreamDelta:
+    return StreamDelta(a.content + b.content, a.tool_calls + b.tool_calls)
+
+
+def _delta_message(parsed: StreamDelta) -> DeltaMessage:
+    """OpenAI's streamed shapes: a call's first delta has index, id, type and name; later ones its argument text."""
+    calls = []
+    for d in parsed.tool_calls:
+        if d.name is not None:
+            function = DeltaFunctionCall(name=d.name, arguments=d.arguments)
+            calls.append(DeltaToolCall(index=d.index, id=d.id, type="function", function=function))
+        else:
+            calls.append(DeltaToolCall(index=d.index, function=DeltaFunctionCall(arguments=d.arguments)))
+    return DeltaMessage(content=parsed.content or None, tool_calls=calls)

@@ -20,6 +20,7 @@ from vllm_lite.entrypoints.openai.protocol import (
     random_id,
 )
 from vllm_lite.entrypoints.openai.serving_engine import OpenAIServing
+from vllm_lite.entrypoints.openai.structured_outputs import build_structured_outputs
 from vllm_lite.entrypoints.openai.utils import SSE_DONE, DisconnectWatcher, merge_async_iterators, shielded, sse
 from vllm_lite.outputs import RequestOutput
 
@@ -45,6 +46,8 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         if request.logprobs is not None and request.logprobs < 0:
             raise BadRequestError(f"logprobs must be non-negative, got {request.logprobs!r}.", param="logprobs")
+        constraint = build_structured_outputs(request)
+        constraint_field = constraint[0] if constraint is not None else None
         prompts = self._prompts(request)
         # echo + max_tokens=0 (lm-evaluation-harness's log-likelihood): score the prompt, generate nothing.
         # The engine runs one token, which the response leaves out, as vLLM does.
@@ -60,7 +63,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 stream=request.stream,
                 best_of=request.best_of,
             )
-            self.validate_request(p.token_ids, params)
+            if constraint is not None:
+                params.structured_outputs = constraint[1]
+            self.validate_request(p.token_ids, params, constraint_field)
             params_list.append(params)
 
         base_id = random_id("cmpl")
@@ -77,6 +82,9 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for p, params, rid in zip(prompts, params_list, request_ids)
         ]
+        if constraint_field is not None:
+            async with DisconnectWatcher(raw_request, lambda: self.abort_all(request_ids)):
+                generators = await self.all_refused_before_tokens(generators, constraint_field)
         merged = merge_async_iterators(*generators)
         if request.stream:
             body = self._stream(request, prompts, merged, base_id, created, request_ids, raw_request, echo_only)

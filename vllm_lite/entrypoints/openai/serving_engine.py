@@ -4,10 +4,13 @@ length limits, running engine requests with clean aborts, and logprob formatting
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Any, AsyncGenerator, Optional, Sequence
 
+from vllm_lite.client.processor import check_prompt_text
+from vllm_lite.entrypoints.chat_utils import with_tool_call_arguments_parsed
 from vllm_lite.entrypoints.openai.errors import BadRequestError, EngineUnavailableError, ModelNotFoundError
 from vllm_lite.entrypoints.openai.field_support import refused_field
 from vllm_lite.entrypoints.openai.health import engine_is_dead
@@ -101,13 +104,26 @@ class OpenAIServing:
             )
         return max_tokens  # < 1: SamplingParams names the problem
 
-    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Run the engine's own input checks now, so a bad request is a 400 before any stream starts."""
-        if self.processor is not None and hasattr(self.processor, "process_inputs"):
+    def validate_request(
+        self, prompt_ids: list[int], params: SamplingParams, constraint_field: Optional[str] = None
+    ) -> None:
+        """Run the engine's own input checks now, so a bad request is a 400 before any stream starts.
+
+        `constraint_field`: the request field the structured-output constraint came from; a constraint
+        the grammar compiler refuses is a 400 naming it, with the compiler's message.
+        """
+        if self.processor is None or not hasattr(self.processor, "process_inputs"):
+            return
+        try:
             self.processor.process_inputs("validate", {"prompt_token_ids": prompt_ids}, params)
+        except (ValueError, TypeError) as e:
+            if constraint_field is not None and _is_constraint_error(e):
+                raise BadRequestError(str(e), param=constraint_field) from e
+            raise
 
     # ------------------------------------------------------------------ tokenization
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        check_prompt_text(text, self.max_model_len, self.tokenizer)  # a 400 before a 10 MB text is tokenized
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(
@@ -117,8 +133,12 @@ class OpenAIServing:
         continue_final_message: bool = False,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
         chat_template: Optional[str] = None,
+        tools: Optional[list[dict[str, Any]]] = None,
     ) -> str:
-        """The prompt text of a conversation: the request's template, else the server's, else the tokenizer's."""
+        """The prompt text of a conversation: the request's template, else the server's, else the tokenizer's.
+
+        `tools` (OpenAI's tool definitions) reach the template as `tools`, as transformers and vLLM pass them.
+        """
         msgs = normalize_messages(messages)
         if continue_final_message and add_generation_prompt:
             raise BadRequestError(
@@ -136,6 +156,8 @@ class OpenAIServing:
         kwargs = dict(chat_template_kwargs or {})
         if template:
             kwargs["chat_template"] = template
+        if tools is not None:
+            kwargs["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(
                 msgs,
@@ -179,6 +201,38 @@ class OpenAIServing:
                 if tracker is not None:
                     ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
                     tracker.abandoned(len(ids) if ids is not None else 0, params.n)
+
+    async def refused_before_tokens(
+        self, gen: AsyncGenerator[RequestOutput, None], constraint_field: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Wait for a constrained request's first output: an error before any token (the core could not
+        compile its grammar) is a 400 naming `constraint_field`; otherwise the same outputs, first included."""
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            return _replay(None, gen)
+        except BaseException:
+            await shielded(gen.aclose())
+            raise
+        if first.error and not any(c.token_ids for c in first.outputs):
+            await shielded(gen.aclose())
+            raise BadRequestError(first.error, param=constraint_field)
+        return _replay(first, gen)
+
+    async def all_refused_before_tokens(
+        self, gens: list[AsyncGenerator[RequestOutput, None]], constraint_field: str
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
+        """`refused_before_tokens` for several requests at once (all submitted together); any refusal: all close."""
+        results = await asyncio.gather(
+            *(self.refused_before_tokens(g, constraint_field) for g in gens), return_exceptions=True
+        )
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is None:
+            return list(results)  # type: ignore[arg-type]
+        for r in results:
+            if not isinstance(r, BaseException):
+                await shielded(r.aclose())
+        raise error
 
     async def abort_all(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -240,6 +294,26 @@ class OpenAIServing:
         return ChatCompletionLogProbs(content=content)
 
 
+async def _replay(
+    first: Optional[RequestOutput], rest: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """`first` (when not None), then the rest; closing this closes `rest` (which aborts the request)."""
+    try:
+        if first is not None:
+            yield first
+        async for out in rest:
+            yield out
+    finally:
+        await shielded(rest.aclose())
+
+
+def _is_constraint_error(exc: BaseException) -> bool:
+    """The grammar backend's refusal (its GrammarCompileError) or StructuredOutputsParams' own checks."""
+    if any(cls.__name__ == "GrammarCompileError" for cls in type(exc).__mro__):
+        return True
+    return str(exc).startswith("structured_outputs")
+
+
 def _load_chat_template(value: str) -> str:
     """--chat-template as vLLM reads it: a file's contents when the path exists, else the template text."""
     if os.path.isfile(value):
@@ -295,7 +369,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
                 f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}.",
                 param="messages",
             )
-        item = {k: v for k, v in msg.items() if k not in ("content",)}
+        item = with_tool_call_arguments_parsed({k: v for k, v in msg.items() if k not in ("content",)})
         item["content"] = text
         out.append(item)
     return out
