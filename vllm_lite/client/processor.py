@@ -10,6 +10,7 @@ import json
 import numbers
 import os
 import time
+import weakref
 from typing import Any, Optional, Union
 
 from vllm_lite.config import ModelConfig
@@ -17,6 +18,71 @@ from vllm_lite.core.messages import EngineCoreRequest
 from vllm_lite.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
+
+# OpenAI's cap on n; best_of runs as many sequences, so the same. The core refuses more per request
+# (request_validation.RequestLimits), but n > 1 fans out here into n one-sample requests: cap it here.
+MAX_N = 128
+MAX_BEST_OF = 128
+# vLLM's bounds for priority (msgpack carries a 64-bit signed integer).
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
+# Slack for normalizers that shrink text before tokenizing (NFKC composing a base and its marks).
+PROMPT_CHARS_SLACK = 4
+_chars_per_token: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The longest token's text in this tokenizer's vocabulary (its own spelling: >= the decoded length)."""
+    try:
+        return _chars_per_token[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max((len(t) for t in vocab if isinstance(t, str)), default=1)
+    except Exception:  # a tokenizer without a vocabulary to read: no bound from it
+        longest = 1 << 16
+    longest = max(1, longest)
+    try:
+        _chars_per_token[tokenizer] = longest
+    except TypeError:  # not weak-referenceable: computed again next time
+        pass
+    return longest
+
+
+def max_prompt_chars(max_model_len: int, tokenizer: Any) -> int:
+    """Characters past which a text must tokenize to more than max_model_len tokens (so it cannot fit)."""
+    return max_model_len * max_chars_per_token(tokenizer) * PROMPT_CHARS_SLACK
+
+
+def check_prompt_text(text: str, max_model_len: int, tokenizer: Any, field: str = "prompt") -> None:
+    """Refuse, before the tokenizer runs, a text that cannot fit or is not valid Unicode.
+
+    Tokenizing 10 MB takes seconds only to learn that it is too long; a lone surrogate (JSON allows
+    ``\\ud800``) makes the tokenizer raise an internal error that means nothing to the caller.
+    """
+    limit = max_prompt_chars(max_model_len, tokenizer)
+    if len(text) > limit:
+        raise ValueError(
+            f"The {field} is too long: {len(text)} characters, more than max_model_len={max_model_len} tokens "
+            f"can hold (at most {limit} characters for this tokenizer). Please reduce the length of the {field}."
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"The {field} is not valid Unicode text: it contains a lone surrogate "
+            f"(U+{ord(text[e.start]):04X}) at character {e.start}, which cannot be encoded as UTF-8."
+        ) from None
+
+
+def check_priority(priority: Any) -> int:
+    """priority as vLLM takes it: an int that fits in 64 bits (TypeError/ValueError naming it otherwise)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority must be an int, got {priority!r}.")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(f"priority must be between {PRIORITY_MIN} and {PRIORITY_MAX} (64-bit), got {priority}.")
+    return priority
+
 
 # generation_config.json keys that vLLM turns into default sampling params.
 _GEN_CONFIG_DEFAULTS = {
@@ -97,8 +163,7 @@ class Processor:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}.")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}.")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an int, got {priority!r}.")
+        check_priority(priority)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}.")
         prompt_text, prompt_ids = self._tokenize_prompt(prompt)
@@ -137,6 +202,7 @@ class Processor:
                 raise ValueError("Invalid prompt: prompt is empty (an empty string has no tokens).")
             if self.tokenizer is None:
                 raise ValueError("A text prompt needs a tokenizer; pass prompt_token_ids instead.")
+            check_prompt_text(prompt, self.max_model_len, self.tokenizer)
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         if isinstance(prompt, (list, tuple)):
             return None, self._check_id_list(prompt, "prompt_token_ids")
@@ -171,11 +237,19 @@ class Processor:
 
     def _process_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """A filled-in copy: the caller's object stays untouched (it may be reused across requests)."""
+        if params.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {params.n}.")
+        if params.best_of is not None and params.best_of > MAX_BEST_OF:
+            raise ValueError(f"best_of must be at most {MAX_BEST_OF}, got {params.best_of}.")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs must be at most {self.max_logprobs}, got {params.logprobs!r}.")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
             raise ValueError(f"prompt_logprobs must be at most {self.max_logprobs}, got {params.prompt_logprobs!r}.")
         params.verify_vocab(self.vocab_size)
+        if params.structured_outputs is not None:  # a bad constraint fails here, with the compilers' message
+            from vllm_lite.structured_output.validation import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs)
         p = params.clone()
         if p.max_tokens is None:
             p.max_tokens = self.max_model_len - prompt_len
@@ -196,6 +270,7 @@ class Processor:
         for word in words:
             if not isinstance(word, str) or not word.strip():
                 raise ValueError(f"bad_words must contain non-blank strings, got {word!r}.")
+            check_prompt_text(word, self.max_model_len, self.tokenizer, field="bad_words")
             core = word.lstrip()
             for text in (core, " " + core):
                 ids = list(self.tokenizer.encode(text, add_special_tokens=False))
