@@ -379,7 +379,10 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_ERROR
             self._errors[req.request_id] = f"structured outputs: sampled token {token_id} is not allowed by the grammar"
             return True
-        if sor.matcher.is_terminated():
+        # The grammar took its stop token (EOS while ignore_eos or min_tokens kept the request going): done.
+        # A grammar complete before EOS runs on: its bitmask allows only EOS next, so the request ends on EOS
+        # as any other does (and the frontend drops that EOS from the text).
+        if token_id == req.eos_token_id and sor.matcher.is_terminated():
             req.status = RequestStatus.FINISHED_STOPPED
             return True
         return False
