@@ -24,6 +24,7 @@ from vllm_lite.entrypoints.openai.protocol import (
 from vllm_lite.entrypoints.openai.utils import shielded
 from vllm_lite.outputs import Logprob, RequestOutput
 from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.structured_output.validation import validate_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +113,13 @@ class OpenAIServing:
         `constraint_field`: the request field the structured-output constraint came from; a constraint
         the grammar compiler refuses is a 400 naming it, with the compiler's message.
         """
-        if self.processor is None or not hasattr(self.processor, "process_inputs"):
-            return
-        try:
-            self.processor.process_inputs("validate", {"prompt_token_ids": prompt_ids}, params)
-        except (ValueError, TypeError) as e:
-            if constraint_field is not None and _is_constraint_error(e):
+        if constraint_field is not None and params.structured_outputs is not None:
+            try:  # the processor checks it too (cached): here the error can name the request's field
+                validate_structured_outputs(params.structured_outputs)
+            except (ValueError, TypeError) as e:
                 raise BadRequestError(str(e), param=constraint_field) from e
-            raise
+        if self.processor is not None and hasattr(self.processor, "process_inputs"):
+            self.processor.process_inputs("validate", {"prompt_token_ids": prompt_ids}, params)
 
     # ------------------------------------------------------------------ tokenization
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -305,13 +305,6 @@ async def _replay(
             yield out
     finally:
         await shielded(rest.aclose())
-
-
-def _is_constraint_error(exc: BaseException) -> bool:
-    """The grammar backend's refusal (its GrammarCompileError) or StructuredOutputsParams' own checks."""
-    if any(cls.__name__ == "GrammarCompileError" for cls in type(exc).__mro__):
-        return True
-    return str(exc).startswith("structured_outputs")
 
 
 def _load_chat_template(value: str) -> str:
