@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -54,14 +54,19 @@ def check_guidance_grammar(grammar: str, tokenizer: Any) -> None:
 
 
 class GuidanceMatcher(StructuredOutputMatcher):
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, eos_token_id: Optional[int]) -> None:
         super().__init__()
         self._m = matcher
+        self._eos = eos_token_id
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        # try_consume leaves the matcher usable on a refused token (consume_token would put it in error).
         for t in token_ids:
-            if not self._m.consume_token(int(t)):
-                return False
+            t = int(t)
+            if self._m.try_consume_tokens([t]) != 1:
+                # A complete grammar takes EOS through consume_token only.
+                if not (t == self._eos and self._m.is_stopped() and self._m.consume_token(t)):
+                    return False
             self.num_accepted_tokens += 1
         return True
 
@@ -91,8 +96,8 @@ class GuidanceBackend(StructuredOutputBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         import llguidance.hf
 
-        eos = stop_token_ids[0] if stop_token_ids else None
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._eos = stop_token_ids[0] if stop_token_ids else None
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self._eos)
 
     def compile(self, spec: GrammarSpec) -> Any:
         try:
@@ -108,4 +113,4 @@ class GuidanceBackend(StructuredOutputBackend):
         matcher = llg.LLMatcher(self._tokenizer, compiled, log_level=0)
         if matcher.is_error():
             raise GrammarCompileError(matcher.get_error())
-        return GuidanceMatcher(matcher)
+        return GuidanceMatcher(matcher, self._eos)
