@@ -51,6 +51,7 @@ class FrontendArgs(msgspec.Struct, kw_only=True):
     allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     disable_log_requests: bool = False
+    max_request_body_bytes: int = 16 << 20
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
     ssl_keyfile: Optional[str] = None
@@ -117,6 +118,7 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
             allowed_headers=args.allowed_headers,
             allow_credentials=args.allow_credentials,
             disable_log_requests=args.disable_log_requests,
+            max_request_body_bytes=args.max_request_body_bytes,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
         )

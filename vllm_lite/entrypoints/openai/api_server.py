@@ -17,7 +17,7 @@ import threading
 from contextlib import asynccontextmanager
 from typing import Any, Callable, Optional, Sequence, Union
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -53,6 +53,59 @@ logger = logging.getLogger(__name__)
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 # Endpoint label values of the HTTP counter; anything else counts as "other" (bounded cardinality).
 KNOWN_PATHS = PUBLIC_PATHS | {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+
+
+# --max-request-body-bytes default: far more than any prompt max_model_len allows, far less than a flood.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
+
+
+class RequestTooLargeError(OpenAIServingError):
+    status_code = 413
+    err_type = "RequestTooLargeError"
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised from the body stream; an HTTPException so FastAPI's body parsing passes it on unchanged."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(status_code=413, detail=_too_large_message(limit))
+
+
+def _too_large_message(limit: int) -> str:
+    return f"Request body too large: the server accepts at most {limit} bytes (--max-request-body-bytes)."
+
+
+class _BodySizeLimitMiddleware:
+    """Pure ASGI: a 413 for a body over ``max_bytes``, before it is parsed, tokenized or even read whole.
+
+    A declared Content-Length over the limit is refused before any byte is read; a chunked body
+    is counted as it arrives and refused at the first byte past the limit.
+    """
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and (not value.isdigit() or int(value) > self.max_bytes):
+                await error_json(RequestTooLargeError(_too_large_message(self.max_bytes)))(scope, receive, send)
+                return
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message.get("type") == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 class _AuthAndCountMiddleware:
@@ -116,6 +169,7 @@ def build_app(
     allowed_headers: Sequence[str] = ("*",),
     allow_credentials: bool = False,
     disable_log_requests: bool = False,
+    max_request_body_bytes: Optional[int] = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: Optional[str] = None,
 ) -> FastAPI:
@@ -138,6 +192,8 @@ def build_app(
         raise ValueError(f"served_model_name must be a non-empty string or list of them, got {served_model_name!r}.")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None.")
+    if max_request_body_bytes is not None and max_request_body_bytes < 0:
+        raise ValueError(f"max_request_body_bytes must be >= 0 (0: no limit), got {max_request_body_bytes!r}.")
 
     metrics = ServerMetrics(names[0])
     add_stat_logger = getattr(engine, "add_stat_logger", None)  # AsyncLLM's hook (test fakes may lack it)
@@ -202,6 +258,8 @@ def build_app(
         tool_call_parser=tool_call_parser,
     )
     tokenization = OpenAIServingTokenization(engine, names, metrics, chat_template=chat_template)
+    if max_request_body_bytes:  # innermost of the three: a 413 is counted, and CORS headers reach it
+        app.add_middleware(_BodySizeLimitMiddleware, max_bytes=int(max_request_body_bytes))
     app.add_middleware(_AuthAndCountMiddleware, api_key=api_key, metrics=metrics)
     # Outermost: CORS preflights are answered before the API-key check (browsers send no key on them).
     app.add_middleware(
@@ -243,7 +301,9 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "HTTPError")
+        kind = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: RequestTooLargeError.err_type}.get(
+            exc.status_code, "HTTPError"
+        )
         body = make_error(str(exc.detail), kind, exc.status_code)
         return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
@@ -440,6 +500,7 @@ def server_options(args: Any) -> dict[str, Any]:
         "allowed_headers": args.allowed_headers,
         "allow_credentials": args.allow_credentials,
         "disable_log_requests": args.disable_log_requests,
+        "max_request_body_bytes": args.max_request_body_bytes,
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
     }

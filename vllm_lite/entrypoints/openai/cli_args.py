@@ -54,6 +54,13 @@ def add_http_options(srv: argparse._ArgumentGroup) -> None:
     srv.add_argument("--root-path", default="", help="URL prefix when behind a path-based proxy (FastAPI root_path).")
     srv.add_argument("--disable-log-requests", action="store_true", help="Do not log each generation request.")
     srv.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=16 << 20,
+        help="Largest HTTP request body accepted, in bytes; a larger one gets 413 before it is parsed "
+        "(0: no limit; vLLM has no such flag).",
+    )
+    srv.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='Let chat requests use tool_choice "auto" (the default when tools are given); needs --tool-call-parser.',

@@ -12,8 +12,9 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from vllm_lite.client.processor import PRIORITY_MAX, PRIORITY_MIN
 from vllm_lite.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -26,9 +27,38 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StrictRequestModel(OpenAIBaseModel):
-    """A request body whose unknown fields are a 400, never silently dropped."""
+    """A request body typed as OpenAI's schema says: unknown fields and wrong JSON types are a 400.
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    ``strict``: no coercion (``"4"`` is not an integer, ``"yes"`` not a boolean, ``2.0`` not an
+    integer); an integer still passes where a number is asked for, as in JSON Schema.
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
+
+
+# OpenAI's chat roles; each message needs content except an assistant turn that carries tool calls.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ValueError naming the first message whose role is not OpenAI's or that lacks required content."""
+    if not messages:
+        raise ValueError("messages must contain at least one message.")
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}.")
+        content = message.get("content")
+        if content is None:
+            if role == "assistant" and (message.get("tool_calls") or message.get("function_call")):
+                continue
+            needs = "an assistant message needs content or tool_calls" if role == "assistant" else "it is required"
+            raise ValueError(f"messages[{i}] ({role}) has no content: {needs}.")
+        if not isinstance(content, (str, list)):
+            raise ValueError(
+                f"messages[{i}].content must be a string or a list of content parts, got {type(content).__name__}."
+            )
+    return messages
 
 
 # ---------------------------------------------------------------------------- errors and usage
@@ -52,6 +82,7 @@ class UsageInfo(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)  # no "yes" for true
     include_usage: Optional[bool] = False
     # vLLM's extension: a usage block on every chunk, not only at the end.
     continuous_usage_stats: Optional[bool] = False
@@ -87,7 +118,7 @@ class SamplingRequestFields(StrictRequestModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     # Return the generated (and prompt) token ids alongside the text.
     return_token_ids: bool = False
     truncate_prompt_tokens: Optional[int] = Field(default=None, ge=1)
@@ -224,6 +255,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequestFields):
     messages: list[dict[str, Any]]
+
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
@@ -259,6 +291,11 @@ class ChatCompletionRequest(SamplingRequestFields):
     documents: Optional[Any] = None
     mm_processor_kwargs: Optional[Any] = None
     request_id: Optional[Any] = None
+
+    @field_validator("messages")
+    @classmethod
+    def _openai_roles_and_content(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return check_chat_messages(messages)
 
 
 class ChatMessage(OpenAIBaseModel):
