@@ -5,10 +5,13 @@ the daemon's core(s), accepting on a listening socket the supervisor bound and
 passed down (``FrontendArgs.listen_fd``), so N frontends share one port. It is
 started by the launcher (``python -m vllm_lite.entrypoints.serve_frontend``), gets
 its arguments -- secrets included -- as one typed struct over the launcher's pipe,
-and answers ``FrontendReady`` once uvicorn serves. It watches the cores' pids: when
-a core dies it exits 1 at once instead of waiting for a heartbeat to go unanswered --
-unless the supervisor first sent the ``stop`` control: then the cores are draining
-on purpose and their exit ends this frontend cleanly (exit 0).
+and answers ``FrontendReady`` once uvicorn serves. It watches the cores' pids (its client
+watches them too, and heartbeats a core on another host): when a core dies, in-flight requests
+fail at once (a stream gets an error event, then ``[DONE]``; others a 503), the server stays up
+with ``/health`` at 503, and it re-attaches (HELLO again) each ``reattach_interval_s`` until a
+core answers at the same address(es) -- or it is stopped: SIGTERM (exit 1 while the engine is
+dead), or the supervisor's ``stop`` control first, when the cores are draining on purpose and
+their exit ends this frontend cleanly (exit 0).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class FrontendArgs(msgspec.Struct, kw_only=True):
     uvicorn_log_level: str = "warning"
     health_stuck_timeout_s: float = 60.0
     engine_dead_grace_s: float = 1.0
+    # After the core died: seconds between attempts to attach again (the handshake's own timeout included).
+    reattach_interval_s: float = 1.0
     # vLLM's HTTP options (api_server.build_app / serve_app keywords of the same names).
     chat_template: Optional[str] = None
     response_role: str = "assistant"
@@ -64,20 +69,109 @@ class FrontendReady(msgspec.Struct):
     port: int
 
 
-def build_attached_engine(args: FrontendArgs) -> Any:
-    """AsyncLLM attached to every core in ``args.engine`` (several for data parallel)."""
-    from vllm_lite.client.async_llm import AsyncLLM
+def attach_client(args: FrontendArgs, **client_kwargs: Any) -> Any:
+    """An asyncio engine-core client attached to every core in ``args.engine`` (blocks for the handshake)."""
     from vllm_lite.client.dp_client import make_attached_client
+
+    name = args.frontend_name or f"http-pid{os.getpid()}"
+    return make_attached_client(args.engine, args.auth_token, asyncio_mode=True, client_name=name, **client_kwargs)
+
+
+def build_attached_engine(args: FrontendArgs, client: Any = None) -> Any:
+    """AsyncLLM attached to every core in ``args.engine`` (several for data parallel), or over ``client``."""
+    from vllm_lite.client.async_llm import AsyncLLM
     from vllm_lite.client.llm_engine import attached_frontend_config
 
-    client = make_attached_client(
-        args.engine, args.auth_token, asyncio_mode=True, client_name=args.frontend_name or f"http-pid{os.getpid()}"
-    )
+    if client is None:
+        client = attach_client(args)
     try:
         return AsyncLLM(attached_frontend_config(client), client=client)
     except BaseException:
         client.shutdown()
         raise
+
+
+class EngineHandle:
+    """What the HTTP app holds instead of the engine: the current AsyncLLM, replaced when this
+    frontend re-attaches after a core died (every attribute is the current engine's)."""
+
+    def __init__(self, engine: Any) -> None:
+        object.__setattr__(self, "current", engine)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.current, name, value)
+
+    def replace(self, engine: Any) -> Any:
+        """Serve ``engine`` from now on; returns the previous one (to shut down)."""
+        old = self.current
+        object.__setattr__(self, "current", engine)
+        return old
+
+
+class Reattacher:
+    """After the engine died: HELLO again every ``interval_s`` until a core answers at the same
+    address(es), then swap the new engine into the app (same model only) and revive /health."""
+
+    def __init__(self, args: FrontendArgs, handle: EngineHandle, app: Any, interval_s: float) -> None:
+        self.args, self.handle, self.app, self.interval_s = args, handle, app, interval_s
+        self._task: Optional[asyncio.Task] = None
+        self.attempts = 0
+
+    def start(self, reason: str = "") -> None:
+        """on_engine_dead: begin re-attaching (once per death)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="frontend-reattach")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _run(self) -> None:
+        from vllm_lite.client.exceptions import EngineDeadError, EngineHandshakeError
+
+        model = self.handle.model_config.model
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.attempts += 1
+            try:
+                # The handshake blocks (sockets, HELLO, READY): off the event loop.
+                client = await asyncio.to_thread(attach_client, self.args, handshake_timeout_s=self.interval_s)
+            except (EngineHandshakeError, EngineDeadError, OSError) as e:
+                logger.debug("re-attach attempt %d failed: %s", self.attempts, e)
+                continue
+            try:
+                engine = build_attached_engine(self.args, client)
+            except Exception:  # noqa: BLE001 -- keep trying; the server stays up meanwhile
+                logger.exception("re-attach: could not build the engine")
+                continue
+            if engine.model_config.model != model:
+                logger.error(
+                    "re-attach: the core now serves %r, not %r: staying unavailable",
+                    engine.model_config.model,
+                    model,
+                )
+                engine.shutdown()
+                continue
+            old = self.handle.replace(engine)
+            metrics = getattr(self.app.state, "metrics", None)
+            if metrics is not None:
+                engine.add_stat_logger(metrics)
+            await engine.call_utility_async("ping")  # starts its receive and heartbeat tasks now
+            self.app.state.engine_dead = False
+            self.app.state.health_monitor.revive()
+            logger.warning("re-attached to the engine core after %d attempts", self.attempts)
+            try:
+                old.shutdown()
+            except Exception:  # noqa: BLE001 -- the old engine is dead anyway
+                logger.debug("shutting down the dead engine failed", exc_info=True)
+            return
 
 
 def watch_pids(loop: asyncio.AbstractEventLoop, pids: list[int], on_exit: Callable[[int], None]) -> list[int]:
@@ -98,18 +192,20 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
     """Attach, serve HTTP on the inherited socket until told to stop or a core dies; the exit code."""
     from vllm_lite.entrypoints.openai.api_server import build_app, serve_app
 
-    engine = build_attached_engine(args)
+    handle = EngineHandle(build_attached_engine(args))
     loop = asyncio.get_running_loop()
     pidfds: list[int] = []
+    reattacher: Optional[Reattacher] = None
     try:
         # Starts the client's receive and heartbeat tasks now, so the core does not drop us as silent.
-        await engine.call_utility_async("ping")
+        await handle.call_utility_async("ping")
         app = build_app(
-            engine,
+            handle,
             args.served_model_names or None,
             api_key=args.api_key,
             health_stuck_timeout_s=args.health_stuck_timeout_s,
-            engine_dead_grace_s=args.engine_dead_grace_s,
+            engine_dead_grace_s=None,  # stay up: /health says 503 until we re-attach or are stopped
+            on_engine_dead=lambda reason: reattacher.start(reason) if reattacher is not None else None,
             chat_template=args.chat_template,
             response_role=args.response_role,
             root_path=args.root_path,
@@ -123,6 +219,7 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
             tool_call_parser=args.tool_call_parser,
         )
 
+        reattacher = Reattacher(args, handle, app, args.reattach_interval_s)
         stopping = {"flag": False}
 
         def core_exited(pid: int) -> None:
@@ -163,6 +260,8 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
             channel.ready(FrontendReady(port=sock.getsockname()[1]))
         return await task
     finally:
+        if reattacher is not None:
+            await reattacher.stop()
         for fd in pidfds:
             try:
                 loop.remove_reader(fd)
@@ -170,7 +269,7 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
                 pass
             os.close(fd)
         try:
-            engine.shutdown()
+            handle.shutdown()
         except Exception:  # noqa: BLE001 -- exiting anyway
             logger.exception("engine shutdown failed")
 

@@ -159,7 +159,7 @@ def build_app(
     health_stuck_timeout_s: float = 60.0,
     health_probe_timeout_s: float = 10.0,
     health_poll_interval_s: float = 1.0,
-    engine_dead_grace_s: float = 1.0,
+    engine_dead_grace_s: Optional[float] = 1.0,
     on_engine_dead: Optional[Callable[[str], Any]] = None,
     chat_template: Optional[str] = None,
     response_role: str = "assistant",
@@ -203,7 +203,7 @@ def build_app(
     async def default_on_dead(reason: str) -> None:
         app.state.engine_dead = True
         server = getattr(app.state, "server", None)
-        if server is None:
+        if server is None or engine_dead_grace_s is None:  # None: stay up, /health says 503
             return
         logger.error("engine died (%s): the server exits in %.1f s", reason, engine_dead_grace_s)
 

@@ -115,6 +115,19 @@ class HealthMonitor:
         """A request handler saw EngineDeadError: record it (and fire on_dead once)."""
         await self._mark_dead(reason)
 
+    def revive(self) -> None:
+        """The frontend re-attached to a core (the engine behind it is a new one): healthy again
+        until a probe says otherwise, and a later death fires on_dead again."""
+        if self.dead_reason is None:
+            return
+        logger.info("engine is back (was: %s)", self.dead_reason)
+        self.dead_reason = None
+        self._last_step = None
+        self._last_progress = time.monotonic()
+        if self._task is not None and self._task.done():
+            self._task = None
+            self.start()
+
     # ------------------------------------------------------------------ background polling
     def start(self) -> None:
         """Poll in the background so progress is tracked (and death noticed) even when nobody calls /health."""
