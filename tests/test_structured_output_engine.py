@@ -1,0 +1,226 @@
+"""Structured outputs through the engine: valid outputs on a random-weight checkpoint (which emits garbage
+unless the mask works), per-request compile errors, grammars compiling off the step loop, and matchers that
+stay in sync across preemption by recompute."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+import jsonschema
+import pytest
+
+from vllm_lite import LLM, SamplingParams
+from vllm_lite.core.engine_core import EngineCore
+from vllm_lite.core.messages import FinishReason
+from vllm_lite.core.request import RequestStatus
+from vllm_lite.sampling_params import StructuredOutputsParams
+from vllm_lite.structured_output.manager import load_tokenizer
+from vllm_lite.testing.checkpoints import get_checkpoint
+from vllm_lite.testing.core_harness import (
+    Result,
+    assert_no_leak,
+    drain,
+    make_request,
+    tiny_engine_core,
+    unique_id,
+)
+from vllm_lite.testing.hf_match import record_preemptions
+
+CHOICES = ["yes", "no", "maybe so"]
+REGEX = r"[a-z]{3}-[0-9]{2}"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tag": {"enum": ["x", "y"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["n", "tag", "ok"],
+    "additionalProperties": False,
+}
+EBNF = 'root ::= num op num\nnum ::= [1-9] [0-9]?\nop ::= "+" | "-" | "*"'
+LARK = 'start: NUM OP NUM\nNUM: /[1-9][0-9]?/\nOP: "+" | "-" | "*"'
+ARITH = re.compile(r"[1-9][0-9]?[-+*][1-9][0-9]?")
+PROMPT = "The for statement"
+
+
+def constraints() -> list[tuple[StructuredOutputsParams, Any]]:
+    """(constraint, check of the output text) pairs. Under backend auto the EBNF grammar runs on xgrammar and
+    the Lark one, which xgrammar refuses, on guidance: one engine exercises both backends."""
+    return [
+        (StructuredOutputsParams(choice=CHOICES), lambda t: t in CHOICES),
+        (StructuredOutputsParams(regex=REGEX), lambda t: re.fullmatch(REGEX, t)),
+        (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), valid_json),
+        (StructuredOutputsParams(grammar=EBNF), lambda t: ARITH.fullmatch(t)),
+        (StructuredOutputsParams(grammar=LARK), lambda t: ARITH.fullmatch(t)),
+    ]
+
+
+def valid_json(text: str) -> bool:
+    jsonschema.validate(json.loads(text), SCHEMA)
+    return True
+
+
+@pytest.fixture(scope="module")
+def llm() -> Any:
+    with LLM(model=get_checkpoint("llama"), dtype="float32", multiprocess=False, max_model_len=256) as engine:
+        yield engine
+
+
+def test_constrained_outputs_are_valid_beside_a_free_request(llm: LLM) -> None:
+    cases = constraints()
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=so)
+        for i, (so, _) in enumerate(cases)
+    ]
+    params.append(SamplingParams(temperature=1.0, seed=99, max_tokens=8, ignore_eos=True))
+    outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    for (so, check), out in zip(cases, outs):
+        text = out.outputs[0].text
+        assert out.error is None and out.outputs[0].finish_reason == "stop", (so, out)
+        assert check(text), (so, text)
+    free = outs[-1].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+
+
+def test_a_bad_constraint_is_a_value_error_in_the_python_api(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"invalid structured_outputs\.regex.*Unclosed"):
+        llm.generate([PROMPT], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-")))
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3  # the engine serves on
+
+
+def test_constraints_and_the_bitmask_cross_the_wire_typed() -> None:
+    """What the multiprocess core and the TP ranks decode: the constraint inside SamplingParams, the bitmask."""
+    import numpy as np
+
+    from vllm_lite.core.messages import EngineCoreRequest
+    from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
+    from vllm_lite.worker.step import SchedulerOutput
+
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    req = make_request("r", [1, 2], SamplingParams(structured_outputs=so))
+    back = MsgpackDecoder(EngineCoreRequest).decode(MsgpackEncoder().encode(req))
+    assert back.sampling_params.structured_outputs == so
+    step = SchedulerOutput.empty()
+    step.structured_output_request_ids = {"r": 0}
+    step.grammar_bitmask = np.array([[-1, 5]], dtype=np.int32)
+    decoded = MsgpackDecoder(SchedulerOutput).decode(MsgpackEncoder().encode(step))
+    assert decoded.structured_output_request_ids == {"r": 0}
+    assert np.array_equal(np.asarray(decoded.grammar_bitmask), step.grammar_bitmask)
+
+
+# ---------------------------------------------------------------------------- the core, driven step by step
+@pytest.fixture(scope="module")
+def core() -> Any:
+    engine = tiny_engine_core(enable_prefix_caching=False)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer(get_checkpoint("llama"))
+
+
+def constrained(so: StructuredOutputsParams, max_tokens: int = 40, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so, **kw)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"regex": "[a-"}, "Unclosed"),
+        ({"json": '{"type": "nope"}'}, "nope"),
+        ({"grammar": "root ::= undefined_rule"}, "undefined_rule"),
+    ],
+)
+def test_a_compile_error_fails_that_request_alone(core: EngineCore, bad: dict, message: str) -> None:
+    """Sent straight to the core (no frontend check): an ERROR output with the compiler's message."""
+    bad_id, free_id = unique_id("bad"), unique_id("free")
+    core.add_request(make_request(bad_id, [5, 6, 7], constrained(StructuredOutputsParams(**bad))))
+    core.add_request(make_request(free_id, [5, 6, 7, 8]))
+    results: dict[str, Result] = {}
+    drain(core, results)
+    assert results[bad_id].finish_reason == FinishReason.ERROR and not results[bad_id].token_ids
+    assert results[bad_id].error is not None and message in results[bad_id].error
+    assert results[free_id].finish_reason == FinishReason.LENGTH and len(results[free_id].token_ids) == 4
+    assert_no_leak(core)
+
+
+def test_a_compiling_grammar_does_not_hold_the_batch_up(
+    core: EngineCore, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = core.scheduler.structured_output_manager
+    gate = threading.Event()
+    original = manager._prepare
+
+    def held(spec: Any) -> Any:
+        gate.wait(120)
+        return original(spec)
+
+    monkeypatch.setattr(manager, "_prepare", held)
+    so_id, free_id = unique_id("so"), unique_id("free")
+    core.add_request(make_request(so_id, [5, 6, 7], constrained(StructuredOutputsParams(regex=REGEX)), eos_token_id=2))
+    core.add_request(make_request(free_id, [5, 6, 7, 8]))
+    results: dict[str, Result] = {}
+    try:
+        while results.get(free_id, Result()).finish_reason is None:
+            for outs in core.step().values():
+                for out in outs.outputs:
+                    res = results.setdefault(out.request_id, Result())
+                    res.token_ids.extend(out.new_token_ids)
+                    res.finish_reason = out.finish_reason
+            assert core.scheduler.get_request(so_id).status == RequestStatus.WAITING_FOR_FSM
+    finally:
+        gate.set()
+    drain(core, results)
+    assert re.fullmatch(REGEX, tokenizer.decode(results[so_id].token_ids, skip_special_tokens=True))
+    assert results[so_id].finish_reason == FinishReason.STOP
+    assert_no_leak(core)
+
+
+def test_an_abort_while_compiling_frees_everything(core: EngineCore) -> None:
+    rid = unique_id("so")
+    core.add_request(make_request(rid, [5, 6], constrained(StructuredOutputsParams(regex="[0-9]{5}"))))
+    core.abort_requests([rid])
+    drain(core, {})
+    assert_no_leak(core)
+
+
+def _run_all(core: EngineCore, params: list[SamplingParams], prompts: list[list[int]]) -> list[list[int]]:
+    ids = [unique_id("p") for _ in params]
+    for rid, p, prompt in zip(ids, params, prompts):
+        core.add_request(make_request(rid, prompt, p, eos_token_id=2))
+    results: dict[str, Result] = {}
+    drain(core, results)
+    assert all(results[r].error is None for r in ids), [results[r].error for r in ids]
+    return [results[r].token_ids for r in ids]
+
+
+def test_preemption_by_recompute_keeps_each_matcher_in_sync(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy constrained requests give the same tokens whether or not they were preempted and recomputed."""
+    long_regex = r"[a-z]{12}-[0-9]{6}"
+    params = [constrained(StructuredOutputsParams(regex=long_regex), max_tokens=60) for _ in range(6)]
+    prompts = [tokenizer.encode(f"{PROMPT} {i}", add_special_tokens=False) for i in range(6)]
+    kw = {"block_size": 4, "enable_prefix_caching": False, "max_num_batched_tokens": 32}
+    roomy = tiny_engine_core(**kw)
+    try:
+        reference = _run_all(roomy, params, prompts)
+        per_block = roomy.executor.worker.model_runner.kv_cache_bytes_per_block()
+    finally:
+        roomy.shutdown()
+    preempted = record_preemptions(monkeypatch)
+    squeezed_core = tiny_engine_core(kv_cache_memory_bytes=per_block * 20, **kw)
+    try:
+        squeezed = _run_all(squeezed_core, params, prompts)
+        assert_no_leak(squeezed_core)
+    finally:
+        squeezed_core.shutdown()
+    assert preempted, "the small KV cache was meant to force preemption"
+    assert squeezed == reference
+    for tokens in squeezed:
+        assert re.fullmatch(long_regex, tokenizer.decode(tokens, skip_special_tokens=True))
