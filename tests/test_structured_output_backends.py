@@ -249,6 +249,10 @@ def test_bitmask_application_matches_a_naive_reference() -> None:
     logits = torch.randn((5, vocab), generator=gen)
     bitmask = random_bitmask(5, vocab, gen)
     assert torch.equal(apply_grammar_bitmask(logits.clone(), bitmask), naive_mask(logits, bitmask))
+    wider = torch.randn((5, 32 * bitmask.shape[1] + 3), generator=gen)  # logits past the bitmask: forbidden
+    masked = apply_grammar_bitmask(wider.clone(), bitmask)
+    assert torch.isinf(masked[:, -3:]).all()
+    assert torch.equal(masked[:, :vocab], naive_mask(wider[:, :vocab], bitmask))
 
 
 def _sampler_inputs(params: list[SamplingParams], vocab: int) -> Any:
