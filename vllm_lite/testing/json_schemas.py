@@ -22,6 +22,10 @@ class ConstraintCase:
     name: str
     kind: str  # "json" | "regex" | "choice" | "grammar"
     spec: Union[dict[str, Any], str, list[str]]
+    # Backends on which a random model surely finishes it valid. Bounded floats: xgrammar caps the fraction at
+    # 6 digits but ignores multipleOf; llguidance honours multipleOf but lets fraction digits run on. Strings
+    # with maxLength: xgrammar lets control characters through (see _SHORT).
+    backends: tuple[str, ...] = ("xgrammar", "guidance")
 
 
 def _obj(properties: dict[str, Any], required: list[str] | None = None, **extra: Any) -> dict[str, Any]:
@@ -35,7 +39,9 @@ def _obj(properties: dict[str, Any], required: list[str] | None = None, **extra:
     }
 
 
-_SHORT = {"type": "string", "maxLength": 6}
+# Short strings by pattern: xgrammar 0.2.8 builds maxLength strings from [^"\\\r\n], which lets raw control
+# characters (invalid JSON) through; a pattern keeps both backends to valid characters.
+_SHORT = {"type": "string", "pattern": "^[a-z ]{0,6}$"}
 _DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
 
 JSON_SCHEMAS: list[ConstraintCase] = [
@@ -57,10 +63,28 @@ JSON_SCHEMAS: list[ConstraintCase] = [
         "json",
         _obj({"n": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}}),
     ),
-    ConstraintCase("float_bounds", "json", _obj({"x": {"type": "number", "minimum": 0.5, "maximum": 9.5}})),
-    ConstraintCase("negative_float_bounds", "json", {"type": "number", "minimum": -2.5, "maximum": -0.5}),
+    ConstraintCase(
+        "float_bounds", "json", _obj({"x": {"type": "number", "minimum": 0.5, "maximum": 9.5}}), ("xgrammar",)
+    ),
+    ConstraintCase(
+        "negative_float_bounds", "json", {"type": "number", "minimum": -2.5, "maximum": -0.5}, ("xgrammar",)
+    ),
+    ConstraintCase(
+        "float_bounds_multiple_of",
+        "json",
+        _obj({"x": {"type": "number", "minimum": 0.5, "maximum": 9.5, "multipleOf": 0.25}}),
+        ("guidance",),
+    ),
+    ConstraintCase(
+        "negative_float_multiple_of",
+        "json",
+        {"type": "number", "minimum": -2.5, "maximum": -0.5, "multipleOf": 0.5},
+        ("guidance",),
+    ),
     ConstraintCase("string_pattern", "json", _obj({"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}})),
-    ConstraintCase("string_lengths", "json", _obj({"word": {"type": "string", "minLength": 2, "maxLength": 5}})),
+    ConstraintCase(
+        "string_lengths", "json", _obj({"word": {"type": "string", "minLength": 2, "maxLength": 5}}), ("guidance",)
+    ),
     ConstraintCase("array_min_max_items", "json", {"type": "array", "items": _DIGIT, "minItems": 2, "maxItems": 4}),
     ConstraintCase(
         "array_of_objects",
@@ -119,7 +143,7 @@ JSON_SCHEMAS: list[ConstraintCase] = [
     ConstraintCase(
         "any_of",
         "json",
-        _obj({"value": {"anyOf": [_DIGIT, {"type": "string", "maxLength": 3}, {"type": "null"}]}}),
+        _obj({"value": {"anyOf": [_DIGIT, {"type": "string", "pattern": "^[a-z]{1,3}$"}, {"type": "null"}]}}),
     ),
     ConstraintCase(
         "any_of_objects",
@@ -139,7 +163,7 @@ JSON_SCHEMAS: list[ConstraintCase] = [
             **_obj(
                 {
                     "sku": {"type": "string", "pattern": "^[a-z]{3}[0-9]$"},
-                    "price": {"type": "number", "minimum": 0, "maximum": 100},
+                    "price": {"type": "integer", "minimum": 0, "maximum": 100},
                     "sizes": {"type": "array", "items": {"$ref": "#/$defs/size"}, "minItems": 1, "maxItems": 3},
                     "stock": {"type": "integer", "minimum": 0, "maximum": 999},
                     "gift": {"type": "boolean"},
@@ -273,6 +297,8 @@ def check_output(case: ConstraintCase, text: str) -> None:
         raise ValueError(f"unknown constraint kind {case.kind!r}")
 
 
-def all_cases(grammar_format: str = "ebnf") -> list[ConstraintCase]:
-    """Every schema, regex and choice case plus the grammar in `grammar_format` ("ebnf" or "lark")."""
-    return [*JSON_SCHEMAS, *REGEXES, *CHOICES, GRAMMARS[grammar_format]]
+def cases_for(backend: str) -> list[ConstraintCase]:
+    """Every schema, regex and choice case a random model finishes on `backend`, plus the grammar in the
+    format that backend takes (EBNF for xgrammar, Lark for guidance)."""
+    grammar = GRAMMARS["ebnf" if backend == "xgrammar" else "lark"]
+    return [c for c in (*JSON_SCHEMAS, *REGEXES, *CHOICES) if backend in c.backends] + [grammar]
