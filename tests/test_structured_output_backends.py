@@ -4,6 +4,7 @@ and the sampler's bitmask against a naive reference. No model runs here."""
 from __future__ import annotations
 
 import argparse
+import json
 import threading
 from typing import Any
 
@@ -103,6 +104,20 @@ def test_xgrammar_refuses_lark_and_guidance_takes_it(tokenizer: Any) -> None:
     with pytest.raises(GrammarCompileError, match="EBNF"):
         XgrammarBackend(tokenizer, PADDED_VOCAB, [2]).compile(lark)
     GuidanceBackend(tokenizer, PADDED_VOCAB, [2]).compile(lark)
+
+
+def test_vllms_structural_tag_form_constrains_after_its_trigger(tokenizer: Any) -> None:
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": {"type": "object", "required": ["a"]}, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }
+    backend = XgrammarBackend(tokenizer, PADDED_VOCAB, [2])
+    m = backend.new_matcher(backend.compile(spec(structural_tag=json.dumps(tag))))
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert m.accept_tokens(enc("free text <f>"))
+    assert not m.accept_tokens(enc("hello"))  # inside the tag: JSON only
+    assert m.accept_tokens(enc('{"a": 12}</f>')) and m.accept_tokens(enc(" free again"))
 
 
 # ---------------------------------------------------------------------------- the manager

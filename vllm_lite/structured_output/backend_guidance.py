@@ -12,7 +12,7 @@ from vllm_lite.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputMatcher,
 )
-from vllm_lite.structured_output.spec import GrammarSpec
+from vllm_lite.structured_output.spec import GrammarSpec, legacy_structural_tag
 
 
 def _no_additional_properties(schema: Any) -> Any:
@@ -41,6 +41,17 @@ def guidance_grammar(spec: GrammarSpec) -> str:
         return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)
     if spec.kind in ("regex", "choice", "grammar"):
         return llg.grammar_from(spec.kind, spec.text)
+    if spec.kind == "structural_tag":
+        legacy = legacy_structural_tag(spec.text)
+        if legacy is not None:
+            structures, triggers = legacy
+            tags = []
+            for s in structures:
+                trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+                if trigger is None:
+                    raise GrammarCompileError(f"structural_tag: no trigger starts the begin string {s['begin']!r}")
+                tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=s["schema"], end=s["end"]))
+            return llg.StructTag.to_grammar(tags)
     raise GrammarCompileError(f"the guidance backend does not support {spec.field}")
 
 

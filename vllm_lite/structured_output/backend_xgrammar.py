@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -13,7 +14,7 @@ from vllm_lite.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputMatcher,
 )
-from vllm_lite.structured_output.spec import GrammarSpec
+from vllm_lite.structured_output.spec import GrammarSpec, legacy_structural_tag
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message users need.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -28,6 +29,18 @@ def compiler_message(exc: BaseException) -> str:
 def choice_as_ebnf(choices: list[str]) -> str:
     """`root ::= "a" | "b"`: JSON string literals are valid EBNF string literals in xgrammar."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def compile_structural_tag(xgr: Any, compile_fn: Any, text: str) -> Any:
+    """xgrammar's structural-tag JSON as is; vLLM's original {"structures", "triggers"} form through tag items."""
+    legacy = legacy_structural_tag(text)
+    if legacy is None:
+        return compile_fn(text)
+    structures, triggers = legacy
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]) for s in structures]
+    with warnings.catch_warnings():  # the items form is deprecated upstream, still the one vLLM's JSON maps to
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return compile_fn(items, triggers)
 
 
 class XgrammarMatcher(StructuredOutputMatcher):
@@ -86,7 +99,7 @@ class XgrammarBackend(StructuredOutputBackend):
             if spec.kind == "grammar":
                 return c.compile_grammar(spec.text)
             if spec.kind == "structural_tag":
-                return c.compile_structural_tag(spec.text)
+                return compile_structural_tag(self._xgr, c.compile_structural_tag, spec.text)
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarCompileError(compiler_message(e)) from None
         raise GrammarCompileError(f"xgrammar cannot compile a {spec.kind!r} constraint")

@@ -53,3 +53,23 @@ def spec_from_params(
         disable_additional_properties=disable_additional_properties or params.disable_additional_properties,
         whitespace_pattern=params.whitespace_pattern,
     )
+
+
+def legacy_structural_tag(text: str) -> Optional[tuple[list[dict], list[str]]]:
+    """(structures, triggers) of vLLM's original structural_tag JSON ({"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}), or None for another form (xgrammar's {"type": ..., "format": ...})."""
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or "structures" not in data or "format" in data:
+        return None
+    structures, triggers = data.get("structures"), data.get("triggers", [])
+    if not isinstance(structures, list) or not isinstance(triggers, list):
+        raise ValueError("structured_outputs.structural_tag: structures and triggers must be lists.")
+    for s in structures:
+        if not isinstance(s, dict) or not {"begin", "schema", "end"} <= set(s):
+            raise ValueError(
+                f"structured_outputs.structural_tag: each structure needs begin, schema and end, got {s!r}."
+            )
+    return structures, triggers

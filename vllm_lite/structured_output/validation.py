@@ -49,7 +49,7 @@ def _xgrammar_error(spec: GrammarSpec) -> Optional[str]:
     """xgrammar's parse of the constraint alone (no tokenizer needed)."""
     import xgrammar as xgr
 
-    from vllm_lite.structured_output.backend_xgrammar import choice_as_ebnf, compiler_message
+    from vllm_lite.structured_output.backend_xgrammar import choice_as_ebnf, compile_structural_tag, compiler_message
 
     if spec.whitespace_pattern is not None:
         return "xgrammar does not support whitespace_pattern"
@@ -63,7 +63,7 @@ def _xgrammar_error(spec: GrammarSpec) -> Optional[str]:
         elif spec.kind == "grammar":
             xgr.Grammar.from_ebnf(spec.text)
         elif spec.kind == "structural_tag":
-            xgr.Grammar.from_structural_tag(spec.text)
+            compile_structural_tag(xgr, xgr.Grammar.from_structural_tag, spec.text)
     except (RuntimeError, ValueError, TypeError) as e:
         return compiler_message(e)
     return None
