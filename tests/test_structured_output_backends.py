@@ -109,7 +109,9 @@ def test_xgrammar_refuses_lark_and_guidance_takes_it(tokenizer: Any) -> None:
 def test_vllms_structural_tag_form_constrains_after_its_trigger(tokenizer: Any) -> None:
     tag = {
         "type": "structural_tag",
-        "structures": [{"begin": "<f>", "schema": {"type": "object", "required": ["a"]}, "end": "</f>"}],
+        "structures": [
+            {"begin": "<f>", "schema": {"properties": {"a": {"type": "integer"}}, "required": ["a"]}, "end": "</f>"}
+        ],
         "triggers": ["<f>"],
     }
     backend = XgrammarBackend(tokenizer, PADDED_VOCAB, [2])
