@@ -26,6 +26,8 @@ PROMPTS = ["The quick brown fox jumps over", "def fibonacci(n):\n    return"]
 ENGINE_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 24, max_num_seqs=8, device="cpu")
 # Generous: a loaded 2-core machine only makes these tests slower, never wrong.
 DEADLINE_S = 120.0
+# Node 0's rendezvous admits only nodes that prove the engine's auth token.
+TOKEN = "multinode-test-token"
 
 
 def _rendezvous_socket() -> socket.socket:
@@ -49,6 +51,7 @@ def _node0_engine(rendezvous: socket.socket, **kw: Any) -> Any:
         **ENGINE_KW,
     ).create_engine_config()
     config.parallel_config.master_listen_fd = rendezvous.fileno()
+    config.parallel_config.rendezvous_token = TOKEN
     return LLMEngine(config)
 
 
@@ -92,6 +95,8 @@ def test_two_loopback_nodes_give_the_same_greedy_outputs_as_one_device():
             "2",
             "--connect-timeout",
             "120",
+            "--auth-token",
+            TOKEN,
         ),
         env=env,
         stdout=subprocess.PIPE,
@@ -151,6 +156,8 @@ def test_killing_the_remote_nodes_rank_gives_engine_dead_error():
             str(rendezvous.getsockname()[1]),
             "--connect-timeout",
             "120",
+            "--auth-token",
+            TOKEN,
         ),
         env=dict(os.environ, HF_HUB_OFFLINE="1"),
         stdout=subprocess.DEVNULL,

@@ -98,6 +98,9 @@ class ParallelConfig:
     # A socket already listening on master_port, handed to the engine process (its launcher passes
     # it on) for the rendezvous store to take over: the port is bound once, never bound-and-released.
     master_listen_fd: Optional[int] = None
+    # nnodes > 1: the token other nodes must prove to reach the rendezvous (the engine core's auth token;
+    # else $VLLM_LITE_AUTH_TOKEN). Never stored where other nodes read the config.
+    rendezvous_token: Optional[str] = field(default=None, repr=False)
 
     @property
     def ranks_per_node(self) -> int:

@@ -136,6 +136,10 @@ class EngineCoreProc:
         self.num_threads = set_core_thread_policy(vllm_config)
         self._model_path = vllm_config.model_config.model
         self._tokenizer = vllm_config.model_config.tokenizer
+        # Other nodes' tensor-parallel ranks prove the same token as frontends (worker/rendezvous_gate.py).
+        pc = vllm_config.parallel_config
+        if pc.rendezvous_token is None:
+            pc.rendezvous_token = self.options.auth_token
         # --prefix-caching-scope client: a key that never leaves this process, for per-frontend cache salts.
         scope = vllm_config.cache_config.prefix_caching_scope
         self._tenant_key = secrets.token_bytes(32) if scope == "client" else None

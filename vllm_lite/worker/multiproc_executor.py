@@ -7,6 +7,11 @@ lockstep over torch.distributed and rank 0 sends back the ModelRunnerOutput.
 Local ranks are started by ``vllm_lite.launcher`` (``python -m vllm_lite.worker.tp_worker_proc``);
 a rank that fails to start reports its traceback, which ``WorkerDiedError`` carries.
 
+Rendezvous: torch.distributed's TCPStore, hosted here, always listens on loopback (its server
+has no authentication and would otherwise bind every interface). With several nodes, other
+nodes reach it only through ``rendezvous_gate.RendezvousGate`` on master_addr:master_port,
+which admits peers that prove the engine's auth token; ranks' ZMQ identities are random.
+
 Failure handling: while waiting, the executor polls the socket together with
 every local rank's launcher fd, so a rank that dies (or reports an
 error) raises `WorkerDiedError` from execute_model within one poll -- the
@@ -18,6 +23,7 @@ nothing for `step_timeout_s` raises too, so nothing ever hangs forever.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import shutil
@@ -33,6 +39,7 @@ from vllm_lite.config import VllmConfig, encode_vllm_config
 from vllm_lite.endpoints import ipc_address, private_ipc_dir
 from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 from vllm_lite.worker import tp_protocol as P
+from vllm_lite.worker.rendezvous_gate import RendezvousGate
 from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
 from vllm_lite.worker.tp_worker_proc import TP_RANK_MODULE, RankReady, RankSpec, worker_threads
 
@@ -59,6 +66,7 @@ class MultiprocExecutor:
         self.world_size = pc.tensor_parallel_size
         self.step_timeout_s = envs.VLLM_LITE_TP_STEP_TIMEOUT_S
         self._procs: dict[int, launcher.ChildProcess] = {}
+        self._gate: Optional[RendezvousGate] = None
         self._tmpdir: Optional[str] = None
         self._closed = False
         self._encoder = MsgpackEncoder()
@@ -82,17 +90,31 @@ class MultiprocExecutor:
         pc = vllm_config.parallel_config
         host = pc.master_addr
         # The rendezvous store lives here: ranks find the config and our address in it, and
-        # torch.distributed sets up the process group through it.
+        # torch.distributed sets up the process group through it. It listens on loopback only.
         startup_timeout_s = envs.VLLM_LITE_TP_STARTUP_TIMEOUT_S
+        listener = self._rendezvous_listener(pc)
+        if pc.nnodes == 1:
+            store_sock = listener  # all ranks are local: the store itself, on loopback
+        else:
+            token = pc.rendezvous_token or envs.VLLM_LITE_AUTH_TOKEN
+            if not token:
+                raise ValueError(
+                    "multi-node tensor parallelism needs an auth token (--auth-token or VLLM_LITE_AUTH_TOKEN): "
+                    "other nodes reach the rendezvous over the network, and it admits only peers that prove it."
+                )
+            store_sock = socket.create_server(("127.0.0.1", 0))
         self._store = dist.TCPStore(
-            host,
-            pc.master_port,
+            "127.0.0.1",
+            store_sock.getsockname()[1],
             is_master=True,
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=startup_timeout_s),
-            master_listen_fd=pc.master_listen_fd,  # a socket bound for us already (None: bind master_port)
+            master_listen_fd=store_sock.fileno(),
         )
-        self.master_port = self._store.port
+        store_sock.detach()  # the store owns (and closes) the fd now
+        if pc.nnodes > 1:
+            self._gate = RendezvousGate(listener, self._store.port, token)
+        self.master_port = self._store.port if pc.nnodes == 1 else listener.getsockname()[1]
         if pc.nnodes == 1:
             self._tmpdir = private_ipc_dir("vllm-lite-tp-")
             address = ipc_address(self._tmpdir, "executor.sock")
@@ -101,8 +123,12 @@ class MultiprocExecutor:
             ip = socket.gethostbyname(host)  # zmq binds to an interface address, not a host name
             port = self._sock.bind_to_random_port(f"tcp://{ip}")
             address = f"tcp://{ip}:{port}"
-        self._store.set(P.STORE_CONFIG_KEY, encode_vllm_config(vllm_config))
+        public = dataclasses.replace(pc, rendezvous_token=None, master_listen_fd=None)
+        self._store.set(
+            P.STORE_CONFIG_KEY, encode_vllm_config(dataclasses.replace(vllm_config, parallel_config=public))
+        )
         self._store.set(P.STORE_ADDRESS_KEY, address)
+        self._store.set(P.STORE_IDENTITIES_KEY, P.encode_identities(self._identities))
 
         per_node = pc.ranks_per_node
         threads = vllm_config.device_config.num_threads or worker_threads(per_node)
@@ -111,8 +137,8 @@ class MultiprocExecutor:
                 rank=local_rank,
                 local_rank=local_rank,
                 world_size=self.world_size,
-                master_addr=host,
-                master_port=self.master_port,
+                master_addr="127.0.0.1",  # local ranks use the store directly
+                master_port=self._store.port,
                 num_threads=threads,
             )
             self._procs[local_rank] = launcher.start_child(
@@ -139,6 +165,15 @@ class MultiprocExecutor:
             launcher.wait_ready(list(self._procs.values()), max(1.0, deadline - time.monotonic()))
         except launcher.ChildStartupError as e:
             raise WorkerDiedError(f"tensor-parallel rank failed to start: {e}\n{e.traceback}") from e
+
+    @staticmethod
+    def _rendezvous_listener(pc: Any) -> socket.socket:
+        """The socket other ranks rendezvous on: the one a parent bound for us, else a new one
+        (loopback when every rank is local; master_addr:master_port for other nodes)."""
+        if pc.master_listen_fd is not None:
+            return socket.socket(fileno=pc.master_listen_fd)
+        host = "127.0.0.1" if pc.nnodes == 1 else pc.master_addr
+        return socket.create_server((host, pc.master_port))
 
     # ------------------------------------------------------------------ messaging
     def _broadcast(self, kind: P.ToWorker, obj: Any = None) -> None:
@@ -229,3 +264,5 @@ class MultiprocExecutor:
             if self._tmpdir:
                 shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._store = None  # stops the rendezvous server: ranks on other nodes notice and exit
+            if self._gate is not None:
+                self._gate.close()

@@ -93,12 +93,12 @@ class _RankProcess:
             is_master=False,
             timeout=datetime.timedelta(seconds=spec.connect_timeout_s),
         )
-        self.store.wait([P.STORE_CONFIG_KEY, P.STORE_ADDRESS_KEY])
+        self.store.wait([P.STORE_CONFIG_KEY, P.STORE_ADDRESS_KEY, P.STORE_IDENTITIES_KEY])
         config = decode_vllm_config(self.store.get(P.STORE_CONFIG_KEY))
         address = self.store.get(P.STORE_ADDRESS_KEY).decode()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, P.rank_identity(spec.rank))
+        self.sock.setsockopt(zmq.IDENTITY, P.decode_identities(self.store.get(P.STORE_IDENTITIES_KEY))[spec.rank])
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.connect(address)
         self.encoder = MsgpackEncoder()

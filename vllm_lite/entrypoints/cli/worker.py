@@ -1,7 +1,11 @@
 """`vllm-lite worker`: run this node's tensor-parallel ranks for an engine on node 0.
 
-    node 0:  vllm-lite serve MODEL -tp 4 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500
-    node 1:  vllm-lite worker --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500
+    node 0:  vllm-lite serve MODEL -tp 4 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \
+               --auth-token T
+    node 1:  vllm-lite worker --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --auth-token T
+
+Both sides need the same token (or $VLLM_LITE_AUTH_TOKEN): node 0's rendezvous admits only
+peers that prove it, and this node's ranks reach it through a loopback tunnel that does.
 
 The worker needs no model flags: it reads the engine's configuration from the
 rendezvous store on node 0 (the checkpoint must be at the same path on every
@@ -13,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
+from typing import Any, Optional
 
+from vllm_lite import envs
 from vllm_lite.entrypoints.cli.types import CLISubcommand
 
 # The engine flags a worker node takes (the rest come from node 0's engine).
@@ -44,6 +49,11 @@ class WorkerCommand(CLISubcommand):
             help="This node's path to the engine's checkpoint (default: the engine's path).",
         )
         p.add_argument(
+            "--auth-token",
+            default=envs.VLLM_LITE_AUTH_TOKEN,
+            help="The engine's auth token, proven to node 0's rendezvous (default: $VLLM_LITE_AUTH_TOKEN).",
+        )
+        p.add_argument(
             "--connect-timeout", type=float, default=300.0, help="Seconds to wait for node 0's rendezvous store."
         )
         return p
@@ -55,14 +65,12 @@ class WorkerCommand(CLISubcommand):
 def run_worker_node(args: argparse.Namespace) -> int:
     """Start one process per local rank, wait for them; exit code 0 if all ended cleanly."""
     import datetime
-    import signal
 
     import torch.distributed as dist
 
-    from vllm_lite import launcher
     from vllm_lite.config import decode_vllm_config
     from vllm_lite.worker import tp_protocol as P
-    from vllm_lite.worker.tp_worker_proc import TP_RANK_MODULE, RankReady, RankSpec, worker_threads
+    from vllm_lite.worker.rendezvous_gate import RendezvousTunnel
 
     if args.master_port is None or not 0 < args.master_port < 65536:
         raise ValueError(f"--master-port must be node 0's rendezvous port (1..65535), got {args.master_port!r}.")
@@ -74,13 +82,29 @@ def run_worker_node(args: argparse.Namespace) -> int:
         )
     if args.connect_timeout <= 0:
         raise ValueError(f"--connect-timeout must be positive, got {args.connect_timeout}.")
-    store = dist.TCPStore(
-        args.master_addr, args.master_port, is_master=False, timeout=datetime.timedelta(seconds=args.connect_timeout)
-    )
-    store.wait([P.STORE_CONFIG_KEY])
-    config = decode_vllm_config(store.get(P.STORE_CONFIG_KEY))
+    # This node's ranks (and this process) reach node 0's store through a token-proving tunnel.
+    tunnel = RendezvousTunnel(args.master_addr, args.master_port, args.auth_token, args.connect_timeout)
+    try:
+        tunnel.open_upstream().close()  # fail fast and clearly on a wrong token
+        store = dist.TCPStore(
+            "127.0.0.1", tunnel.port, is_master=False, timeout=datetime.timedelta(seconds=args.connect_timeout)
+        )
+        store.wait([P.STORE_CONFIG_KEY])
+        config = decode_vllm_config(store.get(P.STORE_CONFIG_KEY))
+        del store
+        return _run_ranks(args, config, tunnel.port)
+    finally:
+        tunnel.close()
+
+
+def _run_ranks(args: argparse.Namespace, config: Any, store_port: int) -> int:
+    """Start this node's ranks (their store: ``127.0.0.1:store_port``, the tunnel) and wait for them."""
+    import signal
+
+    from vllm_lite import launcher
+    from vllm_lite.worker.tp_worker_proc import TP_RANK_MODULE, RankReady, RankSpec, worker_threads
+
     pc = config.parallel_config
-    del store
     if pc.nnodes != args.nnodes:
         raise ValueError(f"--nnodes={args.nnodes} but the engine on node 0 was started with nnodes={pc.nnodes}.")
     if args.tensor_parallel_size is not None and args.tensor_parallel_size != pc.tensor_parallel_size:
@@ -111,8 +135,8 @@ def run_worker_node(args: argparse.Namespace) -> int:
                 rank=first + local,
                 local_rank=local,
                 world_size=pc.tensor_parallel_size,
-                master_addr=args.master_addr,
-                master_port=args.master_port,
+                master_addr="127.0.0.1",
+                master_port=store_port,
                 num_threads=threads,
                 model_override=args.model,
                 connect_timeout_s=args.connect_timeout,

@@ -1,0 +1,219 @@
+"""Token-authenticated access to the tensor-parallel rendezvous store from other nodes.
+
+torch.distributed's TCPStore has no authentication (anyone who reaches its port can read the
+engine's config, list and write keys, and join the process group's rendezvous) and its server
+binds every interface. So the store always listens on loopback, and other nodes reach it only
+through a gate: on node 0, ``RendezvousGate`` listens on ``master_addr:master_port``, proves each
+connection knows the engine's auth token (challenge-response, so a recorded answer is useless),
+then relays bytes to the loopback store. On a worker node, ``RendezvousTunnel`` listens on
+loopback for that node's ranks and carries each of their store connections through the gate.
+
+The relay only carries the store's rendezvous traffic (keys, barriers, liveness checks); the
+step traffic goes over the executor's ZMQ socket, where ranks have unpredictable identities
+published only in the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Optional
+
+logger = logging.getLogger("vllm_lite.rendezvous")
+
+NONCE_LEN = 32
+_PROOF_CONTEXT = b"vllm-lite tensor-parallel rendezvous v1"
+PROOF_LEN = hashlib.sha256().digest_size
+# How long a peer has to answer the challenge before it is dropped.
+HANDSHAKE_TIMEOUT_S = 10.0
+_ACCEPTED = b"\x01"
+
+
+def handshake_proof(token: str, nonce: bytes) -> bytes:
+    """What a peer that knows ``token`` answers to ``nonce``."""
+    return hmac.new(token.encode(), _PROOF_CONTEXT + nonce, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection during the rendezvous handshake")
+        buf += chunk
+    return buf
+
+
+def _relay(a: socket.socket, b: socket.socket) -> None:
+    """Copy bytes both ways until either side closes; then close both."""
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=pump, args=(b, a), daemon=True, name="rendezvous-relay")
+    t.start()
+    pump(a, b)
+    t.join()
+    a.close()
+    b.close()
+
+
+class _RateLimitedLog:
+    """At most one warning per ``interval_s``, with how many were held back (a flood of bad peers
+    must not flood the log)."""
+
+    def __init__(self, log: logging.Logger, interval_s: float = 10.0) -> None:
+        self.log, self.interval_s = log, interval_s
+        self._last, self._held = -float("inf"), 0
+        self._lock = threading.Lock()
+
+    def warn(self, msg: str, *args: object) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval_s:
+                self._held += 1
+                return
+            held, self._held, self._last = self._held, 0, now
+        self.log.warning(msg + (f" ({held} more since the last such line)" if held else ""), *args)
+
+
+class RendezvousGate:
+    """Node 0: accept on ``listener``; relay connections that prove the token to the loopback store."""
+
+    def __init__(self, listener: socket.socket, store_port: int, token: str) -> None:
+        if not token:
+            raise ValueError("the rendezvous gate needs a non-empty auth token.")
+        self.listener = listener
+        self.store_port = store_port
+        self._token = token
+        self._closed = False
+        self._refusals = _RateLimitedLog(logger)
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="rendezvous-gate")
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return self.listener.getsockname()[1]
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self.listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True, name="rendezvous-peer").start()
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        nonce = os.urandom(NONCE_LEN)
+        try:
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            conn.sendall(nonce)
+            proof = _recv_exact(conn, PROOF_LEN)
+            if not hmac.compare_digest(proof, handshake_proof(self._token, nonce)):
+                self._refusals.warn("Refused a rendezvous connection from %s: wrong auth token.", peer[0])
+                conn.close()
+                return
+            conn.sendall(_ACCEPTED)
+            conn.settimeout(None)
+            store = socket.create_connection(("127.0.0.1", self.store_port))
+        except OSError as e:
+            self._refusals.warn("Dropped a rendezvous connection from %s: %s", peer[0], e)
+            conn.close()
+            return
+        _relay(conn, store)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+
+class RendezvousTunnel:
+    """A worker node: a loopback port whose connections reach node 0's store through its gate."""
+
+    def __init__(self, master_addr: str, master_port: int, token: Optional[str], connect_timeout_s: float) -> None:
+        if not token:
+            raise ValueError(
+                "multi-node tensor parallelism needs the engine's auth token (--auth-token or VLLM_LITE_AUTH_TOKEN): "
+                "node 0's rendezvous admits only peers that prove it."
+            )
+        self.master = (master_addr, master_port)
+        self._token = token
+        self.connect_timeout_s = connect_timeout_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="rendezvous-tunnel")
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return self.listener.getsockname()[1]
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                local, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._carry, args=(local,), daemon=True, name="rendezvous-carry").start()
+
+    def open_upstream(self) -> socket.socket:
+        """A connection to node 0's gate that passed the handshake (retried until node 0 is up)."""
+        deadline = time.monotonic() + self.connect_timeout_s
+        while True:
+            try:
+                up = socket.create_connection(self.master, timeout=HANDSHAKE_TIMEOUT_S)
+                nonce = _recv_exact(up, NONCE_LEN)
+            except OSError:  # node 0 not up (yet): refused, unreachable, or closed before its challenge
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+                continue
+            try:
+                up.sendall(handshake_proof(self._token, nonce))
+                answer = _recv_exact(up, 1)
+            except OSError:
+                answer = b""
+            if answer != _ACCEPTED:  # node 0 heard our proof and hung up
+                up.close()
+                raise PermissionError(
+                    f"node 0's rendezvous at {self.master[0]}:{self.master[1]} refused this node: wrong auth token?"
+                )
+            up.settimeout(None)
+            return up
+
+    def _carry(self, local: socket.socket) -> None:
+        try:
+            up = self.open_upstream()
+        except OSError as e:
+            logger.error("cannot reach node 0's rendezvous at %s:%d: %s", *self.master, e)
+            local.close()
+            return
+        _relay(local, up)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.listener.close()
+        except OSError:
+            pass
