@@ -79,6 +79,19 @@ def test_matcher_terminates_on_eos_and_resets(backend: StructuredOutputBackend, 
     assert torch.equal(mask_of(m), fresh)
 
 
+def test_batched_fill_equals_one_row_at_a_time(backend: StructuredOutputBackend, tokenizer: Any) -> None:
+    compiled = backend.compile(spec(json={"type": "object", "properties": {"name": {"type": "string"}}}))
+    prefixes = ["", "{", '{"name": "a', '{"name": "ab"', '{"name": "ab"}']
+    matchers = [backend.new_matcher(compiled) for _ in prefixes]
+    for m, text in zip(matchers, prefixes):
+        assert m.accept_tokens(tokenizer.encode(text, add_special_tokens=False))
+    batched = torch.zeros((len(matchers) + 1, bitmask_width(PADDED_VOCAB)), dtype=torch.int32)
+    type(matchers[0]).fill_bitmask_batch([(m, i + 1) for i, m in enumerate(matchers)], batched)
+    assert not batched[0].any()  # rows not named are left alone
+    for i, m in enumerate(matchers):
+        assert torch.equal(expand_bitmask(batched[i + 1 : i + 2], PADDED_VOCAB)[0], mask_of(m)), prefixes[i]
+
+
 def test_ids_past_the_tokenizer_are_always_masked(backend: StructuredOutputBackend) -> None:
     m = backend.new_matcher(backend.compile(spec(json_object=True)))
     allowed = mask_of(m)

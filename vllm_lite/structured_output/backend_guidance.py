@@ -64,6 +64,19 @@ def check_guidance_grammar(grammar: str, tokenizer: Any) -> None:
         raise GrammarCompileError("; ".join(m.strip() for m in messages) or "invalid grammar")
 
 
+_EXECUTOR: Any = None
+
+
+def _executor() -> Any:
+    """llguidance's own thread pool for batched mask fills, made once per process."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import llguidance as llg
+
+        _EXECUTOR = llg.LLExecutor()
+    return _EXECUTOR
+
+
 class GuidanceMatcher(StructuredOutputMatcher):
     def __init__(self, matcher: Any, eos_token_id: Optional[int]) -> None:
         super().__init__()
@@ -92,6 +105,17 @@ class GuidanceMatcher(StructuredOutputMatcher):
         import llguidance.torch
 
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+
+    @classmethod
+    def fill_bitmask_batch(cls, rows: Sequence[tuple[StructuredOutputMatcher, int]], bitmask: torch.Tensor) -> None:
+        """llguidance computes masks lazily (up to ms per row in a string): rows in parallel, off the GIL."""
+        if len(rows) < 2:
+            super().fill_bitmask_batch(rows, bitmask)
+            return
+        import llguidance.torch
+
+        pairs = [(m._m, row) for m, row in rows if isinstance(m, GuidanceMatcher)]
+        llguidance.torch.fill_next_token_bitmask_par(_executor(), pairs, bitmask)
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped())

@@ -41,6 +41,12 @@ class StructuredOutputMatcher(ABC):
     def reset(self) -> None:
         """Back to the grammar's start, as a fresh matcher."""
 
+    @classmethod
+    def fill_bitmask_batch(cls, rows: Sequence[tuple["StructuredOutputMatcher", int]], bitmask: torch.Tensor) -> None:
+        """Fill several rows at once (a backend may do it in parallel); all matchers are of this class."""
+        for matcher, row in rows:
+            matcher.fill_bitmask(bitmask, row)
+
     def resync(self, token_ids: Sequence[int]) -> bool:
         """Make the matcher have accepted exactly `token_ids` (reset + re-accept unless already in sync)."""
         if self.num_accepted_tokens == len(token_ids):

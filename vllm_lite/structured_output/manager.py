@@ -91,10 +91,13 @@ class StructuredOutputManager:
         self._ready.clear()
 
     def fill_bitmask(self, matchers: Sequence[StructuredOutputMatcher]) -> np.ndarray:
-        """int32 [len(matchers), words]: row i = what matcher i allows next (one fill call per matcher)."""
+        """int32 [len(matchers), words]: row i = what matcher i allows next (each backend fills its rows at once)."""
         bitmask = torch.full((len(matchers), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        by_kind: dict[type, list[tuple[StructuredOutputMatcher, int]]] = {}
         for row, matcher in enumerate(matchers):
-            matcher.fill_bitmask(bitmask, row)
+            by_kind.setdefault(type(matcher), []).append((matcher, row))
+        for kind, rows in by_kind.items():
+            kind.fill_bitmask_batch(rows, bitmask)
         return bitmask.numpy()
 
     def shutdown(self) -> None:
