@@ -23,6 +23,7 @@ from collections import defaultdict
 from typing import Iterable, Optional
 
 import msgspec
+import numpy as np
 
 from vllm_lite.config import VllmConfig
 from vllm_lite.core.kv_cache_manager import KVCacheManager
@@ -348,15 +349,12 @@ class Scheduler:
                 req.status = RequestStatus.WAITING
                 self.waiting.add(req)
 
-    def has_requests_waiting_for_grammar(self) -> bool:
-        return bool(self._waiting_for_grammar)
-
     def wait_for_grammar(self, timeout: float) -> None:
         """Block up to `timeout` s for a grammar to finish compiling (when a step had nothing to run)."""
         if self._waiting_for_grammar:
             self.structured_output_manager.wait_for_grammar(timeout)
 
-    def _grammar_bitmask(self) -> tuple[dict[str, int], Optional[object]]:
+    def _grammar_bitmask(self) -> tuple[dict[str, int], Optional[np.ndarray]]:
         """One bitmask row per constrained request that samples this step (its whole sequence is computed)."""
         matchers = []
         ids: dict[str, int] = {}
