@@ -21,16 +21,14 @@ import httpx
 import pytest
 
 from vllm_lite import LLM, SamplingParams
-from vllm_lite.client.exceptions import EngineDeadError
 from vllm_lite.testing.abort_soak import abort_soak
 from vllm_lite.testing.processes import process_gone, rank_children
-from vllm_lite.testing.target_daemon import TargetDaemon, start_doomed_frontend
+from vllm_lite.testing.target_daemon import TargetDaemon, generate_until_death, start_doomed_frontend, stream_sse
 from vllm_lite.testing.waiting import wait_until
 
 DEADLINE_S = 60.0
 # The old ways of noticing took 30 s (a dead core) and 10 s (a dead frontend): deadlines under them.
 DEAD_CORE_DEADLINE_S = 20.0
-LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 SECRET = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
 
 
@@ -75,30 +73,6 @@ def test_a_second_tenant_guessing_a_prompt_sees_no_cached_tokens(target: TargetD
     assert right == wrong == 0  # and says nothing to another tenant
 
 
-def _stream(url: str, body: dict, events: list[str], streaming: threading.Event) -> None:
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=DEADLINE_S) as r:
-        events.append(f"status {r.status_code}")
-        for line in r.iter_lines():
-            if line:
-                events.append(line)
-                streaming.set()
-
-
-def _generate_until_death(llm: LLM, result: dict[str, Any], running: threading.Event) -> None:
-    try:
-        engine = llm.llm_engine
-        engine.add_request("long", "Hello", LONG)
-        while engine.has_unfinished_requests():
-            if any(o.outputs[0].token_ids for o in engine.step()):
-                running.set()
-        result["finished"] = True
-    except EngineDeadError as e:
-        result["dead_at"] = time.monotonic()
-        result["error"] = str(e)
-    finally:
-        running.set()
-
-
 def test_kill_9_of_the_core_under_load_reaches_every_frontend() -> None:
     daemon = TargetDaemon()
     try:
@@ -107,8 +81,8 @@ def test_kill_9_of_the_core_under_load_reaches_every_frontend() -> None:
         events: list[str] = []
         streaming, running = threading.Event(), threading.Event()
         result: dict[str, Any] = {}
-        http = threading.Thread(target=_stream, args=(url, body, events, streaming), daemon=True)
-        llm = threading.Thread(target=_generate_until_death, args=(daemon.probe, result, running), daemon=True)
+        http = threading.Thread(target=stream_sse, args=(url, body, events, streaming), daemon=True)
+        llm = threading.Thread(target=generate_until_death, args=(daemon.probe, result, running), daemon=True)
         http.start()
         llm.start()
         assert streaming.wait(DEADLINE_S) and running.wait(DEADLINE_S)
@@ -134,13 +108,13 @@ def test_kill_9_of_the_core_under_load_reaches_every_frontend() -> None:
         daemon.stop()
 
 
-def test_sigterm_under_load_ends_every_stream_and_exits_0() -> None:
+def test_sigterm_under_load_ends_everystream_sse_and_exits_0() -> None:
     daemon = TargetDaemon()
     try:
         url = daemon.base_url + "/v1/completions"
         body = {"prompt": "The for statement", "max_tokens": 900, "temperature": 0.0, "ignore_eos": True}
         streams = [([], threading.Event()) for _ in range(3)]
-        threads = [threading.Thread(target=_stream, args=(url, body, ev, st), daemon=True) for ev, st in streams]
+        threads = [threading.Thread(target=stream_sse, args=(url, body, ev, st), daemon=True) for ev, st in streams]
         for t in threads:
             t.start()
         assert all(st.wait(DEADLINE_S) for _, st in streams)
@@ -164,7 +138,7 @@ def test_kill_9_of_a_tensor_parallel_rank_is_reported_as_death_not_a_hang(victim
         assert len(ranks) == 2, ranks
         result: dict[str, Any] = {}
         running = threading.Event()
-        llm = threading.Thread(target=_generate_until_death, args=(daemon.probe, result, running), daemon=True)
+        llm = threading.Thread(target=generate_until_death, args=(daemon.probe, result, running), daemon=True)
         llm.start()
         assert running.wait(DEADLINE_S)
         killed = time.monotonic()

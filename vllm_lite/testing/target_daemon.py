@@ -11,11 +11,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Optional
 
 import httpx
 
+from vllm_lite.client.exceptions import EngineDeadError
 from vllm_lite.endpoints import CoreAddresses
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.testing.checkpoints import get_checkpoint
@@ -187,3 +189,29 @@ def start_doomed_frontend(daemon: TargetDaemon, num_requests: int = 4) -> subpro
         child.kill()
         raise AssertionError(f"the doomed frontend did not start (exit {child.wait()}): {line!r}")
     return child
+
+
+def stream_sse(url: str, body: dict, events: list[str], streaming: threading.Event, timeout_s: float = 60.0) -> None:
+    """POST ``body`` as a stream; every non-empty line (and first the status) into ``events``; set ``streaming``."""
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=timeout_s) as r:
+        events.append(f"status {r.status_code}")
+        for line in r.iter_lines():
+            if line:
+                events.append(line)
+                streaming.set()
+
+
+def generate_until_death(llm: Any, result: dict[str, Any], running: threading.Event) -> None:
+    """Run a long request on an attached LLM; note when EngineDeadError came (``result["dead_at"]``)."""
+    try:
+        engine = llm.llm_engine
+        engine.add_request("long", "Hello", SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            if any(o.outputs[0].token_ids for o in engine.step()):
+                running.set()
+        result["finished"] = True
+    except EngineDeadError as e:
+        result["dead_at"] = time.monotonic()
+        result["error"] = str(e)
+    finally:
+        running.set()
