@@ -31,6 +31,7 @@ from vllm_lite.entrypoints.openai.errors import (
     OpenAIServingError,
     as_serving_error,
     error_json,
+    internal_error,
     make_error,
 )
 from vllm_lite.entrypoints.openai.health import HealthMonitor
@@ -276,11 +277,9 @@ def build_app(
         try:
             return await handler()
         except Exception as exc:
-            err = as_serving_error(exc)
+            err = as_serving_error(exc)  # an internal error is logged there, with its traceback and error id
             if isinstance(err, EngineUnavailableError):
                 await monitor.notify_dead(str(exc))
-            elif type(err) is OpenAIServingError:
-                logger.exception("request failed")
             return error_json(err)
 
     # ------------------------------------------------------------------ error shapes
@@ -298,6 +297,11 @@ def build_app(
             parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
         message = "Invalid request: " + "; ".join(parts) if parts else "Invalid request body."
         return error_json(BadRequestError(message, param=param))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        # Outside an endpoint's own handling (middleware, routing): the same generic, logged 500.
+        return error_json(internal_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
