@@ -3,7 +3,8 @@
 (a) Backends on our tokenizers (the tiny test tokenizer and the bundled default model's), through the engine's
     own backend classes: for xgrammar and llguidance, the one-off tokenizer set-up, each schema's compile time
     (cold: to a ready matcher, no cache), the first mask after it, and the steady per-token mask time over a
-    seeded random walk through each schema of vllm_lite/testing/json_schemas.py (uniform among allowed tokens).
+    seeded random walk through each schema of vllm_lite/testing/json_schemas.py (uniform among allowed tokens),
+    and the batched fill of 64 rows (`fill_bitmask_batch`: the engine's per-step call), each row a step further on.
 (b) The throughput workload of throughput.py (its prompt maker, same flags: random prompts of 32-256 tokens,
     --output-len new tokens, greedy; unconstrained with ignore_eos as there) on the bundled default model, one
     engine, one run: unconstrained and with every request under a JSON schema, in ABBA order --repeats times
@@ -72,7 +73,35 @@ def _backend(name: str, tokenizer: Any, vocab_size: int) -> tuple[Any, float]:
     return backend, (time.perf_counter() - t0) * 1e3
 
 
-def backend_costs(tokenizer_path: str, vocab_size: int, walk_tokens: int, seed: int) -> dict[str, Any]:
+def _batch_fill_us(backend: Any, width: int, vocab_size: int, eos: int, seed: int, rows: int) -> float:
+    """Median time of one batched fill (the engine's per-step call) over `rows` matchers cycling the schemas;
+    between fills every row advances one random allowed token (a fresh state each step, as in decoding)."""
+    from vllm_lite.sampling_params import StructuredOutputsParams
+    from vllm_lite.structured_output.spec import spec_from_params
+
+    cases = [c for c in JSON_SCHEMAS if backend.name in c.backends]
+    compiled = [
+        backend.compile(spec_from_params(StructuredOutputsParams(json=c.spec, disable_any_whitespace=True)))
+        for c in cases
+    ]
+    bitmask = torch.zeros((rows, width), dtype=torch.int32)
+    matchers = [backend.new_matcher(compiled[i % len(compiled)]) for i in range(rows)]
+    pairs = list(zip(matchers, range(rows)))
+    rng, times = random.Random(seed), []
+    for _ in range(32):
+        t0 = time.perf_counter()
+        type(matchers[0]).fill_bitmask_batch(pairs, bitmask)
+        times.append((time.perf_counter() - t0) * 1e6)
+        for m, row in pairs:
+            allowed = [t for t in _allowed(bitmask[row : row + 1], vocab_size) if t != eos]
+            if not allowed or not m.accept_tokens([rng.choice(allowed)]) or m.is_terminated():
+                m.reset()  # finished: start the schema again
+    return statistics.median(times)
+
+
+def backend_costs(
+    tokenizer_path: str, vocab_size: int, walk_tokens: int, seed: int, batch_rows: int = 64
+) -> dict[str, Any]:
     """Per backend on this tokenizer, through the engine's backend classes: set-up; per schema the cold compile
     to a ready matcher (no cache) and its first mask; then the steady per-token mask time along a seeded
     uniform random walk through each schema (each backend its own walk: their compact JSON differs, ", " vs ",").
@@ -106,6 +135,7 @@ def backend_costs(tokenizer_path: str, vocab_size: int, walk_tokens: int, seed: 
                 if token == eos or not matcher.accept_tokens([token]) or matcher.is_terminated():
                     break
         ms = sorted(compile_ms.values())
+        batch_us = _batch_fill_us(backend, bitmask_width(vocab_size), vocab_size, eos, seed, batch_rows)
         result[name] = {
             "tokenizer_setup_ms": round(setup_ms, 1),
             "compile_ms_median": round(statistics.median(ms), 2),
@@ -114,6 +144,7 @@ def backend_costs(tokenizer_path: str, vocab_size: int, walk_tokens: int, seed: 
             "mask_us_mean": round(statistics.fmean(mask_us), 1),
             "mask_us_p99": round(_quantile(mask_us, 0.99), 1),
             "masked_tokens": len(mask_us),
+            f"batch_fill_us_{batch_rows}_rows": round(batch_us, 1),
             "compile_ms": compile_ms,
         }
     return result
