@@ -145,6 +145,10 @@ class TargetDaemon(ServeProcess):
             self._probe = None
         super().stop()
         self._log.close()
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
 
 
 def rss_mb(pid: int) -> float:
@@ -159,17 +163,20 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-# A frontend in its own process: attaches, starts long requests, prints "running" once they stream, waits.
+# A frontend in its own process (no tokenizer: a bare core client): attaches, starts long requests,
+# prints "running" once they stream, waits to be killed.
 DOOMED_FRONTEND = r"""
 import sys
-from vllm_lite.client.llm_engine import LLMEngine
+from vllm_lite.client.sync_mp_client import SyncMPClient
+from vllm_lite.core.messages import EngineCoreRequest
+from vllm_lite.endpoints import CoreAddresses
 from vllm_lite.sampling_params import SamplingParams
 
-eng = LLMEngine.attach(sys.argv[1], sys.argv[2], client_name="doomed")
+client = SyncMPClient(addresses=CoreAddresses.from_base(sys.argv[1]), auth_token=sys.argv[2], client_name="doomed")
+params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
 for i in range(int(sys.argv[3])):
-    eng.add_request(f"doomed-{i}", "Hello", SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
-while not any(o.outputs[0].token_ids for o in eng.step()):
-    pass
+    client.add_request(EngineCoreRequest(f"doomed-{i}", [5, 6, 7, i], params, None, 0.0))
+client.get_output(timeout=120)
 print("running", flush=True)
 sys.stdin.read()
 """
