@@ -174,6 +174,35 @@ class Reattacher:
             return
 
 
+def frontend_args_for_cli(args: Any) -> FrontendArgs:
+    """What re-attaching needs from `vllm-lite api-server --engine ADDRESS` flags (no inherited socket there)."""
+    from vllm_lite.endpoints import split_addresses
+
+    return FrontendArgs(
+        engine=split_addresses(args.engine, getattr(args, "data_parallel_size", 1)),
+        listen_fd=-1,
+        auth_token=getattr(args, "auth_token", None),
+    )
+
+
+def reattaching_app(args: FrontendArgs, engine: Any, build: Callable[..., Any]) -> tuple[Any, EngineHandle, Reattacher]:
+    """The HTTP app of an attached frontend (`serve`'s children and `api-server --engine` alike): on core death
+    it stays up with /health 503 and re-attaches to ``args.engine``.
+
+    ``build(handle, engine_dead_grace_s=..., on_engine_dead=...)`` makes the app (``api_server.build_app`` with
+    the caller's other options); the app holds ``handle``, whose engine the re-attacher swaps.
+    """
+    handle = EngineHandle(engine)
+    reattacher: list[Reattacher] = []
+    app = build(
+        handle,
+        engine_dead_grace_s=None,  # stay up: /health says 503 until we re-attach or are stopped
+        on_engine_dead=lambda reason: reattacher[0].start(reason) if reattacher else None,
+    )
+    reattacher.append(Reattacher(args, handle, app, args.reattach_interval_s))
+    return app, handle, reattacher[0]
+
+
 def watch_pids(loop: asyncio.AbstractEventLoop, pids: list[int], on_exit: Callable[[int], None]) -> list[int]:
     """Call ``on_exit(pid)`` on the loop when any of ``pids`` exits (Linux pidfds); returns fds to close."""
     fds: list[int] = []
@@ -192,34 +221,35 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
     """Attach, serve HTTP on the inherited socket until told to stop or a core dies; the exit code."""
     from vllm_lite.entrypoints.openai.api_server import build_app, serve_app
 
-    handle = EngineHandle(build_attached_engine(args))
+    engine = build_attached_engine(args)
     loop = asyncio.get_running_loop()
     pidfds: list[int] = []
     reattacher: Optional[Reattacher] = None
     try:
         # Starts the client's receive and heartbeat tasks now, so the core does not drop us as silent.
-        await handle.call_utility_async("ping")
-        app = build_app(
-            handle,
-            args.served_model_names or None,
-            api_key=args.api_key,
-            health_stuck_timeout_s=args.health_stuck_timeout_s,
-            engine_dead_grace_s=None,  # stay up: /health says 503 until we re-attach or are stopped
-            on_engine_dead=lambda reason: reattacher.start(reason) if reattacher is not None else None,
-            chat_template=args.chat_template,
-            response_role=args.response_role,
-            root_path=args.root_path,
-            allowed_origins=args.allowed_origins,
-            allowed_methods=args.allowed_methods,
-            allowed_headers=args.allowed_headers,
-            allow_credentials=args.allow_credentials,
-            disable_log_requests=args.disable_log_requests,
-            max_request_body_bytes=args.max_request_body_bytes,
-            enable_auto_tool_choice=args.enable_auto_tool_choice,
-            tool_call_parser=args.tool_call_parser,
+        await engine.call_utility_async("ping")
+        app, engine, reattacher = reattaching_app(
+            args,
+            engine,
+            lambda handle, **on_death: build_app(
+                handle,
+                args.served_model_names or None,
+                api_key=args.api_key,
+                health_stuck_timeout_s=args.health_stuck_timeout_s,
+                chat_template=args.chat_template,
+                response_role=args.response_role,
+                root_path=args.root_path,
+                allowed_origins=args.allowed_origins,
+                allowed_methods=args.allowed_methods,
+                allowed_headers=args.allowed_headers,
+                allow_credentials=args.allow_credentials,
+                disable_log_requests=args.disable_log_requests,
+                max_request_body_bytes=args.max_request_body_bytes,
+                enable_auto_tool_choice=args.enable_auto_tool_choice,
+                tool_call_parser=args.tool_call_parser,
+                **on_death,
+            ),
         )
-
-        reattacher = Reattacher(args, handle, app, args.reattach_interval_s)
         stopping = {"flag": False}
 
         def core_exited(pid: int) -> None:
@@ -269,7 +299,7 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
                 pass
             os.close(fd)
         try:
-            handle.shutdown()
+            engine.shutdown()
         except Exception:  # noqa: BLE001 -- exiting anyway
             logger.exception("engine shutdown failed")
 

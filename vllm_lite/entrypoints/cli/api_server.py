@@ -22,7 +22,8 @@ class ApiServerCommand(CLISubcommand):
         return make_arg_parser(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        """Exit code 1 when the engine died (so a supervisor restarts the server)."""
+        """Exit code 1 when the engine died: a private one ends the server (so a supervisor restarts it); an
+        attached one (--engine) leaves it up with /health 503 until a core answers at the address again."""
         from vllm_lite.entrypoints.openai.api_server import run_server
         from vllm_lite.entrypoints.openai.cli_args import check_api_server_args
 

@@ -451,19 +451,26 @@ def run_server(args: Any) -> int:
 
     async def main() -> int:
         engine = build_engine(args)
+        reattacher = None
         try:
             # First call on this loop: starts the client's receive and heartbeat tasks now, so an
             # attached core does not drop us as silent while uvicorn starts up.
             await engine.call_utility_async("ping")
             names = args.served_model_name or None
-            app = build_app(
-                engine,
-                names,
-                api_key=args.api_key,
-                health_stuck_timeout_s=args.health_stuck_timeout,
-                engine_dead_grace_s=args.engine_dead_grace,
-                **server_options(args),
+            options = dict(
+                api_key=args.api_key, health_stuck_timeout_s=args.health_stuck_timeout, **server_options(args)
             )
+            if getattr(args, "engine", None):
+                # Attached (as `serve`'s frontends): on core death stay up with /health 503 and re-attach.
+                from vllm_lite.entrypoints.serve_frontend import frontend_args_for_cli, reattaching_app
+
+                app, engine, reattacher = reattaching_app(
+                    frontend_args_for_cli(args),
+                    engine,
+                    lambda handle, **on_death: build_app(handle, names, **options, **on_death),
+                )
+            else:  # a private core cannot come back: exit (code 1) after the grace period
+                app = build_app(engine, names, engine_dead_grace_s=args.engine_dead_grace, **options)
             scheme = "https" if args.ssl_certfile else "http"
             logger.info(
                 "OpenAI API on %s://%s:%d%s%s",
@@ -482,6 +489,8 @@ def run_server(args: Any) -> int:
                 ssl_certfile=args.ssl_certfile,
             )
         finally:
+            if reattacher is not None:
+                await reattacher.stop()
             try:
                 engine.shutdown()
             except Exception:

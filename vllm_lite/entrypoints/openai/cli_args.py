@@ -107,7 +107,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--engine-dead-grace",
         type=_positive_float,
         default=1.0,
-        help="Seconds to keep answering 503 after the engine died before exiting with code 1.",
+        help="Seconds to keep answering 503 after the private engine died before exiting with code 1 (with --engine "
+        "the server stays up, /health 503, and re-attaches when a core answers at the address again).",
     )
     srv.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     att = parser.add_argument_group("attach (instead of --model)")
