@@ -232,8 +232,9 @@ class EngineCoreProc:
 
     def _process_input(self, block: bool) -> None:
         items = self._take_input(block)
-        # Requests that an ABORT later in this batch cancels: never add them.
-        aborted_after: dict[str, int] = {}
+        # Requests that an ABORT later in this batch, from the same frontend, cancels: never add them.
+        # Keyed by sender too: another tenant naming my request id must not cancel it.
+        aborted_after: dict[tuple[bytes, str], int] = {}
         for pos, (identity, kind, payload) in enumerate(items):
             if kind is EngineCoreRequestType.HELLO:
                 self._handle_hello(identity, payload)
@@ -242,13 +243,13 @@ class EngineCoreProc:
                     self.sockets.send(identity, EngineCoreOutputType.HEARTBEAT)
             elif kind is EngineCoreRequestType.ABORT:
                 for rid in payload:
-                    aborted_after[rid] = pos
+                    aborted_after[(identity, rid)] = pos
         for identity, kind, payload in items:
             if kind is EngineCoreRequestType.ABORT:
                 self._handle_abort(identity, payload)
         for pos, (identity, kind, payload) in enumerate(items):
             if kind is EngineCoreRequestType.ADD:
-                if aborted_after.get(payload.request_id, -1) > pos:
+                if aborted_after.get((identity, payload.request_id), -1) > pos:
                     continue
                 self._handle_add(identity, payload)
             elif kind is EngineCoreRequestType.UTILITY:
