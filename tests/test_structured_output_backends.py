@@ -318,3 +318,74 @@ def test_random_sampling_never_picks_a_masked_token() -> None:
     sampled = torch.cat([Sampler()(logits, md, bitmask).sampled_token_ids for _ in range(5)])
     assert allowed[sampled].all()
     assert len(set(sampled.tolist())) > 1  # it still samples among the allowed ones
+
+
+# ---------------------------------------------------------------- schemas xgrammar would not enforce
+MULTIPLE_OF = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5}}, "required": ["n"]}
+BOUNDED_STRING = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}}, "required": ["s"]}
+
+
+@pytest.mark.parametrize(
+    "schema, expected",
+    [
+        (MULTIPLE_OF, ["multipleOf"]),
+        (BOUNDED_STRING, ["maxLength"]),
+        ({"$defs": {"t": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/t"}, ["uniqueItems"]),
+        ({"type": "array", "uniqueItems": False, "items": {"enum": [{"maxLength": 1}]}}, []),  # enum values are data
+        ({"type": "object", "properties": {"maxLength": {"type": "integer"}}}, []),  # a property named like a keyword
+    ],
+)
+def test_schema_features_that_xgrammar_would_not_enforce_are_found(schema: Any, expected: list[str]) -> None:
+    from vllm_lite.structured_output.schema_features import xgrammar_unsupported_features
+
+    assert xgrammar_unsupported_features(schema) == expected
+
+
+@pytest.mark.parametrize("schema", [MULTIPLE_OF, BOUNDED_STRING])
+def test_auto_sends_unenforced_schemas_to_guidance_and_xgrammar_refuses_them(vllm_config: Any, schema: Any) -> None:
+    """xgrammar 0.2 compiles multipleOf with a warning and lets control characters into bounded strings."""
+    import dataclasses
+
+    from vllm_lite.structured_output.backend_guidance import GuidanceMatcher
+
+    for name in ("auto", "xgrammar"):
+        config = dataclasses.replace(vllm_config, structured_outputs_config=StructuredOutputsConfig(backend=name))
+        manager = StructuredOutputManager(config)
+        try:
+            sor = prepared(manager, StructuredOutputsParams(json=schema))
+            if name == "auto":
+                assert sor.error is None and isinstance(sor.matcher, GuidanceMatcher)
+            else:
+                assert sor.error is not None and "xgrammar does not enforce" in sor.error
+        finally:
+            manager.shutdown()
+
+
+def test_guidance_forbids_control_characters_and_non_multiples(tokenizer: Any) -> None:
+    guidance = GuidanceBackend(tokenizer, PADDED_VOCAB, [tokenizer.eos_token_id])
+    m = guidance.new_matcher(guidance.compile(spec(json=BOUNDED_STRING, disable_any_whitespace=True)))
+    assert m.accept_tokens(tokenizer.encode('{"s":"', add_special_tokens=False))
+    control = [t for t in range(len(tokenizer)) if any(ord(c) < 0x20 for c in tokenizer.decode([t]))]
+    assert control and not mask_of(m)[control].any()
+    m = guidance.new_matcher(guidance.compile(spec(json=MULTIPLE_OF, disable_any_whitespace=True)))
+    assert not m.accept_tokens(tokenizer.encode('{"n":7}', add_special_tokens=False))
+
+
+def test_object_properties_keep_the_schema_order(backend: StructuredOutputBackend, tokenizer: Any) -> None:
+    """As vLLM and OpenAI: keys are generated in the order the schema lists them, not sorted."""
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    compiled = backend.compile(spec(json=schema, disable_any_whitespace=True))
+
+    def accepted(text: str) -> bool:  # either backend's separators: xgrammar writes ", " and ": "
+        return any(
+            backend.new_matcher(compiled).accept_tokens(tokenizer.encode(t, add_special_tokens=False))
+            for t in (text, text.replace(",", ", ").replace(":", ": "))
+        )
+
+    assert accepted('{"zeta":true,"alpha":false}')
+    assert not accepted('{"alpha":false,"zeta":true}')

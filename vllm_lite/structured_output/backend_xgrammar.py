@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -14,6 +14,7 @@ from vllm_lite.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputMatcher,
 )
+from vllm_lite.structured_output.schema_features import xgrammar_unsupported_features
 from vllm_lite.structured_output.spec import GrammarSpec, legacy_structural_tag
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message users need.
@@ -24,6 +25,16 @@ def compiler_message(exc: BaseException) -> str:
     text = str(exc).strip()
     text = _CPP_PREFIX.sub("", text)
     return text.removeprefix("Check failed: (error.empty()) is false: ").strip() or type(exc).__name__
+
+
+def unenforced_schema_message(spec: GrammarSpec) -> Optional[str]:
+    """Why xgrammar must not take this JSON schema (keywords it would silently not enforce), or None."""
+    if spec.kind != "json":
+        return None
+    features = xgrammar_unsupported_features(json.loads(spec.text))
+    if not features:
+        return None
+    return f"xgrammar does not enforce {', '.join(features)} in JSON schemas"
 
 
 def choice_as_ebnf(choices: list[str]) -> str:
@@ -89,6 +100,9 @@ class XgrammarBackend(StructuredOutputBackend):
         c = self._compiler
         if spec.whitespace_pattern is not None:
             raise GrammarCompileError("xgrammar does not support whitespace_pattern")
+        unenforced = unenforced_schema_message(spec)
+        if unenforced is not None:
+            raise GrammarCompileError(unenforced)
         try:
             if spec.kind in ("json", "json_object"):
                 return c.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace)

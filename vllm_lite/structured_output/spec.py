@@ -11,7 +11,10 @@ from vllm_lite.sampling_params import StructuredOutputsParams
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """One constraint in canonical text form (JSON schemas re-serialized with sorted keys, choices as a JSON list)."""
+    """One constraint in canonical text form (JSON schemas re-serialized compactly, choices as a JSON list).
+
+    Keys keep the schema's order: properties are generated in the order the schema lists them, as vLLM does.
+    """
 
     kind: str  # json, regex, choice, grammar, json_object, structural_tag
     text: str
@@ -39,7 +42,7 @@ def spec_from_params(
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}.")
-        text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        text = json.dumps(schema, ensure_ascii=False)
     elif kind == "choice":
         text = json.dumps(params.choice, ensure_ascii=False)
     elif kind == "json_object":

@@ -49,10 +49,18 @@ def _xgrammar_error(spec: GrammarSpec) -> Optional[str]:
     """xgrammar's parse of the constraint alone (no tokenizer needed)."""
     import xgrammar as xgr
 
-    from vllm_lite.structured_output.backend_xgrammar import choice_as_ebnf, compile_structural_tag, compiler_message
+    from vllm_lite.structured_output.backend_xgrammar import (
+        choice_as_ebnf,
+        compile_structural_tag,
+        compiler_message,
+        unenforced_schema_message,
+    )
 
     if spec.whitespace_pattern is not None:
         return "xgrammar does not support whitespace_pattern"
+    unenforced = unenforced_schema_message(spec)
+    if unenforced is not None:
+        return unenforced
     try:
         if spec.kind in ("json", "json_object"):
             xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace)
