@@ -224,3 +224,63 @@ def test_preemption_by_recompute_keeps_each_matcher_in_sync(tokenizer: Any, monk
     assert squeezed == reference
     for tokens in squeezed:
         assert re.fullmatch(long_regex, tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+# ---------------------------------------------------------------------------- random sampling under a grammar
+def tool_call_schemas() -> list[dict[str, Any]]:
+    """tool_choice="required" schemas as the OpenAI server builds them (anyOf over two tools; one flat tool)."""
+    from vllm_lite.entrypoints.openai.protocol import ChatCompletionToolsParam
+    from vllm_lite.entrypoints.openai.tool_choice import required_schema
+    from vllm_lite.testing.json_schemas import JSON_SCHEMAS
+
+    weather = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 3}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    flat = next(c.spec for c in JSON_SCHEMAS if c.name == "flat_required")
+
+    def tools(**params: Any) -> list[ChatCompletionToolsParam]:
+        return [
+            ChatCompletionToolsParam.model_validate({"type": "function", "function": {"name": n, "parameters": p}})
+            for n, p in params.items()
+        ]
+
+    return [required_schema(tools(get_weather=weather, flat_required=flat)), required_schema(tools(flat_required=flat))]
+
+
+def test_seeded_random_sampling_keeps_every_tool_call_output_valid(llm: LLM) -> None:
+    """Many random draws (one seed each, batched) through the bitmask and matcher: no token the grammar refuses."""
+    schemas = tool_call_schemas()
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=seed,
+            max_tokens=120,
+            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        )
+        for schema in schemas
+        for seed in range(40)
+    ]
+    outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        schema = schemas[i // 40]
+        assert out.error is None, (i, out.error)
+        if out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    # An array of >= 1 calls may run to max_tokens on a random model; most finish (and each one that does parses).
+    assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= len(outs) // 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_past_a_complete_grammar_ends_on_its_eos(llm: LLM, temperature: float) -> None:
+    """A complete grammar allows only EOS, which min_tokens bans: the grammar wins (before, every logit was -inf
+    and the sampled token 0 failed the request)."""
+    so = StructuredOutputsParams(choice=CHOICES)
+    sp = SamplingParams(temperature=temperature, seed=3, max_tokens=30, min_tokens=20, structured_outputs=so)
+    free = SamplingParams(temperature=temperature, seed=4, max_tokens=4, min_tokens=4, allowed_token_ids=[7, 8])
+    out, beside = llm.generate([PROMPT, PROMPT], [sp, free], use_tqdm=False)
+    assert out.error is None and out.outputs[0].finish_reason == "stop", out
+    assert out.outputs[0].text in CHOICES
+    assert set(beside.outputs[0].token_ids) <= {7, 8}  # an unconstrained row's masks stay as they were

@@ -84,6 +84,20 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.
     return logits.masked_fill_(forbidden, _NEG_INF)
 
 
+def keep_grammar_over_bans(grammar_only: torch.Tensor, banned: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`banned` (grammar mask, then allowed_token_ids / bad words / min_tokens bans), except on constrained rows
+    the bans left with no token at all: those keep the grammar's mask alone.
+
+    A grammar that is complete allows only its stop token; min_tokens bans exactly that token, and every logit
+    is then -inf, so any "sample" (argmax of all -inf is token 0) is a token outside the grammar and fails the
+    request. The grammar is the constraint a row always keeps: it stops there on EOS, as with ignore_eos.
+    No host sync: a where over the batch.
+    """
+    constrained = (bitmask.to(banned.device, non_blocking=True) != -1).any(dim=1)
+    emptied = torch.isneginf(banned).all(dim=1) & constrained
+    return torch.where(emptied.unsqueeze(1), grammar_only, banned)
+
+
 def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.logit_bias_index is not None and md.logit_bias_values is not None:
         logits.index_put_(md.logit_bias_index, md.logit_bias_values, accumulate=True)
@@ -388,7 +402,10 @@ class Sampler(torch.nn.Module):
         logits = logits.to(torch.float32, copy=True)
         if grammar_bitmask is not None:
             logits = apply_grammar_bitmask(logits, grammar_bitmask)
-        logits = apply_allowed_and_bans(logits, md)
+            if md.allowed_index is not None or md.banned_index is not None:
+                logits = keep_grammar_over_bans(logits, apply_allowed_and_bans(logits.clone(), md), grammar_bitmask)
+        else:
+            logits = apply_allowed_and_bans(logits, md)
         logits = apply_logit_bias(logits, md)
         return apply_penalties(logits, md)
 

@@ -376,6 +376,7 @@ class Scheduler:
         if not sor.matcher.accept_tokens([token_id]):
             req.status = RequestStatus.FINISHED_ERROR
             self._errors[req.request_id] = f"structured outputs: sampled token {token_id} is not allowed by the grammar"
+            self._log_refused_token(req, token_id)
             return True
         # The grammar took its stop token (EOS while ignore_eos or min_tokens kept the request going): done.
         # A grammar complete before EOS runs on: its bitmask allows only EOS next, so the request ends on EOS
@@ -384,6 +385,24 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_STOPPED
             return True
         return False
+
+    def _log_refused_token(self, req: Request, token_id: int) -> None:
+        """Say which side is wrong: a mask that allows what its matcher refuses is the backend's bug; a token the
+        mask forbids was sampled anyway (sampler or row mapping), or the matcher moved between mask and accept."""
+        sor = req.structured_output_request
+        assert sor is not None and sor.matcher is not None
+        row = self.structured_output_manager.fill_bitmask([sor.matcher])[0]
+        allowed = token_id < row.size * 32 and bool((int(row[token_id // 32]) >> (token_id % 32)) & 1)
+        logger.error(
+            "request %s: its grammar refused sampled token %d after %d accepted tokens; its mask %s that token "
+            "(%d tokens allowed), sampling params %s",
+            req.request_id,
+            token_id,
+            sor.matcher.num_accepted_tokens,
+            "allows" if allowed else "forbids",
+            int(np.unpackbits(row.view(np.uint8)).sum()),
+            req.sampling_params,
+        )
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
         """Tokens to run now: what is left, cut by the chunk threshold, the budget and max_model_len."""
