@@ -284,3 +284,55 @@ def test_min_tokens_past_a_complete_grammar_ends_on_its_eos(llm: LLM, temperatur
     assert out.error is None and out.outputs[0].finish_reason == "stop", out
     assert out.outputs[0].text in CHOICES
     assert set(beside.outputs[0].token_ids) <= {7, 8}  # an unconstrained row's masks stay as they were
+
+
+def _collect(step_outputs: dict[int, Any], results: dict[str, Result]) -> None:
+    for outs in step_outputs.values():
+        for out in outs.outputs:
+            res = results.setdefault(out.request_id, Result())
+            res.token_ids.extend(out.new_token_ids)
+            res.finish_reason, res.error = out.finish_reason, out.error
+
+
+class _FailsWith:
+    """The core's executor, except that every step (or recovery probe) holding request `bad_id` raises."""
+
+    def __init__(self, inner: Any, bad_id: str) -> None:
+        self.inner, self.bad_id, self.failures = inner, bad_id, 0
+
+    def execute_model(self, so: Any) -> Any:
+        if self.bad_id in so.num_scheduled_tokens:
+            self.failures += 1
+            raise RuntimeError("injected step failure")
+        return self.inner.execute_model(so)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+def test_a_step_replayed_after_a_failure_keeps_the_grammar_mask(core: EngineCore, tokenizer: Any) -> None:
+    """Step recovery re-runs the good requests of a failed step: their tokens must still be drawn under their mask
+    (before, the replay dropped the bitmask, and a constrained request beside the failing one got a token its
+    grammar refuses)."""
+    bad_id = unique_id("bad")
+    good = [unique_id("so") for _ in range(4)]
+    for i, rid in enumerate(good):
+        sp = SamplingParams(
+            temperature=1.0, seed=i, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=REGEX)
+        )
+        core.add_request(make_request(rid, [5, 6, 7], sp, eos_token_id=2))
+    results: dict[str, Result] = {}
+    while any(core.scheduler.get_request(r).status != RequestStatus.RUNNING for r in good):  # grammars compiled
+        _collect(core.step(), results)
+    core.add_request(make_request(bad_id, [5, 6, 7, 8], SamplingParams(max_tokens=30, ignore_eos=True)))
+    inner = core.executor
+    core.executor = _FailsWith(inner, bad_id)
+    try:
+        drain(core, results)
+    finally:
+        core.executor = inner
+    assert core.executor is inner and results[bad_id].finish_reason == FinishReason.ERROR
+    for rid in good:
+        assert results[rid].error is None, results[rid].error
+        assert re.fullmatch(REGEX, tokenizer.decode(results[rid].token_ids, skip_special_tokens=True))
+    assert_no_leak(core)

@@ -209,4 +209,7 @@ class _Prober:
             total_num_scheduled_tokens=sum(scheduled.values()),
             finished_req_ids=set(self.drop),
             blocks_to_swap_in=list(self.so.blocks_to_swap_in) if ids else [],
+            # The same tokens are sampled again, under the same grammar masks (the matchers have not moved).
+            structured_output_request_ids={r: i for r, i in self.so.structured_output_request_ids.items() if r in ids},
+            grammar_bitmask=self.so.grammar_bitmask,
         )
