@@ -462,10 +462,10 @@ def run_server(args: Any) -> int:
             )
             if getattr(args, "engine", None):
                 # Attached (as `serve`'s frontends): on core death stay up with /health 503 and re-attach.
-                from vllm_lite.entrypoints.serve_frontend import frontend_args_for_cli, reattaching_app
+                from vllm_lite.entrypoints.reattach import attach_target_for_cli, reattaching_app
 
                 app, engine, reattacher = reattaching_app(
-                    frontend_args_for_cli(args),
+                    attach_target_for_cli(args),
                     engine,
                     lambda handle, **on_death: build_app(handle, names, **options, **on_death),
                 )
