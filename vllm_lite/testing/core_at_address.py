@@ -3,6 +3,8 @@ can take its place and frontends attached by address see it come back."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from vllm_lite import launcher
 from vllm_lite.config import encode_vllm_config
 from vllm_lite.core.messages import EngineCoreArgs, EngineCoreReady
@@ -13,7 +15,9 @@ from vllm_lite.testing.checkpoints import get_checkpoint
 ENGINE_CORE_MODULE = "vllm_lite.core.engine_core_main"
 
 
-def start_core_at(addresses: CoreAddresses, heartbeat_timeout_s: float = 600.0) -> launcher.ChildProcess:
+def start_core_at(
+    addresses: CoreAddresses, auth_token: Optional[str] = None, heartbeat_timeout_s: float = 600.0
+) -> launcher.ChildProcess:
     """Start the core (small KV cache, CPU) and wait until it is ready; the caller stops it."""
     cfg = EngineArgs(
         model=get_checkpoint("llama"), device="cpu", max_model_len=1024, block_size=16, kv_cache_memory_bytes=16 << 20
@@ -23,6 +27,7 @@ def start_core_at(addresses: CoreAddresses, heartbeat_timeout_s: float = 600.0) 
         input_address=addresses.input,
         output_address=addresses.output,
         heartbeat_timeout_s=heartbeat_timeout_s,
+        auth_token=auth_token,
     )
     proc = launcher.start_child(ENGINE_CORE_MODULE, args, EngineCoreReady, name="test-core")
     try:
