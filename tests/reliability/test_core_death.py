@@ -10,31 +10,19 @@ process watch can explain a prompt `EngineDeadError`.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
-import socket
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
-from vllm_lite import launcher
 from vllm_lite.client.async_mp_client import AsyncMPClient
 from vllm_lite.client.exceptions import EngineDeadError
 from vllm_lite.client.mp_client import DEFAULT_ENGINE_SILENCE_TIMEOUT_S
 from vllm_lite.client.private_core import PrivateCore
 from vllm_lite.client.sync_mp_client import SyncMPClient
-from vllm_lite.config import encode_vllm_config
-from vllm_lite.core.messages import EngineCoreArgs, EngineCoreReady
-from vllm_lite.endpoints import CoreAddresses
-from vllm_lite.engine_args import EngineArgs
-from vllm_lite.entrypoints.serve_frontend import FRONTEND_MODULE, FrontendArgs, FrontendReady
-from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.fake_core import ThreadedCore, fake_config, request, spawn_fake_core
-from vllm_lite.testing.waiting import wait_until
 
 ENGINE_CORE_MODULE = "vllm_lite.core.engine_core_main"
 
@@ -109,78 +97,3 @@ def test_a_core_that_cannot_be_watched_gets_short_heartbeats() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- HTTP
-
-
-def _start_core(addresses: CoreAddresses) -> launcher.ChildProcess:
-    """A real engine core over the tiny Llama, at fixed addresses (so a second one can take its place)."""
-    cfg = EngineArgs(
-        model=get_checkpoint("llama"), device="cpu", max_model_len=1024, block_size=16, kv_cache_memory_bytes=16 << 20
-    ).create_engine_config()
-    args = EngineCoreArgs(
-        vllm_config=encode_vllm_config(cfg),
-        input_address=addresses.input,
-        output_address=addresses.output,
-        heartbeat_timeout_s=HUGE_S,
-    )
-    proc = launcher.start_child(ENGINE_CORE_MODULE, args, EngineCoreReady, name="test-core")
-    try:
-        proc.wait_ready(120)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
-
-
-def _post(url: str, body: dict) -> httpx.Response:
-    return httpx.post(url, json=body, timeout=DEADLINE_S)
-
-
-def test_http_frontend_reports_core_death_stays_up_with_503_and_reattaches(tmp_path) -> None:
-    base = f"ipc://{tmp_path}/core"
-    addresses = CoreAddresses.from_base(base)
-    core = _start_core(addresses)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    args = FrontendArgs(
-        engine=[base],
-        listen_fd=listener.fileno(),
-        core_pids=[core.pid],
-        frontend_name="http-t",
-        reattach_interval_s=0.5,
-    )
-    frontend = launcher.start_child(
-        FRONTEND_MODULE, args, FrontendReady, name="test-http", pass_fds=[listener.fileno()]
-    )
-    try:
-        url = f"http://127.0.0.1:{frontend.wait_ready(120).port}"
-        long = {"prompt": "The for statement", "max_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
-        with ThreadPoolExecutor(1) as pool:
-            plain = pool.submit(_post, f"{url}/v1/completions", long)
-            events: list[str] = []
-            with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=DEADLINE_S) as r:
-                assert r.status_code == 200
-                for line in r.iter_lines():
-                    if not line:
-                        continue
-                    events.append(line)
-                    if len(events) == 2:  # streaming: now the core dies mid-stream
-                        os.kill(core.pid, signal.SIGKILL)
-            # The stream ended with an error event, then [DONE]; the plain request got a 503.
-            assert events[-1] == "data: [DONE]"
-            error = json.loads(events[-2][len("data: ") :])["error"]
-            assert error["code"] == 503 and "engine" in error["message"].lower()
-            answer = plain.result()
-        assert answer.status_code == 503 and answer.json()["error"]["code"] == 503
-        wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, DEADLINE_S, "/health says 503")
-        assert frontend.is_alive()  # the HTTP server stays up
-        assert _post(f"{url}/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 503
-        core.wait(DEADLINE_S)
-        core = _start_core(addresses)  # a core comes back at the same address: the frontend says HELLO again
-        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, DEADLINE_S, "/health says 200 again")
-        again = _post(f"{url}/v1/completions", {"prompt": "The for statement", "max_tokens": 3, "temperature": 0.0})
-        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
-    finally:
-        frontend.stop()
-        core.stop()
-        listener.close()
