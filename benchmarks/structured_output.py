@@ -38,13 +38,20 @@ from vllm_lite.testing.json_schemas import JSON_SCHEMAS, ConstraintCase
 BACKENDS = ("xgrammar", "guidance")
 
 # Every request of workload (b) is under this schema: bounded, but long enough to fill --output-len tokens.
+# Strings are bounded by patterns, not maxLength: xgrammar does not enforce maxLength correctly (it lets control
+# characters in), so the engine refuses maxLength on backend=xgrammar and sends it to guidance under auto.
 THROUGHPUT_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "title": {"type": "string", "maxLength": 40},
+        "title": {"type": "string", "pattern": "^[A-Za-z0-9 ,.]{0,40}$"},
         "score": {"type": "integer", "minimum": 0, "maximum": 100},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 8},
-        "summary": {"type": "string", "maxLength": 400},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "pattern": "^[a-z0-9]{0,12}$"},
+            "minItems": 1,
+            "maxItems": 8,
+        },
+        "summary": {"type": "string", "pattern": "^[A-Za-z0-9 ,.;:()-]{0,400}$"},
     },
     "required": ["title", "score", "tags", "summary"],
     "additionalProperties": False,
