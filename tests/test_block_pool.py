@@ -182,3 +182,66 @@ def test_request_block_hashes_grow_incrementally_and_salt_changes_chain():
     salted = Request("c", list(range(12)), sp, None, 0.0, cache_salt="s")
     salted_hashes = update_request_block_hashes(salted, 4)
     assert all(x != y for x, y in zip(salted_hashes, r.block_hashes))
+
+
+# --------------------------------------------------------------- edges found by mutation testing (docs/MUTATION.md)
+def test_size_errors_say_what_is_needed():
+    with pytest.raises(ValueError, match=r"at least 2 \(block 0 is the null block\), got 1\."):
+        BlockPool(1)
+    with pytest.raises(ValueError, match=r"must be an integer, non-negative, got -1\."):
+        BlockPool(-1, reserve_null_block=False)
+
+
+def test_smallest_pools_work():
+    pool = BlockPool(2)  # the null block plus one usable block
+    assert pool.num_usable_blocks == 1 and [b.block_id for b in pool.get_new_blocks(1)] == [1]
+    empty = BlockPool(0, enable_caching=False, reserve_null_block=False)
+    assert empty.null_block is None and empty.num_usable_blocks == 0
+    assert empty.get_usage() == 0.0
+    assert BlockPool(3, reserve_null_block=False).num_usable_blocks == 3
+
+
+def test_get_zero_blocks_is_empty_not_an_error():
+    pool = BlockPool(3)
+    assert pool.get_new_blocks(0) == []
+    assert pool.get_num_free_blocks() == 2
+
+
+def test_null_block_is_marked_and_never_joins_the_free_list():
+    pool = BlockPool(4)
+    null = pool.null_block
+    assert null is not None and null.is_null is True
+    pool.touch([null])  # a request's placeholder entries take and drop references like any block
+    pool.free_blocks([null])
+    assert null not in pool.free_block_queue.get_all_free_blocks()
+    assert pool.get_num_free_blocks() == 3
+    # A null entry in a request's block list is never registered under a hash.
+    (b,) = pool.get_new_blocks(1)
+    hashes = _hashes(2)
+    pool.cache_full_blocks([null, b], hashes, 0, 2)
+    assert null.block_hash is None and pool.get_cached_block(hashes[0]) is None
+    assert pool.get_cached_block(hashes[1]) is b
+
+
+def test_cache_full_blocks_registers_only_the_new_range_and_skips_past_taken_ones():
+    pool = BlockPool(8)
+    a, b, c, d = pool.get_new_blocks(4)
+    hashes = _hashes(4)
+    # Blocks before num_cached are left alone, even when uncached.
+    pool.cache_full_blocks([a, b], hashes, 1, 2)
+    assert a.block_hash is None and b.block_hash == hashes[1]
+    # An already-hashed block and a duplicate hash are skipped, not the end of the range.
+    (dup,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([dup], hashes[2:3], 0, 1)
+    pool.cache_full_blocks([b, c, d], [hashes[1], hashes[2], hashes[3]], 0, 3)
+    assert c.block_hash is None  # hashes[2] is held by dup
+    assert pool.get_cached_block(hashes[3]) is d
+
+
+def test_cache_full_blocks_rejects_more_blocks_than_hashes():
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(2)
+    with pytest.raises(ValueError, match="cannot cache 2 blocks: request has 2 blocks and 1 hashes"):
+        pool.cache_full_blocks(blocks, _hashes(1), 0, 2)
+    with pytest.raises(ValueError, match="request has 1 blocks and 2 hashes"):
+        pool.cache_full_blocks(blocks[:1], _hashes(2), 0, 2)
