@@ -1,0 +1,267 @@
+"""Speculative decoding building blocks: the n-gram proposer, the rejection sampler and the stats counters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_lite.spec_decode.metrics import METRIC_NAMES, SpecDecodingStats
+from vllm_lite.spec_decode.ngram_proposer import NgramProposer
+from vllm_lite.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
+from vllm_lite.testing.chi_square import chi_square_pvalue
+
+# A distribution test fails when its p-value is below this; every draw is seeded, so the outcome is fixed.
+SIGNIFICANCE = 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- n-gram proposer
+def naive_ngram(history: list[int], k: int, min_n: int, max_n: int, max_model_len: int | None) -> list[int]:
+    """The definition, token by token: longest n first, most recent earlier occurrence, the k tokens after it."""
+    length = len(history)
+    budget = k if max_model_len is None else max(0, min(k, max_model_len - length))
+    for n in range(max_n, min_n - 1, -1):
+        suffix = history[length - n :] if n <= length else None
+        if suffix is None:
+            continue
+        for start in range(length - n - 1, -1, -1):
+            if history[start : start + n] == suffix:
+                return history[start + n : start + n + budget]
+    return []
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    histories=st.lists(st.lists(st.integers(0, 3), max_size=30), min_size=1, max_size=6),
+    k=st.integers(1, 6),
+    min_n=st.integers(1, 4),
+    extra_n=st.integers(0, 3),
+    max_model_len=st.one_of(st.none(), st.integers(1, 36)),
+)
+def test_ngram_matches_naive_reference(histories, k, min_n, extra_n, max_model_len) -> None:
+    proposer = NgramProposer(k, min_n, min_n + extra_n, max_model_len)
+    expected = [naive_ngram(h, k, min_n, min_n + extra_n, max_model_len) for h in histories]
+    assert proposer.propose_lists(histories) == expected
+
+
+def test_ngram_reads_only_each_rows_history_in_a_persistent_buffer() -> None:
+    """The runner passes its [max_num_reqs, max_model_len] buffer: stale tokens past num_tokens must not match."""
+    rng = np.random.default_rng(0)
+    histories = [rng.integers(0, 3, size=n).tolist() for n in (5, 17, 0, 9, 12)]
+    buf = rng.integers(0, 3, size=(len(histories), 40)).astype(np.int32)  # junk everywhere
+    for i, h in enumerate(histories):
+        buf[i, : len(h)] = h
+    proposal = NgramProposer(4, 1, 3).propose(buf, np.array([len(h) for h in histories]))
+    assert proposal.to_lists() == [naive_ngram(h, 4, 1, 3, None) for h in histories]
+    assert proposal.draft_token_ids.shape == (5, 4)
+    assert (proposal.draft_token_ids[np.arange(4)[None, :] >= proposal.num_draft_tokens[:, None]] == -1).all()
+
+
+@pytest.mark.parametrize(
+    ("history", "k", "min_n", "max_n", "expected"),
+    [
+        ([1, 2, 3, 4, 5], 3, 1, 3, []),  # no earlier occurrence of any suffix
+        ([5, 5, 5], 4, 2, 2, [5]),  # the occurrence ends right before the suffix's last token: one token follows
+        ([1, 2, 3, 4, 1, 2], 5, 2, 2, [3, 4, 1, 2]),  # k longer than what follows
+        ([1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2, [8, 1]),  # the most recent occurrence wins
+        ([9, 1, 2, 7, 3, 1, 2, 8, 9, 1, 2], 2, 2, 3, [7, 3]),  # the longest n wins over a more recent shorter one
+        ([9, 1, 2, 7, 3, 1, 2, 8, 9, 1, 2], 2, 2, 2, [8, 9]),  # ... and without it the most recent 2-gram
+        ([4, 4], 3, 2, 3, []),  # too short for an earlier 2-gram
+        ([], 3, 1, 1, []),
+    ],
+)
+def test_ngram_edge_cases(history, k, min_n, max_n, expected) -> None:
+    assert NgramProposer(k, min_n, max_n).propose_lists([history]) == [expected]
+    assert naive_ngram(history, k, min_n, max_n, None) == expected
+
+
+def test_ngram_proposal_stops_at_max_model_len() -> None:
+    history = [1, 2, 3, 4, 1, 2]
+    assert NgramProposer(5, 2, 2, max_model_len=8).propose_lists([history]) == [[3, 4]]
+    assert NgramProposer(5, 2, 2, max_model_len=6).propose_lists([history]) == [[]]
+
+
+@pytest.mark.parametrize(("k", "lo", "hi"), [(0, 1, 2), (2, 0, 2), (2, 3, 2)])
+def test_ngram_rejects_bad_settings(k, lo, hi) -> None:
+    with pytest.raises(ValueError):
+        NgramProposer(k, lo, hi)
+
+
+# ---------------------------------------------------------------------------------------------- rejection sampler
+def random_probs(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.rand(shape, generator=gen).pow(3).softmax(dim=-1)
+
+
+def naive_greedy(drafts: list[int], target: torch.Tensor) -> list[int]:
+    """What non-speculative greedy decoding emits, one position at a time, while it agrees with the drafts."""
+    out = []
+    for i, token in enumerate(drafts):
+        best = int(target[i].argmax())
+        out.append(best)
+        if best != token:
+            return out
+    out.append(int(target[len(drafts)].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_greedy_rows_emit_exactly_what_greedy_decoding_emits(with_draft_probs) -> None:
+    gen = torch.Generator().manual_seed(1)
+    b, k, v = 64, 4, 12
+    target = random_probs(gen, b, k + 1, v)
+    best = target[:, :k].argmax(dim=2)
+    agree = torch.rand((b, k), generator=gen) < 0.7
+    drafts = torch.where(agree, best, torch.randint(0, v, (b, k), generator=gen))
+    num_draft = torch.randint(0, k + 1, (b,), generator=gen)
+    draft_probs = random_probs(gen, b, k, v) if with_draft_probs else None
+    out = rejection_sample(drafts, num_draft, draft_probs, target, torch.ones(b, dtype=torch.bool))
+    for i in range(b):
+        expected = naive_greedy(drafts[i, : num_draft[i]].tolist(), target[i])
+        row = out.output_token_ids[i].tolist()
+        assert row[: len(expected)] == expected
+        assert row[len(expected) :] == [PLACEHOLDER_TOKEN_ID] * (k + 1 - len(expected))
+        assert int(out.num_accepted[i]) == len(expected) - 1
+
+
+def test_greedy_rows_do_not_depend_on_random_rows_beside_them() -> None:
+    gen = torch.Generator().manual_seed(2)
+    b, k, v = 16, 3, 10
+    target = random_probs(gen, b, k + 1, v)
+    drafts = target[:, :k].argmax(dim=2)
+    drafts[::3, 1] = (drafts[::3, 1] + 1) % v
+    num_draft = torch.full((b,), k)
+    greedy = torch.arange(b) % 2 == 0
+    mixed = rejection_sample(drafts, num_draft, None, target, greedy)
+    alone = rejection_sample(drafts, num_draft, None, target, torch.ones(b, dtype=torch.bool))
+    assert torch.equal(mixed.output_token_ids[greedy], alone.output_token_ids[greedy])
+
+
+def emitted_distributions_match(out, target: torch.Tensor, draft_tokens: torch.Tensor) -> None:
+    """The first emitted token follows p_1; given x_1 accepted the second follows p_2; given both, the bonus p_3."""
+    tokens = out.output_token_ids
+    v = target.shape[-1]
+    conditioned = torch.ones(tokens.shape[0], dtype=torch.bool)
+    for pos in range(target.shape[0]):
+        counts = torch.bincount(tokens[conditioned, pos], minlength=v)
+        assert int(counts.sum()) > 2000, "too few draws reach this position for the test to have power"
+        pvalue = chi_square_pvalue(counts, target[pos])
+        assert pvalue > SIGNIFICANCE, f"position {pos}: counts {counts.tolist()} vs {target[pos].tolist()}"
+        if pos < draft_tokens.shape[1]:
+            conditioned &= tokens[:, pos] == draft_tokens[:, pos]
+
+
+TARGET = torch.tensor(
+    [
+        [0.35, 0.25, 0.2, 0.15, 0.05],
+        [0.1, 0.5, 0.05, 0.05, 0.3],
+        [0.2, 0.2, 0.2, 0.2, 0.2],
+    ]
+)
+
+
+def test_point_mass_drafts_keep_the_target_distribution_with_seeded_rows() -> None:
+    """n-gram proposals (q = point mass), every row with its own seeded generator."""
+    b, k = 12000, 2
+    drafts = torch.tensor([[0, 1]]).expand(b, k)
+    target = TARGET.expand(b, -1, -1)
+    generators = {i: torch.Generator().manual_seed(1000 + i) for i in range(b)}
+    out = rejection_sample(drafts, torch.full((b,), k), None, target, torch.zeros(b, dtype=torch.bool), generators)
+    emitted_distributions_match(out, TARGET, drafts)
+
+
+def test_draft_model_proposals_keep_the_target_distribution() -> None:
+    """A draft distribution q unlike p; the draft tokens are drawn from q, as a draft model does."""
+    b, k = 30000, 2
+    q = torch.tensor([[0.1, 0.1, 0.6, 0.1, 0.1], [0.3, 0.3, 0.3, 0.05, 0.05]])
+    gen = torch.Generator().manual_seed(3)
+    drafts = torch.stack([torch.multinomial(q[i], b, replacement=True, generator=gen) for i in range(k)], dim=1)
+    with torch.random.fork_rng(devices=[]):  # unseeded rows use the global stream: fix it, then restore it
+        torch.manual_seed(4)
+        out = rejection_sample(
+            drafts, torch.full((b,), k), q.expand(b, -1, -1), TARGET.expand(b, -1, -1), torch.zeros(b, dtype=torch.bool)
+        )
+    emitted_distributions_match(out, TARGET, drafts)
+
+
+def test_draft_equal_to_target_accepts_everything() -> None:
+    gen = torch.Generator().manual_seed(5)
+    b, k, v = 256, 4, 9
+    target = random_probs(gen, b, k + 1, v)
+    q = target[:, :k].clone()
+    drafts = torch.multinomial(q.reshape(-1, v), 1, generator=gen).reshape(b, k)
+    num_draft = torch.randint(0, k + 1, (b,), generator=gen)
+    generators = {i: torch.Generator().manual_seed(i) for i in range(0, b, 2)}
+    out = rejection_sample(drafts, num_draft, q, target, torch.zeros(b, dtype=torch.bool), generators)
+    assert torch.equal(out.num_accepted, num_draft)
+    # A point mass on a token the target is sure of is accepted too; one the target rules out never is.
+    sure = torch.nn.functional.one_hot(drafts, v).float()
+    target_sure = torch.cat([sure, target[:, k:]], dim=1)
+    out = rejection_sample(drafts, num_draft, None, target_sure, torch.zeros(b, dtype=torch.bool), generators)
+    assert torch.equal(out.num_accepted, num_draft)
+    target_never = torch.cat([(1.0 - sure) / (v - 1), target[:, k:]], dim=1)
+    out = rejection_sample(drafts, num_draft, None, target_never, torch.zeros(b, dtype=torch.bool))
+    assert int(out.num_accepted.max()) == 0
+    rows_with_drafts = num_draft > 0
+    assert (out.output_token_ids[rows_with_drafts, 0] != drafts[rows_with_drafts, 0]).all()
+
+
+def test_seeded_row_is_reproducible_whatever_the_batch_around_it() -> None:
+    gen = torch.Generator().manual_seed(6)
+    b, k, v = 8, 3, 7
+    target = random_probs(gen, b, k + 1, v)
+    drafts = torch.randint(0, v, (b, k), generator=gen)
+    num_draft = torch.full((b,), k)
+    random_rows = torch.zeros(b, dtype=torch.bool)
+    first = rejection_sample(drafts, num_draft, None, target, random_rows, {3: torch.Generator().manual_seed(9)})
+    # Alone, in a batch of one, and again in the full batch: the seeded row emits the same tokens.
+    alone = rejection_sample(
+        drafts[3:4], num_draft[3:4], None, target[3:4], random_rows[3:4], {0: torch.Generator().manual_seed(9)}
+    )
+    again = rejection_sample(drafts, num_draft, None, target, random_rows, {3: torch.Generator().manual_seed(9)})
+    assert torch.equal(first.output_token_ids[3], alone.output_token_ids[0])
+    assert torch.equal(first.output_token_ids[3], again.output_token_ids[3])
+
+
+def test_rejection_sampler_rejects_mismatched_shapes() -> None:
+    drafts, num_draft, greedy = (
+        torch.zeros(2, 3, dtype=torch.long),
+        torch.full((2,), 3),
+        torch.zeros(2, dtype=torch.bool),
+    )
+    with pytest.raises(ValueError, match="target_probs"):
+        rejection_sample(drafts, num_draft, None, torch.full((2, 3, 5), 0.2), greedy)
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection_sample(drafts, num_draft, torch.full((2, 3, 4), 0.25), torch.full((2, 4, 5), 0.2), greedy)
+    with pytest.raises(ValueError, match="generators"):
+        rejection_sample(drafts, num_draft, None, torch.full((2, 4, 5), 0.2), greedy, {2: torch.Generator()})
+
+
+# ---------------------------------------------------------------------------------------------- stats
+def test_spec_decoding_stats_count_drafts_and_acceptances_per_position() -> None:
+    one_by_one = SpecDecodingStats.new(3)
+    for drafted, accepted in [(3, 2), (3, 0), (2, 2), (0, 0), (1, 1)]:
+        if drafted:
+            one_by_one.observe_draft(drafted, accepted)
+    batched = SpecDecodingStats.new(3)
+    batched.observe_batch(np.array([3, 3, 2, 0, 1]), np.array([2, 0, 2, 0, 1]))
+    assert one_by_one == batched
+    assert batched.counters() == {
+        "vllm:spec_decode_num_drafts": 4,
+        "vllm:spec_decode_num_draft_tokens": 9,
+        "vllm:spec_decode_num_accepted_tokens": 5,
+        "vllm:spec_decode_num_accepted_tokens_per_pos": [3, 2, 0],
+    }
+    assert set(METRIC_NAMES.values()) == set(batched.counters())
+    assert batched.draft_acceptance_rate == pytest.approx(5 / 9)
+    assert batched.mean_acceptance_length == pytest.approx(1 + 5 / 4)
+    assert batched.acceptance_rate_per_pos == pytest.approx([0.75, 0.5, 0.0])
+    total = SpecDecodingStats.new(3)
+    total.merge(batched)
+    total.merge(one_by_one)
+    assert total.num_accepted_tokens_per_pos == [6, 4, 0] and total.num_drafts == 8
+    with pytest.raises(ValueError):
+        batched.observe_draft(2, 3)
+    with pytest.raises(ValueError):
+        batched.observe_batch(np.array([4]), np.array([1]))

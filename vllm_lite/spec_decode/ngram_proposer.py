@@ -1,0 +1,122 @@
+"""N-gram (prompt lookup) proposals: guess the next tokens by finding the request's recent tokens earlier in it.
+
+vLLM's `method: "ngram"`. For each request, the last n tokens of its history (prompt + outputs) are looked up
+among its earlier tokens, for n from `prompt_lookup_max` down to `prompt_lookup_min`; the most recent earlier
+occurrence of the longest n that matches wins, and the (up to) k tokens that followed it are the proposal.
+
+The search is vectorised over the whole batch with numpy: for every request and every earlier position j it
+computes how many tokens ending at j equal the history's suffix (a loop over the at most `prompt_lookup_max`
+offsets, never over tokens or requests), then picks the longest match, latest first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class NgramProposal:
+    """Proposed draft tokens per request: `draft_token_ids[i, :num_draft_tokens[i]]`, the rest -1."""
+
+    draft_token_ids: np.ndarray  # int64 [B, k]
+    num_draft_tokens: np.ndarray  # int64 [B]
+
+    def to_lists(self) -> list[list[int]]:
+        return [row[:n].tolist() for row, n in zip(self.draft_token_ids, self.num_draft_tokens)]
+
+
+class NgramProposer:
+    """Proposes up to `num_speculative_tokens` tokens per request by prompt lookup; holds no per-request state."""
+
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        prompt_lookup_min: int,
+        prompt_lookup_max: int,
+        max_model_len: int | None = None,
+    ) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens!r}.")
+        if prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min must be >= 1, got {prompt_lookup_min!r}.")
+        if prompt_lookup_max < prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max ({prompt_lookup_max!r}) must be >= prompt_lookup_min ({prompt_lookup_min!r})."
+            )
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len!r}.")
+        self.k = num_speculative_tokens
+        self.min_n = prompt_lookup_min
+        self.max_n = prompt_lookup_max
+        self.max_model_len = max_model_len
+
+    def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray) -> NgramProposal:
+        """Proposals for a batch: `token_ids[i, :num_tokens[i]]` is request i's history (the rest is ignored).
+
+        `token_ids` may be the runner's persistent [max_num_reqs, max_model_len] buffer (any integer dtype); only
+        its first max(num_tokens) columns are read. A request whose proposal would pass `max_model_len` gets
+        fewer tokens (none when it is already there).
+        """
+        token_ids = np.asarray(token_ids)
+        num_tokens = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
+        if token_ids.ndim != 2 or token_ids.shape[0] != num_tokens.shape[0]:
+            raise ValueError(
+                f"token_ids must be [B, W] with B = len(num_tokens), got {token_ids.shape} and {num_tokens.shape}."
+            )
+        b = num_tokens.shape[0]
+        if b and (num_tokens.min() < 0 or num_tokens.max() > token_ids.shape[1]):
+            raise ValueError(f"num_tokens must be in [0, {token_ids.shape[1]}], got {num_tokens!r}.")
+        drafts = np.full((b, self.k), -1, dtype=np.int64)
+        counts = np.zeros(b, dtype=np.int64)
+        width = int(num_tokens.max()) if b else 0
+        if width < self.min_n + 1:  # a match needs n tokens before the suffix's last one
+            return NgramProposal(drafts, counts)
+        hist = token_ids[:, :width].astype(np.int64, copy=False)
+        match_len = self._suffix_match_lengths(hist, num_tokens)
+
+        # Longest match (capped at max_n), and its latest end position.
+        best = match_len.max(axis=1)
+        found = best >= self.min_n
+        latest = width - 1 - np.argmax((match_len == best[:, None])[:, ::-1], axis=1)
+
+        budget = np.full(b, self.k, dtype=np.int64)
+        if self.max_model_len is not None:
+            budget = np.clip(self.max_model_len - num_tokens, 0, self.k)
+        idx = latest[:, None] + 1 + np.arange(self.k)[None, :]
+        take = found[:, None] & (idx < num_tokens[:, None]) & (np.arange(self.k)[None, :] < budget[:, None])
+        gathered = np.take_along_axis(hist, np.minimum(idx, width - 1), axis=1)
+        drafts[take] = gathered[take]
+        counts[:] = take.sum(axis=1)
+        return NgramProposal(drafts, counts)
+
+    def propose_lists(self, histories: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Convenience form: one list of token ids per request in, one proposal list per request out."""
+        lens = np.array([len(h) for h in histories], dtype=np.int64)
+        buf = np.zeros((len(histories), int(lens.max()) if len(lens) else 0), dtype=np.int64)
+        for i, h in enumerate(histories):
+            buf[i, : len(h)] = h
+        return self.propose(buf, lens).to_lists()
+
+    def _suffix_match_lengths(self, hist: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
+        """[B, W]: how many tokens ending at position j equal the history's last ones (capped at max_n).
+
+        Only j <= num_tokens - 2 count (an occurrence must end before the suffix's last token); others are 0.
+        """
+        b, width = hist.shape
+        rows = np.arange(b)
+        cols = np.arange(width)
+        in_range = cols[None, :] <= num_tokens[:, None] - 2
+        run = in_range.copy()
+        match_len = np.zeros((b, width), dtype=np.int64)
+        for t in range(self.max_n):
+            suffix_tok = hist[rows, np.maximum(num_tokens - 1 - t, 0)]  # [B]; j - t >= 0 implies this index >= 1
+            shifted = np.full((b, width), -1, dtype=np.int64)
+            shifted[:, t:] = hist[:, : width - t]  # shifted[:, j] = hist[:, j - t]
+            run &= (shifted == suffix_tok[:, None]) & (cols[None, :] >= t)
+            if not run.any():
+                break
+            match_len += run
+        return match_len

@@ -1,0 +1,138 @@
+"""Verifies draft tokens against the target model's distributions: keeps the longest acceptable prefix, then one
+more token, so the emitted tokens follow the target distribution exactly (Leviathan et al. / Chen et al.).
+
+Per request with k' <= k drafts x_1..x_k' (padded to k), draft distributions q_i (None: n-gram, a point mass on
+x_i) and target distributions p_1..p_{k'+1} (after temperature/top-k/top-p, as the sampler would use them):
+
+- greedy rows accept x_i while x_i == argmax p_i; at the first mismatch they emit argmax p_i, after all k' the
+  bonus argmax p_{k'+1}: exactly the tokens non-speculative greedy decoding emits. Only the argmax of a greedy
+  row's `target_probs` is read, so the caller may pass processed logits there.
+- random rows accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection they draw from the
+  residual norm(max(0, p_i - q_i)), after all k' the bonus from p_{k'+1}.
+
+All rows are handled by batched tensor ops. The categorical draw is the sampler's exponential race
+(argmax(w / E), E ~ Exp(1)), which needs no normalisation of the residual. A seeded row draws k uniforms and one
+[V] noise vector from its own generator every call, so its tokens do not depend on the rows around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass
+class RejectionSamplerOutput:
+    # int64 [B, k+1]: accepted drafts, then the recovered or bonus token, then PLACEHOLDER_TOKEN_ID.
+    output_token_ids: torch.Tensor
+    num_accepted: torch.Tensor  # int64 [B], drafts accepted (the row emitted num_accepted + 1 tokens)
+
+
+def _exponential(shape: tuple[int, ...], device: torch.device, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Exp(1) as -log(U), U in [0, 1): never 0, the same draw the sampler's race uses."""
+    return torch.rand(shape, device=device, generator=generator).log_().neg_()
+
+
+def _draws(
+    batch: int, k: int, vocab: int, device: torch.device, generators: dict[int, torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Acceptance uniforms [B, k] and race noise [B, V]; seeded rows overwrite theirs from their own stream."""
+    uniforms = torch.rand((batch, k), device=device)
+    noise = _exponential((batch, vocab), device, None)
+    for row, gen in generators.items():  # seeded rows only do Python work
+        uniforms[row] = torch.rand((k,), device=device, generator=gen)
+        noise[row] = _exponential((vocab,), device, gen)
+    return uniforms, noise
+
+
+def _check(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    target_probs: torch.Tensor,
+    is_greedy: torch.Tensor,
+    generators: dict[int, torch.Generator],
+) -> None:
+    if draft_token_ids.dim() != 2:
+        raise ValueError(f"draft_token_ids must be [B, k], got {tuple(draft_token_ids.shape)}.")
+    b, k = draft_token_ids.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (b, k + 1):
+        raise ValueError(f"target_probs must be [{b}, {k + 1}, V], got {tuple(target_probs.shape)}.")
+    if draft_probs is not None and draft_probs.shape != (b, k, target_probs.shape[2]):
+        raise ValueError(f"draft_probs must be [{b}, {k}, {target_probs.shape[2]}], got {tuple(draft_probs.shape)}.")
+    if num_draft_tokens.shape != (b,) or is_greedy.shape != (b,):
+        raise ValueError(
+            f"num_draft_tokens and is_greedy must be [{b}], got {tuple(num_draft_tokens.shape)} and "
+            f"{tuple(is_greedy.shape)}."
+        )
+    if any(not 0 <= row < b for row in generators):
+        raise ValueError(f"generators must be keyed by rows in [0, {b}), got {sorted(generators)!r}.")
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    target_probs: torch.Tensor,
+    is_greedy: torch.Tensor,
+    generators: Optional[dict[int, torch.Generator]] = None,
+) -> RejectionSamplerOutput:
+    """Verify a batch of proposals.
+
+    draft_token_ids: int [B, k], row i's drafts in columns [0, num_draft_tokens[i]) (padding is ignored).
+    draft_probs: float [B, k, V] draft distributions, or None for point masses (n-gram).
+    target_probs: float [B, k+1, V], position j = the target's distribution after the first j drafts.
+    is_greedy: bool [B]. generators: batch row -> its request's generator (seeded rows only), as in
+    SamplingMetadata.generators.
+    """
+    generators = generators or {}
+    _check(draft_token_ids, num_draft_tokens, draft_probs, target_probs, is_greedy, generators)
+    b, k = draft_token_ids.shape
+    vocab = target_probs.shape[2]
+    device = target_probs.device
+    positions = torch.arange(k, device=device)
+    num_draft = num_draft_tokens.to(device=device, dtype=torch.int64)
+    greedy = is_greedy.to(device=device, dtype=torch.bool)
+    valid = positions.unsqueeze(0) < num_draft.unsqueeze(1)  # [B, k]
+    drafts = torch.where(valid, draft_token_ids.to(device=device, dtype=torch.int64), 0)
+    target = target_probs.float()
+
+    uniforms, noise = _draws(b, k, vocab, device, generators)
+    p_draft = target[:, :k].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, k]
+    q_draft = (
+        torch.ones_like(p_draft)
+        if draft_probs is None
+        else draft_probs.float().gather(2, drafts.unsqueeze(2)).squeeze(2)
+    )
+    accept_random = uniforms * q_draft < p_draft  # P(u < p/q) = min(1, p/q)
+    accept_greedy = drafts == target[:, :k].argmax(dim=2)
+    accepted = torch.where(greedy.unsqueeze(1), accept_greedy, accept_random) & valid
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # length of the accepted prefix
+
+    # The extra token at position a = num_accepted: residual on a rejection, the bonus when all were accepted.
+    rows = torch.arange(b, device=device)
+    p_next = target[rows, num_accepted]  # [B, V]
+    rejected = num_accepted < num_draft
+    if k:
+        at = num_accepted.clamp(max=k - 1)
+        if draft_probs is None:
+            q_next = torch.nn.functional.one_hot(drafts[rows, at], vocab).to(p_next.dtype)
+        else:
+            q_next = draft_probs.float()[rows, at]
+        residual = (p_next - q_next * rejected.unsqueeze(1)).clamp_(min=0.0)
+        # Rounding can leave a rejected row's residual empty (p ~= q); it then draws from p, the limit case.
+        empty = residual.sum(dim=1, keepdim=True) <= 0.0
+        weights = torch.where(empty, p_next, residual)
+    else:
+        weights = p_next
+    recovered = torch.where(greedy, p_next.argmax(dim=1), (weights / noise).argmax(dim=1))
+
+    columns = torch.arange(k + 1, device=device).unsqueeze(0)
+    padded_drafts = torch.nn.functional.pad(drafts, (0, 1), value=PLACEHOLDER_TOKEN_ID)
+    out = torch.where(columns < num_accepted.unsqueeze(1), padded_drafts, PLACEHOLDER_TOKEN_ID)
+    out[rows, num_accepted] = recovered
+    return RejectionSamplerOutput(output_token_ids=out, num_accepted=num_accepted)
