@@ -19,7 +19,7 @@ import pytest
 from vllm_lite import launcher
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.echo_child import ECHO_MODULE, EchoArgs, EchoReady
-from vllm_lite.testing.processes import children, cmdline, process_gone, rank_children
+from vllm_lite.testing.processes import children, cmdline, launched_as, process_gone, rank_children
 from vllm_lite.testing.waiting import wait_until
 
 # A generous deadline for things that take a moment on a loaded 2-core machine.
@@ -56,7 +56,7 @@ def test_arguments_and_secrets_never_reach_argv_or_an_inherited_environment(monk
     try:
         ready = child.wait_ready(DEADLINE_S)
         argv = cmdline(child.pid)
-        assert "-m vllm_lite.testing.echo_child" in argv and "--name echo" in argv
+        assert launched_as(child.pid, ECHO_MODULE, "echo")
         assert "argument-secret" not in argv and "parent-secret" not in argv
         assert "VLLM_LITE_AUTH_TOKEN" not in ready.env  # secrets are not inherited
         assert ready.env.get("ECHO_FOR_THIS_CHILD") == "yes"  # extra env reaches that child

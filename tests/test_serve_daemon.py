@@ -39,7 +39,7 @@ from vllm_lite.core.messages import (
 from vllm_lite.endpoints import CoreAddresses
 from vllm_lite.entrypoints.serve_daemon import check_bind_allowed, is_loopback_host
 from vllm_lite.testing.checkpoints import get_checkpoint
-from vllm_lite.testing.processes import children, cmdline, process_gone
+from vllm_lite.testing.processes import children, launched_as, process_gone
 from vllm_lite.testing.serve_process import ServeProcess
 from vllm_lite.testing.waiting import wait_until
 
@@ -495,7 +495,7 @@ def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down
         with ThreadPoolExecutor(6) as pool:
             texts = list(pool.map(lambda p: http_complete(base_url, p, 16), prompts))
         assert texts == [reference(p, 16)[1] for p in prompts]
-        frontends = [p for p in children(d.proc.pid) if "serve_frontend" in cmdline(p)]
+        frontends = [p for p in children(d.proc.pid) if launched_as(p, "vllm_lite.entrypoints.serve_frontend", "http-")]
         assert len(frontends) == 2
 
         os.kill(core_pid, signal.SIGKILL)
@@ -541,7 +541,7 @@ def test_killing_the_serve_process_leaves_no_core_or_frontend_behind(long_ckpt, 
         _, line = d.core_line()
         d.api_url()
         core_pid = int(line.rsplit("pid ", 1)[1].rstrip(")"))
-        frontends = [p for p in children(d.proc.pid) if "serve_frontend" in cmdline(p)]
+        frontends = [p for p in children(d.proc.pid) if launched_as(p, "vllm_lite.entrypoints.serve_frontend", "http-")]
         assert len(frontends) == 1
         d.proc.kill()
         d.proc.wait(10)

@@ -42,9 +42,16 @@ def process_gone(pid: int) -> bool:
         return True
 
 
+def launched_as(pid: int, module: str, name: str) -> bool:
+    """Started by the launcher as `python -m module ... --name NAME...`, whose title, where setproctitle is
+    installed (mutmut brings it), becomes `vllm-lite NAME...`: `name` is a prefix of the child's name."""
+    line = cmdline(pid)
+    return f"-m {module} " in line or line.startswith(f"vllm-lite {name}")
+
+
 def is_rank_process(pid: int) -> bool:
     """A tensor-parallel rank started by the launcher."""
-    return f"-m {TP_RANK_MODULE} " in cmdline(pid)
+    return launched_as(pid, TP_RANK_MODULE, "tp-rank-")
 
 
 def rank_children(pid: int) -> list[int]:

@@ -21,7 +21,7 @@ from vllm_lite.client.exceptions import EngineDeadError
 from vllm_lite.endpoints import CoreAddresses
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.testing.checkpoints import get_checkpoint
-from vllm_lite.testing.processes import children, cmdline
+from vllm_lite.testing.processes import children, launched_as
 from vllm_lite.testing.serve_process import ServeProcess
 from vllm_lite.testing.waiting import wait_until
 
@@ -89,7 +89,7 @@ class TargetDaemon(ServeProcess):
         return super().diagnostics() + "\n--- stderr (last 4000 chars) ---\n" + self.log()[-4000:]
 
     def frontend_pids(self) -> list[int]:
-        return [p for p in children(self.proc.pid) if "serve_frontend" in cmdline(p)]
+        return [p for p in children(self.proc.pid) if launched_as(p, "vllm_lite.entrypoints.serve_frontend", "http-")]
 
     # ------------------------------------------------------------------ a real client beside the attackers
     @property
