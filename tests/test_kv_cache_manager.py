@@ -207,3 +207,96 @@ def test_bad_arguments_raise_value_error():
         m.allocate_slots(_req("a", 3), -1)
     with pytest.raises(ValueError, match="num_new_computed_tokens"):
         m.allocate_slots(_req("a", 3), 1, 4, [])
+
+
+# --------------------------------------------------------------- edges found by mutation testing (docs/MUTATION.md)
+def test_constructor_bounds_and_messages():
+    with pytest.raises(ValueError, match=r"sliding_window must be a positive integer or None, got 0\."):
+        KVCacheManager(num_blocks=4, block_size=BS, sliding_window=0)
+    with pytest.raises(ValueError, match=r"got 1\.5\."):
+        KVCacheManager(num_blocks=4, block_size=BS, sliding_window=1.5)
+    m = KVCacheManager(num_blocks=4, block_size=1, sliding_window=1)  # the smallest legal sizes
+    assert m.block_size == 1 and m.sliding_window == 1
+    # No swap space unless asked for.
+    assert KVCacheManager(num_blocks=4, block_size=BS).host_pool.num_usable_blocks == 0
+
+
+def test_allocate_zero_new_tokens_is_a_no_op():
+    m = KVCacheManager(num_blocks=10, block_size=BS)
+    a = _req("a", 4)
+    assert m.allocate_slots(a, 0) == [] and m.num_free_blocks == 9
+    # A prefix hit with nothing new to compute takes the hit blocks and allocates nothing more.
+    _admit(m, b := _req("b", 9))
+    m.cache_blocks(b, 9)
+    c = _req("c", 9)
+    hits, num_hit = m.get_computed_blocks(c)
+    assert num_hit == 8
+    assert m.allocate_slots(c, 0, num_hit, hits) == []
+    assert m.get_blocks("c") == hits
+
+
+def test_allocate_slots_argument_errors_name_the_problem():
+    m = KVCacheManager(num_blocks=20, block_size=BS)
+    a = _req("a", 9)
+    _admit(m, a)
+    m.cache_blocks(a, 9)
+    b = _req("b", 9)
+    hits, _ = m.get_computed_blocks(b)
+    with pytest.raises(ValueError, match=r"num_new_computed_tokens=4 does not match 2 computed blocks of 4 tokens"):
+        m.allocate_slots(b, 1, 4, hits)
+    m.allocate_slots(b, 1)
+    with pytest.raises(ValueError, match=r"request 'b' already holds blocks; prefix hits apply only on admission"):
+        m.allocate_slots(b, 1, 8, hits)
+
+
+def test_block_lists_of_unknown_requests_are_empty():
+    m = KVCacheManager(num_blocks=10, block_size=BS)
+    assert m.get_blocks("nobody") == [] and m.get_block_ids("nobody") == [] and m.num_blocks_in_use("nobody") == 0
+    a = _req("a", 5)
+    new = m.allocate_slots(a, 5)
+    assert m.get_blocks("a") == new and m.num_blocks_in_use("a") == 2
+
+
+def _evict_all_cached(m: KVCacheManager) -> None:
+    """Take every free block once (evicting its cached hash) and give it back."""
+    filler = _req("filler", 1)
+    assert m.allocate_slots(filler, m.num_free_blocks * BS) is not None
+    m.free(filler)
+
+
+def test_a_request_freed_and_readmitted_caches_its_blocks_again():
+    """Preemption by recompute frees a request and admits it again under the same id."""
+    m = KVCacheManager(num_blocks=6, block_size=BS)
+    a = _req("a", 9)
+    _admit(m, a)
+    m.cache_blocks(a, 9)
+    m.free(a)
+    _evict_all_cached(m)
+    a.num_computed_tokens = 0
+    _admit(m, a)  # no hit left: a fresh allocation
+    m.cache_blocks(a, 9)
+    assert m.get_computed_blocks(_req("b", 9))[1] == 8
+
+
+def test_swap_round_trip_caches_the_new_device_blocks_and_fits_exactly():
+    m = KVCacheManager(num_blocks=4, block_size=BS, num_cpu_blocks=2)  # 3 usable device blocks
+    a = _req("a", 8)
+    _admit(m, a)
+    m.cache_blocks(a, 8)
+    assert m.swap_out(a) is not None  # exactly as many host blocks as the request holds
+    _evict_all_cached(m)
+    other = _req("o", 4)
+    m.allocate_slots(other, 4)  # leaves exactly 2 free device blocks: enough, nothing to grow
+    assert m.swap_in(a, 0) is not None
+    m.cache_blocks(a, 8)
+    assert m.get_computed_blocks(_req("b", 9))[1] == 8
+
+
+def test_swap_of_a_request_without_blocks_and_swap_state_errors():
+    m = KVCacheManager(num_blocks=4, block_size=BS, num_cpu_blocks=2)
+    a = _req("a", 3)
+    assert m.swap_out(a) == [] and m.is_swapped("a")
+    with pytest.raises(ValueError, match=r"request 'a' is already swapped out"):
+        m.swap_out(a)
+    with pytest.raises(ValueError, match=r"request 'b' is not swapped out"):
+        m.swap_in(_req("b", 3), 1)
