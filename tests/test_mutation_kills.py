@@ -29,10 +29,12 @@ def _req(rid: str, *, priority: int = 0, arrival: float = 0.0) -> Request:
 def test_empty_queue_is_falsy_and_refuses_peek_and_pop(policy: str):
     q = create_request_queue(policy)
     assert not q and len(q) == 0 and list(q) == []
-    with pytest.raises(IndexError, match="peek from an empty request queue"):
+    with pytest.raises(IndexError) as peeked:
         q.peek()
-    with pytest.raises(IndexError, match="pop from an empty request queue"):
+    assert str(peeked.value) == "peek from an empty request queue"
+    with pytest.raises(IndexError) as popped:
         q.pop()
+    assert str(popped.value) == "pop from an empty request queue"
     q.add(_req("a"))
     assert q and len(q) == 1
 
@@ -160,7 +162,9 @@ _REJECTED = [
     ({"arrival_time": True}, "request 'r': arrival_time must be a number, got True."),
     ({"cache_salt": 5}, "request 'r': cache_salt must be a str or None, got int."),
     ({"cache_salt": "abcd"}, "request 'r': cache_salt must be at most 3 characters, got 4."),
-    ({"sampling_params": None}, "request 'r': sampling_params must be a SamplingParams, got NoneType."),
+    ({"sampling_params": {"n": 1}}, "request 'r': sampling_params must be a SamplingParams, got dict."),
+    ({"prompt_token_ids": None}, "request 'r': prompt_token_ids must be a list, got NoneType."),
+    ({"prompt_token_ids": [0, 10]}, "request 'r': prompt_token_ids holds token id 10, out of vocabulary (size 10)."),
     # sampling params
     ({"p_n": 0}, "request 'r': n must be in [1, 3], got 0."),
     ({"p_n": 4}, "request 'r': n must be in [1, 3], got 4."),
@@ -205,6 +209,17 @@ _REJECTED = [
     ),
     ({"p_stop_token_ids": [10]}, "request 'r': stop_token_ids holds token id 10, out of vocabulary (size 10)."),
     ({"p_stop_token_ids": [1, 2, 3]}, "request 'r': stop_token_ids must have at most 2 entries, got 3."),
+    ({"p__all_stop_token_ids": [1, 2, 3]}, "request 'r': all_stop_token_ids must have at most 2 entries, got 3."),
+    ({"p__bad_words_token_ids": [[1], None]}, "request 'r': bad_words_token_ids must be a list, got NoneType."),
+    # A value's repr of exactly 80 characters is shown whole; longer ones are cut to 77 plus "...".
+    (
+        {"p_stop": ["x" * 78]},
+        "request 'r': stop must hold non-empty strings of at most 3 characters, got '" + "x" * 78 + "'.",
+    ),
+    (
+        {"p_stop": ["x" * 79]},
+        "request 'r': stop must hold non-empty strings of at most 3 characters, got '" + "x" * 76 + "....",
+    ),
     (
         {"p__all_stop_token_ids": [10]},
         "request 'r': all_stop_token_ids holds token id 10, out of vocabulary (size 10).",
