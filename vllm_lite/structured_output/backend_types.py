@@ -25,9 +25,17 @@ class StructuredOutputMatcher(ABC):
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         """Advance over `token_ids`; False (state unchanged past the first rejected token) if one is not allowed."""
 
-    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Un-accept the last `num_tokens` accepted tokens (preemption, rejected speculative tokens)."""
+        if num_tokens < 0 or num_tokens > self.num_accepted_tokens:
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.num_accepted_tokens} accepted.")
+        if num_tokens:
+            self._rollback(num_tokens)
+            self.num_accepted_tokens -= num_tokens
+
+    @abstractmethod
+    def _rollback(self, num_tokens: int) -> None:
+        """The backend's own rollback of `num_tokens` (already checked against what was accepted)."""
 
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:

@@ -66,12 +66,8 @@ class XgrammarMatcher(StructuredOutputMatcher):
             self.num_accepted_tokens += 1
         return True
 
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens < 0 or num_tokens > self.num_accepted_tokens:
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.num_accepted_tokens} accepted.")
-        if num_tokens:
-            self._m.rollback(num_tokens)
-            self.num_accepted_tokens -= num_tokens
+    def _rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
