@@ -300,3 +300,37 @@ def test_swap_of_a_request_without_blocks_and_swap_state_errors():
         m.swap_out(a)
     with pytest.raises(ValueError, match=r"request 'b' is not swapped out"):
         m.swap_in(_req("b", 3), 1)
+
+
+def test_window_frees_later_blocks_after_earlier_ones_and_returns_them_all():
+    """W=6, blocks of 4: a second step past the window frees the next block behind the first freed ones."""
+    m = KVCacheManager(num_blocks=20, block_size=BS, sliding_window=6)
+    r = _req("a", 13)
+    m.allocate_slots(r, 13)
+    r.num_computed_tokens = 13
+    r.append_output_token_ids(1)
+    m.allocate_slots(r, 1)  # keys from 8 on: blocks 0 and 1 freed
+    assert m.num_blocks_in_use("a") == 2
+    for t in range(13, 17):
+        r.num_computed_tokens = t + 1
+        r.append_output_token_ids(1)
+        m.allocate_slots(r, 1)
+    # At 17 keys come from 12 on: block 2 goes too, and the earlier null entries stop the walk.
+    assert m.get_block_ids("a")[:3] == [0, 0, 0] and m.num_blocks_in_use("a") == 2
+    assert m.num_free_blocks == m.num_total_blocks - 2
+    m.free(r)
+    assert m.num_free_blocks == m.num_total_blocks
+
+
+def test_window_keeps_every_block_a_query_can_still_see_with_one_token_blocks():
+    m = KVCacheManager(num_blocks=20, block_size=1, sliding_window=4)
+    r = _req("a", 3)
+    m.allocate_slots(r, 3)
+    r.num_computed_tokens = 3
+    r.append_output_token_ids(1)
+    m.allocate_slots(r, 1)  # the query at 3 sees keys 0..3: nothing is freed
+    assert m.num_blocks_in_use("a") == 4
+    r.num_computed_tokens = 4
+    r.append_output_token_ids(1)
+    m.allocate_slots(r, 1)  # the query at 4 sees keys 1..4: block 0 goes
+    assert m.get_block_ids("a")[0] == 0 and m.num_blocks_in_use("a") == 4
