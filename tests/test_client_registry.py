@@ -92,3 +92,44 @@ def test_release_all_hands_over_every_live_request_once():
     reg.own(b, "z")
     assert [(c.identity, ids) for c, ids in reg.release_all()] == [(b"a", ["x", "y"]), (b"b", ["z"])]
     assert reg.release_all() == [] and reg.owner("x") is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_each_kind_of_refusal_has_its_own_budget_and_held_back_counts_are_reported(caplog):
+    """A spray of one kind (malformed frames) must not silence another (wrong-token HELLOs); once the window
+    ends, flush() reports how many of each were held back even if no further warning comes."""
+    clock = _Clock()
+    limiter = LogLimiter(logging.getLogger("test-limiter"), burst=2, window_s=60.0, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="test-limiter"):
+        for i in range(10):
+            limiter.warn("Dropped malformed message %d", i)
+        for i in range(3):
+            limiter.warn("Refused frontend %d", i)
+        assert limiter.suppressed == 8 + 1
+        clock.now = 30.0
+        limiter.flush()  # window not over: nothing reported yet
+        assert not [r for r in caplog.records if "suppressed" in r.message]
+        clock.now = 61.0
+        limiter.flush()
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if m.startswith("Dropped")] == [
+        "Dropped malformed message 0",
+        "Dropped malformed message 1",
+    ]
+    assert [m for m in messages if m.startswith("Refused")] == ["Refused frontend 0", "Refused frontend 1"]
+    summaries = sorted(m for m in messages if "suppressed" in m)
+    assert summaries == [
+        "(1 more like 'Refused frontend %d' suppressed in 60 s)",
+        "(8 more like 'Dropped malformed message %d' suppressed in 60 s)",
+    ]
+    assert limiter.suppressed == 0
+    with caplog.at_level(logging.WARNING, logger="test-limiter"):
+        limiter.warn("Refused frontend %d", 99)  # a fresh window: logged again
+    assert caplog.records[-1].getMessage() == "Refused frontend 99"

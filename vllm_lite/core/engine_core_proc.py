@@ -389,6 +389,7 @@ class EngineCoreProc:
         if now - self._last_housekeeping < _IDLE_POLL_S:
             return
         self._last_housekeeping = now
+        self.registry.drop_log.flush()  # what the rate limit held back shows up even if the spray stopped
         if not self.sockets.alive():
             raise RuntimeError("an engine core socket thread died (see its traceback above)")
         timeout = self.options.heartbeat_timeout_s
