@@ -9,6 +9,13 @@ from typing import Any
 
 import pytest
 
+from vllm_lite.client.detokenizer import (
+    SlowIncrementalDetokenizer,
+    _prompt_tail_for_context,
+    _rust_backend,
+    find_stop_string,
+    stop_prefix_holdback,
+)
 from vllm_lite.core.messages import EngineCoreRequest
 from vllm_lite.core.request import Request
 from vllm_lite.core.request_validation import RequestLimits, validate_request
@@ -284,3 +291,120 @@ _ACCEPTED = [
 @pytest.mark.parametrize("changes", _ACCEPTED, ids=[str(c)[:60] for c in _ACCEPTED])
 def test_validate_request_accepts_values_on_every_bound(changes: dict):
     validate_request(_core_request(**changes), _LIMITS)
+
+
+# ------------------------------------------------------------------------------------------ detokenizer
+def test_find_stop_string_edges():
+    assert find_stop_string("stop", 4, ["stop"], False) == ("stop", 0)  # a match at the very start
+    # "bc" ends before the one new character: already checked, not matched again.
+    assert find_stop_string("abcd", 1, ["bc"], False) is None
+    assert find_stop_string("abcd", 2, ["bc"], True) == ("bc", 3)
+    # Two stop strings starting at the same place: the first listed wins.
+    assert find_stop_string("xabc", 4, ["ab", "abc"], True) == ("ab", 3)
+    assert find_stop_string("xabc", 4, ["abc", "ab"], True) == ("abc", 4)
+
+
+def test_holdback_never_holds_a_whole_stop_string():
+    assert stop_prefix_holdback("xab", ["ab"]) == 0
+    assert stop_prefix_holdback("xa", ["ab"]) == 1
+
+
+class _CleanDecode:
+    """A tokenizer backend whose decode of `tail` is clean only for the lengths in `clean` (all when None)."""
+
+    def __init__(self, clean: set[int] | None = None, fail: bool = False) -> None:
+        self.clean, self.fail = clean, fail
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
+        if self.fail or skip_special_tokens is not False:  # the prompt tail keeps its special tokens as context
+            raise ValueError("cannot decode")
+        return "text" if self.clean is None or len(ids) in self.clean else "text\ufffd"
+
+
+def test_prompt_tail_for_context_takes_the_shortest_clean_tail_of_4_to_24_tokens():
+    prompt = list(range(100, 130))
+    assert _prompt_tail_for_context(_CleanDecode(), prompt) == prompt[-4:]
+    assert _prompt_tail_for_context(_CleanDecode({6}), prompt) == prompt[-6:]
+    assert _prompt_tail_for_context(_CleanDecode({24}), prompt) == prompt[-24:]
+    # No clean tail up to 24 tokens (25 is past the cap): the last 4, split character and all.
+    assert _prompt_tail_for_context(_CleanDecode({25}), prompt) == prompt[-4:]
+    assert _prompt_tail_for_context(_CleanDecode(set()), prompt) == prompt[-4:]
+    assert _prompt_tail_for_context(_CleanDecode({6}), prompt[:6]) == prompt[:6]
+    # Prompts of at most 4 tokens are used whole, without decoding; a decode error primes nothing.
+    assert _prompt_tail_for_context(_CleanDecode(fail=True), prompt[:4]) == prompt[:4]
+    assert _prompt_tail_for_context(_CleanDecode(fail=True), prompt[:5]) == []
+
+
+def test_rust_backend_is_none_for_non_rust_tokenizers():
+    class _WithOtherBackend:
+        backend_tokenizer = "not a tokenizers.Tokenizer"
+
+    assert _rust_backend(object()) is None
+    assert _rust_backend(_WithOtherBackend()) is None
+
+
+class _BareCharTokenizer:
+    """One token per character (id = code point); ids past Unicode have no token and cannot be decoded."""
+
+    def convert_ids_to_tokens(self, token_id: int) -> str | None:
+        return chr(token_id) if token_id < 0x110000 else None
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return "".join(tokens)
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
+        if any(i >= 0x110000 for i in ids):
+            raise ValueError("unknown id")
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
+
+
+class _CharTokenizer(_BareCharTokenizer):
+    all_special_ids = [0]
+    added_tokens_decoder: dict[int, str] = {}
+
+
+def _slow_detok(tokenizer: object, **params: Any) -> SlowIncrementalDetokenizer:
+    request = EngineCoreRequest("r", [ord(c) for c in "prompt"], SamplingParams(**params), None, 0.0)
+    return SlowIncrementalDetokenizer(tokenizer, request)
+
+
+def test_slow_detokenizer_skips_special_ids_and_works_without_special_token_attributes():
+    d = _slow_detok(_CharTokenizer())
+    d.update([ord("a"), 0, ord("b")], False)
+    assert d.get_next_output_text(finished=True, delta=False) == "ab"
+    kept = _slow_detok(_CharTokenizer(), skip_special_tokens=False)
+    kept.update([ord("a"), 0], False)
+    assert kept.get_next_output_text(finished=True, delta=False) == "a\x00"
+    bare = _slow_detok(_BareCharTokenizer())
+    bare.update([ord("o"), ord("k")], False)
+    assert bare.get_next_output_text(finished=True, delta=False) == "ok"
+
+
+def test_slow_detokenizer_ids_without_tokens_give_no_text():
+    d = _slow_detok(_CharTokenizer())
+    d.update([ord("a"), 0x110000, ord("b")], False)
+    assert d.output_text == "ab"
+    assert d.decode_ids([0x110000]) == ""
+    assert d.decode_ids([0, ord("c")]) == "c"
+
+
+def test_stop_terminated_update_drops_only_the_last_ids_text():
+    d = _slow_detok(_CharTokenizer())
+    ids = [ord("a"), ord("b"), ord("!")]
+    assert d.update(ids, True) is None
+    assert d.token_ids == ids and d.output_text == "ab"
+
+
+def test_stop_string_in_the_min_tokens_th_token_of_a_multi_token_update_is_ignored():
+    d = _slow_detok(_CharTokenizer(), min_tokens=2, stop=["b"])
+    assert d.update([ord("a"), ord("b"), ord("c")], False) is None
+    assert d.output_text == "abc"
+
+
+def test_text_kept_stop_strings_stream_their_prefix_at_once():
+    d = _slow_detok(_CharTokenizer(), stop=["bc"], include_stop_str_in_output=True)
+    d.update([ord("a"), ord("b")], False)
+    assert d.get_next_output_text(finished=False, delta=True) == "ab"
+    held = _slow_detok(_CharTokenizer(), stop=["bc"])
+    held.update([ord("a"), ord("b")], False)
+    assert held.get_next_output_text(finished=False, delta=True) == "a"
