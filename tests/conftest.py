@@ -1,23 +1,34 @@
-"""Test-wide settings: offline, single-threaded torch."""
+"""Test-wide settings: offline, single-threaded torch, no tokenizer thread pools."""
 
 from __future__ import annotations
 
 import os
 
+# Read once when huggingface_hub is imported (below, through transformers), so it cannot wait for a fixture.
+# README's test command documents it; CI exports it too.
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
 
 import json  # noqa: E402
 import os.path  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from vllm_lite.testing.checkpoints import build_checkpoint, get_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_threads() -> Iterator[None]:
+    """One torch thread and no tokenizers thread pool for the session (children inherit the variable);
+    both are put back afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENIZERS_PARALLELISM", "false")
+        yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
