@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 from vllm_lite.core.client_registry import ClientRegistry
-from vllm_lite.core.log_limiter import LogLimiter
 from vllm_lite.core.messages import PROTOCOL_VERSION, HelloRequest
+from vllm_lite.log_limiter import LogLimiter
 
 
 def hello(token: str | None = None, version: int = PROTOCOL_VERSION, name: str = "fe") -> HelloRequest:

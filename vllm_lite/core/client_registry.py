@@ -16,8 +16,8 @@ import time
 from collections import OrderedDict
 from typing import Any, Optional
 
-from vllm_lite.core.log_limiter import LogLimiter
 from vllm_lite.core.messages import PROTOCOL_VERSION, HelloRequest
+from vllm_lite.log_limiter import LogLimiter
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,6 @@ from typing import Any, Callable, Optional, Union
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from vllm_lite.core.log_limiter import LogLimiter
 from vllm_lite.core.messages import (
     EngineCoreOutputs,
     EngineCoreOutputType,
@@ -59,6 +58,7 @@ from vllm_lite.core.messages import (
     UtilityRequest,
 )
 from vllm_lite.endpoints import CoreAddresses
+from vllm_lite.log_limiter import LogLimiter
 from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)

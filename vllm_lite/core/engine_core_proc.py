@@ -50,7 +50,6 @@ from vllm_lite import envs, process_watch
 from vllm_lite.config import VllmConfig, decode_vllm_config
 from vllm_lite.core.client_registry import AttachedClient, ClientRegistry
 from vllm_lite.core.core_sockets import CoreSockets, InputItem, SocketEvent, max_input_message_bytes
-from vllm_lite.core.log_limiter import LogLimiter
 from vllm_lite.core.messages import (
     EngineCoreArgs,
     EngineCoreOutput,
@@ -67,6 +66,7 @@ from vllm_lite.core.messages import (
 )
 from vllm_lite.core.shutdown import Phase, ShutdownState
 from vllm_lite.endpoints import CoreAddresses
+from vllm_lite.log_limiter import LogLimiter
 
 if TYPE_CHECKING:
     from vllm_lite.launcher_child import ChildChannel

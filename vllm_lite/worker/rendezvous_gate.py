@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Optional
 
+from vllm_lite.log_limiter import LogLimiter
+
 logger = logging.getLogger("vllm_lite.rendezvous")
 
 NONCE_LEN = 32
@@ -76,25 +78,6 @@ def _relay(a: socket.socket, b: socket.socket) -> None:
     b.close()
 
 
-class _RateLimitedLog:
-    """At most one warning per ``interval_s``, with how many were held back (a flood of bad peers
-    must not flood the log)."""
-
-    def __init__(self, log: logging.Logger, interval_s: float = 10.0) -> None:
-        self.log, self.interval_s = log, interval_s
-        self._last, self._held = -float("inf"), 0
-        self._lock = threading.Lock()
-
-    def warn(self, msg: str, *args: object) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._last < self.interval_s:
-                self._held += 1
-                return
-            held, self._held, self._last = self._held, 0, now
-        self.log.warning(msg + (f" ({held} more since the last such line)" if held else ""), *args)
-
-
 class RendezvousGate:
     """Node 0: accept on ``listener``; relay connections that prove the token to the loopback store."""
 
@@ -105,7 +88,7 @@ class RendezvousGate:
         self.store_port = store_port
         self._token = token
         self._closed = False
-        self._refusals = _RateLimitedLog(logger)
+        self._refusals = LogLimiter(logger)  # a flood of bad peers must not flood the log
         self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="rendezvous-gate")
         self._thread.start()
 
