@@ -117,7 +117,6 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
                 **on_death,
             ),
         )
-        stopping = {"flag": False}
 
         def core_exited(pid: int) -> None:
             for fd in pidfds:
@@ -126,14 +125,15 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
                 except (ValueError, RuntimeError):
                     pass
             server = app.state.server
-            if stopping["flag"] and server is not None:
+            if app.state.core_exit_expected and server is not None:
                 server.should_exit = True  # the supervisor is stopping everything: a clean exit
                 return
             loop.create_task(app.state.health_monitor.notify_dead(f"the engine core process (pid {pid}) exited"))
 
         def on_control(message: Control) -> None:  # in the launcher's watch thread
             if message.kind == "stop":
-                loop.call_soon_threadsafe(stopping.__setitem__, "flag", True)
+                # The client's own process watch may see the core go before or after this: both end cleanly.
+                loop.call_soon_threadsafe(setattr, app.state, "core_exit_expected", True)
 
         if channel is not None:
             channel.on_control(on_control)

@@ -214,6 +214,11 @@ def build_app(
         asyncio.get_running_loop().call_later(engine_dead_grace_s, stop)
 
     async def handle_dead(reason: str) -> None:
+        if app.state.core_exit_expected:  # our supervisor is stopping the cores: their exit is not a death
+            server = getattr(app.state, "server", None)
+            if server is not None:
+                server.should_exit = True
+            return
         app.state.engine_dead = True
         await default_on_dead(reason)
         if on_engine_dead is not None:
@@ -245,6 +250,9 @@ def build_app(
     )
     app.state.engine = engine
     app.state.engine_dead = False
+    # Set by a supervisor that stops the cores on purpose (serve_frontend's "stop" control): a core exit then
+    # ends this server cleanly instead of counting as an engine death.
+    app.state.core_exit_expected = False
     app.state.server = None
     app.state.metrics = metrics
     app.state.health_monitor = monitor
@@ -429,7 +437,7 @@ async def serve_app(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 1 if app.state.engine_dead else 0
+    return 1 if app.state.engine_dead and not app.state.core_exit_expected else 0
 
 
 def build_engine(args: Any) -> Any:
