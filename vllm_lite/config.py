@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
+from vllm_lite.pooling_config import PoolerConfig
 
 logger = logging.getLogger(__name__)
 _NOTED: set[str] = set()
@@ -43,6 +44,9 @@ class ModelConfig:
     # Request defaults as vLLM: "auto" (the model's generation_config.json), "vllm" (none) or a directory.
     generation_config: str = "auto"
     enforce_eager: bool = False
+    # "generate" or "pooling" (vLLM's --runner, "auto" resolved); a pooling model's resolved pooler settings.
+    runner_type: str = "generate"
+    pooler_config: Optional[PoolerConfig] = None
 
     @property
     def name(self) -> str:
@@ -207,6 +211,84 @@ class StructuredOutputsConfig:
         return cls(**value)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding as vLLM spells it (``speculative_config`` / ``--speculative-config``).
+
+    ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}`` proposes
+    by prompt lookup; ``{"model": DRAFT_DIR, "num_speculative_tokens": k}`` names a draft model (method
+    "draft_model"). As in vLLM, a lookup bound left out takes the other's value, and both default to 5.
+    """
+
+    method: Optional[str] = None
+    model: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            if self.model is None:
+                raise ValueError("speculative_config.method: give method 'ngram' or a draft model path in 'model'.")
+            self.method = "ngram" if self.model == "ngram" else "draft_model"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}."
+            )
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}.")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(f"speculative_config.model must be a draft model directory, got {self.model!r}.")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} applies to method 'ngram' only.")
+            return
+        if self.model not in (None, "ngram"):
+            raise ValueError(f"speculative_config.model must not be set with method 'ngram', got {self.model!r}.")
+        self.model = None
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}.")
+        assert self.prompt_lookup_min is not None and self.prompt_lookup_max is not None
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
+                f"({self.prompt_lookup_min})."
+            )
+
+    @classmethod
+    def from_value(cls, value: Any) -> Optional["SpeculativeConfig"]:
+        """From a SpeculativeConfig, a dict or its JSON text (None: no speculation); unknown keys are a ValueError."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or JSON object, got {value!r}.")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
+            )
+        return cls(**value)
+
+
 @dataclass
 class VllmConfig:
     model_config: ModelConfig
@@ -215,6 +297,7 @@ class VllmConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: Optional[SpeculativeConfig] = None
 
 
 # ---------------------------------------------------------------------------- wire form (JSON, no pickle)

@@ -19,6 +19,7 @@ from vllm_lite.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
     VllmConfig,
     _note_once,
@@ -36,6 +37,14 @@ def parse_structured_outputs_config(text: str) -> StructuredOutputsConfig:
     """--structured-outputs-config's JSON value, e.g. '{"backend": "guidance"}'."""
     try:
         return StructuredOutputsConfig.from_value(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_speculative_config(text: str) -> Optional[SpeculativeConfig]:
+    """--speculative-config's JSON value, e.g. '{"method": "ngram", "num_speculative_tokens": 3}'."""
+    try:
+        return SpeculativeConfig.from_value(text)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -204,6 +213,16 @@ class EngineArgs:
             "metavar": "JSON",
         },
     )
+    speculative_config: Optional[SpeculativeConfig] = field(
+        default=None,
+        metadata={
+            "help": 'Speculative decoding as JSON, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
+            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (prompt lookup over each request\'s own tokens). '
+            "Python: a SpeculativeConfig or a dict.",
+            "type": parse_speculative_config,
+            "metavar": "JSON",
+        },
+    )
     served_model_name: Optional[str] = field(
         default=None,
         metadata={
@@ -270,6 +289,11 @@ class EngineArgs:
 
         check_model_options(self.trust_remote_code, self.quantization, self.max_logprobs)
         structured_outputs_config = StructuredOutputsConfig.from_value(self.structured_outputs_config)
+        speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            raise ValueError(
+                "speculative_config.model: draft-model speculation is not implemented yet; use method 'ngram'."
+            )
         model_dir, tokenizer_dir, gen_dir = resolve_model_and_tokenizer(self)
         hf = ModelConfig.read_hf_config(model_dir)
         archs = hf.get("architectures") or []
@@ -357,6 +381,7 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),
             structured_outputs_config=structured_outputs_config,
+            speculative_config=speculative_config,
         )
 
     def create_dp_engine_configs(self) -> list[VllmConfig]:
