@@ -78,18 +78,16 @@ def _relay(a: socket.socket, b: socket.socket) -> None:
     b.close()
 
 
-class RendezvousGate:
-    """Node 0: accept on ``listener``; relay connections that prove the token to the loopback store."""
+class _RelayListener:
+    """A listening socket whose accepted connections each get a thread running ``_handle``."""
 
-    def __init__(self, listener: socket.socket, store_port: int, token: str) -> None:
-        if not token:
-            raise ValueError("the rendezvous gate needs a non-empty auth token.")
+    _thread_name = "rendezvous-gate"
+    _peer_thread_name = "rendezvous-peer"
+
+    def __init__(self, listener: socket.socket) -> None:
         self.listener = listener
-        self.store_port = store_port
-        self._token = token
         self._closed = False
-        self._refusals = LogLimiter(logger)  # a flood of bad peers must not flood the log
-        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="rendezvous-gate")
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name=self._thread_name)
         self._thread.start()
 
     @property
@@ -102,9 +100,31 @@ class RendezvousGate:
                 conn, peer = self.listener.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True, name="rendezvous-peer").start()
+            threading.Thread(target=self._handle, args=(conn, peer), daemon=True, name=self._peer_thread_name).start()
 
-    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+    def _handle(self, conn: socket.socket, peer: tuple) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+
+class RendezvousGate(_RelayListener):
+    """Node 0: accept on ``listener``; relay connections that prove the token to the loopback store."""
+
+    def __init__(self, listener: socket.socket, store_port: int, token: str) -> None:
+        if not token:
+            raise ValueError("the rendezvous gate needs a non-empty auth token.")
+        self.store_port = store_port
+        self._token = token
+        self._refusals = LogLimiter(logger)  # a flood of bad peers must not flood the log
+        super().__init__(listener)
+
+    def _handle(self, conn: socket.socket, peer: tuple) -> None:
         nonce = os.urandom(NONCE_LEN)
         try:
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -123,16 +143,12 @@ class RendezvousGate:
             return
         _relay(conn, store)
 
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self.listener.close()
-        except OSError:
-            pass
 
-
-class RendezvousTunnel:
+class RendezvousTunnel(_RelayListener):
     """A worker node: a loopback port whose connections reach node 0's store through its gate."""
+
+    _thread_name = "rendezvous-tunnel"
+    _peer_thread_name = "rendezvous-carry"
 
     def __init__(self, master_addr: str, master_port: int, token: Optional[str], connect_timeout_s: float) -> None:
         if not token:
@@ -143,22 +159,7 @@ class RendezvousTunnel:
         self.master = (master_addr, master_port)
         self._token = token
         self.connect_timeout_s = connect_timeout_s
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="rendezvous-tunnel")
-        self._thread.start()
-
-    @property
-    def port(self) -> int:
-        return self.listener.getsockname()[1]
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                local, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._carry, args=(local,), daemon=True, name="rendezvous-carry").start()
+        super().__init__(socket.create_server(("127.0.0.1", 0)))
 
     def open_upstream(self) -> socket.socket:
         """A connection to node 0's gate that passed the handshake (retried until node 0 is up)."""
@@ -185,7 +186,8 @@ class RendezvousTunnel:
             up.settimeout(None)
             return up
 
-    def _carry(self, local: socket.socket) -> None:
+    def _handle(self, local: socket.socket, peer: tuple) -> None:
+        """Carry one local rank's store connection through node 0's gate."""
         try:
             up = self.open_upstream()
         except OSError as e:
@@ -193,10 +195,3 @@ class RendezvousTunnel:
             local.close()
             return
         _relay(local, up)
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self.listener.close()
-        except OSError:
-            pass
