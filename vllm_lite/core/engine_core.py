@@ -28,10 +28,11 @@ _GRAMMAR_WAIT_S = 0.01
 class EngineCore:
     """Owns the model (through the executor), the KV cache and the scheduler."""
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, executor_class: Optional[Callable[[VllmConfig], Any]] = None) -> None:
+        """``executor_class``: as vLLM's; None picks one for the parallel config (tests pass a model-free one)."""
         t0 = time.perf_counter()
         self.config = vllm_config
-        self.executor = get_executor_class(vllm_config)(vllm_config)
+        self.executor = (executor_class or get_executor_class(vllm_config))(vllm_config)
         num_gpu, num_cpu = self.executor.determine_num_blocks()
         vllm_config.cache_config.num_gpu_blocks = num_gpu
         vllm_config.cache_config.num_cpu_blocks = num_cpu

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import msgspec
 
 from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.worker.step import LogprobsTensors
 
 PROTOCOL_VERSION = 1
@@ -82,6 +83,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int = 0  # tokens found this step
     num_preemptions: int = 0  # this step
     step_counter: int = 0
+    # Speculative decoding counters of this batch (vLLM's SchedulerStats.spec_decoding_stats); None: none verified.
+    spec_decoding_stats: Optional[SpecDecodingStats] = None
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

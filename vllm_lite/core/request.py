@@ -83,6 +83,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Set by the scheduler for a request with structured_outputs: its grammar and matcher.
         self.structured_output_request: Optional[StructuredOutputRequest] = None
+        # Speculative decoding: draft tokens proposed after this request's last token, verified at its next step.
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, tenant_salt: Optional[bytes] = None) -> "Request":

@@ -10,9 +10,18 @@ x_i) and target distributions p_1..p_{k'+1} (after temperature/top-k/top-p, as t
 - random rows accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection they draw from the
   residual norm(max(0, p_i - q_i)), after all k' the bonus from p_{k'+1}.
 
-All rows are handled by batched tensor ops. The categorical draw is the sampler's exponential race
-(argmax(w / E), E ~ Exp(1)), which needs no normalisation of the residual. A seeded row draws k uniforms and one
-[V] noise vector from its own generator every call, so its tokens do not depend on the rows around it.
+For point-mass drafts (n-gram: q_i = delta(x_i)) that rule is carried out by coupling: draw y_i ~ p_i with the
+sampler's own race and accept x_i iff y_i == x_i. Acceptance then has probability p_i(x_i) = min(1, p_i/q_i), and
+a rejected position emits y_i ~ p_i given y_i != x_i, which is exactly the residual norm(max(0, p_i - delta)). The
+point: every emitted token costs one [V] noise draw, as in non-speculative sampling, so a seeded row draws from
+its generator exactly once per token it emits (it stops drawing at its first mismatch) and replay after
+preemption (`SamplingState._make_generator` skips one draw per kept output) stays right; with the same logits a
+seeded row emits the tokens it would emit without speculation.
+
+All rows are handled by batched tensor ops (seeded rows add a short loop over their positions). The categorical
+draw is the sampler's exponential race (argmax(w / E), E ~ Exp(1)), which needs no normalisation of the residual.
+With draft distributions a seeded row draws k uniforms and one [V] noise vector from its own generator every
+call, so its tokens do not depend on the rows around it.
 """
 
 from __future__ import annotations
@@ -91,6 +100,8 @@ def rejection_sample(
     """
     generators = generators or {}
     _check(draft_token_ids, num_draft_tokens, draft_probs, target_probs, is_greedy, generators)
+    if draft_probs is None:
+        return _match_sample(draft_token_ids, num_draft_tokens, target_probs, is_greedy, generators)
     b, k = draft_token_ids.shape
     vocab = target_probs.shape[2]
     device = target_probs.device
@@ -135,4 +146,40 @@ def rejection_sample(
     padded_drafts = torch.nn.functional.pad(drafts, (0, 1), value=PLACEHOLDER_TOKEN_ID)
     out = torch.where(columns < num_accepted.unsqueeze(1), padded_drafts, PLACEHOLDER_TOKEN_ID)
     out[rows, num_accepted] = recovered
+    return RejectionSamplerOutput(output_token_ids=out, num_accepted=num_accepted)
+
+
+def _match_sample(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    is_greedy: torch.Tensor,
+    generators: dict[int, torch.Generator],
+) -> RejectionSamplerOutput:
+    """Point-mass drafts: sample every position from its target, keep the drafts while they equal the samples."""
+    b, k = draft_token_ids.shape
+    vocab = target_probs.shape[2]
+    device = target_probs.device
+    num_draft = num_draft_tokens.to(device=device, dtype=torch.int64)
+    greedy = is_greedy.to(device=device, dtype=torch.bool)
+    valid = torch.arange(k, device=device).unsqueeze(0) < num_draft.unsqueeze(1)
+    drafts = torch.where(valid, draft_token_ids.to(device=device, dtype=torch.int64), PLACEHOLDER_TOKEN_ID)
+    target = target_probs.float()
+    sampled = target.argmax(dim=2)  # [B, k+1]; greedy rows keep this
+    if not bool(greedy.all()):
+        noise = _exponential((b, k + 1, vocab), device, None)
+        sampled = torch.where(greedy.unsqueeze(1), sampled, (target / noise).argmax(dim=2))
+        for row, gen in generators.items():  # seeded rows: one [V] draw per emitted token, in order
+            if bool(greedy[row]):
+                continue
+            n = int(num_draft[row])
+            for pos in range(n + 1):
+                token = int((target[row, pos] / _exponential((vocab,), device, gen)).argmax())
+                sampled[row, pos] = token
+                if pos < n and token != int(drafts[row, pos]):
+                    break
+    accepted = (sampled[:, :k] == drafts) & valid
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    columns = torch.arange(k + 1, device=device).unsqueeze(0)
+    out = torch.where(columns <= num_accepted.unsqueeze(1), sampled, PLACEHOLDER_TOKEN_ID)
     return RejectionSamplerOutput(output_token_ids=out, num_accepted=num_accepted)

@@ -28,6 +28,7 @@ from vllm_lite.worker.model_loader import load_model
 from vllm_lite.worker.models.cpu_prepack import maybe_prepack
 from vllm_lite.worker.parallel_state import broadcast_from_driver, get_tp_rank, get_tp_size
 from vllm_lite.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
+from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vllm_lite.worker.step_inputs import StepInputs, build_step_inputs
 
@@ -60,6 +61,7 @@ class GPUModelRunner:
         self.vocab_size = mc.vocab_size
         self.backend = _get_backend(device)
         self.sampler = Sampler()
+        self.spec_decode = SpecDecodeStep.maybe_create(vllm_config)  # None without speculative_config
         self.tp_size, self.is_driver = get_tp_size(), get_tp_rank() == 0
         self.input_batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.vocab_size, device
@@ -177,6 +179,8 @@ class GPUModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         self._move_blocks(so)
+        if so.scheduled_spec_decode_tokens:
+            SpecDecodeStep.write_drafts(self.input_batch, so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
         return self._run_step(self.input_batch, so.num_scheduled_tokens, so)
@@ -189,8 +193,12 @@ class GPUModelRunner:
         hidden = self._run_model(inputs)
         prompt_lp = self._prompt_logprobs(batch, inputs, hidden)
         sampled = self._sample(batch, inputs, hidden, so)
-        # Advance progress locally; the scheduler re-sends the authoritative value next step.
+        # Advance progress locally (less rejected drafts); the scheduler re-sends the authoritative value next step.
         batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
+        if sampled.num_rejected is not None:
+            batch.num_computed_tokens[inputs.rows[sampled.index]] -= sampled.num_rejected
+        if self.spec_decode is not None and so is not None:
+            sampled.spec_token_ids = self.spec_decode.propose(batch, inputs, sampled.index)
         return _build_output(inputs, sampled, prompt_lp)
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
@@ -207,6 +215,8 @@ class GPUModelRunner:
         s_idx = np.nonzero(sampling)[0]
         if len(s_idx) == 0:
             return _Sampled(s_idx, np.zeros(0, np.int64), None)
+        if so is not None and so.scheduled_spec_decode_tokens and self.spec_decode is not None:
+            return self._sample_verified(batch, inputs, hidden, so, s_idx)
         s_rows = inputs.rows[s_idx]
         logits_idx = torch.from_numpy(inputs.query_start_loc[1:][s_idx] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[logits_idx])
@@ -222,6 +232,42 @@ class GPUModelRunner:
         if out is not None and out.logprobs_tensors is not None:
             logprobs = _scatter_rows(out.logprobs_tensors, s_idx, inputs.num_reqs)
         return _Sampled(s_idx, sampled, logprobs)
+
+    def _sample_verified(
+        self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor, so: SchedulerOutput, s_idx: np.ndarray
+    ) -> "_Sampled":
+        """A speculative step: every sampling row's 1 + k positions verified at once (spec_decode_step)."""
+        assert self.spec_decode is not None
+        req_ids = [inputs.req_ids[i] for i in s_idx.tolist()]
+        drafts, num_draft = SpecDecodeStep.draft_table(so, req_ids)
+        positions = SpecDecodeStep.logits_positions(inputs, s_idx, num_draft).reshape(-1)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(positions).to(self.device)])
+        s_rows = inputs.rows[s_idx]
+        tokens, lp = None, None
+        if self.is_driver:
+            bitmask = _grammar_bitmask_rows(so, req_ids)
+            if bitmask is not None:
+                bitmask = bitmask.to(self.device, non_blocking=True)
+            tokens, lp = SpecDecodeStep.verify(logits, batch.sampling_metadata(s_rows), bitmask, drafts, num_draft)
+        shape = (len(s_idx), drafts.shape[1] + 1)
+        token_table = broadcast_from_driver(tokens, shape, torch.int64, self.device).cpu().numpy()
+        num_emitted = (token_table >= 0).sum(axis=1)
+        for j in range(token_table.shape[1]):  # one token per row per call, column by column
+            keep = num_emitted > j
+            batch.record_sampled(s_rows[keep], token_table[keep, j])
+        counts = np.zeros(inputs.num_reqs, dtype=np.int64)
+        counts[s_idx] = num_emitted
+        logprobs = None
+        if lp is not None:
+            logprobs = LogprobsTensors(lp.logprob_token_ids.cpu(), lp.logprobs.cpu(), lp.selected_token_ranks.cpu())
+        return _Sampled(
+            s_idx,
+            token_table[:, 0],
+            logprobs,
+            token_lists=[row[:n].tolist() for row, n in zip(token_table, num_emitted)],
+            num_rejected=num_draft - (num_emitted - 1),
+            logprobs_cu=(np.cumsum(counts) - counts).tolist(),
+        )
 
     def _share_sampled(self, out: Optional[SamplerOutput], n: int) -> torch.Tensor:
         """The sampled token ids [n], identical on every tensor-parallel rank (rank 0's); free at TP=1."""
@@ -260,20 +306,32 @@ class _Sampled:
     index: np.ndarray  # int64 [S] positions in the step's request order
     token_ids: np.ndarray  # int64 [S]
     logprobs: Optional[LogprobsTensors]  # rows aligned with the step's requests, or None
+    # Speculative steps: every token each sampled row emitted, drafts rejected per sampled row, the first
+    # logprobs row of each request (logprobs then hold one row per emitted token), next drafts per request.
+    token_lists: Optional[list[list[int]]] = None
+    num_rejected: Optional[np.ndarray] = None
+    logprobs_cu: Optional[list[int]] = None
+    spec_token_ids: Optional[list[list[int]]] = None
 
 
 def _build_output(
     inputs: StepInputs, sampled: _Sampled, prompt_lp: dict[str, Optional[LogprobsTensors]]
 ) -> ModelRunnerOutput:
     sampled_lists: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
-    for i, tok in zip(sampled.index.tolist(), sampled.token_ids.tolist()):
-        sampled_lists[i] = [tok]
+    if sampled.token_lists is not None:
+        for i, toks in zip(sampled.index.tolist(), sampled.token_lists):
+            sampled_lists[i] = toks
+    else:
+        for i, tok in zip(sampled.index.tolist(), sampled.token_ids.tolist()):
+            sampled_lists[i] = [tok]
     return ModelRunnerOutput(
         req_ids=inputs.req_ids,
         req_id_to_index={r: i for i, r in enumerate(inputs.req_ids)},
         sampled_token_ids=sampled_lists,
         logprobs=sampled.logprobs,
         prompt_logprobs_dict=prompt_lp,
+        spec_token_ids=sampled.spec_token_ids,
+        logprobs_cu=sampled.logprobs_cu,
     )
 
 

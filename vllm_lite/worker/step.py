@@ -59,6 +59,9 @@ class SchedulerOutput:
     # decoded on a TP rank), bit t%32 of word t//32 set = token t allowed. None when no request is constrained.
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Optional[Any] = None
+    # Speculative decoding (vLLM's name): req_id -> the draft tokens scheduled after its last token this step
+    # (num_scheduled_tokens counts them); the runner verifies them in this step's forward pass.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @staticmethod
     def empty() -> "SchedulerOutput":
@@ -94,6 +97,11 @@ class ModelRunnerOutput:
     logprobs: Optional[LogprobsTensors] = None
     # req_id -> prompt logprobs for the prompt positions computed this step.
     prompt_logprobs_dict: dict[str, Optional[LogprobsTensors]] = field(default_factory=dict)
+    # Speculative decoding: per request (aligned with req_ids), the draft tokens proposed for its next step.
+    spec_token_ids: Optional[list[list[int]]] = None
+    # Set when a request may have emitted several tokens: request i's logprobs are rows
+    # logprobs_cu[i] : logprobs_cu[i] + len(sampled_token_ids[i]); None: row i.
+    logprobs_cu: Optional[list[int]] = None
 
     @staticmethod
     def empty() -> "ModelRunnerOutput":

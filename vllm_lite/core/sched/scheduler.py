@@ -31,6 +31,7 @@ from vllm_lite.core.kv_cache_utils import KVCacheBlock
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.request_queue import RequestQueue, create_request_queue
+from vllm_lite.core.sched.spec_decode import SpecDecodeScheduling
 from vllm_lite.structured_output.manager import StructuredOutputManager
 from vllm_lite.worker.models.sliding_window import uniform_sliding_window
 from vllm_lite.worker.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -105,6 +106,8 @@ class Scheduler:
         self._waiting_for_grammar: dict[str, Request] = {}
         self._errors: dict[str, str] = {}
         self._failed_before_running: list[Request] = []
+        # Speculative decoding: drafts per request, rollback of rejected ones, acceptance counters.
+        self.spec = SpecDecodeScheduling(vllm_config.speculative_config)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -197,6 +200,7 @@ class Scheduler:
             prefix_cache_hits=hits,
             num_preemptions=preemptions,
             step_counter=self._step_counter,
+            spec_decoding_stats=self.spec.take_stats(reset),
         )
 
     # ------------------------------------------------------------------ schedule
@@ -211,12 +215,14 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}  # drafts run after each request's last token
 
         # 1. Running requests, in order.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            drafts = self.spec.drafts_for(req, self.max_model_len) if self.spec.enabled else []
+            n = self._num_new_tokens(req, req.num_computed_tokens, budget, len(drafts))
             if n <= 0:
                 i += 1
                 continue
@@ -230,6 +236,7 @@ class Scheduler:
                 if victim.request_id in num_scheduled:  # it ran earlier this step: give back its tokens
                     budget += num_scheduled.pop(victim.request_id)
                     new_blocks_of.pop(victim.request_id, None)
+                    spec_tokens.pop(victim.request_id, None)
                 self._preempt(victim, swap_out)
                 preempted.append(victim)
                 if victim is req:
@@ -239,6 +246,8 @@ class Scheduler:
                 continue  # req preempted itself; the next request now sits at index i
             num_scheduled[req.request_id] = n
             new_blocks_of[req.request_id] = blocks
+            if drafts and n > 1:  # the budget may cut the drafts short
+                spec_tokens[req.request_id] = drafts[: n - 1]
             budget -= n
             i += 1
 
@@ -327,6 +336,7 @@ class Scheduler:
             blocks_to_swap_in=swap_in,
             structured_output_request_ids=so_ids,
             grammar_bitmask=bitmask,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
 
     # ------------------------------------------------------------------ structured outputs
@@ -404,9 +414,10 @@ class Scheduler:
             req.sampling_params,
         )
 
-    def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
-        """Tokens to run now: what is left, cut by the chunk threshold, the budget and max_model_len."""
-        n = req.num_tokens - num_computed
+    def _num_new_tokens(self, req: Request, num_computed: int, budget: int, num_draft_tokens: int = 0) -> int:
+        """Tokens to run now: what is left (plus any drafts), cut by the chunk threshold, the budget and
+        max_model_len."""
+        n = req.num_tokens + num_draft_tokens - num_computed
         if self.long_prefill_token_threshold > 0:
             n = min(n, self.long_prefill_token_threshold)
         return min(n, budget, self.max_model_len - num_computed)
@@ -422,6 +433,7 @@ class Scheduler:
         """Take `req` (already out of `running`) off the device: swap if asked and room, else recompute."""
         self._num_preemptions += 1
         req.num_preemptions += 1
+        req.spec_token_ids = []
         if self.preemption_mode == "swap":
             pairs = self.kv_cache_manager.swap_out(req)
             if pairs is not None:
@@ -447,8 +459,12 @@ class Scheduler:
             req = scheduled.get(rid)
             if req is None or self.requests.get(rid) is not req or req.status != RequestStatus.RUNNING:
                 continue  # aborted (or preempted) while the step was in flight
-            kv.cache_blocks(req, req.num_computed_tokens)
             idx = mro.req_id_to_index.get(rid)
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if drafts:  # the rejected drafts' KV is not kept: num_computed_tokens drops back over them
+                self.spec.rollback(req, len(drafts), len(mro.sampled_token_ids[idx]) if idx is not None else 0)
+            # Only blocks full of known tokens are hashed; accepted drafts' blocks are cached at the next step.
+            kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
             sampled = mro.sampled_token_ids[idx] if idx is not None else []
             new_token_ids: list[int] = []
             finished = False
@@ -460,9 +476,13 @@ class Scheduler:
                     if self._check_stop(req) or self._advance_grammar(req, tok):
                         finished = True
                         break
+            if self.spec.enabled and idx is not None:
+                proposed = mro.spec_token_ids[idx] if mro.spec_token_ids is not None and not finished else []
+                req.spec_token_ids = proposed
             new_logprobs = None
             if new_token_ids and mro.logprobs is not None and req.sampling_params.logprobs is not None:
-                new_logprobs = mro.logprobs.slice(idx, idx + 1)
+                start = mro.logprobs_cu[idx] if mro.logprobs_cu is not None else idx
+                new_logprobs = mro.logprobs.slice(start, start + len(new_token_ids))
             prompt_lp = mro.prompt_logprobs_dict.get(rid)
             if finished:
                 stopped.append(req)
@@ -498,7 +518,9 @@ class Scheduler:
         stats = self.make_stats()
         # The step's counters go to one frontend only, so frontends' metrics sum to the core's totals;
         # every frontend gets the gauges (running, waiting, KV usage).
-        gauges_only = msgspec.structs.replace(stats, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+        gauges_only = msgspec.structs.replace(
+            stats, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, spec_decoding_stats=None
+        )
         first = min(per_client)
         return {
             c: EngineCoreOutputs(outputs=outs, scheduler_stats=stats if c == first else gauges_only)

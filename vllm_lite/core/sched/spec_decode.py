@@ -1,0 +1,75 @@
+"""The scheduler's side of speculative decoding: which drafts a request runs, and what a verified step undoes.
+
+The runner proposes drafts after it samples (the n-gram proposer reads its persistent token buffer, where every
+request's history already lives) and returns them in `ModelRunnerOutput.spec_token_ids`; the scheduler keeps
+them on the request (`Request.spec_token_ids`) and, at the request's next decode step, schedules its last token
+plus the drafts (1 + k tokens; the KV slots of all of them are allocated, the lookahead) and sends them in
+`SchedulerOutput.scheduled_spec_decode_tokens`. After the step, `num_computed_tokens` drops back by the rejected
+drafts, so their KV slots are rewritten by the next step and the prefix cache, which hashes only full blocks of
+computed tokens, never holds a rejected token.
+
+Requests whose next-token distribution depends on their own latest outputs in ways the verification pass does
+not model get no drafts: structured outputs (matchers are not rolled back this session), penalties,
+`min_tokens` still unmet (stop-token bans move with the output count), multi-token bad words, and pooling.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from vllm_lite.config import SpeculativeConfig
+from vllm_lite.core.request import Request
+from vllm_lite.spec_decode.metrics import SpecDecodingStats
+
+
+def may_speculate(req: Request) -> bool:
+    """Whether the verification pass emits exactly what plain decoding would for this request."""
+    sp = req.sampling_params
+    return (
+        req.structured_output_request is None
+        and getattr(req, "pooling_params", None) is None
+        and sp.presence_penalty == 0.0
+        and sp.frequency_penalty == 0.0
+        and sp.repetition_penalty == 1.0
+        and req.num_output_tokens >= sp.min_tokens
+        and all(len(w) <= 1 for w in (sp.bad_words_token_ids or []))
+    )
+
+
+class SpecDecodeScheduling:
+    """Drafts to schedule per request, the rollback after verification, and the step's acceptance counters."""
+
+    def __init__(self, config: Optional[SpeculativeConfig]) -> None:
+        self.num_spec_tokens = config.num_speculative_tokens if config is not None else 0
+        self.enabled = bool(self.num_spec_tokens)
+        self._stats: Optional[SpecDecodingStats] = None
+        # Since start (never reset): what tests and tools read.
+        self.total = SpecDecodingStats.new(self.num_spec_tokens) if self.enabled else None
+
+    def drafts_for(self, req: Request, max_model_len: int) -> list[int]:
+        """Drafts to run after `req`'s last token this step: none unless it decodes; capped so that the bonus token
+        still fits under max_tokens and max_model_len."""
+        drafts = req.spec_token_ids
+        if not drafts or req.num_computed_tokens != req.num_tokens - 1 or not may_speculate(req):
+            return []
+        room = max_model_len - req.num_tokens
+        if req.max_tokens is not None:
+            room = min(room, req.max_tokens - req.num_output_tokens - 1)
+        return drafts[: max(0, min(room, self.num_spec_tokens))]
+
+    def rollback(self, req: Request, num_drafts: int, num_sampled: int) -> None:
+        """After a verified step: `num_sampled` tokens came back for `num_drafts` drafts (accepted + 1)."""
+        num_accepted = max(0, min(num_drafts, num_sampled - 1))
+        req.num_computed_tokens -= num_drafts - num_accepted
+        if self._stats is None:
+            self._stats = SpecDecodingStats.new(self.num_spec_tokens)
+        self._stats.observe_draft(num_drafts, num_accepted)
+        assert self.total is not None
+        self.total.observe_draft(num_drafts, num_accepted)
+
+    def take_stats(self, reset: bool = True) -> Optional[SpecDecodingStats]:
+        """The counters since the last reset (None when nothing was verified)."""
+        stats = self._stats
+        if reset:
+            self._stats = None
+        return stats

@@ -1,0 +1,208 @@
+"""The runner's side of speculative decoding: lay drafts into the batch, verify them, propose the next ones.
+
+A step whose SchedulerOutput carries `scheduled_spec_decode_tokens` runs each such request's last token plus its
+k drafts as one query of length 1 + k through the ordinary mixed-batch forward pass (the drafts are written into
+the persistent token buffer right after the request's known tokens, so `build_step_inputs` picks them up).
+Every sampling row is then verified at once: the logits of its 1 + k positions go through the sampler's own
+processors and warpers (the metadata rows repeated per position), and `rejection_sample` keeps the longest
+prefix of drafts that the target's samples agree with, plus one token. Rows without drafts take the same path
+with k = 0, which is plain sampling.
+
+Processors depending on the request's latest outputs (penalties, min_tokens bans, multi-token bad words,
+grammars) are only exact at position 0 here; the scheduler gives such requests no drafts (see
+`core/sched/spec_decode.py`), so position 0 is the only one they use.
+
+Proposals come from the n-gram proposer over the same persistent buffer: every request's history (prompt and
+outputs) already lives there, row by row, which is what the proposer's batched numpy search reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from vllm_lite.config import VllmConfig
+from vllm_lite.spec_decode.ngram_proposer import NgramProposer
+from vllm_lite.spec_decode.rejection_sampler import rejection_sample
+from vllm_lite.worker.input_batch import InputBatch
+from vllm_lite.worker.sampler import Sampler, gather_logprobs, warp
+from vllm_lite.worker.sampling_metadata import SamplingMetadata
+from vllm_lite.worker.step import LogprobsTensors, SchedulerOutput
+from vllm_lite.worker.step_inputs import StepInputs
+
+
+@dataclass
+class VerifiedTokens:
+    """One verified step's result for the rows that sampled (in step order)."""
+
+    token_ids: np.ndarray  # int64 [S, K+1], -1 past each row's emitted tokens
+    num_emitted: np.ndarray  # int64 [S], accepted drafts + 1
+    num_rejected: np.ndarray  # int64 [S]
+    logprobs: Optional[LogprobsTensors]  # one row per emitted token, rows grouped by request in step order
+
+    def token_lists(self) -> list[list[int]]:
+        return [row[:n].tolist() for row, n in zip(self.token_ids, self.num_emitted)]
+
+
+def expand_metadata(md: SamplingMetadata, reps: int) -> SamplingMetadata:
+    """The same sampling rows, each repeated `reps` times in a row (row r -> rows r*reps .. r*reps+reps-1)."""
+    if reps == 1:
+        return md
+
+    def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else t.repeat_interleave(reps, dim=0)
+
+    def pairs(idx: Optional[tuple[torch.Tensor, torch.Tensor]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        if idx is None:
+            return None
+        b, t = idx
+        offsets = torch.arange(reps, device=b.device)
+        return ((b.unsqueeze(1) * reps + offsets).reshape(-1), t.unsqueeze(1).expand(-1, reps).reshape(-1))
+
+    bias_values = md.logit_bias_values
+    return SamplingMetadata(
+        num_rows=md.num_rows * reps,
+        all_greedy=md.all_greedy,
+        all_random=md.all_random,
+        greedy_mask=rows(md.greedy_mask),
+        temperature=rows(md.temperature),
+        top_k=rows(md.top_k),
+        max_top_k=md.max_top_k,
+        top_p=rows(md.top_p),
+        min_p=rows(md.min_p),
+        generators={},
+        max_num_logprobs=md.max_num_logprobs,
+        presence_penalties=rows(md.presence_penalties),
+        frequency_penalties=rows(md.frequency_penalties),
+        repetition_penalties=rows(md.repetition_penalties),
+        penalty_token_ids=rows(md.penalty_token_ids),
+        penalty_output_counts=rows(md.penalty_output_counts),
+        allowed_rows=rows(md.allowed_rows),
+        allowed_index=pairs(md.allowed_index),
+        banned_index=pairs(md.banned_index),
+        logit_bias_index=pairs(md.logit_bias_index),
+        logit_bias_values=None if bias_values is None else bias_values.repeat_interleave(reps),
+    )
+
+
+def target_distributions(
+    logits: torch.Tensor, md: SamplingMetadata, bitmask: Optional[torch.Tensor], reps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target [S, reps, V], greedy [S]): warped probabilities for random rows, processed logits for greedy rows
+    (the rejection sampler reads only their argmax), exactly as the sampler would sample each position."""
+    md_x = expand_metadata(md, reps)
+    if bitmask is not None:
+        bitmask = bitmask.repeat_interleave(reps, dim=0)
+    processed = Sampler.apply_logits_processors(logits, md_x, bitmask)
+    s = md.num_rows
+    if md.all_greedy:
+        return processed.view(s, reps, -1), torch.ones(s, dtype=torch.bool, device=logits.device)
+    if md.all_random:
+        greedy = torch.zeros(s, dtype=torch.bool, device=logits.device)
+        random_rows = None
+    else:
+        assert md.greedy_mask is not None and md_x.greedy_mask is not None
+        greedy = md.greedy_mask
+        random_rows = (~md_x.greedy_mask).nonzero().squeeze(1)
+    probs = warp(processed, md_x, random_rows).to_dense().softmax(dim=-1)
+    if random_rows is not None:
+        probs = torch.where(md_x.greedy_mask.unsqueeze(1), processed, probs)  # type: ignore[union-attr]
+    return probs.view(s, reps, -1), greedy
+
+
+class SpecDecodeStep:
+    """Drafts in, verified tokens out, new drafts proposed: the runner calls this around its forward pass."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        sc = vllm_config.speculative_config
+        assert sc is not None and sc.method == "ngram"
+        assert sc.num_speculative_tokens is not None
+        assert sc.prompt_lookup_min is not None and sc.prompt_lookup_max is not None
+        self.num_spec_tokens = sc.num_speculative_tokens
+        self.proposer = NgramProposer(
+            sc.num_speculative_tokens,
+            sc.prompt_lookup_min,
+            sc.prompt_lookup_max,
+            max_model_len=vllm_config.model_config.max_model_len,
+        )
+
+    @staticmethod
+    def maybe_create(vllm_config: VllmConfig) -> Optional["SpecDecodeStep"]:
+        return SpecDecodeStep(vllm_config) if vllm_config.speculative_config is not None else None
+
+    # ------------------------------------------------------------------ before the forward pass
+    @staticmethod
+    def write_drafts(batch: InputBatch, so: SchedulerOutput) -> None:
+        """Put each request's drafts right after its known tokens, where this step's inputs read them."""
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            row = batch.req_id_to_row[req_id]
+            n = int(batch.num_tokens[row])
+            if n + len(drafts) > batch.max_model_len:
+                raise ValueError(f"request {req_id!r}: {len(drafts)} drafts after {n} tokens pass max_model_len")
+            batch.token_ids[row, n : n + len(drafts)] = drafts
+
+    # ------------------------------------------------------------------ verification
+    @staticmethod
+    def draft_table(so: SchedulerOutput, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(drafts int64 [S, K] padded with -1, counts int64 [S]) for these requests, K = the step's longest."""
+        lists = [so.scheduled_spec_decode_tokens.get(r, ()) for r in req_ids]
+        counts = np.fromiter((len(d) for d in lists), dtype=np.int64, count=len(lists))
+        k = int(counts.max()) if len(counts) else 0
+        table = np.full((len(lists), k), -1, dtype=np.int64)
+        for i, d in enumerate(lists):  # host-side layout of the scheduler's lists, before any tensor work
+            if d:
+                table[i, : len(d)] = d
+        return table, counts
+
+    @staticmethod
+    def logits_positions(inputs: StepInputs, s_idx: np.ndarray, num_draft: np.ndarray) -> np.ndarray:
+        """int64 [S, K+1]: the flat token index of each verified position (padding repeats the row's last)."""
+        k = int(num_draft.max()) if len(num_draft) else 0
+        last = inputs.query_start_loc[1:][s_idx] - 1
+        offsets = np.minimum(np.arange(k + 1)[None, :], num_draft[:, None])
+        return last[:, None] - num_draft[:, None] + offsets
+
+    @staticmethod
+    def verify(
+        logits: torch.Tensor,
+        md: SamplingMetadata,
+        bitmask: Optional[torch.Tensor],
+        drafts: np.ndarray,
+        num_draft: np.ndarray,
+    ) -> tuple[torch.Tensor, Optional[LogprobsTensors]]:
+        """Driver only. logits [S*(K+1), V] -> (tokens int64 [S, K+1] with -1 padding, logprobs per emitted token)."""
+        s, k = drafts.shape
+        device = logits.device
+        target, greedy = target_distributions(logits, md, bitmask, k + 1)
+        out = rejection_sample(
+            torch.from_numpy(drafts).to(device),
+            torch.from_numpy(num_draft).to(device),
+            None,
+            target,
+            greedy,
+            md.generators,
+        )
+        tokens = out.output_token_ids
+        lp = None
+        if md.max_num_logprobs is not None:
+            emitted = tokens >= 0
+            flat_rows = torch.arange(s * (k + 1), device=device).view(s, k + 1)[emitted]
+            raw = torch.log_softmax(logits[flat_rows].float(), dim=-1)
+            lp = gather_logprobs(raw, tokens[emitted], min(md.max_num_logprobs, logits.shape[1]))
+        return tokens, lp
+
+    # ------------------------------------------------------------------ after sampling
+    def propose(self, batch: InputBatch, inputs: StepInputs, s_idx: np.ndarray) -> list[list[int]]:
+        """Drafts for every request of the step (aligned with inputs.req_ids; [] for rows that did not sample)."""
+        out: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
+        if len(s_idx) == 0:
+            return out
+        rows = inputs.rows[s_idx]
+        num_tokens = batch.num_tokens[rows]
+        proposal = self.proposer.propose(batch.token_ids[rows, : int(num_tokens.max())], num_tokens)
+        for i, drafts in zip(s_idx.tolist(), proposal.to_lists()):
+            out[i] = drafts
+        return out
