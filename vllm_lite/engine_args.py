@@ -29,6 +29,7 @@ from vllm_lite.device_layout import engine_device, verify_cuda_device_count
 from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
 from vllm_lite.dtype_policy import resolve_dtype
 from vllm_lite.platform import resolve_device
+from vllm_lite.pooling_config import RUNNERS, PoolerConfig, resolve_pooler_config, resolve_runner
 
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -45,6 +46,14 @@ def parse_speculative_config(text: str) -> Optional[SpeculativeConfig]:
     """--speculative-config's JSON value, e.g. '{"method": "ngram", "num_speculative_tokens": 3}'."""
     try:
         return SpeculativeConfig.from_value(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_pooler_config(text: str) -> Optional[PoolerConfig]:
+    """--pooler-config's JSON value, e.g. '{"pooling_type": "MEAN", "normalize": true}'."""
+    try:
+        return PoolerConfig.from_value(text)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -231,6 +240,26 @@ class EngineArgs:
             "nargs": "+",
         },
     )
+    runner: str = field(
+        default="auto",
+        metadata={
+            "help": "generate (sample tokens) or pooling (embeddings, classification, scores: LLM.embed, "
+            "/v1/embeddings); auto: pooling for architectures without an LM head and sentence-transformers "
+            "checkpoints, else generate.",
+            "choices": RUNNERS,
+        },
+    )
+    pooler_config: Optional[PoolerConfig] = field(
+        default=None,
+        metadata={
+            "help": 'Pooling models: JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' (pooling_type LAST, '
+            "MEAN, CLS or ALL; normalize; dimensions; activation; softmax). Default: the checkpoint's "
+            "sentence-transformers files, else LAST for decoders and CLS for encoders, normalized. Python: a "
+            "PoolerConfig or a dict.",
+            "type": parse_pooler_config,
+            "metavar": "JSON",
+        },
+    )
 
     @classmethod
     def add_cli_args(
@@ -344,6 +373,21 @@ class EngineArgs:
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched!r}.")
+        runner_type = resolve_runner(self.runner, archs, model_dir)
+        pooler_config = None
+        if runner_type == "pooling":
+            pooler_config = resolve_pooler_config(PoolerConfig.from_value(self.pooler_config), archs, model_dir)
+            # A pooling prompt runs whole in one step (no chunked prefill, as vLLM for pooling models).
+            if self.max_num_batched_tokens is None:
+                max_batched = max(max_batched, max_model_len)
+            elif max_batched < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len ({max_model_len}): a "
+                    "pooling model runs each prompt whole in one step; raise max_num_batched_tokens or lower "
+                    "max_model_len."
+                )
+        elif self.pooler_config is not None:
+            raise ValueError("pooler_config applies to pooling models only (runner='pooling').")
         model_config = ModelConfig(
             model=model_dir,
             tokenizer=tokenizer_dir,
@@ -358,6 +402,8 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             generation_config="auto" if gen_dir == model_dir else gen_dir or "vllm",
             enforce_eager=self.enforce_eager,
+            runner_type=runner_type,
+            pooler_config=pooler_config,
         )
         return VllmConfig(
             model_config=model_config,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -69,3 +69,111 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: Optional[str] = None
     kv_transfer_params: None = field(default=None, repr=False)
+
+
+# ---------------------------------------------------------------------------- pooling (vLLM's names)
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled data of one request: a vector (embed, classify) or one row per token (encode, ALL)."""
+
+    data: Any  # torch.Tensor, float32 on the CPU
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PoolingOutput) and bool((self.data == other.data).all())
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The output of one pooling request (`LLM.encode`); `EmbeddingRequestOutput` etc. view it by task."""
+
+    request_id: str
+    outputs: Any  # PoolingOutput for `encode`; the task's own output for the subclasses
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: Optional[str] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding vector."""
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> "EmbeddingOutput":
+        data = pooling_output.data
+        if data.ndim != 1:
+            raise ValueError(f"an embedding must be a vector, got a tensor of shape {tuple(data.shape)}.")
+        return EmbeddingOutput(data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    outputs: EmbeddingOutput  # type: ignore[assignment]
+
+    @staticmethod
+    def from_base(out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return EmbeddingRequestOutput(
+            out.request_id, EmbeddingOutput.from_base(out.outputs), out.prompt_token_ids, out.finished, out.prompt
+        )
+
+
+@dataclass
+class ClassificationOutput:
+    """Class probabilities (or raw scores when the activation is off)."""
+
+    probs: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> "ClassificationOutput":
+        data = pooling_output.data
+        if data.ndim != 1:
+            raise ValueError(f"class scores must be a vector, got a tensor of shape {tuple(data.shape)}.")
+        return ClassificationOutput(data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    outputs: ClassificationOutput  # type: ignore[assignment]
+
+    @staticmethod
+    def from_base(out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return ClassificationRequestOutput(
+            out.request_id, ClassificationOutput.from_base(out.outputs), out.prompt_token_ids, out.finished, out.prompt
+        )
+
+
+@dataclass
+class ScoringOutput:
+    """One similarity (embedding models: cosine) or relevance (cross-encoders) score."""
+
+    score: float
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> "ScoringOutput":
+        data = pooling_output.data
+        if data.numel() != 1:
+            raise ValueError(f"a score must be one number, got a tensor of shape {tuple(data.shape)}.")
+        return ScoringOutput(float(data.reshape(()).item()))
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    outputs: ScoringOutput  # type: ignore[assignment]
+
+    @staticmethod
+    def from_base(out: PoolingRequestOutput) -> "ScoringRequestOutput":
+        return ScoringRequestOutput(
+            out.request_id, ScoringOutput.from_base(out.outputs), out.prompt_token_ids, out.finished, out.prompt
+        )

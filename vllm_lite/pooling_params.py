@@ -16,6 +16,15 @@ import msgspec
 POOLING_TASKS = ("encode", "embed", "classify", "score", "reward", "token_embed", "token_classify")
 # The most dimensions a Matryoshka truncation may keep (a sanity cap for untrusted requests).
 MAX_DIMENSIONS = 1 << 20
+# vLLM's wording for a request of the wrong kind for the model.
+GENERATE_ON_POOLING = (
+    "generation is only supported for generative models, and this model runs as a pooling model; "
+    "try passing `--runner generate` (runner='generate') to use it as a generative model."
+)
+POOLING_ON_GENERATE = (
+    "pooling (encode, embed, classify, score) is only supported for pooling models; "
+    "try passing `--runner pooling` (runner='pooling') to use the model as a pooling model."
+)
 
 
 class PoolingParams(msgspec.Struct, omit_defaults=True, array_like=True):

@@ -15,7 +15,8 @@ from vllm_lite.client.tokenizer import get_tokenizer
 from vllm_lite.config import VllmConfig
 from vllm_lite.core.messages import EngineCoreRequest
 from vllm_lite.engine_args import EngineArgs
-from vllm_lite.outputs import RequestOutput
+from vllm_lite.outputs import PoolingRequestOutput, RequestOutput
+from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 
 
@@ -93,7 +94,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: Union[SamplingParams, PoolingParams],
         arrival_time: Optional[float] = None,
         priority: int = 0,
     ) -> None:
@@ -105,13 +106,13 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: Union[SamplingParams, PoolingParams],
         arrival_time: Optional[float] = None,
         priority: int = 0,
     ) -> tuple[Optional[str], EngineCoreRequest]:
         """Validate and tokenize without sending: raises ValueError/TypeError on bad input."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         return self.processor.process_inputs(
             request_id,
             prompt,
@@ -125,7 +126,7 @@ class LLMEngine:
         request_id = request.request_id
         if request_id in getattr(self.output_processor, "request_states", {}):
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is still running")
-        if request.sampling_params.num_samples == 1:
+        if request.sampling_params is None or request.sampling_params.num_samples == 1:  # pooling, or one sample
             self.output_processor.add_request(request, prompt_text)
             self.engine_core.add_request(request)
             return
@@ -141,7 +142,7 @@ class LLMEngine:
         if to_abort:
             self.engine_core.abort_requests(list(to_abort))
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """One engine step's worth of outputs (blocks until the core sends some)."""
         outputs = self.engine_core.get_output()
         processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)

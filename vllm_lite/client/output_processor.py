@@ -18,6 +18,7 @@ from typing import Any, Iterable, Optional, Union
 from vllm_lite.client.detokenizer import IncrementalDetokenizer
 from vllm_lite.client.logprobs import LogprobsProcessor, TokenTextCache
 from vllm_lite.client.parallel_sampling import ParentRequest, merge_delta
+from vllm_lite.client.pooling import PoolingRequestState
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm_lite.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_lite.sampling_params import RequestOutputKind
@@ -285,6 +286,11 @@ class OutputProcessor:
     ) -> None:
         """Start tracking a core request (for n > 1: each child, with its parent and index)."""
         rid = request.request_id
+        if request.pooling_params is not None:  # one output, no text: a state of its own
+            if rid in self.request_states or rid in self.parent_requests:
+                raise ValueError(f"request_id {rid!r} is already in use by an unfinished request.")
+            self.request_states[rid] = PoolingRequestState(request, prompt, queue)  # type: ignore[assignment]
+            return
         if parent_req is not None:
             if not 0 <= request_index < parent_req.num_children:
                 raise ValueError(f"request_index must be in [0, {parent_req.num_children}), got {request_index!r}.")
@@ -318,6 +324,10 @@ class OutputProcessor:
         return to_abort
 
     def _finish_aborted(self, state: RequestState) -> None:
+        if isinstance(state, PoolingRequestState):
+            if state.queue is not None:
+                state.queue.put(state.make_aborted())
+            return
         parent = state.parent_req
         now = time.time()
         state.metrics.finished_time = now
@@ -358,6 +368,11 @@ class OutputProcessor:
         for out in engine_core_outputs:
             state = self.request_states.get(out.request_id)
             if state is None:  # aborted or stop-string-finished already: late outputs are dropped
+                continue
+            if isinstance(state, PoolingRequestState):  # its one output: the pooled data (or its error)
+                if out.finish_reason is not None:
+                    del self.request_states[out.request_id]
+                    self._emit(state, state.make_output(out), request_outputs)  # type: ignore[arg-type]
                 continue
             stop_str = state.update(out, now, stats, engine_core_timestamp)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason

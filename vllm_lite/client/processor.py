@@ -13,8 +13,10 @@ import time
 import weakref
 from typing import Any, Optional, Union
 
+from vllm_lite.client.pooling import make_pooling_request
 from vllm_lite.config import ModelConfig
 from vllm_lite.core.messages import EngineCoreRequest
+from vllm_lite.pooling_params import GENERATE_ON_POOLING, PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
@@ -161,12 +163,20 @@ class Processor:
         """Validate and tokenize; returns (prompt text if known, the request for the core)."""
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}.")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}.")
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise TypeError(f"params must be a SamplingParams or PoolingParams, got {type(params).__name__}.")
+        if isinstance(params, SamplingParams) and self.model_config.runner_type == "pooling":
+            raise ValueError(GENERATE_ON_POOLING)
         check_priority(priority)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}.")
         prompt_text, prompt_ids = self._tokenize_prompt(prompt)
+        if isinstance(params, PoolingParams):
+            self._validate_ids(prompt_ids)
+            request = make_pooling_request(
+                self.model_config, request_id, prompt_ids, params, arrival_time, priority, client_index, cache_salt
+            )
+            return prompt_text, request
         self._validate_prompt(prompt_ids)
         params = self._process_params(params, len(prompt_ids))
         request = EngineCoreRequest(
@@ -230,6 +240,11 @@ class Processor:
                 f"The prompt is too long: {len(ids)} tokens, but max_model_len={self.max_model_len} "
                 f"allows at most {self.max_model_len - 1} prompt tokens (one position is needed to generate)."
             )
+        self._validate_ids(ids)
+
+    def _validate_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("Invalid prompt: prompt is empty (no token ids).")
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= self.vocab_size:
             bad = lo if lo < 0 else hi

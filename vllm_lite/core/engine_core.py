@@ -41,7 +41,11 @@ class EngineCore:
         mc = vllm_config.model_config
         # The scheduler's max_model_len: the configured one, capped by what the KV cache holds.
         self.request_limits = RequestLimits(
-            vocab_size=mc.vocab_size, max_model_len=self.scheduler.max_model_len, max_logprobs=mc.max_logprobs
+            vocab_size=mc.vocab_size,
+            max_model_len=self.scheduler.max_model_len,
+            max_logprobs=mc.max_logprobs,
+            runner_type=mc.runner_type,
+            max_pooling_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         )
         self.model_facts: dict[str, Any] = {
             "model": mc.name,

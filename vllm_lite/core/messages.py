@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.worker.step import LogprobsTensors
@@ -45,12 +46,14 @@ class EngineCoreRequestType(enum.Enum):
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    # Exactly one of the two (as vLLM): sampling for a generate model, pooling for a pooling model.
+    sampling_params: Optional[SamplingParams]
     eos_token_id: Optional[int]
     arrival_time: float
     priority: int = 0
     client_index: int = 0
     cache_salt: Optional[str] = None
+    pooling_params: Optional[PoolingParams] = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -67,6 +70,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # in the core, the clock of EngineCoreOutputs.timestamp), for vLLM's queue/prefill/decode metrics.
     queued_ts: float = 0.0
     scheduled_ts: float = 0.0
+    # A pooling request's result (float32 tensor: [hidden] or [tokens, hidden]); it travels as raw bytes with
+    # dtype and shape (serialization.py's tensor record), never pickled.
+    pooling_output: Optional[Any] = None
 
     @property
     def finished(self) -> bool:

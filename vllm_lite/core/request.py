@@ -7,8 +7,12 @@ import time
 from typing import Optional, Union
 
 from vllm_lite.core.messages import EngineCoreRequest, FinishReason
+from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.structured_output.request import StructuredOutputRequest
+
+# What a pooling request's worker row samples with (it never does: the pooling runner samples nothing).
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class RequestStatus(enum.IntEnum):
@@ -54,9 +58,17 @@ class Request:
         client_index: int = 0,
         cache_salt: Optional[str] = None,
         tenant_salt: Optional[bytes] = None,
+        pooling_params: Optional[PoolingParams] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        # A pooling request runs its prompt once and never samples (vLLM: max_tokens=1); it carries a greedy
+        # one-token SamplingParams so the worker's batch rows stay uniform.
+        self.pooling_params = pooling_params
+        if sampling_params is None:
+            if pooling_params is None:
+                raise ValueError(f"request {request_id!r}: needs sampling_params or pooling_params.")
+            sampling_params = POOLING_SAMPLING_PARAMS
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
@@ -98,6 +110,7 @@ class Request:
             client_index=req.client_index,
             cache_salt=req.cache_salt,
             tenant_salt=tenant_salt,
+            pooling_params=req.pooling_params,
         )
 
     def append_output_token_ids(self, token_ids: Union[int, list[int]]) -> None:

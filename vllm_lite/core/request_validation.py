@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from vllm_lite.core.messages import EngineCoreRequest
+from vllm_lite.core.pooling_validation import validate_pooling_request
 from vllm_lite.sampling_params import SamplingParams
 
 _INT64_MIN = -(1 << 63)
@@ -53,6 +54,10 @@ class RequestLimits:
     # Priorities sort requests; a 64-bit range is what every encoder and the API can carry.
     min_priority: int = _INT64_MIN
     max_priority: int = _INT64_MAX
+    # "generate" or "pooling": which of sampling_params / pooling_params this core's model takes.
+    runner_type: str = "generate"
+    # A pooling prompt runs whole in one step: at most this many tokens (None: max_model_len).
+    max_pooling_tokens: Optional[int] = None
 
 
 def validate_request(request: EngineCoreRequest, limits: RequestLimits) -> None:
@@ -73,7 +78,8 @@ def _validate_fields(request: EngineCoreRequest, limits: RequestLimits) -> None:
     prompt = _id_list("prompt_token_ids", request.prompt_token_ids, vocab, max_len=None)
     if not prompt:
         raise ValueError("prompt_token_ids must not be empty.")
-    if len(prompt) >= limits.max_model_len:
+    pooling = validate_pooling_request(request, limits)
+    if not pooling and len(prompt) >= limits.max_model_len:
         raise ValueError(
             f"prompt_token_ids has {len(prompt)} tokens, which leaves no room to generate in "
             f"max_model_len={limits.max_model_len}."
@@ -90,6 +96,8 @@ def _validate_fields(request: EngineCoreRequest, limits: RequestLimits) -> None:
         if len(salt) > limits.max_cache_salt_chars:
             raise ValueError(f"cache_salt must be at most {limits.max_cache_salt_chars} characters, got {len(salt)}.")
     params = request.sampling_params
+    if pooling:
+        return
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
     _validate_sampling_params(params, limits)

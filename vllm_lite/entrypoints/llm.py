@@ -10,7 +10,15 @@ from tqdm.auto import tqdm
 from vllm_lite.client.llm_engine import LLMEngine
 from vllm_lite.client.processor import PromptType
 from vllm_lite.engine_args import EngineArgs
-from vllm_lite.outputs import RequestOutput
+from vllm_lite.entrypoints import llm_pooling
+from vllm_lite.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -79,6 +87,7 @@ class LLM:
         priority: Optional[list[int]] = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns RequestOutputs in input order."""
+        llm_pooling.check_runner(self.llm_engine.vllm_config.model_config, "generate", "generate")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -95,19 +104,23 @@ class LLM:
         return self._run(prompt_list, params_list, priority, use_tqdm)
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], priority: Optional[list[int]], use_tqdm: bool
-    ) -> list[RequestOutput]:
+        self,
+        prompts: list[PromptType],
+        params: Sequence[Union[SamplingParams, PoolingParams]],
+        priority: Optional[list[int]],
+        use_tqdm: bool,
+    ) -> list[Any]:
         engine = self.llm_engine
         # Validate everything before anything runs: a bad prompt names its index and nothing is queued.
         processed = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            if not isinstance(sp, SamplingParams):
+            if isinstance(sp, SamplingParams):
+                sp = _final_only(sp)
+            elif not isinstance(sp, PoolingParams):
                 raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(sp).__name__}")
             rid = str(next(self._counter))
             try:
-                processed.append(
-                    engine.process_request(rid, p, _final_only(sp), priority=priority[i] if priority else 0)
-                )
+                processed.append(engine.process_request(rid, p, sp, priority=priority[i] if priority else 0))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e
         ids = [req.request_id for _, req in processed]
@@ -172,6 +185,79 @@ class LLM:
             early_stopping=early_stopping,
             max_logprobs=engine.processor.max_logprobs,
             use_tqdm=use_tqdm,
+        )
+
+    # ------------------------------------------------------------------ pooling models (runner="pooling")
+    def _pooling(self, method: str, prompts: Any) -> list[PromptType]:
+        llm_pooling.check_runner(self.llm_engine.vllm_config.model_config, method, "pooling")
+        return _as_prompt_list(prompts)
+
+    def _run_pooling(self, prompts: list[Any], params: list[PoolingParams], use_tqdm: bool) -> list[Any]:
+        return self._run(prompts, params, None, use_tqdm)
+
+    def encode(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[Union[PoolingParams, Sequence[PoolingParams]]] = None,
+        *,
+        truncate_prompt_tokens: Optional[int] = None,
+        use_tqdm: bool = True,
+        pooling_task: str = "encode",
+    ) -> list[PoolingRequestOutput]:
+        """The model's pooled hidden states (`PoolingRequestOutput.outputs.data`), one per prompt in input order."""
+        prompt_list = self._pooling("encode", prompts)
+        params = llm_pooling.params_for(len(prompt_list), pooling_params, pooling_task, truncate_prompt_tokens)
+        return llm_pooling.encode(self._run_pooling, prompt_list, params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        *,
+        truncate_prompt_tokens: Optional[int] = None,
+        use_tqdm: bool = True,
+        pooling_params: Optional[Union[PoolingParams, Sequence[PoolingParams]]] = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), normalised unless the model or params say otherwise."""
+        prompt_list = self._pooling("embed", prompts)
+        params = llm_pooling.params_for(len(prompt_list), pooling_params, "embed", truncate_prompt_tokens)
+        return llm_pooling.embed(self._run_pooling, prompt_list, params, use_tqdm)
+
+    def classify(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        *,
+        truncate_prompt_tokens: Optional[int] = None,
+        use_tqdm: bool = True,
+        pooling_params: Optional[Union[PoolingParams, Sequence[PoolingParams]]] = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (`.outputs.probs`) from a *ForSequenceClassification model."""
+        prompt_list = self._pooling("classify", prompts)
+        params = llm_pooling.params_for(len(prompt_list), pooling_params, "classify", truncate_prompt_tokens)
+        mc = self.llm_engine.vllm_config.model_config
+        return llm_pooling.classify(self._run_pooling, mc, prompt_list, params, use_tqdm)
+
+    def score(
+        self,
+        text_1: Union[str, Sequence[str]],
+        text_2: Union[str, Sequence[str]],
+        /,
+        *,
+        truncate_prompt_tokens: Optional[int] = None,
+        use_tqdm: bool = True,
+        pooling_params: Optional[Union[PoolingParams, Sequence[PoolingParams]]] = None,
+    ) -> list[ScoringRequestOutput]:
+        """Similarity of each (text_1, text_2) pair: cosine of embeddings, or a cross-encoder's relevance score."""
+        mc = self.llm_engine.vllm_config.model_config
+        llm_pooling.check_runner(mc, "score", "pooling")
+        return llm_pooling.score(
+            self._run_pooling,
+            mc,
+            self.get_tokenizer(),
+            text_1,
+            text_2,
+            pooling_params,
+            truncate_prompt_tokens,
+            use_tqdm,
         )
 
     def reset_prefix_cache(self) -> bool:

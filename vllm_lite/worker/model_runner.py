@@ -27,6 +27,7 @@ from vllm_lite.worker.kv_cache_sizing import measure_peak_allocated
 from vllm_lite.worker.model_loader import load_model
 from vllm_lite.worker.models.cpu_prepack import maybe_prepack
 from vllm_lite.worker.parallel_state import broadcast_from_driver, get_tp_rank, get_tp_size
+from vllm_lite.worker.pooler import make_pooler, pool_step, step_pooling_params
 from vllm_lite.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -61,6 +62,7 @@ class GPUModelRunner:
         self.vocab_size = mc.vocab_size
         self.backend = _get_backend(device)
         self.sampler = Sampler()
+        self.pooler = make_pooler(mc, self.model)  # a pooling model pools instead of sampling
         self.spec_decode = SpecDecodeStep.maybe_create(vllm_config)  # None without speculative_config
         self.tp_size, self.is_driver = get_tp_size(), get_tp_rank() == 0
         self.input_batch = InputBatch(
@@ -191,6 +193,15 @@ class GPUModelRunner:
         """Prepare inputs, run the model, sample, and report: one forward pass over `batch`."""
         inputs = build_step_inputs(batch, num_scheduled_tokens, self.block_size, self._arange)
         hidden = self._run_model(inputs)
+        if self.pooler is not None:  # a pooling step: every request's whole prompt ran; pool, sample nothing
+            batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
+            params = step_pooling_params(so, inputs.req_ids)
+            return ModelRunnerOutput(
+                req_ids=inputs.req_ids,
+                req_id_to_index={r: i for i, r in enumerate(inputs.req_ids)},
+                sampled_token_ids=[[] for _ in inputs.req_ids],
+                pooler_output=list(pool_step(self.pooler, hidden, inputs.query_start_loc, params)),
+            )
         prompt_lp = self._prompt_logprobs(batch, inputs, hidden)
         sampled = self._sample(batch, inputs, hidden, so)
         # Advance progress locally (less rejected drafts); the scheduler re-sends the authoritative value next step.

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import msgspec
 
+from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 
 
@@ -30,6 +31,8 @@ class NewRequestData:
     num_computed_tokens: int
     # The tokenizer's EOS id; the sampler holds it back while min_tokens is unmet.
     eos_token_id: Optional[int] = None
+    # A pooling request (pooling runner): how to pool its hidden states; it is never sampled.
+    pooling_params: Optional[PoolingParams] = None
 
 
 @dataclass
@@ -97,6 +100,8 @@ class ModelRunnerOutput:
     logprobs: Optional[LogprobsTensors] = None
     # req_id -> prompt logprobs for the prompt positions computed this step.
     prompt_logprobs_dict: dict[str, Optional[LogprobsTensors]] = field(default_factory=dict)
+    # Pooling runner (vLLM's name): per request (aligned with req_ids), its pooled float32 tensor on the CPU.
+    pooler_output: Optional[list[Optional[Any]]] = None
     # Speculative decoding: per request (aligned with req_ids), the draft tokens proposed for its next step.
     spec_token_ids: Optional[list[list[int]]] = None
     # Set when a request may have emitted several tokens: request i's logprobs are rows

@@ -30,6 +30,7 @@ from vllm_lite.core.kv_cache_manager import KVCacheManager
 from vllm_lite.core.kv_cache_utils import KVCacheBlock
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from vllm_lite.core.request import Request, RequestStatus
+from vllm_lite.core.sched.pooling import finish_pooling_request
 from vllm_lite.core.sched.request_queue import RequestQueue, create_request_queue
 from vllm_lite.core.sched.spec_decode import SpecDecodeScheduling
 from vllm_lite.structured_output.manager import StructuredOutputManager
@@ -271,8 +272,15 @@ class Scheduler:
 
             while not blocked and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
-                hit_blocks, num_hit = kv.get_computed_blocks(req)
-                n = self._num_new_tokens(req, num_hit, budget)
+                if req.pooling_params is not None:
+                    # Pooled states need every prompt token in one step: no prefix hit, no chunk; else wait.
+                    hit_blocks, num_hit = [], 0
+                    n = req.num_tokens if budget >= req.num_tokens else 0
+                    if n == 0:
+                        break
+                else:
+                    hit_blocks, num_hit = kv.get_computed_blocks(req)
+                    n = self._num_new_tokens(req, num_hit, budget)
                 if kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
                     break
                 self.waiting.pop()
@@ -298,6 +306,7 @@ class Scheduler:
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 eos_token_id=r.eos_token_id,
+                pooling_params=r.pooling_params,
             )
             for r in to_worker_as_new
         ]
@@ -465,6 +474,10 @@ class Scheduler:
                 self.spec.rollback(req, len(drafts), len(mro.sampled_token_ids[idx]) if idx is not None else 0)
             # Only blocks full of known tokens are hashed; accepted drafts' blocks are cached at the next step.
             kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+            if req.pooling_params is not None:  # its whole prompt ran: it finishes with its pooled output
+                per_client[req.client_index].append(finish_pooling_request(req, mro, idx))
+                stopped.append(req)
+                continue
             sampled = mro.sampled_token_ids[idx] if idx is not None else []
             new_token_ids: list[int] = []
             finished = False

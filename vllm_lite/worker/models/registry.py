@@ -20,6 +20,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    # Pooling models (runner "pooling"): bare decoders as AutoModel saves them, and classification heads.
+    "LlamaModel": ("decoder_pooling", "LlamaModel"),
+    "MistralModel": ("decoder_pooling", "MistralModel"),
+    "Qwen2Model": ("decoder_pooling", "Qwen2Model"),
+    "Qwen3Model": ("decoder_pooling", "Qwen3Model"),
+    "LlamaForSequenceClassification": ("decoder_pooling", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("decoder_pooling", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("decoder_pooling", "Qwen3ForSequenceClassification"),
 }
 
 
