@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.scheduler import Scheduler
 from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.testing.hypothesis_profiles import max_examples
 from vllm_lite.testing.scheduler_config import make_config
 from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
 
@@ -149,7 +150,7 @@ workloads = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=max_examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads)
 def test_random_workloads_keep_block_accounting_and_budget_and_drain(w):
     bs = w["block_size"]
@@ -232,7 +233,7 @@ def test_random_workloads_keep_block_accounting_and_budget_and_drain(w):
     assert s.reset_prefix_cache() is True
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=max_examples(60), deadline=None)
 @given(
     prompts=st.lists(st.integers(1, 20), min_size=1, max_size=6),
     block_size=st.sampled_from([2, 4]),
