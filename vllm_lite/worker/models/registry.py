@@ -28,6 +28,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForSequenceClassification": ("decoder_pooling", "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("decoder_pooling", "Qwen2ForSequenceClassification"),
     "Qwen3ForSequenceClassification": ("decoder_pooling", "Qwen3ForSequenceClassification"),
+    "BertModel": ("bert", "BertModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
 }
 
 

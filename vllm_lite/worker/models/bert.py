@@ -1,0 +1,248 @@
+"""BERT encoder (BertModel, BertForSequenceClassification) for pooling runners.
+
+Same call as the decoders here, `model(input_ids, positions) -> hidden [T, hidden]`, over the
+runner's packed batch; but attention is bidirectional and sees only the other tokens of the
+same prompt, so every prompt must arrive whole in one step (a chunked prompt is an error, not a
+silently different answer). No KV cache: the model has no `Attention` layer, so the runner binds
+none and sizes none for it. Attention runs as one batched SDPA over the prompts padded to the
+longest, with a key-padding mask (exactly HF's math); on CUDA in half precision, flash varlen
+attention over the packed rows instead. Tensor parallel splits heads and the MLP as GPT-2 does.
+
+Parameter names are HF's (`embeddings.*`, `encoder.layer.N.*`, `pooler.dense`), except q/k/v
+fused into `qkv_proj`; BertForSequenceClassification's checkpoint prefixes them with `bert.`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_lite.worker.attention.backend import AttentionMetadata
+from vllm_lite.worker.forward_context import get_forward_context
+from vllm_lite.worker.models.layers import ColumnParallelLinear, QKVLinear, RowParallelLinear, get_activation
+from vllm_lite.worker.models.loading import load_hf_weights
+from vllm_lite.worker.models.vocab_parallel import VocabParallelEmbedding
+
+STACKED = (
+    (".qkv_proj.", ".self.query.", "q"),
+    (".qkv_proj.", ".self.key.", "k"),
+    (".qkv_proj.", ".self.value.", "v"),
+)
+# Buffers older checkpoints saved (position ids) and the MLM/NSP heads of pre-training checkpoints.
+_SKIP_PREFIXES = ("cls.",)
+_SKIP_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")
+
+
+def _varlen_attn():
+    """torch's flash varlen attention (CUDA, fp16/bf16), or None where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # older torch
+        return None
+    return varlen_attn
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, scale: float):
+    """Bidirectional attention within each prompt of the packed batch: q/k/v [T, H, D] -> [T, H, D].
+
+    Requires every request's query to be its whole sequence (nothing computed before this step).
+    """
+    n, heads, dim = q.shape
+    query_lens = md.query_start_loc_cpu[1:] - md.query_start_loc_cpu[:-1]
+    if not torch.equal(query_lens, md.seq_lens_cpu):
+        raise ValueError(
+            "encoder-only (bidirectional) models need each prompt whole in one step; a prompt was split "
+            "across steps (raise max_num_batched_tokens to at least the longest prompt)."
+        )
+    b, longest = md.num_reqs, md.max_query_len
+    qsl = md.query_start_loc[: b + 1]
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and (varlen := _varlen_attn()) is not None:
+        cu = qsl.to(torch.int32)
+        return varlen(q, k, v, cu, cu, longest, longest, scale=scale)
+    # Pad to [B, L]: row b holds tokens qsl[b] .. qsl[b+1]-1, then padding (masked out as keys).
+    lens = qsl[1:] - qsl[:-1]
+    cols = torch.arange(longest, device=q.device)
+    valid = cols.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
+    gather = (qsl[:-1].unsqueeze(1) + cols.unsqueeze(0)).clamp_(max=max(n - 1, 0)).view(-1)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(0, gather).view(b, longest, heads, dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        padded(q), padded(k), padded(v), attn_mask=valid.view(b, 1, 1, longest), scale=scale
+    )  # [B, H, L, D]
+    # Back to packed order: token t of request r sits at padded row r*L + (t - qsl[r]).
+    req = torch.repeat_interleave(torch.arange(b, device=q.device), lens, output_size=n)
+    rows = req * longest + (torch.arange(n, device=q.device) - qsl.index_select(0, req))
+    return out.transpose(1, 2).reshape(b * longest, heads, dim).index_select(0, rows)
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        # Summed in HF's order (word + token type + position).
+        if token_type_ids is None:  # segment 0 everywhere, as HF's default
+            hidden = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]
+        else:
+            hidden = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(hidden + self.position_embeddings(positions))
+
+
+class BertSelfAttention(nn.Module):
+    """q/k/v + bidirectional attention + output dense, with HF's post-LayerNorm residual."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        d, heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = d // heads
+        self.qkv_proj = QKVLinear(d, self.head_dim, heads, heads, True)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.scale = self.head_dim**-0.5
+        self.dense = RowParallelLinear(d, d, True, "num_attention_heads*head_dim")
+        self.LayerNorm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        md = get_forward_context().metadata
+        n = md.num_actual_tokens
+        q, k, v = (x[:n].view(n, self.num_heads, self.head_dim) for x in self.qkv_proj.split(self.qkv_proj(hidden)))
+        attn = encoder_attention(q, k, v, md, self.scale).reshape(n, -1)
+        if hidden.shape[0] > n:  # rows padded past the real tokens (never attended)
+            attn = torch.cat([attn, attn.new_zeros(hidden.shape[0] - n, attn.shape[1])])
+        return self.LayerNorm(self.dense(attn) + hidden)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.attention = BertSelfAttention(config)
+        self.intermediate = ColumnParallelLinear(d, config.intermediate_size, True, "intermediate_size")
+        self.act = get_activation(config.hidden_act)
+        self.output = RowParallelLinear(config.intermediate_size, d, True, "intermediate_size")
+        self.output_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = self.attention(hidden)
+        return self.output_norm(self.output(self.act(self.intermediate(hidden))) + hidden)
+
+
+class BertEncoderModel(nn.Module):
+    """Embeddings + encoder layers (+ HF's optional tanh pooler over the first token)."""
+
+    def __init__(self, config, with_pooler: bool) -> None:
+        super().__init__()
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise ValueError(
+                f"BERT position_embedding_type {config.position_embedding_type!r} is not supported; "
+                "only 'absolute' position embeddings are."
+            )
+        if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+            raise ValueError("BERT as a decoder (is_decoder / add_cross_attention) is not supported.")
+        self.embeddings = BertEmbeddings(config)
+        self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if with_pooler else None
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        hidden = self.embeddings(input_ids, positions, token_type_ids)
+        for layer in self.layer:
+            hidden = layer(hidden)
+        return hidden
+
+    def pooler_output(self, first_token_hidden: torch.Tensor) -> torch.Tensor:
+        """HF's BertPooler: tanh(dense(h_CLS)); [B, hidden] -> [B, hidden]."""
+        if self.pooler is None:
+            raise ValueError("this BERT checkpoint has no pooler layer (pooler.dense).")
+        return torch.tanh(self.pooler(first_token_hidden))
+
+
+def _hf_to_ours(weights: Iterable[tuple[str, Any]], prefix: str) -> Iterator[tuple[str, Any]]:
+    """HF BERT tensor names -> ours: strip `prefix` (e.g. "bert."), flatten encoder.layer / output names."""
+    renames = (
+        ("encoder.layer.", "layer."),
+        (".attention.output.dense.", ".attention.dense."),
+        (".attention.output.LayerNorm.", ".attention.LayerNorm."),
+        (".intermediate.dense.", ".intermediate."),
+        (".output.dense.", ".output."),
+        (".output.LayerNorm.", ".output_norm."),
+        ("pooler.dense.", "pooler."),
+    )
+    for name, tensor in weights:
+        if prefix and name.startswith(prefix):
+            name = name[len(prefix) :]
+        if name.startswith(_SKIP_PREFIXES) or name.endswith(_SKIP_SUFFIXES):
+            continue
+        for old, new in renames:
+            name = name.replace(old, new)
+        if name.endswith((".gamma", ".beta")):  # TF-era LayerNorm names
+            name = name.rsplit(".", 1)[0] + (".weight" if name.endswith(".gamma") else ".bias")
+        yield name, tensor
+
+
+class BertModel(nn.Module):
+    """BERT as sentence-transformers embedding checkpoints save it (no prefix, pooler optional)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        # Built with the pooler; dropped on load when the checkpoint has none.
+        self.model = BertEncoderModel(config, with_pooler=True)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, token_type_ids)
+
+    def _weights(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in _hf_to_ours(weights, "bert."):
+            if name.startswith("pooler.") and self.model.pooler is None:
+                continue
+            yield (name if name.startswith("classifier.") else "model." + name), tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        loaded = load_hf_weights(self, self._weights(weights), STACKED)
+        if self.model.pooler is not None and not any(n.startswith("model.pooler.") for n in loaded):
+            # Many embedding checkpoints are saved without the pooler; token pooling never uses it.
+            self.model.pooler = None
+        return loaded
+
+
+class _BertClassifierHead(nn.Module):
+    """[CLS] hidden states [B, hidden] -> logits [B, num_labels]: HF's tanh pooler, then the classifier."""
+
+    def __init__(self, encoder: BertEncoderModel, classifier: nn.Linear) -> None:
+        super().__init__()
+        self.encoder, self.classifier = encoder, classifier
+
+    def forward(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.encoder.pooler_output(cls_hidden))
+
+
+class BertForSequenceClassification(BertModel):
+    """BERT + tanh pooler over [CLS] + linear classifier (cross-encoders, rerankers, classifiers).
+
+    The runner's pooler picks each prompt's [CLS] row and applies `classifier_head` to it."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.classifier = nn.Linear(config.hidden_size, int(config.num_labels))
+
+    @property
+    def classifier_head(self) -> nn.Module:
+        return _BertClassifierHead(self.model, self.classifier)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        return load_hf_weights(self, self._weights(weights), STACKED)
