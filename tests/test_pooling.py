@@ -7,11 +7,13 @@ oracle is transformers' forward on the same weights with the sentence-transforme
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_lite import LLM, SamplingParams
+from vllm_lite import LLM, AsyncLLM, EngineArgs, SamplingParams
 from vllm_lite.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -145,16 +147,33 @@ def test_pooling_params_checked_against_the_model(embed_llm: LLM) -> None:
     assert out.prompt_token_ids == embed_llm.get_tokenizer().encode(PROMPTS[2])[-4:]
 
 
-def test_multiprocess_mean_pooling_equals_hf() -> None:
+def test_async_llm_encode_mean_pooling_over_the_socket_equals_hf() -> None:
+    """AsyncLLM.encode (what the HTTP layer uses) with its core in another process: MEAN, not normalised."""
     model_dir = get_pooling_checkpoint("qwen3-embed-mean")
-    with LLM(model=model_dir, **_ENGINE) as llm:
-        mc = llm.llm_engine.vllm_config.model_config
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, **_ENGINE))
+
+    async def run() -> list[PoolingRequestOutput]:
+        async def one(i: int, prompt: str) -> PoolingRequestOutput:
+            outs = [o async for o in engine.encode(prompt, PoolingParams(task="embed"), f"req-{i}")]
+            assert len(outs) == 1
+            return outs[0]
+
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+        free = await engine.call_utility_async("get_num_free_blocks")
+        assert free == await engine.call_utility_async("get_num_total_blocks")
+        engine.shutdown()
+        return list(results)
+
+    try:
+        mc = engine.vllm_config.model_config
         assert (mc.pooler_config.pooling_type, mc.pooler_config.normalize) == ("MEAN", False)
-        outs = llm.embed(PROMPTS, use_tqdm=False)
-        for o in outs:
-            want = _hf_hidden(model_dir, o.prompt_token_ids).mean(0)
-            torch.testing.assert_close(torch.tensor(o.outputs.embedding), want, atol=ATOL, rtol=0)
-        assert llm.llm_engine.call_utility("get_num_free_blocks") == llm.llm_engine.call_utility("get_num_total_blocks")
+        outs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    for o in outs:
+        assert o.finished and o.error is None
+        want = _hf_hidden(model_dir, o.prompt_token_ids).mean(0)
+        torch.testing.assert_close(o.outputs.data, want, atol=ATOL, rtol=0)
 
 
 def test_classify_equals_hf_softmax_of_the_score_head() -> None:

@@ -19,6 +19,15 @@ _LAZY = {
     "CompletionOutput": "vllm_lite.outputs",
     "Logprob": "vllm_lite.outputs",
     "EngineDeadError": "vllm_lite.client.exceptions",
+    "PoolingParams": "vllm_lite.pooling_params",
+    "PoolingOutput": "vllm_lite.outputs",
+    "PoolingRequestOutput": "vllm_lite.outputs",
+    "EmbeddingOutput": "vllm_lite.outputs",
+    "EmbeddingRequestOutput": "vllm_lite.outputs",
+    "ClassificationOutput": "vllm_lite.outputs",
+    "ClassificationRequestOutput": "vllm_lite.outputs",
+    "ScoringOutput": "vllm_lite.outputs",
+    "ScoringRequestOutput": "vllm_lite.outputs",
 }
 
 __all__ = sorted(_LAZY)

@@ -26,7 +26,8 @@ from vllm_lite.client.tokenizer import get_tokenizer
 from vllm_lite.config import ModelConfig, VllmConfig
 from vllm_lite.core.messages import EngineCoreRequest, SchedulerStats
 from vllm_lite.engine_args import EngineArgs
-from vllm_lite.outputs import RequestOutput
+from vllm_lite.outputs import PoolingRequestOutput, RequestOutput
+from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -179,11 +180,50 @@ class AsyncLLM:
                 # Cancelled, closed early or failed: stop the work in the core (never blocks).
                 self._abort_nowait([request_id])
 
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        priority: int = 0,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling model's output for one prompt (vLLM's ``AsyncLLM.encode``): yields one finished
+        PoolingRequestOutput. Set ``pooling_params.task`` ("embed", "classify", ...) as the caller needs.
+
+        Bad input raises ValueError/TypeError before anything is sent; closing the iteration early aborts it.
+        """
+        if self.errored:
+            raise self.dead_error
+        if self._closed:
+            raise EngineDeadError("AsyncLLM was shut down.")
+        self._ensure_output_handler()
+        if not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}.")
+        if truncate_prompt_tokens is not None:
+            pooling_params = pooling_params.clone()
+            pooling_params.truncate_prompt_tokens = truncate_prompt_tokens
+            pooling_params.verify()
+        prompt_text, request = self.processor.process_inputs(
+            request_id, prompt, pooling_params, priority=priority, client_index=self.engine_core.client_index
+        )
+        queue = RequestOutputCollector()
+        await self._add_request(prompt_text, request, queue)
+        finished = False
+        try:
+            while not finished:
+                out = queue.get_nowait() or await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._abort_nowait([request_id])
+
     async def _add_request(
         self, prompt_text: Optional[str], request: EngineCoreRequest, queue: RequestOutputCollector
     ) -> None:
         params = request.sampling_params
-        if params.num_samples == 1:
+        if params is None or params.num_samples == 1:  # a pooling request, or one sample
             pieces = [(request, None, 0)]
         else:
             parent, children = ParentRequest.make_child_requests(request.request_id, params)

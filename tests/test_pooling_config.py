@@ -1,0 +1,121 @@
+"""Pooling without an engine: the runner and pooler config a checkpoint gets, the batched Pooler's math,
+and the core's refusal of a request of the wrong kind."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_lite.core.messages import EngineCoreRequest
+from vllm_lite.core.request_validation import RequestLimits, validate_request
+from vllm_lite.pooling_config import (
+    PoolerConfig,
+    read_sentence_transformers_pooler,
+    resolve_pooler_config,
+    resolve_runner,
+)
+from vllm_lite.pooling_params import PoolingParams
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.testing.pooling_checkpoints import write_sentence_transformers_files
+from vllm_lite.worker.pooler import Pooler
+
+
+@pytest.mark.parametrize(
+    "archs, st, want",
+    [
+        (["Qwen3ForCausalLM"], False, "generate"),
+        (["Qwen3ForCausalLM"], True, "pooling"),  # a sentence-transformers checkpoint of a decoder
+        (["Qwen3Model"], False, "pooling"),
+        (["BertModel"], False, "pooling"),
+        (["Qwen3ForSequenceClassification"], False, "pooling"),
+        (["GPT2LMHeadModel"], False, "generate"),
+    ],
+)
+def test_auto_runner_from_architecture_and_sentence_transformers_files(tmp_path, archs, st, want) -> None:
+    if st:
+        write_sentence_transformers_files(str(tmp_path), 8, "lasttoken", True)
+    assert resolve_runner("auto", archs, str(tmp_path)) == want
+    assert resolve_runner("generate", ["Qwen3Model"], str(tmp_path)) == "generate"
+    with pytest.raises(ValueError, match="runner must be one of"):
+        resolve_runner("embed", archs, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "mode, normalize, want", [("lasttoken", True, "LAST"), ("mean", False, "MEAN"), ("cls", True, "CLS")]
+)
+def test_sentence_transformers_pooling_mode_and_normalize(tmp_path, mode, normalize, want) -> None:
+    write_sentence_transformers_files(str(tmp_path), 8, mode, normalize)
+    got = read_sentence_transformers_pooler(str(tmp_path))
+    assert (got.pooling_type, got.normalize) == (want, normalize)
+
+
+def test_sentence_transformers_6_pooling_mode_key_and_unsupported_modes(tmp_path) -> None:
+    d = str(tmp_path)
+    write_sentence_transformers_files(d, 8, "mean", False)
+    cfg_path = os.path.join(d, "1_Pooling", "config.json")
+    with open(cfg_path, "w") as f:  # what sentence-transformers 6 writes
+        json.dump({"embedding_dimension": 8, "pooling_mode": "lasttoken", "include_prompt": True}, f)
+    assert read_sentence_transformers_pooler(d).pooling_type == "LAST"
+    with open(cfg_path, "w") as f:
+        json.dump({"pooling_mode": "max"}, f)
+    with pytest.raises(ValueError, match="pooling_mode 'max' is not supported"):
+        read_sentence_transformers_pooler(d)
+
+
+def test_user_pooler_config_wins_over_the_checkpoint_and_defaults_follow_the_architecture(tmp_path) -> None:
+    d = str(tmp_path)
+    assert resolve_pooler_config(None, ["Qwen3Model"], d) == PoolerConfig("LAST", True, None, True)
+    assert resolve_pooler_config(None, ["BertModel"], d).pooling_type == "CLS"
+    assert resolve_pooler_config(None, ["Qwen3ForSequenceClassification"], d).normalize is False
+    write_sentence_transformers_files(d, 8, "mean", True)
+    user = PoolerConfig.from_value('{"pooling_type": "cls"}')
+    assert resolve_pooler_config(user, ["Qwen3Model"], d) == PoolerConfig("CLS", True, None, True)
+    with pytest.raises(ValueError, match="unknown field"):
+        PoolerConfig.from_value({"pooling": "MEAN"})
+    with pytest.raises(ValueError, match="pooling_type"):
+        PoolerConfig(pooling_type="MAX")
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "CLS", "MEAN", "ALL"])
+def test_pooler_batched_segments_equal_per_request_pooling(pooling_type: str) -> None:
+    torch.manual_seed(0)
+    lens = [3, 1, 5]
+    hidden = torch.randn(sum(lens), 6)
+    qsl = np.concatenate([[0], np.cumsum(lens)])
+    pooler = Pooler(PoolerConfig(pooling_type=pooling_type), torch.nn.Module())
+    params = [
+        PoolingParams(normalize=True),
+        PoolingParams(normalize=False),
+        PoolingParams(normalize=True, dimensions=4),
+    ]
+    outs = pooler(hidden, qsl, params)
+    for i, (seg, p) in enumerate(zip(torch.split(hidden, lens), params)):
+        want = {"LAST": seg[-1], "CLS": seg[0], "MEAN": seg.mean(0), "ALL": seg}[pooling_type]
+        want = want[..., : p.dimensions or 6]
+        if p.normalize:
+            want = F.normalize(want, dim=-1)
+        torch.testing.assert_close(outs[i], want, atol=1e-6, rtol=0)
+
+
+def _request(**kw) -> EngineCoreRequest:
+    base = dict(request_id="r", prompt_token_ids=[1, 2, 3], sampling_params=None, eos_token_id=None, arrival_time=0.0)
+    return EngineCoreRequest(**{**base, **kw})
+
+
+def test_the_core_refuses_a_request_of_the_wrong_kind_for_its_runner() -> None:
+    gen = RequestLimits(vocab_size=10, max_model_len=8)
+    pool = RequestLimits(vocab_size=10, max_model_len=8, runner_type="pooling", max_pooling_tokens=4)
+    with pytest.raises(ValueError, match="only supported for pooling models.*--runner pooling"):
+        validate_request(_request(pooling_params=PoolingParams()), gen)
+    with pytest.raises(ValueError, match="only supported for generative models.*--runner generate"):
+        validate_request(_request(sampling_params=SamplingParams()), pool)
+    with pytest.raises(ValueError, match="not both"):
+        validate_request(_request(sampling_params=SamplingParams(), pooling_params=PoolingParams()), pool)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=4"):
+        validate_request(_request(prompt_token_ids=[1] * 5, pooling_params=PoolingParams()), pool)
+    validate_request(_request(prompt_token_ids=[1] * 4, pooling_params=PoolingParams()), pool)
