@@ -187,6 +187,8 @@ def attached_frontend_config(client: Any) -> VllmConfig:
         block_size=facts["block_size"],
         max_logprobs=int(facts.get("max_logprobs", 20)),  # the core's request rules, applied here first
         generation_config=str(facts.get("generation_config", "auto")),
+        runner=str(facts.get("runner_type", "auto")),
+        pooler_config=facts.get("pooler_config"),
         device="cpu",
     ).create_engine_config()
     if facts["model"] != config.model_config.model:

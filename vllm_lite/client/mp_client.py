@@ -181,6 +181,8 @@ class MPClientBase(EngineCoreClient):
             "vocab_size": reply.vocab_size,
             "max_logprobs": reply.max_logprobs,
             "generation_config": reply.generation_config,
+            "runner_type": reply.runner_type,
+            "pooler_config": reply.pooler_config,
         }
         self.model_path = reply.model_path
         self.tokenizer_path = reply.tokenizer

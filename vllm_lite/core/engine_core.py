@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Optional
@@ -55,6 +56,8 @@ class EngineCore:
             "vocab_size": mc.vocab_size,
             "max_logprobs": mc.max_logprobs,
             "generation_config": mc.generation_config,
+            "runner_type": mc.runner_type,
+            "pooler_config": dataclasses.asdict(mc.pooler_config) if mc.pooler_config is not None else None,
         }
         self._stats_log = _StatsLogger(vllm_config.scheduler_config.log_stats_interval_s)
         self.startup_time_s = time.perf_counter() - t0

@@ -297,6 +297,8 @@ class EngineCoreProc:
             tokenizer=self._tokenizer,
             max_logprobs=int(facts.get("max_logprobs", 20)),
             generation_config=str(facts.get("generation_config", "auto")),
+            runner_type=str(facts.get("runner_type", "generate")),
+            pooler_config=facts.get("pooler_config"),
             core_pid=os.getpid(),
             core_host=self._host_id,
             core_started=self._started,

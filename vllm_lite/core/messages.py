@@ -166,6 +166,10 @@ class HandshakeReply(msgspec.Struct, omit_defaults=True):
     # The core's request rules an attached frontend must apply the same way (ModelConfig's fields).
     max_logprobs: int = 20
     generation_config: str = "auto"
+    # "generate" or "pooling", and a pooling model's resolved PoolerConfig fields: the frontend checks and fills
+    # pooling requests as the core will run them.
+    runner_type: str = "generate"
+    pooler_config: Optional[dict[str, Any]] = None
     # The core process, for a frontend on the same host to watch (vllm_lite.process_watch): its pid,
     # this host's boot id and the process's start time; a frontend elsewhere relies on heartbeats.
     core_pid: int = 0
