@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from vllm_lite.core.messages import FinishReason
 from vllm_lite.core.request import RequestStatus
@@ -26,7 +27,7 @@ from vllm_lite.testing.scheduler_driver import (
     run_to_completion,
     step,
 )
-from vllm_lite.worker.step import ModelRunnerOutput
+from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput
 
 
 def _tight(policy: str = "fcfs", **kw) -> Scheduler:
@@ -40,8 +41,13 @@ def _tight(policy: str = "fcfs", **kw) -> Scheduler:
 @pytest.mark.parametrize(
     "section, field, value, message",
     [
-        ("cache_config", "num_gpu_blocks", 1, r"num_gpu_blocks must be set to an integer >= 2 .* got 1\."),
-        ("cache_config", "num_gpu_blocks", 4.0, r"num_gpu_blocks must be set to an integer >= 2 .* got 4\.0\."),
+        (
+            "cache_config",
+            "num_gpu_blocks",
+            1,
+            r"^cache_config\.num_gpu_blocks must be set to an integer >= 2 before the scheduler is built, got 1\.$",
+        ),
+        ("cache_config", "num_gpu_blocks", 4.0, r"num_gpu_blocks must be set to an integer >= 2 .* got 4\.0\.$"),
         ("cache_config", "preemption_mode", "drop", r"^preemption_mode must be 'recompute' or 'swap', got 'drop'\.$"),
         ("scheduler_config", "policy", "lifo", r"^scheduling policy must be 'fcfs' or 'priority', got 'lifo'\.$"),
         (
@@ -57,7 +63,12 @@ def _tight(policy: str = "fcfs", **kw) -> Scheduler:
             r"^scheduler_config\.max_num_seqs must be a positive integer, got 0\.$",
         ),
         ("scheduler_config", "max_num_seqs", 2.0, r"max_num_seqs must be a positive integer, got 2\.0\.$"),
-        ("scheduler_config", "max_model_len", 0, r"^scheduler_config\.max_model_len must be a positive integer"),
+        (
+            "scheduler_config",
+            "max_model_len",
+            0,
+            r"^scheduler_config\.max_model_len must be a positive integer, got 0\.$",
+        ),
         (
             "scheduler_config",
             "long_prefill_token_threshold",
@@ -92,6 +103,7 @@ def test_each_setting_on_its_bound_is_accepted_and_kept(caplog):
     assert (s.max_num_batched_tokens, s.max_num_seqs, s.long_prefill_token_threshold) == (1, 1, 0)
     assert s.max_model_len == 1 and s.num_total_blocks == 1 and s.num_free_blocks == 1
     assert s.kv_cache_manager.host_pool.get_num_free_blocks() == 0
+    assert (s.kv_cache_manager.block_size, s.kv_cache_manager.enable_caching) == (1, True)
     assert caplog.records == []  # the cache holds exactly max_model_len tokens: no warning
 
 
@@ -103,6 +115,14 @@ def test_a_cache_smaller_than_max_model_len_caps_it_and_says_so(caplog):
     assert rec.getMessage() == (
         "KV cache holds only 12 tokens (3 blocks of 4), less than max_model_len=13: requests are capped at 12 tokens"
     )
+
+
+def test_the_kv_cache_follows_the_caching_switch_and_the_models_sliding_window():
+    cfg = make_config(enable_prefix_caching=False)
+    cfg.model_config.hf_config = {"num_hidden_layers": 2, "sliding_window": 8}
+    kv = Scheduler(cfg).kv_cache_manager
+    assert (kv.enable_caching, kv.sliding_window) == (False, 8)
+    assert Scheduler(make_config()).kv_cache_manager.sliding_window is None
 
 
 # ---------------------------------------------------------------------- add_request
@@ -187,6 +207,16 @@ def test_a_request_with_nothing_left_to_run_is_skipped_and_the_next_still_runs()
     so = s.schedule()
     assert so.num_scheduled_tokens == {"b": 6}
     assert so.scheduled_cached_reqs.req_ids == ["b"]
+
+
+def test_the_last_token_of_the_budget_is_spent_by_a_decode_and_by_an_admission():
+    s = Scheduler(make_config(max_num_batched_tokens=2))
+    s.add_request(make_request("a", 1))
+    s.add_request(make_request("b", 1, start=300))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1}  # b is admitted on the one token left
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1}  # b decodes on the one token left
 
 
 def test_nothing_runs_beyond_the_budget_and_a_spent_budget_admits_no_one():
@@ -320,6 +350,61 @@ def test_a_swapped_in_request_is_charged_to_the_budget_before_waiting_ones():
     assert so.num_scheduled_tokens == {"a": 1, "b": 1, "w": 1}
 
 
+def _four_small() -> Scheduler:
+    """4 usable blocks, four 3-token requests: all cross into a second block at step 3."""
+    s = Scheduler(make_config(num_gpu_blocks=5, block_size=4, max_model_len=16, enable_prefix_caching=False))
+    for i in range(4):
+        s.add_request(make_request(f"r{i}", 3, start=100 * i, max_tokens=9))
+    return s
+
+
+def test_every_preemption_is_counted_in_the_step_and_on_the_request():
+    s = _four_small()
+    step(s)
+    step(s)
+    so, outs = step(s)  # r0 takes r3's block, r1 takes r2's
+    assert so.finished_req_ids == {"r2", "r3"} and [r.request_id for r in s.waiting] == ["r2", "r3"]
+    assert outs[0].scheduler_stats.num_preemptions == 2
+
+
+def test_a_request_preempted_twice_says_so():
+    s = _four_small()
+    r3 = s.get_request("r3")
+    run_to_completion(s)
+    assert r3.num_preemptions == 2 and s._arrival_order == {}  # finished requests leave no trace behind
+
+
+def test_two_requests_swapped_in_one_step_come_back_oldest_first():
+    s = Scheduler(
+        make_config(
+            num_gpu_blocks=5,
+            block_size=4,
+            max_model_len=16,
+            enable_prefix_caching=False,
+            preemption_mode="swap",
+            num_cpu_blocks=8,
+        )
+    )
+    for i in range(4):
+        s.add_request(make_request(f"r{i}", 3, start=100 * i, max_tokens=9))
+    for _ in range(3):
+        step(s)
+    assert [r.request_id for r in s.swapped] == ["r2", "r3"]
+
+
+def test_a_recomputed_request_keeps_its_first_schedule_time():
+    s = _tight()
+    s.add_request(make_request("a", 7, start=0, max_tokens=3))
+    s.add_request(make_request("b", 7, start=100, max_tokens=4))
+    step(s)
+    b = s.get_request("b")
+    first_ts, first_hit = b.scheduled_ts, b.num_cached_tokens
+    assert first_hit == 0 and first_ts > 0.0
+    run_to_completion(s)
+    assert b.num_preemptions == 1
+    assert b.scheduled_ts == first_ts and b.num_cached_tokens == 0
+
+
 def test_a_resumed_request_keeps_its_first_hit_length_and_first_schedule_time():
     s = Scheduler(make_config(num_gpu_blocks=5, block_size=4, max_model_len=16))
     s.add_request(make_request("warm", 4, start=0, max_tokens=1))
@@ -378,6 +463,21 @@ def test_only_the_first_output_carries_queue_and_schedule_times_and_hits_are_nev
     assert [o.queued_ts for o in got] == [req.queued_ts, 0.0, 0.0] and req.queued_ts > 0.0
     assert [o.scheduled_ts for o in got] == [req.scheduled_ts, 0.0, 0.0] and req.scheduled_ts >= req.queued_ts
     assert [o.num_cached_tokens for o in got] == [0, 0, 0]
+
+
+def test_a_prompt_logprobs_chunk_carries_no_times_and_the_first_token_does():
+    s = Scheduler(make_config(max_num_batched_tokens=4))
+    req = make_request("a", 6, prompt_logprobs=1)
+    s.add_request(req)
+    plp = LogprobsTensors(torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2), torch.ones(4, dtype=torch.int64))
+    so = s.schedule()
+    mro = fake_runner_output(s, so)
+    mro.prompt_logprobs_dict["a"] = plp
+    (chunk,) = s.update_from_output(so, mro)[0].outputs
+    assert chunk.new_token_ids == [] and (chunk.queued_ts, chunk.scheduled_ts) == (0.0, 0.0)
+    _, outs = step(s)
+    first = outputs_by_id(outs)["a"]
+    assert first.new_token_ids == [7] and (first.queued_ts, first.scheduled_ts) == (req.queued_ts, req.scheduled_ts)
 
 
 def test_several_tokens_in_one_step_stop_at_the_first_stop_token():
@@ -496,6 +596,32 @@ def test_only_constrained_requests_that_sample_get_a_bitmask_row():
     assert outputs_by_id(outs)["g"].new_token_ids == [5]
 
 
+def test_two_constrained_requests_get_their_own_rows_in_batch_order():
+    s = Scheduler(make_config())
+    grammars = ControlledGrammars(s)
+    s.add_request(make_request("g0", 3, structured_outputs=_JSON))
+    s.add_request(make_request("g1", 3, start=300, structured_outputs=_JSON))
+    grammars.compile(0, ScriptedMatcher([33], eos=2))
+    grammars.compile(1, ScriptedMatcher([4], eos=2))
+    so = s.schedule()
+    assert so.structured_output_request_ids == {"g0": 0, "g1": 1}
+    rows = so.grammar_bitmask
+    assert rows.shape == (2, 32)
+    assert (rows[0, 1], rows[1, 0]) == (1 << 1, 1 << 4) and rows[0, 0] == 0 and rows[1, 1] == 0
+
+
+def test_a_ready_grammar_joins_the_queue_while_an_earlier_one_still_compiles():
+    s = Scheduler(make_config())
+    grammars = ControlledGrammars(s)
+    s.add_request(make_request("slow", 3, structured_outputs=_JSON))
+    s.add_request(make_request("quick", 3, start=300, structured_outputs=_JSON))
+    grammars.compile(1, ScriptedMatcher([5], eos=2))
+    so = s.schedule()
+    assert set(so.num_scheduled_tokens) == {"quick"}
+    assert s.get_request("slow").status == RequestStatus.WAITING_FOR_FSM
+    assert s.make_stats().num_waiting_reqs == 1
+
+
 def test_a_grammar_that_fails_to_compile_finishes_its_request_with_the_error_at_its_frontend():
     s = Scheduler(make_config())
     grammars = ControlledGrammars(s)
@@ -519,6 +645,7 @@ def test_a_token_the_grammar_refuses_fails_the_request_and_logs_that_the_mask_fo
     s = Scheduler(make_config())
     grammars = ControlledGrammars(s)
     s.add_request(make_request("g", 3, eos=2, structured_outputs=_JSON, max_tokens=5))
+    s_params = s.get_request("g").sampling_params
     grammars.compile(0, ScriptedMatcher([5, 6], eos=2))
     with caplog.at_level(logging.ERROR, logger="vllm_lite.scheduler"):
         got = run_to_completion(s, lambda r: 5 if r.num_output_tokens == 0 else 40)["g"]
@@ -526,9 +653,24 @@ def test_a_token_the_grammar_refuses_fails_the_request_and_logs_that_the_mask_fo
     assert out == [5, 40] and got[-1].finish_reason == FinishReason.ERROR
     assert got[-1].error == "structured outputs: sampled token 40 is not allowed by the grammar"
     (rec,) = caplog.records
-    msg = rec.getMessage()
-    assert "request g: its grammar refused sampled token 40 after 1 accepted tokens; its mask forbids" in msg
-    assert "(1 tokens allowed)" in msg
+    assert rec.getMessage() == (
+        "request g: its grammar refused sampled token 40 after 1 accepted tokens; its mask forbids that token "
+        f"(1 tokens allowed), sampling params {s_params}"
+    )
+
+
+def test_a_refused_token_past_the_masks_width_is_reported_as_forbidden(caplog):
+    s = Scheduler(make_config())  # vocab 1000: 32 words, 1024 bits
+    grammars = ControlledGrammars(s)
+    s.add_request(make_request("g", 3, eos=2, structured_outputs=_JSON))
+    grammars.compile(0, ScriptedMatcher([5], eos=2))
+    with caplog.at_level(logging.ERROR, logger="vllm_lite.scheduler"):
+        got = run_to_completion(s, lambda r: 1024)["g"]
+    assert got[-1].finish_reason == FinishReason.ERROR
+    (rec,) = caplog.records
+    assert "sampled token 1024 after 0 accepted tokens; its mask forbids that token (1 tokens allowed)" in (
+        rec.getMessage()
+    )
 
 
 def test_a_refused_token_the_mask_allowed_is_logged_as_the_backends_fault(caplog):
@@ -541,7 +683,10 @@ def test_a_refused_token_the_mask_allowed_is_logged_as_the_backends_fault(caplog
     with caplog.at_level(logging.ERROR, logger="vllm_lite.scheduler"):
         run_to_completion(s, lambda r: 37)
     (rec,) = caplog.records
-    assert "sampled token 37 after 0 accepted tokens; its mask allows that token (1 tokens allowed)" in rec.getMessage()
+    assert rec.getMessage().startswith(
+        "request g: its grammar refused sampled token 37 after 0 accepted tokens; its mask allows that token "
+        "(1 tokens allowed), sampling params "
+    )
 
 
 def test_eos_that_ends_the_grammar_finishes_the_request_even_when_eos_is_ignored():
@@ -552,6 +697,16 @@ def test_eos_that_ends_the_grammar_finishes_the_request_even_when_eos_is_ignored
     got = run_to_completion(s, lambda r: 5 if r.num_output_tokens == 0 else 2)["g"]
     assert [t for o in got for t in o.new_token_ids] == [5, 2]
     assert got[-1].finish_reason == FinishReason.STOP and got[-1].error is None
+
+
+def test_a_grammar_complete_before_eos_runs_on_until_eos():
+    s = Scheduler(make_config())
+    grammars = ControlledGrammars(s)
+    s.add_request(make_request("g", 3, eos=2, structured_outputs=_JSON, max_tokens=10))
+    grammars.compile(0, ScriptedMatcher([5, 6], eos=2, complete_at_end=True))
+    got = run_to_completion(s, lambda r: [5, 6, 2][r.num_output_tokens])["g"]
+    assert [t for o in got for t in o.new_token_ids] == [5, 6, 2] and got[-1].finish_reason == FinishReason.STOP
+    assert [len(o.new_token_ids) for o in got] == [1, 1, 1]
 
 
 def test_a_token_equal_to_eos_does_not_finish_a_grammar_that_is_not_terminated():
@@ -585,6 +740,25 @@ def test_a_request_resumed_after_preemption_has_its_matcher_resynced_to_its_kept
             break
     assert seen_preempt and resynced_to
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_resumed_request_whose_outputs_no_longer_fit_its_grammar_is_logged(caplog):
+    s = _tight()
+    grammars = ControlledGrammars(s)
+    s.add_request(make_request("a", 7, start=0, max_tokens=4))
+    s.add_request(make_request("g", 7, start=100, eos=2, structured_outputs=_JSON, max_tokens=6))
+    matcher = ScriptedMatcher([5, 6, 8, 9, 10, 11], eos=2)
+    grammars.compile(0, matcher)
+    step(s, lambda r: 5 if r.request_id == "g" else 7)
+    step(s, lambda r: 6 if r.request_id == "g" else 7)
+    so, _ = step(s)
+    assert so.finished_req_ids == {"g"}  # preempted by recompute, outputs [5, 6] kept
+    matcher.reset()
+    matcher.script = [99] * 6  # the grammar no longer takes the kept outputs
+    with caplog.at_level(logging.ERROR, logger="vllm_lite.scheduler"):
+        while not any(r.req_id == "g" for r in so.scheduled_new_reqs):
+            so, _ = step(s, lambda r: 99 if r.request_id == "g" else 7)
+    assert [r.getMessage() for r in caplog.records] == ["request g: its kept output tokens no longer match its grammar"]
 
 
 def test_waiting_for_grammar_blocks_only_while_a_grammar_compiles():

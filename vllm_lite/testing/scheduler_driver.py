@@ -96,12 +96,14 @@ def run_to_completion(
 
 class ScriptedMatcher(StructuredOutputMatcher):
     """A grammar that allows exactly `script`, then only `eos` (then nothing): enough to drive the scheduler's
-    structured-output bookkeeping without a tokenizer or a grammar compiler."""
+    structured-output bookkeeping without a tokenizer or a grammar compiler. `complete_at_end`: the grammar
+    reports itself terminated once the script is done, before its EOS (as a complete regex may)."""
 
-    def __init__(self, script: list[int], eos: int) -> None:
+    def __init__(self, script: list[int], eos: int, complete_at_end: bool = False) -> None:
         super().__init__()
         self.script = list(script)
         self.eos = eos
+        self.complete_at_end = complete_at_end
         self.accepted: list[int] = []
 
     def _next_allowed(self) -> Optional[int]:
@@ -129,7 +131,7 @@ class ScriptedMatcher(StructuredOutputMatcher):
             bitmask[row, tok // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32 wrap
 
     def is_terminated(self) -> bool:
-        return len(self.accepted) > len(self.script)
+        return len(self.accepted) >= len(self.script) + (0 if self.complete_at_end else 1)
 
     def reset(self) -> None:
         self.accepted = []
