@@ -185,25 +185,6 @@ def test_gemma2_multiprocess_matches_hf() -> None:
     assert_multiprocess_matches_hf(get_checkpoint("gemma2"), (40, 70), NEW_TOKENS)
 
 
-def test_phi3_long_context_rope_is_refused_clearly() -> None:
-    """Phi-3 128k's longrope scaling is not implemented: building the model says so."""
-    from transformers import Phi3Config
-
-    from vllm_lite.worker.models.phi3 import Phi3ForCausalLM
-
-    cfg = Phi3Config(
-        hidden_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=4096,
-        original_max_position_embeddings=1024,
-        rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
-    )
-    with pytest.raises(ValueError, match="longrope"):
-        Phi3ForCausalLM(cfg)
-
-
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_windowed_model_under_preemption_matches_hf(mode: str, monkeypatch) -> None:
     """All-windowed, a cache of one max_model_len sequence: eight requests recycling blocks behind their

@@ -34,6 +34,7 @@ ARCHS = (
     "gemma3",
     "mixtral",
     "qwen3_moe",
+    "phi3_longrope",
 )
 # Sliding window of the *_sw and gemma2 builds: small, so test prompts run past it.
 TINY_WINDOW = 24
@@ -151,6 +152,16 @@ def _tiny_kwargs(arch: str, vocab: int) -> dict[str, Any]:
             embd_pdrop=0.0,
             attention_dropout=0.0,
         )
+    if arch == "phi3_longrope":  # Phi-3-128k-like LongRoPE, original context 32 so test prompts cross it
+        return dict(
+            _tiny_kwargs("phi3", vocab),
+            original_max_position_embeddings=32,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0, 1.3, 2.1, 3.7],
+                "long_factor": [1.5, 2.9, 7.3, 16.0],
+            },
+        )
     if arch == "gemma2":  # Gemma-2-2b-like: head_dim != hidden/heads, query_pre_attn_scalar != head_dim
         # Soft caps scaled down with the weights so both actually bind on random tiny activations.
         return dict(
@@ -219,6 +230,7 @@ def _hf_config(arch: str, size: str, vocab: int, overrides: Optional[dict[str, A
         "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM"),
         "opt": (transformers.OPTConfig, "OPTForCausalLM"),
         "phi3": (transformers.Phi3Config, "Phi3ForCausalLM"),
+        "phi3_longrope": (transformers.Phi3Config, "Phi3ForCausalLM"),
         "gpt2": (transformers.GPT2Config, "GPT2LMHeadModel"),
         "gemma2": (transformers.Gemma2Config, "Gemma2ForCausalLM"),
         "mistral_sw": (transformers.MistralConfig, "MistralForCausalLM"),

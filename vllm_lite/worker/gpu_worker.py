@@ -42,6 +42,8 @@ class GPUWorker:
         """(device blocks, host swap blocks) from the memory budget, capped at what can ever be used."""
         cc, sc = self.config.cache_config, self.config.scheduler_config
         per_block = self.model_runner.kv_cache_bytes_per_block()
+        if per_block == 0:  # no layer keeps a KV cache (an encoder such as BERT): blocks are bookkeeping only
+            return -(-sc.max_model_len // cc.block_size) * sc.max_num_seqs + 1, 0
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":

@@ -2,19 +2,98 @@
 
 The fused checkpoint tensors are split into their q/k/v (gate/up) parts on load and routed
 through the same tensor-parallel shard loaders as Llama's separate projections, so every rank
-reads its own heads. Partial rotary (Phi-4-mini) comes from the shared RotaryEmbedding; the
-"longrope"/"su" scaling of the 128k-context variants is not implemented and fails at build time.
+reads its own heads. Partial rotary (Phi-4-mini) comes from the shared RotaryEmbedding.
+
+LongRoPE ("longrope", older "su"; the 128k-context variants): per-dimension `short_factor` and
+`long_factor` divide the frequencies, and cos/sin are scaled by the attention factor
+(sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) unless the config gives one), as
+transformers computes them. Which set a token uses follows transformers' dynamic rule per request:
+HF's forward picks the long set when the sequence reaches past original_max_position_embeddings, so
+a prompt longer than that is rotated with the long set and a short prompt with the short set until
+its sequence grows past it. Here a token uses the long set iff its request's sequence length in this
+step (`seq_lens`) exceeds it: identical to HF's model stepped with its KV cache, for a prompt run in
+one step followed by decodes. Where that differs: HF's `generate()` for Phi-3 also drops its cache at
+the crossing step and recomputes the whole sequence with the long set (we keep the earlier keys as
+rotated); chunked prefill of a prompt longer than the original context rotates its first chunks with
+the short set; a prefix-cache hit reuses keys as their first writer rotated them. (vLLM instead uses
+the long set everywhere once max_model_len exceeds the original context: consistent, but unlike HF
+on short prompts.)
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
-from vllm_lite.worker.models.layers import get_rope_parameters, read_shard
+from vllm_lite.worker.forward_context import get_forward_context
+from vllm_lite.worker.models.layers import RotaryEmbedding, get_rope_parameters, read_shard
 from vllm_lite.worker.models.llama import LlamaForCausalLM
+
+LONGROPE_TYPES = ("longrope", "su")
+
+
+def longrope_tables(
+    rotary_dim: int, params: dict[str, Any], max_position: int, original_max_position: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin tables [max_position, rotary_dim] (cos | sin halves) for the short and the long factors."""
+    base = float(params["rope_theta"])
+    factor = params.get("factor") or max_position / original_max_position
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_position))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
+    tables = []
+    for key in ("short_factor", "long_factor"):
+        ext = torch.tensor(params[key], dtype=torch.float32, device="cpu")
+        if ext.shape != (rotary_dim // 2,):
+            raise ValueError(f"rope {key} must have {rotary_dim // 2} entries (rotary_dim / 2), got {ext.numel()}.")
+        freqs = torch.outer(positions, 1.0 / (ext * base**exponents))
+        tables.append(torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor)
+    return tables[0], tables[1]
+
+
+class LongRopeRotaryEmbedding(RotaryEmbedding):
+    """RotaryEmbedding over two stacked tables: rows [0, P) short factors, [P, 2P) long factors.
+
+    A token reads the long half iff its request's sequence in this step is longer than
+    original_max_position_embeddings (transformers' dynamic choice, per request)."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any], original_max_position: int) -> None:
+        nn.Module.__init__(self)
+        self.head_dim = head_dim
+        self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        self.max_position = max_position
+        self.original_max_position = original_max_position
+        self.params = params
+        longrope_tables(self.rotary_dim, params, 1, original_max_position)  # validate the factors at build time
+        self.register_buffer("cos_sin_cache", torch.empty(2 * max_position, self.rotary_dim), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        device = self.cos_sin_cache.device
+        if device.type == "meta":
+            self.cos_sin_cache = torch.empty(2 * self.max_position, self.rotary_dim, device=device)
+            return
+        short, long = longrope_tables(self.rotary_dim, self.params, self.max_position, self.original_max_position)
+        self.cos_sin_cache = torch.cat([short, long]).to(device)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        md = get_forward_context().metadata
+        n, b = md.num_actual_tokens, md.num_reqs
+        qsl = md.query_start_loc[: b + 1]
+        long_req = (md.seq_lens[:b] > self.original_max_position).to(positions.dtype)
+        long_tok = torch.repeat_interleave(long_req, qsl[1:] - qsl[:-1], output_size=n)
+        if positions.shape[0] > n:  # padded rows past the real tokens
+            long_tok = torch.cat([long_tok, long_tok.new_zeros(positions.shape[0] - n)])
+        return super().forward(positions + long_tok * self.max_position, query, key)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -23,12 +102,26 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config) -> None:
         rope = get_rope_parameters(config)
-        if rope["rope_type"] in ("longrope", "su"):
-            raise ValueError(
-                f"Phi-3 rope scaling {rope['rope_type']!r} (the long-context variants) is not supported; "
-                "use a 4k/8k-context Phi-3 checkpoint (rope_scaling null)."
+        if rope["rope_type"] not in LONGROPE_TYPES:
+            super().__init__(config)
+            return
+        # Build the decoder with plain RoPE, then give every layer the LongRoPE tables.
+        plain = copy.copy(config)
+        plain.rope_parameters = {k: rope[k] for k in ("rope_theta", "partial_rotary_factor") if k in rope}
+        plain.rope_parameters["rope_type"] = "default"
+        plain.rope_scaling = None
+        super().__init__(plain)
+        self.config = config
+        original = rope.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None
+        )
+        if not original:
+            raise ValueError("Phi-3 longrope needs original_max_position_embeddings in the config.")
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            attn.rotary_emb = LongRopeRotaryEmbedding(
+                attn.head_dim, config.max_position_embeddings, rope, int(original)
             )
-        super().__init__(config)
 
     def _split_fused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         cfg = self.config
