@@ -18,7 +18,7 @@ import pytest
 
 from vllm_lite.client.core_client import AsyncMPClient, SyncMPClient, make_client
 from vllm_lite.client.exceptions import EngineDeadError, EngineStartupError
-from vllm_lite.core.messages import EngineCoreOutput, FinishReason
+from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputType, FinishReason
 from vllm_lite.launcher import ChildStartupError
 from vllm_lite.testing.fake_core import (
     VOCAB,
@@ -31,7 +31,7 @@ from vllm_lite.testing.fake_core import (
     request,
 )
 from vllm_lite.testing.processes import process_gone
-from vllm_lite.testing.waiting import wait_until
+from vllm_lite.testing.waiting import async_wait_until, wait_until
 
 # Generous: a loaded 2-core machine only makes these tests slower, never wrong.
 DEADLINE_S = 60.0
@@ -99,6 +99,8 @@ def test_sync_client_handshake_gives_model_facts(sync_client):
         "vocab_size": VOCAB,
         "max_logprobs": 20,
         "generation_config": "auto",  # the core's request rules (defaults of the fake)
+        "runner_type": "generate",
+        "pooler_config": None,
     }
     assert sync_client.client_index == 0
 
@@ -399,6 +401,16 @@ def test_async_client_that_starts_its_loop_late_is_not_lost():
     # attaches first and starts serving seconds later.
     core = ThreadedCore(heartbeat_timeout_s=0.5)
     client = AsyncMPClient(addresses=core.addresses, engine_silence_timeout_s=1.0)
+    # Heartbeat acks the client receives: the core answers only a frontend it counts as attached.
+    acks = [0]
+    decode = client._decode_message
+
+    def counting_decode(frames: list) -> object:
+        if frames[0].bytes == EngineCoreOutputType.HEARTBEAT.value:
+            acks[0] += 1
+        return decode(frames)
+
+    client._decode_message = counting_decode  # type: ignore[method-assign]
     try:
         wait_until(lambda: not core.proc.registry, DEADLINE_S, "the core drops a silent frontend")
 
@@ -409,7 +421,15 @@ def test_async_client_that_starts_its_loop_late_is_not_lost():
             while len(toks) < 3:
                 outs = await asyncio.wait_for(client.get_output_async(), 5)
                 toks += [t for o in outs.outputs for t in o.new_token_ids]
-            await asyncio.sleep(1.5)  # heartbeats now keep it attached
+            (back,) = core.proc.registry.clients()
+            # Nothing but heartbeats now, for three of the core's timeouts: the client beats every
+            # timeout/4, so 12 answered beats span at least 11 intervals (2.75 timeouts) of its own waiting.
+            interval = client.heartbeat_interval_s
+            assert interval is not None and interval <= 0.5 / 4
+            acks[0] = 0
+            await async_wait_until(lambda: acks[0] >= 12, DEADLINE_S, "12 heartbeats answered by the core")
+            # Still the same attachment (a drop and return would give a new client index).
+            assert [c.index for c in core.proc.registry.clients()] == [back.index]
             assert await asyncio.wait_for(client.call_utility_async("ping"), 5) == "pong"
             return toks
 
