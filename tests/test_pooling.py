@@ -194,3 +194,19 @@ def test_classify_equals_hf_softmax_of_the_score_head() -> None:
     with torch.no_grad():
         logits0 = hf(input_ids=torch.tensor([raw.prompt_token_ids])).logits[0]
     torch.testing.assert_close(torch.tensor(raw.outputs.probs), logits0, atol=ATOL, rtol=0)
+
+
+def test_score_on_a_one_label_classifier_scores_each_pair_as_a_cross_encoder() -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    model_dir = get_pooling_checkpoint("qwen3-rerank")
+    hf = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with LLM(model=model_dir, multiprocess=False, **_ENGINE) as llm:
+        scores = llm.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)
+        pair_ids = [llm.get_tokenizer()(PROMPTS[0], t)["input_ids"] for t in PROMPTS[1:]]
+    assert [type(s) for s in scores] == [ScoringRequestOutput] * 2
+    for s, ids in zip(scores, pair_ids):
+        assert s.prompt_token_ids == ids
+        with torch.no_grad():
+            want = hf(input_ids=torch.tensor([ids])).logits[0, 0].sigmoid()
+        assert abs(s.outputs.score - float(want)) < ATOL
