@@ -1,0 +1,109 @@
+"""BERT (encoder) equals Hugging Face: hidden states, sentence-transformers pooled embeddings, cross-encoder scores.
+
+Prompts of different lengths share one packed batch, so attending across prompts (or to padding) would show.
+The oracle is transformers' BertModel / BertForSequenceClassification on the same float32 weights, one
+unpadded prompt at a time, with the checkpoint's sentence-transformers pooling (mean + Normalize) by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_lite import LLM
+from vllm_lite.testing.paged import make_attention_metadata
+from vllm_lite.testing.pooling_checkpoints import get_pooling_checkpoint
+
+PROMPTS = [
+    "The for statement iterates over a sequence.",
+    "a",
+    "Exceptions are raised by the raise statement, and handled by try statements with except clauses "
+    "that name the exception classes they catch.",
+]
+ATOL = 1e-5
+_ENGINE = dict(dtype="float32", multiprocess=False, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def embed_dir() -> str:
+    return get_pooling_checkpoint("bert-embed-mean")
+
+
+@pytest.fixture(scope="module")
+def rerank_dir() -> str:
+    return get_pooling_checkpoint("bert-rerank")
+
+
+def _hf(model_dir: str, ids: list[int], classifier: bool = False) -> torch.Tensor:
+    """HF's last hidden states [tokens, hidden] (or classifier logits [labels]) of one unpadded prompt."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification if classifier else AutoModel
+    model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]))
+    return out.logits[0] if classifier else out.last_hidden_state[0]
+
+
+def _our_model(model_dir: str) -> torch.nn.Module:
+    """Our model for the checkpoint, loaded as the runner's loader does (meta build, then the weights)."""
+    from transformers import AutoConfig
+
+    from vllm_lite.worker.model_loader import iterate_weights, materialize
+    from vllm_lite.worker.models.registry import get_model_class
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = get_model_class(config.architectures)(config)
+    materialize(model, torch.float32, torch.device("cpu"))
+    assert model.load_weights(iterate_weights(model_dir)) == {n for n, _ in model.named_parameters()}
+    return model.eval()
+
+
+def _run_packed(model, prompts: list[list[int]], query_lens: list[int] | None = None) -> torch.Tensor:
+    from vllm_lite.worker.forward_context import set_forward_context
+
+    lens = [len(p) for p in prompts]
+    qlens = query_lens or lens
+    ids = torch.tensor([t for p, q in zip(prompts, qlens) for t in p[len(p) - q :]])
+    pos = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, qlens)])
+    md = make_attention_metadata(qlens, lens, [[0]] * len(prompts), 1024)
+    with set_forward_context(md, None), torch.no_grad():
+        return model(ids, pos)
+
+
+def test_hidden_states_equal_hf_over_a_packed_batch(embed_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embed_dir)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    hidden = _run_packed(_our_model(embed_dir), prompts)
+    for p, got in zip(prompts, hidden.split([len(p) for p in prompts])):
+        torch.testing.assert_close(got, _hf(embed_dir, p), atol=ATOL, rtol=0)
+
+
+def test_a_prompt_split_across_steps_is_refused(embed_dir: str) -> None:
+    """Bidirectional attention needs the whole prompt at once: a chunk must fail, not answer differently."""
+    with pytest.raises(ValueError, match="whole in one step"):
+        _run_packed(_our_model(embed_dir), [[1, 5, 6, 7], [1, 8, 9]], query_lens=[4, 2])
+
+
+def test_embed_equals_sentence_transformers_mean_normalize(embed_dir: str) -> None:
+    with LLM(model=embed_dir, **_ENGINE) as llm:  # runner "auto": pooling, from the sentence-transformers files
+        mc = llm.llm_engine.vllm_config.model_config
+        assert (mc.runner_type, mc.pooler_config.pooling_type, mc.pooler_config.normalize) == ("pooling", "MEAN", True)
+        outs = llm.embed(PROMPTS, use_tqdm=False)
+    assert len({len(o.prompt_token_ids) for o in outs}) == len(PROMPTS)
+    for o in outs:
+        want = F.normalize(_hf(embed_dir, o.prompt_token_ids).mean(0), dim=-1)
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), want, atol=ATOL, rtol=0)
+
+
+def test_cross_encoder_classify_equals_hf_sigmoid_of_its_logit(rerank_dir: str) -> None:
+    """BertForSequenceClassification: [CLS] -> tanh pooler -> classifier, one label through a sigmoid."""
+    with LLM(model=rerank_dir, **_ENGINE) as llm:
+        outs = llm.classify(PROMPTS, use_tqdm=False)
+    for o in outs:
+        want = torch.sigmoid(_hf(rerank_dir, o.prompt_token_ids, classifier=True))
+        torch.testing.assert_close(torch.tensor(o.outputs.probs), want, atol=ATOL, rtol=0)
