@@ -19,6 +19,7 @@ from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.request_validation import RequestLimits, validate_request
 from vllm_lite.core.sched.scheduler import Scheduler
 from vllm_lite.core.step_recovery import RecoveredStep, recover_failed_step
+from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.worker.executor import get_executor_class
 
 logger = logging.getLogger("vllm_lite.engine_core")
@@ -161,6 +162,7 @@ class _StatsLogger:
         self.queries = 0
         self.hits = 0
         self.preemptions = 0
+        self.spec: Optional[SpecDecodingStats] = None  # speculative decoding counters since the last line
 
     def record(self, num_scheduled_tokens: int, outputs: dict[int, EngineCoreOutputs]) -> None:
         stats = None
@@ -172,6 +174,12 @@ class _StatsLogger:
                 self.queries += o.scheduler_stats.prefix_cache_queries
                 self.hits += o.scheduler_stats.prefix_cache_hits
                 self.preemptions += o.scheduler_stats.num_preemptions
+                spec = o.scheduler_stats.spec_decoding_stats
+                if spec is not None:
+                    if self.spec is None:
+                        self.spec = SpecDecodingStats.new(spec.num_spec_tokens)
+                    self.spec.merge(spec)
+                    num_scheduled_tokens -= spec.num_draft_tokens - spec.num_accepted_tokens  # not prompt tokens
         self.gen_tokens += gen
         self.prompt_tokens += max(0, num_scheduled_tokens - gen)
         now = time.monotonic()
@@ -190,5 +198,8 @@ class _StatsLogger:
             100 * hit_rate,
             self.preemptions,
         )
+        if self.spec is not None:
+            logger.info(self.spec.log_message(dt))
+            self.spec = None
         self.last_log = now
         self.prompt_tokens = self.gen_tokens = self.queries = self.hits = self.preemptions = 0

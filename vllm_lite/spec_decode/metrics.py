@@ -98,3 +98,14 @@ class SpecDecodingStats:
             METRIC_NAMES["num_accepted_tokens"]: self.num_accepted_tokens,
             METRIC_NAMES["num_accepted_tokens_per_pos"]: list(self.num_accepted_tokens_per_pos),
         }
+
+    def log_message(self, interval_s: float) -> str:
+        """The periodic structured log line (vLLM's "SpecDecoding metrics"), over an interval of `interval_s`."""
+        dt = max(interval_s, 1e-9)
+        per_pos = ",".join(f"{r:.3f}" for r in self.acceptance_rate_per_pos)
+        return (
+            f"SpecDecoding metrics: mean_acceptance_length={self.mean_acceptance_length:.2f} "
+            f"accepted_tput={self.num_accepted_tokens / dt:.1f} tok/s drafted_tput={self.num_draft_tokens / dt:.1f} "
+            f"tok/s accepted={self.num_accepted_tokens} drafted={self.num_draft_tokens} drafts={self.num_drafts} "
+            f"draft_acceptance_rate={100 * self.draft_acceptance_rate:.1f}% per_position_acceptance_rate=[{per_pos}]"
+        )

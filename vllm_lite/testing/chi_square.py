@@ -37,3 +37,35 @@ def chi_square_pvalue(observed: Sequence[int] | torch.Tensor, expected_probs: Se
             torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(statistic / 2.0, dtype=torch.float64)
         )
     )
+
+
+def chi_square_homogeneity_pvalue(
+    counts_a: dict[int, int], counts_b: dict[int, int], min_expected: float = 5.0
+) -> float:
+    """P-value of Pearson's test that two samples of categories come from one distribution.
+
+    Categories whose expected count is below `min_expected` in either sample are pooled into one, as the test's
+    chi-square approximation asks; a single remaining category gives 1.0.
+    """
+    n_a, n_b = sum(counts_a.values()), sum(counts_b.values())
+    if n_a <= 0 or n_b <= 0:
+        raise ValueError("both samples need counts.")
+    keys = sorted(set(counts_a) | set(counts_b))
+    rows = torch.tensor([[counts_a.get(k, 0), counts_b.get(k, 0)] for k in keys], dtype=torch.float64)
+    share = min(n_a, n_b) / (n_a + n_b)
+    small = rows.sum(dim=1) * share < min_expected
+    if bool(small.any()):
+        rows = torch.cat([rows[~small], rows[small].sum(dim=0, keepdim=True)])
+        if float(rows[-1].sum()) == 0.0:
+            rows = rows[:-1]
+    if rows.shape[0] < 2:
+        return 1.0
+    totals = torch.tensor([n_a, n_b], dtype=torch.float64)
+    expected = rows.sum(dim=1, keepdim=True) * totals / (n_a + n_b)
+    statistic = float(((rows - expected) ** 2 / expected).sum())
+    dof = rows.shape[0] - 1
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(statistic / 2.0, dtype=torch.float64)
+        )
+    )

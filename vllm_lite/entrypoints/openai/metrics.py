@@ -159,6 +159,22 @@ class ServerMetrics:
         self.num_preemptions = Counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r
         )
+        # Speculative decoding (vLLM's names): drafts verified, draft tokens proposed and accepted, by position.
+        self.spec_decode_num_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels, registry=r
+        )
+        self.spec_decode_num_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels, registry=r
+        )
+        self.spec_decode_num_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels, registry=r
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels + ["position"],
+            registry=r,
+        )
         self.iteration_tokens = Histogram(
             "vllm:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
@@ -195,6 +211,13 @@ class ServerMetrics:
             self.prefix_cache_queries.labels(m).inc(s.prefix_cache_queries)
             self.prefix_cache_hits.labels(m).inc(s.prefix_cache_hits)
             self.num_preemptions.labels(m).inc(s.num_preemptions)
+            spec = getattr(s, "spec_decoding_stats", None)
+            if spec is not None:
+                self.spec_decode_num_drafts.labels(m).inc(spec.num_drafts)
+                self.spec_decode_num_draft_tokens.labels(m).inc(spec.num_draft_tokens)
+                self.spec_decode_num_accepted_tokens.labels(m).inc(spec.num_accepted_tokens)
+                for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                    self.spec_decode_num_accepted_tokens_per_pos.labels(m, str(pos)).inc(n)
         if it is None:
             return
         tokens = it.num_prompt_tokens + it.num_generation_tokens
