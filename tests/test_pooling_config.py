@@ -119,3 +119,17 @@ def test_the_core_refuses_a_request_of_the_wrong_kind_for_its_runner() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens=4"):
         validate_request(_request(prompt_token_ids=[1] * 5, pooling_params=PoolingParams()), pool)
     validate_request(_request(prompt_token_ids=[1] * 4, pooling_params=PoolingParams()), pool)
+
+
+def test_pooler_serves_classify_and_embed_requests_in_one_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.classifier_head = torch.nn.Linear(6, 3, bias=False)
+    hidden = torch.randn(5, 6)
+    qsl = np.array([0, 2, 5])
+    pooler = Pooler(PoolerConfig(pooling_type="LAST"), model)
+    outs = pooler(hidden, qsl, [PoolingParams(task="classify"), PoolingParams(task="embed", normalize=True)])
+    with torch.no_grad():
+        want_probs = model.classifier_head(hidden[1]).softmax(-1)
+    torch.testing.assert_close(outs[0], want_probs, atol=1e-6, rtol=0)
+    torch.testing.assert_close(outs[1], F.normalize(hidden[4], dim=-1), atol=1e-6, rtol=0)

@@ -51,7 +51,25 @@ class Pooler:
             rows, dims = self._finish(hidden.float(), ps, lens)
             per_req = torch.split(rows, lens.tolist())
             return [r[:, :d] for r, d in zip(per_req, dims.tolist())]
-        rows, dims = self._finish(self.pool(hidden, qsl, lens), ps, torch.ones_like(lens))
+        pooled = self.pool(hidden, qsl, lens)
+        uses_head = [self._uses_head(p) for p in ps]
+        if any(uses_head) and not all(uses_head):  # classify beside embed: two groups, each batched
+            out: list[torch.Tensor] = [pooled[0]] * len(ps)
+            for group in (True, False):
+                idx = [i for i, u in enumerate(uses_head) if u is group]
+                sub = self._sequence_outputs(
+                    pooled.index_select(0, torch.tensor(idx, device=pooled.device)), [ps[i] for i in idx]
+                )
+                for i, t in zip(idx, sub):
+                    out[i] = t
+            return out
+        return self._sequence_outputs(pooled, ps)
+
+    def _uses_head(self, p: PoolingParams) -> bool:
+        return self.head is not None and p.task in _HEAD_TASKS
+
+    def _sequence_outputs(self, pooled: torch.Tensor, ps: Sequence[PoolingParams]) -> list[torch.Tensor]:
+        rows, dims = self._finish(pooled, ps, torch.ones(len(ps), dtype=torch.int64, device=pooled.device))
         width = rows.shape[-1]
         if bool((dims == width).all()):
             return list(torch.unbind(rows, 0))
@@ -78,7 +96,7 @@ class Pooler:
         returns the rows and each request's width (rows are zero past it).
         """
         device = rows.device
-        uses_head = [self.head is not None and p.task in _HEAD_TASKS for p in ps]
+        uses_head = [self._uses_head(p) for p in ps]
         if any(uses_head):
             if not all(uses_head):
                 raise ValueError("pooling: one step mixes classifier and embedding requests")
