@@ -13,9 +13,11 @@ import logging
 import pytest
 import torch
 
+from vllm_lite.config import SpeculativeConfig
 from vllm_lite.core.messages import FinishReason
-from vllm_lite.core.request import RequestStatus
+from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.scheduler import Scheduler
+from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import StructuredOutputsParams
 from vllm_lite.testing.scheduler_config import make_config
 from vllm_lite.testing.scheduler_driver import (
@@ -771,3 +773,126 @@ def test_waiting_for_grammar_blocks_only_while_a_grammar_compiles():
     s.add_request(make_request("g", 3, structured_outputs=_JSON))
     s.wait_for_grammar(5.0)
     assert calls == [5.0]
+
+
+# ---------------------------------------------------------------------- speculative decoding
+def _spec(k: int = 3, **cfg) -> Scheduler:
+    config = make_config(**cfg)
+    config.speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+    return Scheduler(config)
+
+
+def _verify(s: Scheduler, so, sampled: dict[str, list[int]], proposed: dict[str, list[int]]):
+    """A verification step's runner output: per request its emitted tokens and its next drafts."""
+    ids = list(so.num_scheduled_tokens)
+    mro = ModelRunnerOutput(
+        ids,
+        {r: i for i, r in enumerate(ids)},
+        [sampled.get(r, []) for r in ids],
+        spec_token_ids=[proposed.get(r, []) for r in ids],
+    )
+    return s.update_from_output(so, mro)
+
+
+def test_drafts_run_after_the_last_token_and_rejected_ones_are_computed_again():
+    s = _spec()
+    s.add_request(make_request("a", 4, max_tokens=20))
+    so = s.schedule()
+    assert so.scheduled_spec_decode_tokens == {}
+    _verify(s, so, {"a": [7]}, {"a": [8, 9, 10]})
+    a = s.get_request("a")
+    assert a.spec_token_ids == [8, 9, 10]
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 4} and so.scheduled_spec_decode_tokens == {"a": [8, 9, 10]}
+    outs = _verify(s, so, {"a": [8, 9, 11]}, {"a": [12]})  # two drafts held, the third replaced
+    assert outputs_by_id(outs)["a"].new_token_ids == [8, 9, 11]
+    assert a.num_tokens == 8 and a.num_computed_tokens == 7  # the rejected draft's slot is rewritten next step
+    stats = outs[0].scheduler_stats.spec_decoding_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 2)
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 2} and so.scheduled_spec_decode_tokens == {"a": [12]}
+
+
+def test_the_budget_cuts_drafts_short_and_a_one_token_step_runs_none():
+    s = _spec(max_num_batched_tokens=3)
+    s.add_request(make_request("a", 3, max_tokens=20))
+    _verify(s, s.schedule(), {"a": [7]}, {"a": [8, 9, 10]})
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 3} and so.scheduled_spec_decode_tokens == {"a": [8, 9]}
+    _verify(s, so, {"a": [8, 9, 5]}, {"a": [1, 2, 3]})
+    s.max_num_batched_tokens = 1
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 1} and so.scheduled_spec_decode_tokens == {}
+
+
+def test_a_victim_scheduled_earlier_in_the_step_loses_its_drafts_too():
+    s = _spec(k=1, num_gpu_blocks=5, block_size=4, max_model_len=16, policy="priority", enable_prefix_caching=False)
+    s.add_request(make_request("low", 6, start=0, priority=1))
+    s.add_request(make_request("high", 8, start=100, priority=0))
+    _verify(s, s.schedule(), {"low": [7], "high": [7]}, {"low": [5], "high": []})
+    # low runs its 7th token + a draft (fits its second block); high, at 9 tokens, needs a third block: low goes.
+    so = s.schedule()
+    assert so.finished_req_ids == {"low"} and so.num_scheduled_tokens == {"high": 1}
+    assert so.scheduled_spec_decode_tokens == {}
+    assert s.get_request("low").spec_token_ids == []
+
+
+def test_several_tokens_in_one_step_take_their_own_logprob_rows():
+    s = _spec()
+    s.add_request(make_request("a", 3, logprobs=1))
+    s.add_request(make_request("b", 3, start=300, logprobs=1))
+    so = s.schedule()
+    ids = list(so.num_scheduled_tokens)
+    lp = LogprobsTensors(
+        torch.arange(4, dtype=torch.int64).view(4, 1), torch.zeros(4, 1), torch.ones(4, dtype=torch.int64)
+    )
+    mro = ModelRunnerOutput(ids, {"a": 0, "b": 1}, [[5, 6, 7], [8]], lp, logprobs_cu=[0, 3])
+    outs = outputs_by_id(s.update_from_output(so, mro))
+    assert outs["a"].new_logprobs.logprob_token_ids.tolist() == [[0], [1], [2]]
+    assert outs["b"].new_logprobs.logprob_token_ids.tolist() == [[3]]
+
+
+def test_spec_counters_go_to_the_first_frontend_only():
+    s = _spec()
+    s.add_request(make_request("a", 3, client_index=0, max_tokens=20))
+    s.add_request(make_request("b", 3, start=300, client_index=1, max_tokens=20))
+    _verify(s, s.schedule(), {"a": [7], "b": [7]}, {"a": [1], "b": [1]})
+    outs = _verify(s, s.schedule(), {"a": [1, 2], "b": [3]}, {})
+    assert outs[0].scheduler_stats.spec_decoding_stats.num_drafts == 2
+    assert outs[1].scheduler_stats.spec_decoding_stats is None
+    assert s.make_stats().spec_decoding_stats is None  # consumed by the step
+
+
+# ---------------------------------------------------------------------- pooling requests
+def _pooling_request(rid: str, n: int, start: int = 0, client_index: int = 0) -> Request:
+    return Request(
+        rid, list(range(start, start + n)), None, None, 0.0, client_index=client_index, pooling_params=PoolingParams()
+    )
+
+
+def test_a_pooling_request_runs_its_whole_prompt_in_one_step_without_a_prefix_hit():
+    s = Scheduler(make_config(block_size=4))
+    s.add_request(make_request("warm", 8, start=0, max_tokens=1))
+    run_to_completion(s)
+    req = _pooling_request("p", 9, client_index=2)
+    s.add_request(req)
+    so = s.schedule()
+    (nr,) = so.scheduled_new_reqs
+    assert so.num_scheduled_tokens == {"p": 9} and nr.num_computed_tokens == 0
+    assert nr.pooling_params is req.pooling_params
+    pooled = torch.ones(3)
+    mro = ModelRunnerOutput(["p"], {"p": 0}, [[]], pooler_output=[pooled])
+    (o,) = s.update_from_output(so, mro)[2].outputs
+    assert o.pooling_output is pooled and o.finish_reason == FinishReason.STOP and o.new_token_ids == []
+    assert not s.has_unfinished_requests() and s.num_free_blocks == s.num_total_blocks
+
+
+def test_a_pooling_request_waits_for_a_budget_that_holds_its_whole_prompt():
+    s = Scheduler(make_config(max_num_batched_tokens=6))
+    s.add_request(_pooling_request("p", 7))
+    s.add_request(make_request("behind", 2, start=300))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {}  # never chunked; the queue behind it waits too (FCFS)
+    s.max_num_batched_tokens = 7
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"p": 7}
