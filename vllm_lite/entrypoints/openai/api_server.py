@@ -44,8 +44,12 @@ from vllm_lite.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from vllm_lite.entrypoints.openai.protocol_pooling import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 from vllm_lite.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_lite.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm_lite.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from vllm_lite.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from vllm_lite.entrypoints.openai.serving_score import OpenAIServingRerank, OpenAIServingScores
 from vllm_lite.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -54,6 +58,9 @@ logger = logging.getLogger(__name__)
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 # Endpoint label values of the HTTP counter; anything else counts as "other" (bounded cardinality).
 KNOWN_PATHS = PUBLIC_PATHS | {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+# Pooling models' endpoints (vLLM's paths, its /v1 and /v2 aliases included).
+POOLING_PATHS = frozenset({"/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
+KNOWN_PATHS |= POOLING_PATHS
 
 
 # --max-request-body-bytes default: far more than any prompt max_model_len allows, far less than a flood.
@@ -267,6 +274,10 @@ def build_app(
         tool_call_parser=tool_call_parser,
     )
     tokenization = OpenAIServingTokenization(engine, names, metrics, chat_template=chat_template)
+    embedding = OpenAIServingEmbedding(engine, names, metrics)
+    pooling = OpenAIServingPooling(engine, names, metrics)
+    scores = OpenAIServingScores(engine, names, metrics)
+    rerank = OpenAIServingRerank(engine, names, metrics)
     if max_request_body_bytes:  # innermost of the three: a 413 is counted, and CORS headers reach it
         app.add_middleware(_BodySizeLimitMiddleware, max_bytes=int(max_request_body_bytes))
     app.add_middleware(_AuthAndCountMiddleware, api_key=api_key, metrics=metrics)
@@ -370,6 +381,29 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> Any:
         return await respond(lambda: _as_json(tokenization.detokenize_request(request)))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Any:
+        request_log(raw_request, request)
+        return await respond(lambda: _as_json(embedding.create_embedding(request)))
+
+    @app.post("/pooling")
+    async def create_pooling(request: PoolingRequest, raw_request: Request) -> Any:
+        request_log(raw_request, request)
+        return await respond(lambda: _as_json(pooling.create_pooling(request)))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(request: ScoreRequest, raw_request: Request) -> Any:
+        request_log(raw_request, request)
+        return await respond(lambda: _as_json(scores.create_score(request)))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def do_rerank(request: RerankRequest, raw_request: Request) -> Any:
+        request_log(raw_request, request)
+        return await respond(lambda: _as_json(rerank.do_rerank(request)))
 
     return app
 
