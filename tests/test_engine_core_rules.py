@@ -57,7 +57,7 @@ def test_the_executors_block_counts_size_the_kv_cache_and_reach_config_and_facts
     assert (cc.num_gpu_blocks, cc.num_cpu_blocks) == (40, 8)
     assert core.executor.initialized == (40, 8)
     assert core.scheduler.num_free_blocks == core.call_utility("get_num_total_blocks", []) > 0
-    assert core.model_facts == {
+    expected_facts = {
         "model": "fake",
         "max_model_len": 256,
         "block_size": 4,
@@ -66,26 +66,50 @@ def test_the_executors_block_counts_size_the_kv_cache_and_reach_config_and_facts
         "max_logprobs": 20,
         "generation_config": "auto",
     }
+    assert {k: core.model_facts.get(k) for k in expected_facts} == expected_facts
     assert core.startup_time_s >= 0
     ready = [r.getMessage() for r in caplog.records if "engine core ready" in r.getMessage()]
     assert len(ready) == 1
-    assert "model=fake dtype=float32 kv_blocks=40 (block_size=4) swap_blocks=8" in ready[0]
+    assert ready[0].startswith("engine core ready in ")
+    assert ready[0].endswith("s: model=fake dtype=float32 kv_blocks=40 (block_size=4) swap_blocks=8")
+
+
+def test_without_an_executor_class_the_parallel_config_picks_one_and_startup_time_is_measured(
+    monkeypatch, clock: "_Clock"
+) -> None:
+    picked: list[Any] = []
+
+    def get_executor_class(vllm_config: Any) -> type:
+        picked.append(vllm_config)
+        return FakeExecutor
+
+    monkeypatch.setattr(engine_core_module, "get_executor_class", get_executor_class)
+    clock.tick = 1.5  # each perf_counter() call moves 1.5 s: start and end of __init__
+    cfg = make_config()
+    core = EngineCore(cfg)
+    assert picked == [cfg]
+    assert isinstance(core.executor, FakeExecutor)
+    assert core.startup_time_s == 1.5
 
 
 def test_requests_are_checked_against_the_model_and_the_kv_caches_capacity() -> None:
     # 10 blocks of 4 tokens hold fewer tokens than the configured max_model_len (256): the cache's size caps it.
-    core = make_core(num_gpu_blocks=10, block_size=4, max_model_len=256)
+    cfg = make_config(num_gpu_blocks=10, block_size=4, max_model_len=256)
+    cfg.model_config.max_logprobs = 7
+    core = EngineCore(cfg, FakeExecutor)
     cap = core.scheduler.max_model_len
     assert cap < 256
     assert core.request_limits.max_model_len == cap
     assert core.request_limits.vocab_size == 1000
-    assert core.request_limits.max_logprobs == 20
+    assert core.request_limits.max_logprobs == 7
     with pytest.raises(ValueError, match="leaves no room to generate"):
         core.add_request(make_request("long", list(range(1, cap + 1)), greedy()))
     with pytest.raises(ValueError, match="prompt_token_ids"):
         core.add_request(make_request("oov", [5, 1000], greedy()))
     with pytest.raises(ValueError, match="logprobs"):
-        core.add_request(make_request("lp", [5], greedy(logprobs=21)))
+        core.add_request(make_request("lp", [5], greedy(logprobs=8)))
+    core.add_request(make_request("lp7", [5], greedy(logprobs=7)))
+    core.abort_requests(["lp7"])
     assert not core.has_unfinished_requests()
     core.add_request(make_request("fits", list(range(1, cap)), greedy(max_tokens=1), eos_token_id=None))
     assert core.scheduler.get_num_unfinished_requests() == 1
@@ -198,6 +222,14 @@ def test_a_request_that_breaks_the_step_ends_with_an_error_sent_to_its_own_front
     assert "RuntimeError: bad input in bad" in bad.error
     assert got["good"][0] == 0 and got["good"][1].new_token_ids == expected_tokens([1, 2, 3], 1)
     assert outputs[1].outputs == [bad]
+    # The failed step, then one probe per request, then the good request's replay: the step's own error
+    # pins the whole batch as failing, so it is not run a second time.
+    assert [sorted(so.num_scheduled_tokens) for so in core.executor.steps] == [
+        ["bad", "good"],
+        ["good"],
+        ["bad"],
+        ["good"],
+    ]
     results: dict[str, Result] = {}
     drain(core, results)
     assert results["good"].token_ids == expected_tokens([1, 2, 3], 2)[1:]
@@ -276,14 +308,19 @@ def test_shutdown_stops_the_executor_and_the_grammar_pool() -> None:
 
 # ---------------------------------------------------------------------- the periodic stats line
 class _Clock:
+    """`monotonic` reads `now`; `perf_counter` moves `tick` seconds at each call."""
+
     def __init__(self) -> None:
         self.now = 1000.0
+        self.tick = 0.0
+        self._perf = 5000.0
 
     def monotonic(self) -> float:
         return self.now
 
     def perf_counter(self) -> float:
-        return self.now
+        self._perf += self.tick
+        return self._perf
 
 
 @pytest.fixture
@@ -324,6 +361,11 @@ def test_the_stats_line_reports_rates_over_the_interval_and_counts_only_the_batc
         clock.now += 6
         log.record(4, {1: _batch([1, 1], None), 0: _batch([1], counters)})
     (args,) = _stats_lines(caplog)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine stats:")]
+    assert line == (
+        "engine stats: prompt_tput=2.8 tok/s gen_tput=0.6 tok/s running=3 waiting=2 kv_usage=25.0% "
+        "prefix_cache_hit_rate=25.0% preemptions=2"
+    )
     prompt_tput, gen_tput, running, waiting, kv, hit_rate, preemptions = args
     assert prompt_tput == pytest.approx((27 + 1) / 10)
     assert gen_tput == pytest.approx((3 + 3) / 10)
