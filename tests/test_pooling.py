@@ -176,37 +176,33 @@ def test_async_llm_encode_mean_pooling_over_the_socket_equals_hf() -> None:
         torch.testing.assert_close(o.outputs.data, want, atol=ATOL, rtol=0)
 
 
-def test_classify_equals_hf_softmax_of_the_score_head() -> None:
-    from transformers import AutoModelForSequenceClassification
-
-    model_dir = get_pooling_checkpoint("qwen3-classify")
-    hf = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with LLM(model=model_dir, multiprocess=False, **_ENGINE) as llm:
-        assert llm.llm_engine.vllm_config.model_config.runner_type == "pooling"
-        outs = llm.classify(PROMPTS, use_tqdm=False)
-        raw = llm.classify(PROMPTS[0], pooling_params=PoolingParams(use_activation=False), use_tqdm=False)[0]
-    assert [type(o) for o in outs] == [ClassificationRequestOutput] * 3
-    for o in outs:
-        with torch.no_grad():
-            logits = hf(input_ids=torch.tensor([o.prompt_token_ids])).logits[0]
-        torch.testing.assert_close(torch.tensor(o.outputs.probs), logits.softmax(-1), atol=ATOL, rtol=0)
-        assert o.outputs.num_classes == 3
-    with torch.no_grad():
-        logits0 = hf(input_ids=torch.tensor([raw.prompt_token_ids])).logits[0]
-    torch.testing.assert_close(torch.tensor(raw.outputs.probs), logits0, atol=ATOL, rtol=0)
-
-
-def test_score_on_a_one_label_classifier_scores_each_pair_as_a_cross_encoder() -> None:
+def test_classify_and_cross_encoder_score_equal_hf_on_a_one_label_classifier() -> None:
+    """classify: the score head's sigmoid (raw logit with use_activation=False); score: each (text_1, text_2) pair
+    tokenized together and classified, as vLLM scores with a cross-encoder. (Softmax over several labels is
+    checked on the Pooler in test_pooling_config.)"""
     from transformers import AutoModelForSequenceClassification
 
     model_dir = get_pooling_checkpoint("qwen3-rerank")
     hf = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
     with LLM(model=model_dir, multiprocess=False, **_ENGINE) as llm:
+        assert llm.llm_engine.vllm_config.model_config.runner_type == "pooling"
+        outs = llm.classify(PROMPTS, use_tqdm=False)
+        raw = llm.classify(PROMPTS[0], pooling_params=PoolingParams(use_activation=False), use_tqdm=False)[0]
         scores = llm.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)
         pair_ids = [llm.get_tokenizer()(PROMPTS[0], t)["input_ids"] for t in PROMPTS[1:]]
+
+    def logit(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return hf(input_ids=torch.tensor([ids])).logits[0]
+
+    assert [type(o) for o in outs] == [ClassificationRequestOutput] * 3
+    for o in outs:
+        assert o.outputs.num_classes == 1
+        torch.testing.assert_close(
+            torch.tensor(o.outputs.probs), logit(o.prompt_token_ids).sigmoid(), atol=ATOL, rtol=0
+        )
+    torch.testing.assert_close(torch.tensor(raw.outputs.probs), logit(raw.prompt_token_ids), atol=ATOL, rtol=0)
     assert [type(s) for s in scores] == [ScoringRequestOutput] * 2
     for s, ids in zip(scores, pair_ids):
         assert s.prompt_token_ids == ids
-        with torch.no_grad():
-            want = hf(input_ids=torch.tensor([ids])).logits[0, 0].sigmoid()
-        assert abs(s.outputs.score - float(want)) < ATOL
+        assert abs(s.outputs.score - float(logit(ids)[0].sigmoid())) < ATOL
