@@ -133,3 +133,27 @@ def test_pooler_serves_classify_and_embed_requests_in_one_step() -> None:
         want_probs = model.classifier_head(hidden[1]).softmax(-1)
     torch.testing.assert_close(outs[0], want_probs, atol=1e-6, rtol=0)
     torch.testing.assert_close(outs[1], F.normalize(hidden[4], dim=-1), atol=1e-6, rtol=0)
+
+
+def test_engine_args_runner_pooling_budget_and_flags() -> None:
+    import argparse
+
+    from vllm_lite.engine_args import EngineArgs
+    from vllm_lite.testing.checkpoints import get_checkpoint
+
+    model = get_checkpoint("llama")  # a ForCausalLM without sentence-transformers files: auto is generate
+    assert EngineArgs(model=model, device="cpu").create_engine_config().model_config.runner_type == "generate"
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model", model, "--runner", "pooling", "--pooler-config", '{"pooling_type": "mean"}'])
+    cfg = EngineArgs.from_cli_args(args, device="cpu").create_engine_config()
+    assert cfg.model_config.runner_type == "pooling"
+    assert cfg.model_config.pooler_config == PoolerConfig("MEAN", True, None, True)
+    # A pooling prompt runs whole in one step: the budget holds max_model_len; a smaller one is refused.
+    assert cfg.scheduler_config.max_num_batched_tokens >= cfg.model_config.max_model_len
+    with pytest.raises(ValueError, match="max_num_batched_tokens \\(512\\) is smaller than max_model_len \\(1024\\)"):
+        EngineArgs(
+            model=model, device="cpu", runner="pooling", max_model_len=1024, max_num_batched_tokens=512
+        ).create_engine_config()
+    with pytest.raises(ValueError, match="pooler_config applies to pooling models only"):
+        EngineArgs(model=model, device="cpu", pooler_config={"normalize": False}).create_engine_config()
