@@ -24,6 +24,7 @@ import httpx
 import msgspec
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_lite import LLM, SamplingParams
 from vllm_lite.client.core_client import SyncMPClient
@@ -41,12 +42,15 @@ from vllm_lite.entrypoints.serve_daemon import check_bind_allowed, is_loopback_h
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.processes import children, launched_as, process_gone
 from vllm_lite.testing.serve_process import ServeProcess
+from vllm_lite.testing.target_daemon import generate_until_death, stream_sse
 from vllm_lite.testing.waiting import wait_until
 
 TOKEN = "s3cret-token"
 HEARTBEAT_S = 2.0
 # Generous: a loaded 2-core machine only makes these tests slower, never wrong.
 DEADLINE_S = 60.0
+# The old ways of noticing a dead core took 30 s: a deadline under it.
+DEAD_CORE_DEADLINE_S = 20.0
 PROMPTS_A = ["The for statement", "Hello world, this is frontend A", "def f(x): return"]
 PROMPTS_B = ["Exceptions are raised", "while True:", "class Foo(object):", "import sys"]
 PROMPTS_HTTP = ["The with statement", "Lambda expressions"]
@@ -473,13 +477,16 @@ def test_sigterm_drains_running_requests_aborts_past_the_timeout_and_exits_0(lon
         d.stop()
 
 
-def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down_non_zero(
+def test_two_http_frontends_share_one_port_and_a_core_killed_under_load_reaches_every_frontend_then_ends_all(
     long_ckpt, tmp_path, reference
 ):
+    """kill -9 of the core while an attached LLM and an SSE stream run: the LLM gets EngineDeadError, the stream an
+    error event and [DONE], /health 503; then the supervisor takes everything down with a non-zero exit."""
     d = Daemon(
         [long_ckpt, "--port", "0", "--api-port", "0", "--api-servers", "2", "--num-threads", "1"],
         str(tmp_path / "daemon.log"),
     )
+    llm = None
     try:
         address, line = d.core_line()
         base_url, api_line = d.api_url()
@@ -498,7 +505,30 @@ def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down
         frontends = [p for p in children(d.proc.pid) if launched_as(p, "vllm_lite.entrypoints.serve_frontend", "http-")]
         assert len(frontends) == 2
 
+        # Under load: an attached LLM in this process and an SSE stream, both mid-generation at the kill.
+        llm = LLM(engine_address=address)
+        body = {"prompt": "The for statement", "max_tokens": 900, "temperature": 0.0, "ignore_eos": True}
+        events: list[str] = []
+        streaming, running = threading.Event(), threading.Event()
+        result: dict[str, Any] = {}
+        http = threading.Thread(
+            target=stream_sse, args=(base_url + "/v1/completions", body, events, streaming), daemon=True
+        )
+        gen = threading.Thread(target=generate_until_death, args=(llm, result, running), daemon=True)
+        http.start()
+        gen.start()
+        assert streaming.wait(DEADLINE_S) and running.wait(DEADLINE_S)
         os.kill(core_pid, signal.SIGKILL)
+        gen.join(DEAD_CORE_DEADLINE_S)
+        http.join(DEAD_CORE_DEADLINE_S)
+        assert "dead_at" in result, f"no EngineDeadError within {DEAD_CORE_DEADLINE_S} s: {result}"
+        assert not http.is_alive(), "the HTTP stream did not end"
+        assert events[0] == "status 200" and events[-1] == "data: [DONE]", events[-3:]
+        assert json.loads(events[-2][len("data: ") :])["error"]["code"] == 503
+        wait_until(
+            lambda: httpx.get(base_url + "/health", timeout=10).status_code == 503, DEADLINE_S, "/health answers 503"
+        )
+
         code = d.proc.wait(30)
         assert code != 0
         assert all(process_gone(p) for p in frontends)
@@ -506,31 +536,81 @@ def test_two_http_frontends_share_one_port_and_a_dead_core_takes_everything_down
         assert "Engine core 0 exited unexpectedly" in log
         assert "HTTP frontend 0 exited with code 1" in log and "HTTP frontend 1 exited with code 1" in log
     finally:
+        if llm is not None:
+            llm.shutdown()
         d.stop()
 
 
-def test_serve_without_model_uses_the_bundled_default_on_an_ipc_address_and_sigterm_stops_all_cleanly(tmp_path):
+def _metric_sums(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus samples summed by name and labels (model_name left out)."""
+    values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))
+            values[key] = values.get(key, 0.0) + s.value
+    return values
+
+
+def test_bundled_default_on_ipc_two_api_servers_metrics_sum_and_sigterm_under_load_exits_0(tmp_path):
+    """The bundled model on an ipc:// core with --api-server-count 2: any one /metrics scrape sums both frontends
+    (prometheus multiprocess mode); SIGTERM while three streams run ends every stream and exits 0, cleanly."""
     from vllm_lite.default_model import DEFAULT_MODEL_NAME
 
     address = f"ipc://{tmp_path}/core"
-    d = Daemon(["--address", address, "--api-port", "0", "--num-threads", "1"], str(tmp_path / "d.log"))
+    d = Daemon(
+        [
+            "--address",
+            address,
+            "--api-port",
+            "0",
+            "--api-server-count",
+            "2",
+            "--num-threads",
+            "1",
+            "--shutdown-timeout",
+            "5",
+        ],
+        str(tmp_path / "d.log"),
+    )
     try:
         _, line = d.core_line()
         assert line.startswith(f"vllm-lite engine core listening on {address} (model {DEFAULT_MODEL_NAME}, ")
         base_url, _ = d.api_url()
-        r = httpx.post(
-            f"{base_url}/v1/completions",
-            timeout=60.0,
-            json={"prompt": "The for statement", "max_tokens": 4, "temperature": 0.0},
-        )
-        assert r.status_code == 200 and r.json()["model"] == DEFAULT_MODEL_NAME
+        sent = 8
+        for i in range(sent):  # a fresh connection each: the kernel spreads them over both frontends
+            r = httpx.post(
+                f"{base_url}/v1/completions",
+                timeout=60.0,
+                json={"prompt": f"Request {i}", "max_tokens": 2, "temperature": 0.0, "ignore_eos": True},
+            )
+            assert r.status_code == 200 and r.json()["model"] == DEFAULT_MODEL_NAME, r.text
+        for _ in range(4):  # whichever frontend answers the scrape, it reports everyone's requests
+            values = _metric_sums(httpx.get(f"{base_url}/metrics", timeout=60).text)
+            assert values[("vllm:request_success_total", (("finished_reason", "length"),))] == sent
+            assert values[("vllm:http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == sent
+            assert values[("vllm:e2e_request_latency_seconds_count", ())] == sent
         with LLM(engine_address=address) as llm:
             assert len(llm.generate("Hello", greedy(3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+        # SIGTERM under load: three streams (longer than the 5 s drain) are running.
+        body = {"prompt": "The for statement", "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+        streams: list[tuple[list[str], threading.Event]] = [([], threading.Event()) for _ in range(3)]
+        threads = [
+            threading.Thread(target=stream_sse, args=(f"{base_url}/v1/completions", body, ev, st), daemon=True)
+            for ev, st in streams
+        ]
+        for t in threads:
+            t.start()
+        assert all(st.wait(DEADLINE_S) for _, st in streams)
         d.proc.send_signal(signal.SIGTERM)
-        assert d.proc.wait(30) == 0
+        assert d.proc.wait(DEADLINE_S) == 0
+        for t in threads:
+            t.join(DEADLINE_S)
+        assert not any(t.is_alive() for t in threads), "a stream did not end"
         log = d.log()
-        # The frontend knew the core's exit was on purpose: a clean exit, no "engine died".
-        assert "HTTP frontend 0 exited with code 0" in log and "engine died" not in log
+        # The frontends knew the core's exit was on purpose: clean exits, no "engine died".
+        assert "HTTP frontend 0 exited with code 0" in log and "HTTP frontend 1 exited with code 0" in log
+        assert "engine died" not in log
     finally:
         d.stop()
 
