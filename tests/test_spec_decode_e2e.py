@@ -134,6 +134,24 @@ def test_forced_preemption_keeps_greedy_outputs(base: LLM, spec_small_kv: LLM, m
     assert _accepted(spec_small_kv) > before
 
 
+def test_multiprocess_engine_speculates_with_the_same_outputs(base: LLM) -> None:
+    """The engine core in its own process: drafts and verified tokens cross no extra boundary, outputs agree."""
+    llm = LLM(
+        model=get_checkpoint("llama"),
+        dtype="float32",
+        max_model_len=128,
+        num_threads=1,
+        kv_cache_memory_bytes=4 << 20,
+        speculative_config=SPEC,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, ignore_eos=True)
+        got = llm.generate(_prompts(REPEATING), params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    _assert_same_outputs(base.generate(_prompts(REPEATING), params, use_tqdm=False), got, logprobs=True)
+
+
 # ---------------------------------------------------------------------------------------------- stop conditions
 def test_stop_conditions_inside_an_accepted_run(base: LLM, spec: LLM) -> None:
     """max_tokens, stop token ids, stop strings and min_tokens cut where plain decoding cuts them."""

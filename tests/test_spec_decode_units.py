@@ -265,3 +265,20 @@ def test_spec_decoding_stats_count_drafts_and_acceptances_per_position() -> None
         batched.observe_draft(2, 3)
     with pytest.raises(ValueError):
         batched.observe_batch(np.array([4]), np.array([1]))
+
+
+def test_seeded_point_mass_rows_draw_once_per_emitted_token() -> None:
+    """What seeded replay after preemption relies on: the generator moves by one [V] draw per emitted token,
+    whatever was proposed, exactly as non-speculative sampling moves it."""
+    gen = torch.Generator().manual_seed(7)
+    b, k, v = 6, 3, 5
+    target = random_probs(gen, b, k + 1, v)
+    drafts = target[:, :k].argmax(dim=2)  # likely tokens, so some rows accept several
+    generators = {i: torch.Generator().manual_seed(100 + i) for i in range(b)}
+    out = rejection_sample(drafts, torch.full((b,), k), None, target, torch.zeros(b, dtype=torch.bool), generators)
+    assert int(out.num_accepted.max()) > 0
+    for i in range(b):
+        replay = torch.Generator().manual_seed(100 + i)
+        for _ in range(int(out.num_accepted[i]) + 1):
+            torch.rand((v,), generator=replay)
+        assert torch.equal(generators[i].get_state(), replay.get_state()), f"row {i}"

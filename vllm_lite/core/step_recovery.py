@@ -212,4 +212,5 @@ class _Prober:
             # The same tokens are sampled again, under the same grammar masks (the matchers have not moved).
             structured_output_request_ids={r: i for r, i in self.so.structured_output_request_ids.items() if r in ids},
             grammar_bitmask=self.so.grammar_bitmask,
+            scheduled_spec_decode_tokens={r: d for r, d in self.so.scheduled_spec_decode_tokens.items() if r in ids},
         )

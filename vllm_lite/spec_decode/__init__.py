@@ -1,22 +1,22 @@
-"""Speculative decoding building blocks (vLLM's `speculative_config`), unit-tested but not yet in the engine.
+"""Speculative decoding (vLLM's `speculative_config`): n-gram proposals verified in one forward pass.
 
-What exists:
+The pieces, each unit-tested on its own:
 - `ngram_proposer.NgramProposer`: prompt-lookup proposals (`method: "ngram"`), batched over numpy histories.
 - `rejection_sampler.rejection_sample`: verifies a batch of proposals against the target's distributions in
   batched torch ops; exact greedy equality, and the target distribution kept exactly for sampled rows.
-- `metrics.SpecDecodingStats`: the `vllm:spec_decode_*` counters a scheduler step will carry.
+- `metrics.SpecDecodingStats`: the `vllm:spec_decode_*` counters a scheduler step carries, and the log line.
 
-Next step (wiring, in this order):
-1. Config: `speculative_config` on EngineArgs/LLM/`--speculative-config` only once the pieces below run.
-2. Scheduler: reserve `num_lookahead_slots` (= num_speculative_tokens) per running request, count the draft tokens
-   in the token budget, schedule `1 + len(drafts)` tokens per decode and send the drafts in SchedulerOutput
-   (`scheduled_spec_decode_tokens`); in update_from_output append the accepted tokens, roll back structured-output
-   matchers for rejected ones, apply stop conditions token by token, and feed SpecDecodingStats.
-3. KV cache: free the slots of rejected tokens (num_computed_tokens drops back) and never cache a block holding a
-   rejected token in the prefix cache.
-4. Runner: one verification pass over all proposals (query length 1 + k per request through the mixed-batch
-   attention), target probabilities per position from the sampler's processors and warpers, this rejection
-   sampler, penalties/logprobs per emitted token, the proposer run on the updated histories; a draft model gets its
-   own KV cache in the same worker. Seeded rows: the generator-skipping after preemption
-   (`SamplingState._make_generator`) must count this sampler's draws (k uniforms + one [V] vector per step).
+How the engine uses them:
+- Config: `SpeculativeConfig` (config.py) on EngineArgs / `LLM(speculative_config=...)` / `--speculative-config`.
+- Scheduler (`core/sched/spec_decode.py`): a decoding request with drafts runs its last token plus the drafts
+  (budget and KV slots count them; `SchedulerOutput.scheduled_spec_decode_tokens`); after the step
+  `num_computed_tokens` drops back over the rejected drafts, so their slots are rewritten and the prefix cache
+  (full blocks of computed tokens only) never holds one; accepted tokens are appended one by one through the
+  usual stop checks. Requests with penalties, unmet min_tokens, multi-token bad words or a grammar get no drafts.
+- Runner (`worker/spec_decode_step.py`): writes the drafts into its token buffer, verifies every sampling row's
+  1 + k positions with the sampler's processors and warpers and this rejection sampler, records the emitted
+  tokens, and proposes the next drafts from the same buffer (the history lives there).
+
+Not done yet: draft-model proposals (`{"model": DIR}` is refused), grammar rollback for drafted grammar requests,
+per-position penalties (those requests simply get no drafts).
 """
