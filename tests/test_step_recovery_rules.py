@@ -289,3 +289,79 @@ def test_an_error_outputs_finish_reason_is_error() -> None:
     req = sched.get_request("a")
     assert recover_failed_step(sched, ex, so, error) is not None
     assert req.get_finish_reason() == FinishReason.ERROR
+
+
+# ---------------------------------------------------------------------- what operators read
+def _errors(caplog) -> list[tuple[str, Optional[str]]]:
+    """(message, the logged exception's text or None) of each error line of the engine core's logger."""
+    return [
+        (r.getMessage(), str(r.exc_info[1]) if r.exc_info else None)
+        for r in caplog.records
+        if r.name == "vllm_lite.engine_core" and r.levelname == "ERROR"
+    ]
+
+
+def test_each_outcome_logs_one_line_that_says_what_happened(caplog) -> None:
+    sched, ex = setup(["a", "b"], fails_if_in("a"))
+    so, error = failing_step(sched, ex)
+    assert recover_failed_step(sched, ex, so, error) is not None
+    assert _errors(caplog) == [("Request 'a' failed inside an engine step; finishing it with an error.", "bad a")]
+    caplog.clear()
+    sched, ex = setup(["a", "b"], fails_if_in(together={"a", "b"}))
+    so, error = failing_step(sched, ex)
+    assert recover_failed_step(sched, ex, so, error) is None
+    assert _errors(caplog) == [
+        ("A step failed, but every part of it runs alone: the failure is not one request's.", None)
+    ]
+    caplog.clear()
+    so.blocks_to_copy = [(0, 1)]
+    assert recover_failed_step(sched, ex, so, error) is None
+    assert _errors(caplog) == [("A step that moved KV blocks failed; it cannot be replayed to find a culprit.", None)]
+    caplog.clear()
+    sched, ex = setup(["a"], lambda so: ValueError("no device") if so.num_scheduled_tokens else None)
+    so, error = failing_step(sched, ex)
+    assert recover_failed_step(sched, ex, so, error) is None
+    assert _errors(caplog)[-2:] == [
+        ("The canary request failed too: ValueError: no device", None),
+        ("A step failed, and so does a plain one-token request: the worker is broken.", None),
+    ]
+    caplog.clear()
+    sched, ex = setup(["a", "b", "c"], fails_if_in("b", together={"a", "c"}))
+    so, error = failing_step(sched, ex)
+    assert recover_failed_step(sched, ex, so, error) is None
+    assert _errors(caplog)[-2:] == [
+        ("Re-running the step's good requests failed.", "together"),
+        ("A step failed, and its requests that ran alone fail together once the culprits are out.", None),
+    ]
+
+
+def test_probes_keep_each_requests_eos_id_and_the_canary_takes_one_slot() -> None:
+    cfg = make_config(block_size=1)
+    sched = Scheduler(cfg)
+    ex = FakeExecutor(cfg, fail_when=fails_if_in("a"))
+    sched.add_request(Request("a", [1, 2], SamplingParams(max_tokens=2), 9, 0.0))
+    sched.add_request(Request("b", [3, 4], SamplingParams(max_tokens=2), 11, 1.0))
+    so, error = failing_step(sched, ex)
+    assert recover_failed_step(sched, ex, so, error) is not None
+    b_probes = [new for p in probes(ex, 1) for new in p.scheduled_new_reqs if new.req_id == "b"]
+    assert len(b_probes) == 2 and all(new.eos_token_id == 11 for new in b_probes)
+    # A lone culprit: the canary asks for one slot (one block of one token), and the empty replay moves nothing.
+    sched, ex = setup(["a"], fails_if_in("a"), block_size=1)
+    so, error = failing_step(sched, ex)
+    so.blocks_to_swap_in = [(3, 4)]
+    assert recover_failed_step(sched, ex, so, error) is not None
+    canary, replay = probes(ex, 1)
+    assert len(canary.scheduled_new_reqs[0].block_ids) == 1
+    assert replay.blocks_to_swap_in == []
+
+
+def test_a_fatal_failure_in_a_later_step_leaves_each_requests_progress_as_the_step_had_it() -> None:
+    sched, ex = setup(["a", "b"])
+    so = sched.schedule()
+    sched.update_from_output(so, ex.execute_model(so))
+    ex.fail_when = fails_if_in(together={"a", "b"})
+    so, error = failing_step(sched, ex)
+    after_step = computed(sched, "a", "b")
+    assert after_step == [4, 5]
+    assert recover_failed_step(sched, ex, so, error) is None
+    assert computed(sched, "a", "b") == after_step
