@@ -157,3 +157,15 @@ def test_engine_args_runner_pooling_budget_and_flags() -> None:
         ).create_engine_config()
     with pytest.raises(ValueError, match="pooler_config applies to pooling models only"):
         EngineArgs(model=model, device="cpu", pooler_config={"normalize": False}).create_engine_config()
+
+
+def test_pooler_token_tasks_return_every_token_beside_pooled_requests() -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 4)
+    qsl = np.array([0, 2, 6])
+    pooler = Pooler(PoolerConfig(pooling_type="MEAN"), torch.nn.Module())
+    outs = pooler(
+        hidden, qsl, [PoolingParams(task="embed", normalize=False), PoolingParams(task="token_embed", normalize=True)]
+    )
+    torch.testing.assert_close(outs[0], hidden[:2].mean(0), atol=1e-6, rtol=0)
+    torch.testing.assert_close(outs[1], F.normalize(hidden[2:], dim=-1), atol=1e-6, rtol=0)

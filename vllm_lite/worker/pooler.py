@@ -25,6 +25,8 @@ from vllm_lite.worker.step import SchedulerOutput
 
 # Tasks whose requests go through the model's classifier head (when it has one).
 _HEAD_TASKS = ("classify", "score", "token_classify")
+# Tasks that return every token's row whatever the model's pooling type.
+_TOKEN_TASKS = ("token_embed", "token_classify")
 _DEFAULT_PARAMS = PoolingParams()
 
 
@@ -47,23 +49,39 @@ class Pooler:
         qsl = torch.from_numpy(np.asarray(query_start_loc, dtype=np.int64)).to(hidden.device)
         lens = qsl[1:] - qsl[:-1]
         ps = [p or _DEFAULT_PARAMS for p in params]
-        if self.pooling_type == "ALL":  # every token's row, each with its request's options
-            rows, dims = self._finish(hidden.float(), ps, lens)
-            per_req = torch.split(rows, lens.tolist())
-            return [r[:, :d] for r, d in zip(per_req, dims.tolist())]
-        pooled = self.pool(hidden, qsl, lens)
+        per_token = [self.pooling_type == "ALL" or p.task in _TOKEN_TASKS for p in ps]
+        if all(per_token):
+            return self._token_outputs(hidden, lens, ps)
+        if not any(per_token):
+            return self._pooled_outputs(self.pool(hidden, qsl, lens), ps)
+        # token_* requests beside pooled ones: each group batched on its own rows.
+        tok_idx = [i for i, t in enumerate(per_token) if t]
+        seq_idx = [i for i, t in enumerate(per_token) if not t]
+        seg = torch.repeat_interleave(torch.arange(len(ps), device=hidden.device), lens)
+        keep = torch.tensor(per_token, device=hidden.device)[seg]
+        tok = self._token_outputs(hidden[keep], lens[torch.tensor(tok_idx)], [ps[i] for i in tok_idx])
+        pooled = self.pool(hidden, qsl, lens).index_select(0, torch.tensor(seq_idx, device=hidden.device))
+        seq = self._pooled_outputs(pooled, [ps[i] for i in seq_idx])
+        by_index = dict(zip(tok_idx, tok)) | dict(zip(seq_idx, seq))
+        return [by_index[i] for i in range(len(ps))]
+
+    def _token_outputs(self, rows: torch.Tensor, lens: torch.Tensor, ps: Sequence[PoolingParams]) -> list[torch.Tensor]:
+        """[tokens, W] per request: every token's row, with its request's options."""
+        rows, dims = self._finish(rows.float(), ps, lens)
+        per_req = torch.split(rows, lens.tolist())
+        return [r[:, :d] for r, d in zip(per_req, dims.tolist())]
+
+    def _pooled_outputs(self, pooled: torch.Tensor, ps: Sequence[PoolingParams]) -> list[torch.Tensor]:
+        """[W] per request from its pooled row; classify beside embed requests go as two batched groups."""
         uses_head = [self._uses_head(p) for p in ps]
-        if any(uses_head) and not all(uses_head):  # classify beside embed: two groups, each batched
-            out: list[torch.Tensor] = [pooled[0]] * len(ps)
-            for group in (True, False):
-                idx = [i for i, u in enumerate(uses_head) if u is group]
-                sub = self._sequence_outputs(
-                    pooled.index_select(0, torch.tensor(idx, device=pooled.device)), [ps[i] for i in idx]
-                )
-                for i, t in zip(idx, sub):
-                    out[i] = t
-            return out
-        return self._sequence_outputs(pooled, ps)
+        if not any(uses_head) or all(uses_head):
+            return self._sequence_outputs(pooled, ps)
+        by_index: dict[int, torch.Tensor] = {}
+        for group in (True, False):
+            idx = [i for i, u in enumerate(uses_head) if u is group]
+            sub = pooled.index_select(0, torch.tensor(idx, device=pooled.device))
+            by_index.update(zip(idx, self._sequence_outputs(sub, [ps[i] for i in idx])))
+        return [by_index[i] for i in range(len(ps))]
 
     def _uses_head(self, p: PoolingParams) -> bool:
         return self.head is not None and p.task in _HEAD_TASKS
