@@ -15,6 +15,7 @@ fused into `qkv_proj`; BertForSequenceClassification's checkpoint prefixes them 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -46,39 +47,55 @@ def _varlen_attn():
     return varlen_attn
 
 
-def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, scale: float):
-    """Bidirectional attention within each prompt of the packed batch: q/k/v [T, H, D] -> [T, H, D].
+@dataclass
+class EncoderBatch:
+    """How one step's packed prompts map onto a padded [B, L] batch; computed once per forward pass.
 
-    Requires every request's query to be its whole sequence (nothing computed before this step).
+    Row b of the padded batch holds prompt b's tokens qsl[b] .. qsl[b+1]-1, then padding (masked as keys).
     """
+
+    metadata: AttentionMetadata
+    num_reqs: int
+    longest: int
+    cu_seqlens: torch.Tensor  # int32 [B+1] (the varlen kernel's)
+    key_mask: torch.Tensor  # bool [B, 1, 1, L]
+    gather: torch.Tensor  # int64 [B*L]: packed row of each padded slot (clamped for padding)
+    scatter: torch.Tensor  # int64 [T]: padded slot of each packed row
+
+    @staticmethod
+    def from_metadata(md: AttentionMetadata, device: torch.device) -> "EncoderBatch":
+        """Requires every request's query to be its whole sequence (nothing computed before this step)."""
+        query_lens = md.query_start_loc_cpu[1:] - md.query_start_loc_cpu[:-1]
+        if not torch.equal(query_lens, md.seq_lens_cpu):
+            raise ValueError(
+                "encoder-only (bidirectional) models need each prompt whole in one step; a prompt was split "
+                "across steps (raise max_num_batched_tokens to at least the longest prompt)."
+            )
+        n, b, longest = md.num_actual_tokens, md.num_reqs, md.max_query_len
+        qsl = md.query_start_loc[: b + 1].to(device=device, dtype=torch.int64)
+        lens = qsl[1:] - qsl[:-1]
+        cols = torch.arange(longest, device=device)
+        valid = cols.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
+        gather = (qsl[:-1].unsqueeze(1) + cols.unsqueeze(0)).clamp_(max=max(n - 1, 0)).view(-1)
+        # Token t of request r sits at padded slot r*L + (t - qsl[r]).
+        req = torch.repeat_interleave(torch.arange(b, device=device), lens, output_size=n)
+        scatter = req * longest + (torch.arange(n, device=device) - qsl.index_select(0, req))
+        return EncoderBatch(md, b, longest, qsl.to(torch.int32), valid.view(b, 1, 1, longest), gather, scatter)
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: EncoderBatch, scale: float):
+    """Bidirectional attention within each prompt of the packed batch: q/k/v [T, H, D] -> [T, H, D]."""
     n, heads, dim = q.shape
-    query_lens = md.query_start_loc_cpu[1:] - md.query_start_loc_cpu[:-1]
-    if not torch.equal(query_lens, md.seq_lens_cpu):
-        raise ValueError(
-            "encoder-only (bidirectional) models need each prompt whole in one step; a prompt was split "
-            "across steps (raise max_num_batched_tokens to at least the longest prompt)."
-        )
-    b, longest = md.num_reqs, md.max_query_len
-    qsl = md.query_start_loc[: b + 1]
+    b, longest = batch.num_reqs, batch.longest
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and (varlen := _varlen_attn()) is not None:
-        cu = qsl.to(torch.int32)
+        cu = batch.cu_seqlens
         return varlen(q, k, v, cu, cu, longest, longest, scale=scale)
-    # Pad to [B, L]: row b holds tokens qsl[b] .. qsl[b+1]-1, then padding (masked out as keys).
-    lens = qsl[1:] - qsl[:-1]
-    cols = torch.arange(longest, device=q.device)
-    valid = cols.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
-    gather = (qsl[:-1].unsqueeze(1) + cols.unsqueeze(0)).clamp_(max=max(n - 1, 0)).view(-1)
 
     def padded(x: torch.Tensor) -> torch.Tensor:
-        return x.index_select(0, gather).view(b, longest, heads, dim).transpose(1, 2)
+        return x.index_select(0, batch.gather).view(b, longest, heads, dim).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(
-        padded(q), padded(k), padded(v), attn_mask=valid.view(b, 1, 1, longest), scale=scale
-    )  # [B, H, L, D]
-    # Back to packed order: token t of request r sits at padded row r*L + (t - qsl[r]).
-    req = torch.repeat_interleave(torch.arange(b, device=q.device), lens, output_size=n)
-    rows = req * longest + (torch.arange(n, device=q.device) - qsl.index_select(0, req))
-    return out.transpose(1, 2).reshape(b * longest, heads, dim).index_select(0, rows)
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=batch.key_mask, scale=scale)
+    return out.transpose(1, 2).reshape(b * longest, heads, dim).index_select(0, batch.scatter)
 
 
 class BertEmbeddings(nn.Module):
@@ -113,11 +130,10 @@ class BertSelfAttention(nn.Module):
         self.dense = RowParallelLinear(d, d, True, "num_attention_heads*head_dim")
         self.LayerNorm = nn.LayerNorm(d, eps=config.layer_norm_eps)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        md = get_forward_context().metadata
-        n = md.num_actual_tokens
+    def forward(self, hidden: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
+        n = batch.metadata.num_actual_tokens
         q, k, v = (x[:n].view(n, self.num_heads, self.head_dim) for x in self.qkv_proj.split(self.qkv_proj(hidden)))
-        attn = encoder_attention(q, k, v, md, self.scale).reshape(n, -1)
+        attn = encoder_attention(q, k, v, batch, self.scale).reshape(n, -1)
         if hidden.shape[0] > n:  # rows padded past the real tokens (never attended)
             attn = torch.cat([attn, attn.new_zeros(hidden.shape[0] - n, attn.shape[1])])
         return self.LayerNorm(self.dense(attn) + hidden)
@@ -133,8 +149,8 @@ class BertLayer(nn.Module):
         self.output = RowParallelLinear(config.intermediate_size, d, True, "intermediate_size")
         self.output_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = self.attention(hidden)
+    def forward(self, hidden: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
+        hidden = self.attention(hidden, batch)
         return self.output_norm(self.output(self.act(self.intermediate(hidden))) + hidden)
 
 
@@ -157,9 +173,10 @@ class BertEncoderModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
+        batch = EncoderBatch.from_metadata(get_forward_context().metadata, input_ids.device)
         hidden = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.layer:
-            hidden = layer(hidden)
+            hidden = layer(hidden, batch)
         return hidden
 
     def pooler_output(self, first_token_hidden: torch.Tensor) -> torch.Tensor:
