@@ -169,3 +169,27 @@ def test_pooler_token_tasks_return_every_token_beside_pooled_requests() -> None:
     )
     torch.testing.assert_close(outs[0], hidden[:2].mean(0), atol=1e-6, rtol=0)
     torch.testing.assert_close(outs[1], F.normalize(hidden[2:], dim=-1), atol=1e-6, rtol=0)
+
+
+def test_output_processor_turns_the_core_output_into_a_pooling_request_output_with_stats() -> None:
+    from vllm_lite.client.output_processor import OutputProcessor
+    from vllm_lite.core.messages import EngineCoreOutput, FinishReason
+    from vllm_lite.outputs import PoolingRequestOutput
+
+    op = OutputProcessor(tokenizer=None, log_stats=True)
+    op.add_request(_request(pooling_params=PoolingParams(task="embed")), "abc")
+    data = torch.arange(4, dtype=torch.float32)
+    res = op.process_outputs([EngineCoreOutput("r", [], finish_reason=FinishReason.STOP, pooling_output=data)])
+    (out,) = res.request_outputs
+    assert isinstance(out, PoolingRequestOutput)
+    assert (out.request_id, out.prompt, out.prompt_token_ids, out.finished, out.error) == (
+        "r",
+        "abc",
+        [1, 2, 3],
+        True,
+        None,
+    )
+    assert torch.equal(out.outputs.data, data) and out.outputs.data is not data  # the caller's own copy
+    assert res.iteration_stats.num_prompt_tokens == 3
+    assert [f.finish_reason for f in res.iteration_stats.finished_requests] == ["stop"]
+    assert not op.has_unfinished_requests()

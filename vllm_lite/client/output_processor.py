@@ -372,6 +372,11 @@ class OutputProcessor:
             if isinstance(state, PoolingRequestState):  # its one output: the pooled data (or its error)
                 if out.finish_reason is not None:
                     del self.request_states[out.request_id]
+                    if stats is not None:  # its prompt counts, and it finished (vLLM's pooling metrics)
+                        n = len(state.prompt_token_ids)
+                        stats.num_prompt_tokens += n
+                        e2e = now - state.metrics.arrival_time
+                        stats.finished_requests.append(FinishedRequestStats(str(out.finish_reason), e2e, n, 0))
                     self._emit(state, state.make_output(out), request_outputs)  # type: ignore[arg-type]
                 continue
             stop_str = state.update(out, now, stats, engine_core_timestamp)
