@@ -193,3 +193,23 @@ def test_output_processor_turns_the_core_output_into_a_pooling_request_output_wi
     assert res.iteration_stats.num_prompt_tokens == 3
     assert [f.finish_reason for f in res.iteration_stats.finished_requests] == ["stop"]
     assert not op.has_unfinished_requests()
+
+
+def test_llm_pooling_methods_on_a_generate_model_say_to_pass_runner_pooling() -> None:
+    from types import SimpleNamespace
+
+    from vllm_lite.entrypoints.llm import LLM
+
+    llm = LLM.__new__(LLM)  # the runner check comes before any engine work
+    llm.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(runner_type="generate")))
+    for method, call in [
+        ("embed", lambda: llm.embed("a")),
+        ("encode", lambda: llm.encode("a")),
+        ("classify", lambda: llm.classify("a")),
+        ("score", lambda: llm.score("a", "b")),
+    ]:
+        with pytest.raises(
+            ValueError, match=rf"LLM.{method}\(\) is only supported for pooling models. Try passing `--runner pooling`"
+        ):
+            call()
+    llm.llm_engine = None  # nothing to shut down
