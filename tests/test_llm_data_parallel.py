@@ -47,7 +47,8 @@ def ckpt() -> str:
 
 @pytest.fixture(scope="module")
 def dp1_tokens(ckpt: str) -> list[list[int]]:
-    with LLM(ckpt, **ENGINE_KW) as llm:
+    # One core in this process: the same tokens as a core process (test_inproc_vs_multiprocess), one start fewer.
+    with LLM(ckpt, multiprocess=False, **ENGINE_KW) as llm:
         return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
 
 

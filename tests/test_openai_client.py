@@ -328,35 +328,53 @@ def test_killed_core_gives_503_and_the_server_exits_nonzero(ckpt: str) -> None:
 # ---------------------------------------------------------------------------- attaching to a running core
 
 
-def test_api_server_attaches_to_a_running_core_and_leaves_it_running(ckpt: str, reference: dict, tmp_path) -> None:
-    from vllm_lite import launcher
-    from vllm_lite.client.core_client import ENGINE_CORE_MODULE
-    from vllm_lite.config import encode_vllm_config
-    from vllm_lite.core.messages import EngineCoreArgs, EngineCoreReady
-    from vllm_lite.endpoints import CoreAddresses
-    from vllm_lite.engine_args import EngineArgs
+def _health(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code
+    except httpx.TransportError:
+        return 0  # not listening any more
 
+
+def test_api_server_attaches_to_a_running_core_survives_its_death_with_503_reattaches_and_leaves_it_running(
+    reference: dict, tmp_path
+) -> None:
+    """`api-server --engine ADDRESS` serves offline-equal outputs from a core it did not start; when the core is
+    killed it stays up with /health 503 (as `serve`'s frontends do), re-attaches when a core answers at the same
+    address, and a clean stop (exit 0) leaves that core running for other frontends."""
+    from vllm_lite.endpoints import CoreAddresses
+    from vllm_lite.testing.core_at_address import start_core_at
+
+    token = "core-token"
+    deadline_s = 120.0
     base = f"ipc://{tmp_path}/core"
     addresses = CoreAddresses.from_base(base)
-    args = EngineCoreArgs(
-        vllm_config=encode_vllm_config(EngineArgs(model=ckpt, **ENGINE_KW).create_engine_config()),
-        input_address=addresses.input,
-        output_address=addresses.output,
-        auth_token="core-token",
-    )
-    core = launcher.start_child(ENGINE_CORE_MODULE, args, EngineCoreReady, name="engine-core")
+    core = start_core_at(addresses, auth_token=token, **ENGINE_KW)
+    srv = None
     try:
-        core.wait_ready(300)
-        srv = ServerProcess(["--engine", base, "--auth-token", "core-token", "--served-model-name", MODEL])
-        try:
-            client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        srv = ServerProcess(["--engine", base, "--auth-token", token, "--served-model-name", MODEL])
+        url = srv.base_url
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def completes_like_offline() -> None:
             resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY)
-            assert (resp.choices[0].model_extra["token_ids"], resp.choices[0].text) == tuple(
-                reference["completions"][0]
-            )
-            assert srv.terminate() == 0  # a clean stop is exit code 0
-        finally:
-            srv.kill()
+            got = (resp.choices[0].model_extra["token_ids"], resp.choices[0].text)
+            assert got == tuple(reference["completions"][0])
+
+        completes_like_offline()
+        os.kill(core.pid, signal.SIGKILL)
+        core.wait(deadline_s)
+        wait_until(lambda: _health(url) == 503, deadline_s, "/health says 503 after the core died", interval_s=0.2)
+        body = {"model": MODEL, "prompt": "The for statement", "max_tokens": 3, "temperature": 0.0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=deadline_s).status_code == 503
+        assert srv.proc.poll() is None  # still up
+
+        core = start_core_at(addresses, auth_token=token, **ENGINE_KW)  # same address: the server says HELLO again
+        wait_until(lambda: _health(url) == 200, deadline_s, "/health says 200 again", interval_s=0.2)
+        assert srv.proc.poll() is None  # it stayed up the whole time, well past --engine-dead-grace (1 s)
+        completes_like_offline()
+        assert srv.terminate() == 0  # attached again, a clean stop is exit code 0
         assert core.is_alive()  # the core serves other frontends; the server only detached
     finally:
+        if srv is not None:
+            srv.kill()
         core.stop()
