@@ -22,6 +22,7 @@ from vllm_lite.core.kv_cache_utils import (
 )
 from vllm_lite.core.messages import EngineCoreRequest, FinishReason
 from vllm_lite.core.request import Request, RequestStatus
+from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 
 
@@ -100,6 +101,16 @@ def test_from_engine_core_request_keeps_every_field_and_takes_the_tenant_salt_fr
     assert (req.cache_salt, req.tenant_salt) == ("cs", b"tenant-a")
     assert req.max_tokens == 3
     assert Request.from_engine_core_request(ecr).tenant_salt is None
+    assert req.pooling_params is None
+
+
+def test_a_pooling_request_from_the_wire_keeps_its_pooling_params_and_samples_nothing():
+    pp = PoolingParams(normalize=True)
+    req = Request.from_engine_core_request(EngineCoreRequest("p", [1, 2], None, None, 0.0, pooling_params=pp))
+    assert req.pooling_params is pp
+    assert req.sampling_params.max_tokens == 1 and req.sampling_params.temperature == 0.0
+    with pytest.raises(ValueError, match=r"^request 'x': needs sampling_params or pooling_params\.$"):
+        Request("x", [1], None, None, 0.0)
 
 
 def test_repr_names_id_status_and_progress():

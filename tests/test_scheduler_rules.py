@@ -679,14 +679,14 @@ def test_a_refused_token_the_mask_allowed_is_logged_as_the_backends_fault(caplog
     s = Scheduler(make_config())
     grammars = ControlledGrammars(s)
     s.add_request(make_request("g", 3, eos=2, structured_outputs=_JSON))
-    matcher = ScriptedMatcher([37], eos=2)
+    matcher = ScriptedMatcher([65], eos=2)
     matcher.accept_tokens = lambda ids: False  # type: ignore[method-assign]
     grammars.compile(0, matcher)
     with caplog.at_level(logging.ERROR, logger="vllm_lite.scheduler"):
-        run_to_completion(s, lambda r: 37)
+        run_to_completion(s, lambda r: 65)
     (rec,) = caplog.records
     assert rec.getMessage().startswith(
-        "request g: its grammar refused sampled token 37 after 0 accepted tokens; its mask allows that token "
+        "request g: its grammar refused sampled token 65 after 0 accepted tokens; its mask allows that token "
         "(1 tokens allowed), sampling params "
     )
 
