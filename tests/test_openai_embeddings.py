@@ -150,6 +150,29 @@ def test_bad_pooling_requests_are_openai_400s(server: ServerThread) -> None:
             assert err["param"] == param, err
 
 
+def test_cross_encoder_score_and_rerank_equal_hf_over_the_pair_encoding() -> None:
+    """A BertForSequenceClassification (one label): each pair read as one prompt, sigmoid of the classifier."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from vllm_lite.client.async_llm import AsyncLLM
+    from vllm_lite.engine_args import EngineArgs
+
+    path = get_pooling_checkpoint("bert-rerank")
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [float(torch.sigmoid(hf(**tok(QUERY, d, return_tensors="pt")).logits[0, 0])) for d in PROMPTS]
+    srv = ServerThread(lambda: AsyncLLM.from_engine_args(EngineArgs(model=path, **ENGINE_KW)), served_model_name=MODEL)
+    try:
+        score = httpx.post(srv.base_url + "/score", json={"text_1": QUERY, "text_2": PROMPTS}, timeout=60).json()
+        rerank = httpx.post(srv.base_url + "/rerank", json={"query": QUERY, "documents": PROMPTS}, timeout=60).json()
+    finally:
+        srv.stop()
+    assert [abs(d["score"] - w) < ATOL for d, w in zip(score["data"], want)] == [True] * len(PROMPTS), (score, want)
+    assert [r["index"] for r in rerank["results"]] == sorted(range(len(PROMPTS)), key=lambda i: -want[i])
+    assert all(abs(r["relevance_score"] - want[r["index"]]) < ATOL for r in rerank["results"])
+
+
 def test_embeddings_on_a_generate_model_is_a_400_in_vllms_words() -> None:
     from vllm_lite.entrypoints.openai.api_server import build_app
     from vllm_lite.testing.checkpoints import get_checkpoint
