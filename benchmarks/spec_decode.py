@@ -1,0 +1,150 @@
+"""Speculative decoding (n-gram prompt lookup): does it pay, and where.
+
+Two workloads on a trained checkpoint (default: the bundled model, a tiny Llama trained on Python's docs):
+- repetitive: prompts that quote a documentation passage twice and start it a third time, so the continuation
+  repeats spans of the prompt (as code editing or summarising with quotes does);
+- random: prompts of random token ids, where lookup rarely finds anything.
+
+For each workload: batch-1 milliseconds per output token (median over the prompts, greedy, fixed length) and
+batch throughput (all prompts at once), with and without `speculative_config`, plus Hugging Face `generate` at
+default settings (the baseline) and HF's own prompt-lookup decoding (`prompt_lookup_num_tokens`, the
+like-for-like), both batch 1. Our runs are in-process engines (`multiprocess=False`) so the acceptance counters
+can be read; HF runs in this interpreter after ours at torch's thread count. Prints the host and one JSON line.
+
+    python benchmarks/spec_decode.py --num-prompts 4 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+PASSAGES = [
+    "The for statement is used to iterate over the elements of a sequence (such as a string, tuple or list) "
+    "or other iterable object.",
+    "The while statement is used for repeated execution as long as an expression is true.",
+    "The try statement specifies exception handlers and/or cleanup code for a group of statements.",
+    "The with statement is used to wrap the execution of a block with methods defined by a context manager.",
+    "A function definition defines a user-defined function object.",
+    "The import statement finds a module, loads and initializes it if necessary.",
+]
+
+
+def workloads(tokenizer: Any, num_prompts: int, vocab: int, seed: int) -> dict[str, list[list[int]]]:
+    rep = []
+    for i in range(num_prompts):
+        text = PASSAGES[i % len(PASSAGES)]
+        half = text[: len(text) // 3]
+        rep.append(tokenizer.encode(f"{text}\n{text}\n{half}", add_special_tokens=False))
+    rng = np.random.default_rng(seed)
+    rand = [rng.integers(10, vocab, size=len(p)).tolist() for p in rep]
+    return {"repetitive": rep, "random": rand}
+
+
+def run_ours(model: str, prompts: list[list[int]], max_tokens: int, spec: dict | None) -> dict:
+    from vllm_lite import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="float32", multiprocess=False, max_model_len=512, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    per_tok = []
+    outputs = []
+    for p in prompts:  # batch 1
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+        per_tok.append((time.perf_counter() - t0) / len(out.outputs[0].token_ids))
+        outputs.append(list(out.outputs[0].token_ids))
+    t0 = time.perf_counter()
+    batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    result = {
+        "ms_per_token_batch1": 1e3 * float(np.median(per_tok)),
+        "throughput_tok_s": sum(len(o.outputs[0].token_ids) for o in batch) / dt,
+    }
+    if spec is not None:
+        total = llm.llm_engine.engine_core.engine_core.scheduler.spec.total
+        result.update(
+            draft_acceptance_rate=round(total.draft_acceptance_rate, 3),
+            mean_acceptance_length=round(total.mean_acceptance_length, 3),
+        )
+    llm.shutdown()
+    result["outputs"] = outputs
+    return result
+
+
+def run_hf(model: str, prompts: list[list[int]], max_tokens: int, lookup: int | None) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    kw: dict[str, Any] = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    if lookup is not None:
+        kw["prompt_lookup_num_tokens"] = lookup
+    per_tok, outputs = [], []
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)  # warm-up
+        for p in prompts:
+            t0 = time.perf_counter()
+            out = hf.generate(torch.tensor([p]), **kw)[0, len(p) :]
+            per_tok.append((time.perf_counter() - t0) / len(out))
+            outputs.append(out.tolist())
+    return {"ms_per_token_batch1": 1e3 * float(np.median(per_tok)), "outputs": outputs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--prompt-lookup-max", type=int, default=4)
+    ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from vllm_lite.default_model import resolve_model
+    from vllm_lite.platform import describe_host
+
+    model = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max,
+    }
+    print(describe_host())
+    result: dict[str, Any] = {"model": model, "max_tokens": args.max_tokens, "speculative_config": spec}
+    for name, prompts in workloads(tokenizer, args.num_prompts, len(tokenizer), args.seed).items():
+        plain = run_ours(model, prompts, args.max_tokens, None)
+        fast = run_ours(model, prompts, args.max_tokens, spec)
+        row: dict[str, Any] = {
+            "num_prompts": len(prompts),
+            "mean_prompt_tokens": float(np.mean([len(p) for p in prompts])),
+            "no_spec": {k: v for k, v in plain.items() if k != "outputs"},
+            "ngram_spec": {k: v for k, v in fast.items() if k != "outputs"},
+            "speedup_batch1": plain["ms_per_token_batch1"] / fast["ms_per_token_batch1"],
+            "speedup_throughput": fast["throughput_tok_s"] / plain["throughput_tok_s"],
+            "greedy_outputs_equal": plain["outputs"] == fast["outputs"],
+        }
+        if not args.no_hf:
+            hf = run_hf(model, prompts, args.max_tokens, None)
+            hf_lookup = run_hf(model, prompts, args.max_tokens, args.num_speculative_tokens)
+            row["hf_generate"] = {"ms_per_token_batch1": hf["ms_per_token_batch1"]}
+            row["hf_prompt_lookup"] = {"ms_per_token_batch1": hf_lookup["ms_per_token_batch1"]}
+        result[name] = row
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
