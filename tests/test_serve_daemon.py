@@ -407,31 +407,16 @@ def test_loopback_detection():
         check_bind_allowed("tcp://0.0.0.0:5000", None)
 
 
-def test_serve_refuses_a_non_loopback_bind_without_a_token(long_ckpt):
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_LITE_AUTH_TOKEN"}
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vllm_lite.entrypoints.cli",
-            "serve",
-            long_ckpt,
-            "--core-host",
-            "0.0.0.0",
-            "--core-port",
-            "0",
-            "--headless",
-            "--dtype",
-            "float32",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
-    assert res.returncode == 2
-    assert "refusing to bind the engine core to '0.0.0.0' without an auth token" in res.stderr
-    assert "listening" not in res.stdout  # refused at argument checking, before any model loads
+def test_serve_refuses_a_non_loopback_bind_without_a_token(long_ckpt, capsys, monkeypatch):
+    # In this process, as the bad-flag tests below: the refusal comes at argument checking, before any child starts.
+    from vllm_lite.entrypoints.cli import main
+
+    monkeypatch.delenv("VLLM_LITE_AUTH_TOKEN", raising=False)
+    flags = ["--core-host", "0.0.0.0", "--core-port", "0", "--headless", "--dtype", "float32"]
+    assert main(["serve", long_ckpt, *flags]) == 2
+    out, err = capsys.readouterr()
+    assert "refusing to bind the engine core to '0.0.0.0' without an auth token" in err
+    assert "listening" not in out  # refused before any model loads
 
 
 # ---------------------------------------------------------------------------------------------- lifecycle
