@@ -50,3 +50,43 @@ def test_the_log_says_which_frontend_came_back_and_what_a_stranger_sent(caplog) 
     messages = [r.getMessage() for r in caplog.records]
     assert "Frontend 'svc' came back; re-attached as client 1." in messages
     assert "Dropped ADD from frontend 0102 that has not said HELLO." in messages
+
+
+def test_indices_keep_counting_and_a_returning_frontend_is_no_longer_remembered_as_dropped() -> None:
+    reg = ClientRegistry()
+    clients = [reg.hello(bytes([i]), hello())[0] for i in range(3)]
+    assert [c.index for c in clients] == [0, 1, 2]
+    reg.drop(clients[0])
+    assert reg.was_dropped(b"\x00")
+    again, _ = reg.hello(b"\x00", hello())
+    assert again.index == 3 and not reg.was_dropped(b"\x00")
+
+
+def test_a_frontend_taken_back_is_watched_for_silence_again() -> None:
+    reg = ClientRegistry()
+    a, _ = reg.hello(b"a", hello())
+    reg.drop(a)
+    back = reg.lookup(b"a", "HEARTBEAT")
+    since = reg._last_seen[b"a"]
+    assert reg.silent(5.0, now=since + 10.0) == [(back, 10.0)]
+
+
+def test_releasing_an_unknown_or_already_released_request_is_harmless() -> None:
+    reg = ClientRegistry()
+    a, _ = reg.hello(b"a", hello())
+    reg.own(a, "r")
+    reg.release("r")
+    reg.release("r")
+    reg.release("never")
+    assert a.request_ids == set() and reg.owner("r") is None
+
+
+def test_the_log_names_refused_and_attached_frontends(caplog) -> None:
+    reg = ClientRegistry(auth_token="tok")
+    long_name = "n" * 150
+    with caplog.at_level(logging.INFO, logger="vllm_lite.core.client_registry"):
+        reg.hello(b"\xab", HelloRequest(protocol_version=PROTOCOL_VERSION, auth_token="bad", client_name=long_name))
+        reg.hello(b"\xcd", HelloRequest(protocol_version=PROTOCOL_VERSION, auth_token="tok", client_name="svc"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"Refused frontend {'n' * 100!r} (ab): wrong auth token." in messages
+    assert "Frontend 'svc' attached as client 0." in messages

@@ -136,6 +136,7 @@ def test_aborting_a_queued_request_gives_its_caller_a_final_abort_output_with_th
     proc.abort_requests(["f"])
     assert q.get_nowait().outputs[0].text == "ab"
     proc.add_request(request("n"), None)
+    assert proc.has_unfinished_requests()
     assert proc.abort_requests(["n"]) == ["n"] and not proc.has_unfinished_requests()
 
 
@@ -284,6 +285,10 @@ def test_merged_delta_outputs_keep_every_piece_prompt_logprob_and_error() -> Non
     assert merged.error == "first"
     assert merge_request_outputs(_ro("a"), _ro("b", error="late")).error == "late"
     assert merge_request_outputs(_ro("a"), _ro("b")).prompt_logprobs is None
+    kept = merge_request_outputs(_ro("a", prompt_logprobs=[None]), _ro("b"))
+    assert kept.prompt_logprobs == [None]  # a later piece without prompt logprobs keeps the earlier ones
+    later = _ro("b", metrics=RequestMetrics(arrival_time=3.0))
+    assert merge_request_outputs(_ro("a", metrics=RequestMetrics(arrival_time=1.0)), later).metrics is later.metrics
     only_new = merge_request_outputs(_ro("a"), _ro("b", prompt_logprobs=[None]))
     assert only_new.prompt_logprobs == [None]
 
