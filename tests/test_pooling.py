@@ -178,7 +178,7 @@ def test_async_llm_encode_mean_pooling_over_the_socket_equals_hf() -> None:
 
 def test_classify_and_cross_encoder_score_equal_hf_on_a_one_label_classifier() -> None:
     """classify: the score head's sigmoid (raw logit with use_activation=False); score: each (text_1, text_2) pair
-    tokenized together and classified, as vLLM scores with a cross-encoder. (Softmax over several labels is
+    tokenized together and classified, as vLLM scores with a cross-encoder; reward: the head on every token. (Softmax over several labels is
     checked on the Pooler in test_pooling_config.)"""
     from transformers import AutoModelForSequenceClassification
 
@@ -189,6 +189,7 @@ def test_classify_and_cross_encoder_score_equal_hf_on_a_one_label_classifier() -
         outs = llm.classify(PROMPTS, use_tqdm=False)
         raw = llm.classify(PROMPTS[0], pooling_params=PoolingParams(use_activation=False), use_tqdm=False)[0]
         scores = llm.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)
+        rewards = llm.reward(PROMPTS[:2], use_tqdm=False)
         pair_ids = [llm.get_tokenizer()(PROMPTS[0], t)["input_ids"] for t in PROMPTS[1:]]
 
     def logit(ids: list[int]) -> torch.Tensor:
@@ -206,3 +207,9 @@ def test_classify_and_cross_encoder_score_equal_hf_on_a_one_label_classifier() -
     for s, ids in zip(scores, pair_ids):
         assert s.prompt_token_ids == ids
         assert abs(s.outputs.score - float(logit(ids)[0].sigmoid())) < ATOL
+    for r in rewards:  # reward: the head over every token
+        with torch.no_grad():
+            states = hf.model(input_ids=torch.tensor([r.prompt_token_ids])).last_hidden_state[0]
+            want = hf.score(states).sigmoid()
+        assert r.outputs.data.shape == (len(r.prompt_token_ids), 1)
+        torch.testing.assert_close(r.outputs.data, want, atol=ATOL, rtol=0)

@@ -236,6 +236,20 @@ class LLM:
         mc = self.llm_engine.vllm_config.model_config
         return llm_pooling.classify(self._run_pooling, mc, prompt_list, params, use_tqdm)
 
+    def reward(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        *,
+        truncate_prompt_tokens: Optional[int] = None,
+        use_tqdm: bool = True,
+        pooling_params: Optional[Union[PoolingParams, Sequence[PoolingParams]]] = None,
+    ) -> list[PoolingRequestOutput]:
+        """Per-token rewards ([tokens, num_labels] in `.outputs.data`): the classifier head over every token."""
+        prompt_list = self._pooling("reward", prompts)
+        mc = self.llm_engine.vllm_config.model_config
+        params = llm_pooling.params_for(len(prompt_list), pooling_params, "token_classify", truncate_prompt_tokens)
+        return llm_pooling.classify_tokens(self._run_pooling, mc, prompt_list, params, use_tqdm)
+
     def score(
         self,
         text_1: Union[str, Sequence[str]],

@@ -93,6 +93,18 @@ def classify(
     return [ClassificationRequestOutput.from_base(o) for o in encode(run, prompts, params, use_tqdm)]
 
 
+def classify_tokens(
+    run: RunFn, model_config: Any, prompts: list[Any], params: list[PoolingParams], use_tqdm: bool
+) -> list[PoolingRequestOutput]:
+    """`LLM.reward`: the classification head over every token (vLLM's token_classify), one [tokens, labels] each."""
+    if not is_classifier_architecture([model_config.architecture]):
+        raise ValueError(
+            f"LLM.reward() needs a model with a classification head (*ForSequenceClassification); "
+            f"{model_config.architecture} has none."
+        )
+    return encode(run, prompts, params, use_tqdm)
+
+
 def score(
     run: RunFn,
     model_config: Any,
