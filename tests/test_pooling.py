@@ -102,6 +102,16 @@ def test_score_is_the_cosine_of_the_two_embeddings(embed_llm: LLM) -> None:
     assert abs(scores[0].outputs.score - 1.0) < 1e-5
 
 
+def test_pooler_config_overrides_the_checkpoint_cls_pooling_equals_hf(last_dir: str) -> None:
+    with LLM(model=last_dir, multiprocess=False, pooler_config={"pooling_type": "CLS"}, **_ENGINE) as llm:
+        mc = llm.llm_engine.vllm_config.model_config
+        assert (mc.pooler_config.pooling_type, mc.pooler_config.normalize) == ("CLS", True)  # Normalize: the ST files'
+        outs = llm.embed(PROMPTS, use_tqdm=False)
+    for o in outs:
+        want = F.normalize(_hf_hidden(last_dir, o.prompt_token_ids)[0], dim=-1)
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), want, atol=ATOL, rtol=0)
+
+
 def test_pooling_frees_every_kv_block(embed_llm: LLM) -> None:
     engine = embed_llm.llm_engine
     total = engine.call_utility("get_num_total_blocks")
