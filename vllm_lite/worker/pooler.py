@@ -59,7 +59,8 @@ class Pooler:
         seq_idx = [i for i, t in enumerate(per_token) if not t]
         seg = torch.repeat_interleave(torch.arange(len(ps), device=hidden.device), lens)
         keep = torch.tensor(per_token, device=hidden.device)[seg]
-        tok = self._token_outputs(hidden[keep], lens[torch.tensor(tok_idx)], [ps[i] for i in tok_idx])
+        tok_lens = lens.index_select(0, torch.tensor(tok_idx, device=hidden.device))
+        tok = self._token_outputs(hidden[keep], tok_lens, [ps[i] for i in tok_idx])
         pooled = self.pool(hidden, qsl, lens).index_select(0, torch.tensor(seq_idx, device=hidden.device))
         seq = self._pooled_outputs(pooled, [ps[i] for i in seq_idx])
         by_index = dict(zip(tok_idx, tok)) | dict(zip(seq_idx, seq))
