@@ -189,7 +189,7 @@ def test_streaming_asks_for_deltas_and_a_plain_request_for_the_final_output_only
 
 def test_stream_options_without_stream_are_refused_naming_both():
     req = CompletionRequest(prompt="x", stream_options={"include_usage": True})
-    with pytest.raises(ValueError, match="stream_options is only allowed when stream is true"):
+    with pytest.raises(ValueError, match=r"^stream_options is only allowed when stream is true\.$"):
         _build(req, None)
     streamed = CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True})
     assert _build(streamed, None, stream=True).output_kind == RequestOutputKind.DELTA
@@ -230,6 +230,12 @@ def test_a_message_without_tool_calls_leaves_the_field_out_and_one_with_calls_ke
         "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
     }
     assert DeltaMessage(content="x").model_dump() == {"role": None, "content": "x"}
+    # A caller may leave the field out itself; the serializer must not trip over its absence.
+    assert ChatMessage(role="user", content="hi").model_dump(exclude={"tool_calls"}) == {
+        "role": "user",
+        "content": "hi",
+    }
+    assert DeltaToolCall(index=0, id="t").model_dump(include={"index", "id"}) == {"index": 0, "id": "t"}
 
 
 def test_a_streamed_tool_call_piece_carries_only_what_it_sets():
