@@ -186,6 +186,17 @@ def test_finish_requests_reaches_a_request_wherever_it_is_and_tells_the_worker_o
     assert so.num_scheduled_tokens == {} and not s.has_finished_requests()
 
 
+def test_an_id_reused_after_its_request_finished_is_not_dropped_twice_from_the_worker():
+    s = Scheduler(make_config(max_num_seqs=1))
+    s.add_request(make_request("a", 3, max_tokens=1))
+    s.add_request(make_request("busy", 3, start=300, max_tokens=3))
+    step(s)  # a finishes; the worker drops it at the next step
+    assert s.schedule().finished_req_ids == {"a"}
+    s.add_request(make_request("a", 3, start=500))  # the same id again, waiting behind "busy"
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert not s.has_finished_requests() and s.schedule().finished_req_ids == set()
+
+
 def test_finishing_a_preempted_request_takes_it_out_of_the_waiting_queue():
     s = _tight()
     s.add_request(make_request("a", 7, start=0))
