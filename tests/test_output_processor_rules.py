@@ -366,23 +366,26 @@ def test_position_dicts_accept_plain_lists_and_rows_no_wider_than_asked() -> Non
 
 
 def test_the_token_text_cache_decodes_each_id_once_and_unknown_ids_as_empty_text() -> None:
-    calls: list[list[int]] = []
+    calls: list[tuple[list[int], bool]] = []
 
     class Counting(CharTokenizer):
-        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-            calls.append(list(token_ids))
-            assert skip_special_tokens is False  # a logprob's text shows special tokens too
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            calls.append((list(token_ids), skip_special_tokens))
+            if token_ids == [ord("e")]:
+                return ""  # a token with no text of its own
             return super().decode(token_ids, skip_special_tokens)
 
     cache = TokenTextCache(Counting(), max_entries=2)
     assert cache.decode_many([ord("a"), ord("a"), 0]) == ["a", "a", "\x00"]
-    assert calls == [[ord("a")], [0]]
+    # One decode per id, special tokens shown (a logprob's text names the token, special or not).
+    assert calls == [([ord("a")], False), ([0], False)]
     assert cache.decode(0x110000) == ""  # past the vocabulary (a padded model vocab): no text, no error
-    assert calls[-1] == [0x110000]
+    assert calls[-1] == ([0x110000], False)
     # Full (2 entries): the cache starts over rather than grow without bound.
     assert len(cache._cache) == 1
     cache.decode(ord("a"))
-    assert calls[-1] == [ord("a")]
+    assert calls[-1] == ([ord("a")], False)
+    assert cache.decode(ord("e")) == ""
     assert TokenTextCache(CharTokenizer()).max_entries == 1 << 16
 
 
