@@ -524,6 +524,16 @@ def test_a_request_id_reused_after_an_abort_is_untouched_by_the_old_step():
     assert fresh.output_token_ids == [] and fresh.status == RequestStatus.WAITING
 
 
+def test_a_second_update_for_the_same_step_changes_nothing():
+    s = Scheduler(make_config())
+    s.add_request(make_request("a", 3))
+    so = s.schedule()
+    mro = fake_runner_output(s, so)
+    assert outputs_by_id(s.update_from_output(so, mro))["a"].new_token_ids == [7]
+    assert s.update_from_output(so, mro) == {}
+    assert s.get_request("a").output_token_ids == [7]
+
+
 def test_step_counters_go_to_the_lowest_client_and_gauges_to_every_client():
     s = Scheduler(make_config(block_size=4))
     s.add_request(make_request("warm", 4, start=0, max_tokens=1))
