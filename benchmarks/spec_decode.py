@@ -1,15 +1,16 @@
 """Speculative decoding (n-gram prompt lookup): does it pay, and where.
 
 Two workloads on a trained checkpoint (default: the bundled model, a tiny Llama trained on Python's docs):
-- repetitive: prompts that quote a documentation passage twice and start it a third time, so the continuation
-  repeats spans of the prompt (as code editing or summarising with quotes does);
+- repetitive: a documentation passage P, the model's own greedy continuation G of it, then P again: the
+  continuation repeats spans of the prompt (as code editing or summarising with quotes does), since after the
+  second P the model tends to say G again;
 - random: prompts of random token ids, where lookup rarely finds anything.
 
 For each workload: batch-1 milliseconds per output token (median over the prompts, greedy, fixed length) and
 batch throughput (all prompts at once), with and without `speculative_config`, plus Hugging Face `generate` at
 default settings (the baseline) and HF's own prompt-lookup decoding (`prompt_lookup_num_tokens`, the
 like-for-like), both batch 1. Our runs are in-process engines (`multiprocess=False`) so the acceptance counters
-can be read; HF runs in this interpreter after ours at torch's thread count. Prints the host and one JSON line.
+can be read; HF runs in this interpreter after ours at torch's thread count. Prints one JSON line (host included).
 
     python benchmarks/spec_decode.py --num-prompts 4 --max-tokens 64
 """
@@ -38,21 +39,34 @@ PASSAGES = [
 ]
 
 
-def workloads(tokenizer: Any, num_prompts: int, vocab: int, seed: int) -> dict[str, list[list[int]]]:
-    rep = []
-    for i in range(num_prompts):
-        text = PASSAGES[i % len(PASSAGES)]
-        half = text[: len(text) // 3]
-        rep.append(tokenizer.encode(f"{text}\n{text}\n{half}", add_special_tokens=False))
+def workloads(
+    model: str, tokenizer: Any, num_prompts: int, max_tokens: int, vocab: int, seed: int
+) -> dict[str, list[list[int]]]:
+    from vllm_lite import LLM, SamplingParams
+
+    passages = [tokenizer.encode(PASSAGES[i % len(PASSAGES)], add_special_tokens=False) for i in range(num_prompts)]
+    llm = LLM(model=model, dtype="float32", multiprocess=False, max_model_len=512, disable_log_stats=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in passages], greedy, use_tqdm=False)
+    llm.shutdown()
+    rep = [p + list(o.outputs[0].token_ids) + p for p, o in zip(passages, outs)]
     rng = np.random.default_rng(seed)
     rand = [rng.integers(10, vocab, size=len(p)).tolist() for p in rep]
     return {"repetitive": rep, "random": rand}
 
 
-def run_ours(model: str, prompts: list[list[int]], max_tokens: int, spec: dict | None) -> dict:
+def run_ours(model: str, prompts: list[list[int]], max_tokens: int, spec: dict | None, num_threads: int | None) -> dict:
     from vllm_lite import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="float32", multiprocess=False, max_model_len=512, speculative_config=spec)
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        multiprocess=False,
+        max_model_len=512,
+        speculative_config=spec,
+        num_threads=num_threads,
+        disable_log_stats=True,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     per_tok = []
@@ -108,6 +122,7 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-threads", type=int, default=None, help="torch threads, ours and HF's (default: policy)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -116,6 +131,8 @@ def main() -> None:
     from vllm_lite.platform import describe_host
 
     model = resolve_model(args.model)
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
     spec = {
         "method": "ngram",
@@ -123,11 +140,17 @@ def main() -> None:
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
     }
-    print(describe_host())
-    result: dict[str, Any] = {"model": model, "max_tokens": args.max_tokens, "speculative_config": spec}
-    for name, prompts in workloads(tokenizer, args.num_prompts, len(tokenizer), args.seed).items():
-        plain = run_ours(model, prompts, args.max_tokens, None)
-        fast = run_ours(model, prompts, args.max_tokens, spec)
+    result: dict[str, Any] = {
+        "model": model,
+        "max_tokens": args.max_tokens,
+        "speculative_config": spec,
+        "num_threads": args.num_threads or torch.get_num_threads(),
+        "host": describe_host(),
+    }
+    sets = workloads(model, tokenizer, args.num_prompts, args.max_tokens, len(tokenizer), args.seed)
+    for name, prompts in sets.items():
+        plain = run_ours(model, prompts, args.max_tokens, None, args.num_threads)
+        fast = run_ours(model, prompts, args.max_tokens, spec, args.num_threads)
         row: dict[str, Any] = {
             "num_prompts": len(prompts),
             "mean_prompt_tokens": float(np.mean([len(p) for p in prompts])),
