@@ -2,7 +2,8 @@
 
 Greedy results must equal offline `LLM(..., multiprocess=False).generate` on
 the same prompts; the rules (401/400/404), client disconnects (request aborted,
-KV blocks freed) and engine death (503, exit code 1) are checked end to end.
+KV blocks freed) and engine death (503, exit code 1; an api-server attached by address stays up and
+re-attaches) are checked end to end.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from vllm_lite import LLM, SamplingParams
 from vllm_lite.sampling_params import RequestOutputKind
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.openai_server import ServerThread
-from vllm_lite.testing.waiting import wait_until
+from vllm_lite.testing.waiting import async_wait_until, wait_until
 
 BLOCK = 16
 MAX_MODEL_LEN = 1024
@@ -119,11 +119,10 @@ def test_async_llm_schedules_the_lower_priority_value_first(server: ServerThread
         return {"low": await low, "high": await high, "blocker": await blocker}
 
     async def wait_queued(n: int) -> None:
-        for _ in range(int(DEADLINE_S / 0.01)):
-            if (await llm.get_stats())["num_waiting_reqs"] >= n:
-                return
-            await asyncio.sleep(0.01)  # polling the scheduler's count, not a synchronisation guess
-        raise TimeoutError(f"{n} requests never queued")
+        async def queued() -> bool:
+            return (await llm.get_stats())["num_waiting_reqs"] >= n
+
+        await async_wait_until(queued, DEADLINE_S, f"{n} requests queued")
 
     got = server.call(main, timeout_s=DEADLINE_S * 3)
     assert got["blocker"].outputs[0].finish_reason == "abort"
