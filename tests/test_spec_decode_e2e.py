@@ -21,6 +21,7 @@ from vllm_lite.core.engine_core import _StatsLogger
 from vllm_lite.core.messages import EngineCoreOutputs, SchedulerStats
 from vllm_lite.engine_args import EngineArgs
 from vllm_lite.entrypoints.openai.metrics import ServerMetrics
+from vllm_lite.sampling_params import StructuredOutputsParams
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.chi_square import chi_square_homogeneity_pvalue
@@ -189,6 +190,22 @@ def test_penalized_requests_get_no_drafts_and_keep_their_outputs(base: LLM, spec
     got = spec.generate(_prompts(REPEATING[:2]), params, use_tqdm=False)
     _assert_same_outputs(expected, got)
     assert total.num_drafts == drafts_before
+
+
+def test_grammar_request_beside_drafted_ones_keeps_its_constraint(base: LLM, spec: LLM) -> None:
+    """A constrained request gets no drafts, but it is verified in the same pass as drafted ones: its grammar
+    mask must stay on its own row there."""
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="(ab|cd)+e")
+    )
+    plain = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = _prompts(REPEATING[:2] + [RANDOM[0]])
+    params = [plain, plain, constrained]
+    before = _accepted(spec)
+    expected = base.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    _assert_same_outputs(expected, got)
+    assert _accepted(spec) > before
 
 
 # ---------------------------------------------------------------------------------------------- sampling
