@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_lite import LLM
+from vllm_lite.testing.devices import requires_cuda_devices
 from vllm_lite.testing.paged import make_attention_metadata
 from vllm_lite.testing.pooling_checkpoints import get_pooling_checkpoint
 
@@ -107,3 +108,18 @@ def test_cross_encoder_classify_equals_hf_sigmoid_of_its_logit(rerank_dir: str) 
     for o in outs:
         want = torch.sigmoid(_hf(rerank_dir, o.prompt_token_ids, classifier=True))
         torch.testing.assert_close(torch.tensor(o.outputs.probs), want, atol=ATOL, rtol=0)
+
+
+@requires_cuda_devices(1)
+def test_cuda_half_precision_varlen_attention_equals_the_padded_path() -> None:
+    """On CUDA in bfloat16 the flash varlen kernel replaces the padded SDPA: same attention, to bf16 rounding."""
+    from vllm_lite.worker.models.bert import EncoderBatch, encoder_attention
+
+    lens = [7, 1, 30]
+    md = make_attention_metadata(lens, lens, [[0]] * len(lens), 1024, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lens), 4, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(3))
+    batch = EncoderBatch.from_metadata(md, torch.device("cuda"))
+    got = encoder_attention(q, k, v, batch, 0.125).float()
+    want = encoder_attention(q.float(), k.float(), v.float(), batch, 0.125)  # float32: the padded path
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=0)
