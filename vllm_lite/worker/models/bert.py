@@ -8,8 +8,10 @@ none and sizes none for it. Attention runs as one batched SDPA over the prompts 
 longest, with a key-padding mask (exactly HF's math); on CUDA in half precision, flash varlen
 attention over the packed rows instead. Tensor parallel splits heads and the MLP as GPT-2 does.
 
-Parameter names are HF's (`embeddings.*`, `encoder.layer.N.*`, `pooler.dense`), except q/k/v
-fused into `qkv_proj`; BertForSequenceClassification's checkpoint prefixes them with `bert.`.
+Parameters are HF's, renamed on load by `_hf_to_ours` (`encoder.layer.N.*` -> `model.layer.N.*` with the
+attention/intermediate/output names flattened, q/k/v fused into `qkv_proj`); a BertForSequenceClassification
+checkpoint's `bert.` prefix is dropped. Token types are 0 unless `token_type_ids` is passed: the engine carries
+none yet, so a cross-encoder pair runs with its second text as type 0, where BERT tokenizers mark it 1.
 """
 
 from __future__ import annotations
