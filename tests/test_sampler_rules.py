@@ -219,7 +219,7 @@ def test_processors_never_modify_the_callers_logits_and_return_float32() -> None
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
     logits = torch.tensor([[2.0, -2.0, 0.0, 3.0]])
-    state, rows = load([SamplingParams(repetition_penalty=2.0)], 4, prompts=[[0, 1, 2]])
+    state, rows = load([SamplingParams(repetition_penalty=2.0)], 4, prompts=[[0, 1, 2, 4, -1]])  # 4, -1: no token
     assert Sampler.apply_logits_processors(logits, state.make_metadata(rows)).tolist() == [[1.0, -4.0, 0.0, 3.0]]
 
 
@@ -355,6 +355,29 @@ def test_warpers_equal_the_row_reference(vocab: int, scale: float) -> None:
         assert math.isfinite(ours[i, int(sampled[i])]), i
 
 
+@pytest.mark.parametrize("scale", [0.3, 4.0])
+def test_top_p_alone_is_normalized_over_the_whole_row(scale: float) -> None:
+    """A lone top-p row over more tokens than the candidates: its mass is measured against the full vocabulary."""
+    vocab = 300
+    p = SamplingParams(temperature=0.8, top_p=0.6)
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(30)) * scale
+    state, rows = load([p], vocab)
+    ours = Sampler().processed_logits(logits, state.make_metadata(rows))
+    assert_same_distribution(ours[0], ref_warp(logits[0], p))
+
+
+def test_min_p_of_one_keeps_only_the_best_tokens_and_their_ties() -> None:
+    vocab = 200
+    p = SamplingParams(temperature=1.0, min_p=1.0)
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(31))
+    logits[1] = 0.5  # every token ties with the best: all of them stay, past the candidates
+    state, rows = load([p, p], vocab)
+    ours = Sampler().processed_logits(logits, state.make_metadata(rows))
+    assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == [int(logits[0].argmax())]
+    assert torch.isfinite(ours[1]).all()
+    assert_same_distribution(ours[0], ref_warp(logits[0], p))
+
+
 def test_seeded_rows_draw_exactly_the_reference_race_step_after_step() -> None:
     """Seeded rows (narrow candidates, dense fallback, no warper) equal argmax(p / E) with E from their own stream."""
     vocab = 160
@@ -378,6 +401,20 @@ def test_seeded_rows_draw_exactly_the_reference_race_step_after_step() -> None:
             expected = ref_seeded_tokens([ref_warp(s[i], p) for s in steps], p.seed)
             assert [g[i] for g in got] == expected, (i, p)
     assert [g[5] for g in got] == [int(s[5].argmax()) for s in steps]
+
+
+def test_seeded_rows_past_the_vocabulary_size_in_an_all_random_batch() -> None:
+    """More rows than tokens: every seeded row, wherever it sits, draws from its own stream."""
+    vocab = 4
+    params = [SamplingParams(temperature=1.0, seed=100 + i) if i in (1, 4, 6) else SamplingParams() for i in range(7)]
+    state, rows = load(params, vocab)
+    gen = torch.Generator().manual_seed(4)
+    steps = [torch.randn(7, vocab, generator=gen) for _ in range(6)]
+    got = []
+    for logits in steps:
+        got.append(Sampler()(logits, state.make_metadata(rows)).sampled_token_ids.tolist())
+    for i in (1, 4, 6):
+        assert [g[i] for g in got] == ref_seeded_tokens([s[i].double() for s in steps], 100 + i), i
 
 
 def test_unseeded_narrow_rows_follow_the_warped_distribution() -> None:
@@ -464,10 +501,11 @@ def test_logprobs_asking_for_more_than_the_vocabulary_return_the_whole_vocabular
 
 
 def test_gather_logprobs_ranks_count_strictly_better_tokens() -> None:
-    logprobs = torch.log_softmax(torch.tensor([[0.0, 2.0, 2.0, 1.0]]), -1)
+    logprobs = torch.log_softmax(torch.tensor([[0.0, 2.0, 2.0, 1.0]], dtype=torch.float64), -1)
     for token, rank in [(1, 1), (2, 1), (3, 3), (0, 4)]:
-        lp = gather_logprobs(logprobs, torch.tensor([token], dtype=torch.int32), 2)
-        assert lp.selected_token_ranks.tolist() == [rank]
+        lp = gather_logprobs(logprobs, torch.tensor([token], dtype=torch.int32), 1)
+        assert lp.selected_token_ranks.tolist() == [rank] and lp.logprob_token_ids.shape == (1, 2)
+        assert lp.logprob_token_ids[0, 1] in (1, 2)
         assert lp.logprob_token_ids.dtype == torch.int64 and lp.selected_token_ranks.dtype == torch.int64
         assert lp.logprobs.dtype == torch.float32 and lp.logprob_token_ids[0, 0] == token
 
@@ -593,10 +631,11 @@ def test_multi_token_bad_words_match_the_outputs_tail_only() -> None:
 
 
 def test_bad_word_history_stops_at_max_model_len() -> None:
+    """Outputs that fill the history: the last slot is read, and a shorter word's padding never indexes past it."""
     vocab = 10
-    p = SamplingParams(temperature=0.0, _bad_words_token_ids=[[1, 2]])
+    p = SamplingParams(temperature=0.0, _bad_words_token_ids=[[1, 2], [0, 0, 1, 5]])
     state, rows = load([p], vocab, outputs=[[0, 0, 0, 1]], max_model_len=4)
-    assert state.make_metadata(rows).banned_index[1].tolist() == [2]
+    assert state.make_metadata(rows).banned_index[1].tolist() == [2, 5]
     state.append_token_ids(rows, np.array([5]))  # past max_model_len: not recorded, never an index error
     assert state.history is not None and state.history[0].tolist() == [0, 0, 0, 1]
     long_state, rows = load([p], vocab, outputs=[[3, 3, 3, 3, 1]], max_model_len=4)
@@ -741,7 +780,8 @@ def test_seed_is_ignored_by_greedy_rows_and_skips_used_draws_on_resume() -> None
 # ---------------------------------------------------------------------- the tables
 def test_row_entries_add_remove_move_select() -> None:
     t = RowEntries()
-    assert len(t) == 0 and t.select(np.array([0, -1])).tolist() == []
+    empty = t.select(np.array([0, -1]))
+    assert len(t) == 0 and empty.tolist() == [] and empty.dtype == np.int64
     t.remove(0)  # nothing to remove
     t.add(0, [])  # an empty list adds nothing
     assert len(t) == 0 and t.prefixes.shape == (0, 0)
@@ -769,7 +809,8 @@ def test_seen_tokens_count_outputs_grow_and_pad_with_slot_zero() -> None:
     assert s.lens.tolist() == [3, 0, 0]
     assert s.tokens[0, :3].tolist() == [2, 4, 9] and s.counts[0, :3].tolist() == [2, 1, 0]
     s.load(1, np.arange(100, 230), np.zeros(0, np.int64))  # 130 distinct: capacity doubles twice
-    assert s.tokens.shape == (3, 256) and s.lens[1] == 130 and s.tokens[0, :3].tolist() == [2, 4, 9]
+    assert s.tokens.shape == s.counts.shape == (3, 256) and s.lens[1] == 130
+    assert s.tokens[0, :3].tolist() == [2, 4, 9] and s.counts[0, :3].tolist() == [2, 1, 0]
     s.append(np.array([0, 1]), np.array([9, 5]))
     assert s.counts[0, :3].tolist() == [2, 1, 1] and s.lens.tolist() == [3, 131, 0]
     assert s.tokens[1, 130] == 5 and s.counts[1, 130] == 1
@@ -784,6 +825,18 @@ def test_seen_tokens_count_outputs_grow_and_pad_with_slot_zero() -> None:
     s.load(2, np.zeros(0, np.int64), np.array([3]))  # a reload forgets the old entries
     tokens, counts = s.gather(np.array([2, 0]))
     assert tokens.tolist() == [[3], [0]] and counts.tolist() == [[1], [0]]
+
+
+def test_seen_tokens_grow_at_the_exact_capacity_and_ignore_stale_slots() -> None:
+    s = SeenTokens(2)
+    s.load(0, np.arange(64), np.zeros(0, np.int64))  # full at 64
+    s.append(np.array([0]), np.array([500]))  # the 65th slot: capacity doubles
+    assert s.tokens.shape == s.counts.shape == (2, 128) and s.tokens[0, 64] == 500 and s.lens[0] == 65
+    s.load(1, np.array([1, 2, 3]), np.zeros(0, np.int64))
+    s.load(1, np.array([1]), np.zeros(0, np.int64))  # slots 1 and 2 still hold 2 and 3, past lens
+    s.append(np.array([1]), np.array([2]))
+    tokens, counts = s.gather(np.array([1]))
+    assert tokens.tolist() == [[1, 2]] and counts.tolist() == [[0, 1]]
 
 
 def test_penalties_with_a_repeated_token_in_one_row_and_padding_in_another() -> None:
