@@ -33,7 +33,7 @@ def embed_dir() -> str:
 
 @pytest.fixture(scope="module")
 def rerank_dir() -> str:
-    return get_pooling_checkpoint("bert-rerank")
+    return get_pooling_checkpoint("bert-cross-encoder")
 
 
 def _hf(model_dir: str, ids: list[int], classifier: bool = False) -> torch.Tensor:

@@ -157,7 +157,7 @@ def test_cross_encoder_score_and_rerank_equal_hf_over_the_pair_encoding() -> Non
     from vllm_lite.client.async_llm import AsyncLLM
     from vllm_lite.engine_args import EngineArgs
 
-    path = get_pooling_checkpoint("bert-rerank")
+    path = get_pooling_checkpoint("bert-cross-encoder")
     tok = AutoTokenizer.from_pretrained(path)
     hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():

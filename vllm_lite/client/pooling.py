@@ -25,9 +25,11 @@ def make_pooling_request(
     priority: int,
     client_index: int,
     cache_salt: Optional[str],
+    compressed_token_type_ids: Optional[int] = None,
 ) -> EngineCoreRequest:
     """The core request for a pooling prompt: params checked against the model, defaults from its pooler config,
-    the prompt truncated as `truncate_prompt_tokens` asks and no longer than max_model_len."""
+    the prompt truncated as `truncate_prompt_tokens` asks and no longer than max_model_len.
+    `compressed_token_type_ids`: where token type 1 begins in `prompt_ids` (a cross-encoder pair), or None."""
     if model_config.runner_type != "pooling":
         raise ValueError(POOLING_ON_GENERATE)
     pc = model_config.pooler_config
@@ -42,6 +44,8 @@ def make_pooling_request(
         k = max_len if k == -1 else k
         if k > max_len:
             raise ValueError(f"truncate_prompt_tokens ({k}) must be at most max_model_len ({max_len}).")
+        if compressed_token_type_ids is not None:  # the kept tail's types are unchanged
+            compressed_token_type_ids = max(0, compressed_token_type_ids - max(0, len(prompt_ids) - k))
         prompt_ids = prompt_ids[-k:]
     if len(prompt_ids) > max_len:
         raise ValueError(
@@ -58,6 +62,7 @@ def make_pooling_request(
         client_index=client_index,
         cache_salt=cache_salt,
         pooling_params=params,
+        compressed_token_type_ids=compressed_token_type_ids,
     )
 
 

@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Optional, Union
 
 from vllm_lite.client.pooling import make_pooling_request
+from vllm_lite.client.token_types import prompt_token_type_boundary
 from vllm_lite.config import ModelConfig
 from vllm_lite.core.messages import EngineCoreRequest
 from vllm_lite.pooling_params import GENERATE_ON_POOLING, PoolingParams
@@ -171,11 +172,11 @@ class Processor:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}.")
         prompt_text, prompt_ids = self._tokenize_prompt(prompt)
+        token_types = prompt_token_type_boundary(prompt, len(prompt_ids), isinstance(params, PoolingParams))
         if isinstance(params, PoolingParams):
             self._validate_ids(prompt_ids)
-            request = make_pooling_request(
-                self.model_config, request_id, prompt_ids, params, arrival_time, priority, client_index, cache_salt
-            )
+            args = (arrival_time, priority, client_index, cache_salt, token_types)
+            request = make_pooling_request(self.model_config, request_id, prompt_ids, params, *args)
             return prompt_text, request
         self._validate_prompt(prompt_ids)
         params = self._process_params(params, len(prompt_ids))

@@ -54,6 +54,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_index: int = 0
     cache_salt: Optional[str] = None
     pooling_params: Optional[PoolingParams] = None
+    # A cross-encoder pair (vLLM's name): the prompt index where token type 1 begins; None: all type 0.
+    compressed_token_type_ids: Optional[int] = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

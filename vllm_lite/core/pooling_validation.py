@@ -12,6 +12,7 @@ def validate_pooling_request(request: EngineCoreRequest, limits: Any) -> bool:
     """`limits`: the core's RequestLimits. True for a valid pooling request (nothing more to check); False for a sampling request; else ValueError."""
     pooling: Any = request.pooling_params
     has_sampling = request.sampling_params is not None
+    _check_token_types(request)
     if pooling is None:
         if limits.runner_type == "pooling":
             raise ValueError(GENERATE_ON_POOLING)
@@ -34,3 +35,17 @@ def validate_pooling_request(request: EngineCoreRequest, limits: Any) -> bool:
             "pooling prompt runs whole in one step."
         )
     return True
+
+
+def _check_token_types(request: EngineCoreRequest) -> None:
+    """compressed_token_type_ids: only on a pooling request, an int in 0..prompt length (where type 1 begins)."""
+    boundary: Any = request.compressed_token_type_ids
+    if boundary is None:
+        return
+    if request.pooling_params is None:
+        raise ValueError("compressed_token_type_ids applies to pooling requests only.")
+    n = len(request.prompt_token_ids)
+    if not isinstance(boundary, int) or isinstance(boundary, bool) or not 0 <= boundary <= n:
+        raise ValueError(
+            f"compressed_token_type_ids must be an int in [0, {n}] (the prompt's length), got {boundary!r}."
+        )

@@ -59,12 +59,14 @@ class Request:
         cache_salt: Optional[str] = None,
         tenant_salt: Optional[bytes] = None,
         pooling_params: Optional[PoolingParams] = None,
+        compressed_token_type_ids: Optional[int] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         # A pooling request runs its prompt once and never samples (vLLM: max_tokens=1); it carries a greedy
         # one-token SamplingParams so the worker's batch rows stay uniform.
         self.pooling_params = pooling_params
+        self.compressed_token_type_ids = compressed_token_type_ids  # where token type 1 begins (cross-encoders)
         if sampling_params is None:
             if pooling_params is None:
                 raise ValueError(f"request {request_id!r}: needs sampling_params or pooling_params.")
@@ -111,6 +113,7 @@ class Request:
             cache_salt=req.cache_salt,
             tenant_salt=tenant_salt,
             pooling_params=req.pooling_params,
+            compressed_token_type_ids=req.compressed_token_type_ids,
         )
 
     def append_output_token_ids(self, token_ids: Union[int, list[int]]) -> None:

@@ -3,7 +3,8 @@
 Each runs its prompts as pooling requests through the same engine loop as `generate` (the LLM's `_run`), then
 views the `PoolingRequestOutput`s by task. `score` on an embedding model is the cosine similarity of the two
 texts' embeddings (vLLM's embedding-model scoring); on a one-label `*ForSequenceClassification` model
-(a cross-encoder / reranker) it classifies each (text_1, text_2) pair tokenized together.
+(a cross-encoder / reranker) it classifies each (text_1, text_2) pair tokenized together, with the token types
+the tokenizer gives the pair (BERT: the second text is type 1).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from vllm_lite.client.token_types import encode_pair
 from vllm_lite.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -164,6 +166,6 @@ def _cross_encoder_score(
         raise ValueError("LLM.score() on a cross-encoder needs a tokenizer to encode the text pairs.")
     if not all(isinstance(x, str) for x in t1 + t2):
         raise TypeError("LLM.score() on a cross-encoder takes text pairs (str).")
-    prompts = [{"prompt_token_ids": list(tokenizer(a, b)["input_ids"])} for a, b in zip(t1, t2)]
+    prompts = [encode_pair(tokenizer, a, b) for a, b in zip(t1, t2)]  # with the pair's token types
     params = params_for(len(prompts), pooling_params, "score", truncate_prompt_tokens)
     return [ScoringRequestOutput.from_base(o) for o in encode(run, prompts, params, use_tqdm)]

@@ -6,6 +6,8 @@ Pooling module's `1_Pooling/config.json` and, when the embeddings are normalised
 The files follow sentence-transformers' layout (module types under `sentence_transformers.models`, the
 pooling mode as its `pooling_mode_*` booleans, which every sentence-transformers version reads).
 A classifier checkpoint is `Qwen3ForSequenceClassification` (a `score` head over the last token).
+A BERT cross-encoder's tokenizer marks a pair's second text as token type 1, as BERT tokenizers do, and its two
+token type embeddings lie far apart, so a pair run with the wrong types scores visibly differently.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vllm_lite.testing.checkpoints import _hf_config, _randomize, build_tokenizer, cache_dir
+from vllm_lite.testing.checkpoints import BOS_ID, EOS_ID, _hf_config, _randomize, build_tokenizer, cache_dir
 
 CACHE_VERSION = "v1"
 ST_POOLING_MODES = ("lasttoken", "mean", "cls")
@@ -32,7 +34,7 @@ POOLING_CHECKPOINTS: dict[str, dict[str, Any]] = {
     # BERT (encoder): all-MiniLM-style mean + Normalize, CLS without, and a cross-encoder (one label).
     "bert-embed-mean": dict(arch="bert", pooling_mode="mean", normalize=True),
     "bert-embed-cls": dict(arch="bert", pooling_mode="cls", normalize=False),
-    "bert-rerank": dict(arch="bert", num_labels=1),
+    "bert-cross-encoder": dict(arch="bert", num_labels=1, typed_pairs=True),
 }
 
 
@@ -86,6 +88,35 @@ def write_sentence_transformers_files(path: str, hidden_size: int, pooling_mode:
         json.dump({"max_seq_length": 512, "do_lower_case": False}, f, indent=2)
 
 
+def use_bert_pair_template(path: str) -> None:
+    """Rewrite the tokenizer saved in `path` to encode as BERT's does: `<s> A </s>` alone, and a pair as
+    `<s> A </s> B </s>` with B and its `</s>` as token type 1, returning `token_type_ids`."""
+    from tokenizers import Tokenizer, processors
+
+    file = os.path.join(path, "tokenizer.json")
+    tok = Tokenizer.from_file(file)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>",
+        pair="<s> $A:0 </s>:0 $B:1 </s>:1",
+        special_tokens=[("<s>", BOS_ID), ("</s>", EOS_ID)],
+    )
+    tok.save(file)
+    config_file = os.path.join(path, "tokenizer_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
+    with open(config_file, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _separate_token_types(model: Any, seed: int) -> None:
+    """Token type 1's embedding far from type 0's (random ones are close), so the types change every score."""
+    emb = model.bert.embeddings.token_type_embeddings.weight
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        emb[1].copy_(emb[0] + torch.randn(emb.shape[1], generator=g))
+
+
 def build_pooling_checkpoint(
     path: str,
     arch: str = "qwen3",
@@ -93,13 +124,19 @@ def build_pooling_checkpoint(
     normalize: bool = True,
     num_labels: int = 0,
     seed: int = 0,
+    typed_pairs: bool = False,
 ) -> str:
     """A tiny random decoder pooling checkpoint in `path`: an embedding model (the bare decoder + sentence-
-    transformers files) when num_labels is 0, else `*ForSequenceClassification` with num_labels labels."""
+    transformers files) when num_labels is 0, else `*ForSequenceClassification` with num_labels labels.
+    `typed_pairs` (BERT only): the BERT pair template and distinct token type embeddings (a real cross-encoder)."""
     import transformers
 
+    if typed_pairs and arch != "bert":
+        raise ValueError(f"typed_pairs needs arch='bert', got {arch!r}.")
     os.makedirs(path, exist_ok=True)
     build_tokenizer(path, vocab_size=2000)
+    if typed_pairs:
+        use_bert_pair_template(path)
     vocab = len(transformers.AutoTokenizer.from_pretrained(path))
     config = bert_config(vocab) if arch == "bert" else _hf_config(arch, "tiny", vocab, {"pad_token_id": 0})
     if num_labels:
@@ -108,6 +145,8 @@ def build_pooling_checkpoint(
     else:
         model = transformers.AutoModel.from_config(config, dtype=torch.float32)
     _randomize(model, std=0.1, seed=seed)
+    if typed_pairs:
+        _separate_token_types(model, seed)
     model.save_pretrained(path, safe_serialization=True)
     if not num_labels:
         write_sentence_transformers_files(path, config.hidden_size, pooling_mode, normalize)

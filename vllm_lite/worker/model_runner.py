@@ -32,6 +32,7 @@ from vllm_lite.worker.sampler import Sampler, SamplerOutput, compute_prompt_logp
 from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vllm_lite.worker.step_inputs import StepInputs, build_step_inputs
+from vllm_lite.worker.token_types import build_token_type_ids, step_token_type_boundaries, takes_token_type_ids
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class GPUModelRunner:
         maybe_prepack(self.model, device, self.dtype, batch_hint=min(self.max_num_reqs, 64))
         self.load_time_s = time.perf_counter() - t0
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.takes_token_types = takes_token_type_ids(self.model)  # BERT: cross-encoder pairs carry token types
         self.vocab_size = mc.vocab_size
         self.backend = _get_backend(device)
         self.sampler = Sampler()
@@ -192,7 +194,7 @@ class GPUModelRunner:
     ) -> ModelRunnerOutput:
         """Prepare inputs, run the model, sample, and report: one forward pass over `batch`."""
         inputs = build_step_inputs(batch, num_scheduled_tokens, self.block_size, self._arange)
-        hidden = self._run_model(inputs)
+        hidden = self._run_model(inputs, so)
         if self.pooler is not None:  # a pooling step: every request's whole prompt ran; pool, sample nothing
             batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
             params = step_pooling_params(so, inputs.req_ids)
@@ -212,11 +214,15 @@ class GPUModelRunner:
             sampled.spec_token_ids = self.spec_decode.propose(batch, inputs, sampled.index)
         return _build_output(inputs, sampled, prompt_lp)
 
-    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states [T, hidden] of every scheduled token."""
+    def _run_model(self, inputs: StepInputs, so: Optional[SchedulerOutput] = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of every scheduled token (with token types where the model takes them)."""
         input_ids, positions, md = inputs.to_device(self.device)
+        extra: dict[str, torch.Tensor] = {}
+        if self.takes_token_types and (bounds := step_token_type_boundaries(so, inputs.req_ids)) is not None:
+            types = build_token_type_ids(bounds, inputs.num_scheduled, inputs.positions)
+            extra["token_type_ids"] = torch.from_numpy(types).to(self.device, non_blocking=True)
         with set_forward_context(md, self.backend):
-            return self.model(input_ids, positions)
+            return self.model(input_ids, positions, **extra)
 
     def _sample(
         self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor, so: Optional[SchedulerOutput] = None

@@ -33,6 +33,8 @@ class NewRequestData:
     eos_token_id: Optional[int] = None
     # A pooling request (pooling runner): how to pool its hidden states; it is never sampled.
     pooling_params: Optional[PoolingParams] = None
+    # Where token type 1 begins in the prompt (a cross-encoder pair; vLLM's name); None: every token type 0.
+    compressed_token_type_ids: Optional[int] = None
 
 
 @dataclass

@@ -307,6 +307,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 eos_token_id=r.eos_token_id,
                 pooling_params=r.pooling_params,
+                compressed_token_type_ids=r.compressed_token_type_ids,
             )
             for r in to_worker_as_new
         ]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_lite.client.processor import check_prompt_text
+from vllm_lite.client.token_types import encode_pair
 from vllm_lite.entrypoints.openai.errors import BadRequestError
 from vllm_lite.entrypoints.openai.protocol import random_id
 from vllm_lite.entrypoints.openai.protocol_pooling import (
@@ -54,9 +55,9 @@ class OpenAIServingScores(OpenAIServingPoolingBase):
             for a, b in zip(text_1, text_2):
                 for text in (a, b):  # the size and text checks every prompt gets, before the pair is encoded
                     check_prompt_text(text, self.max_model_len, self.tokenizer)
-                prompts.append(list(self.tokenizer(a, b)["input_ids"]))
+                prompts.append(encode_pair(self.tokenizer, a, b))  # with the pair's token types
             params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
-            outs = await self.encode_token_prompts(prompts, params, priority)
+            outs = await self.encode_all(prompts, [params] * len(prompts), priority)
             return [float(o.outputs.data.reshape(-1)[0]) for o in outs], sum(len(o.prompt_token_ids) for o in outs)
         texts = list(dict.fromkeys(text_1 + text_2))  # each distinct text embedded once
         params = PoolingParams(task="embed", truncate_prompt_tokens=truncate_prompt_tokens)

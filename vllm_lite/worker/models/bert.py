@@ -10,8 +10,9 @@ attention over the packed rows instead. Tensor parallel splits heads and the MLP
 
 Parameters are HF's, renamed on load by `_hf_to_ours` (`encoder.layer.N.*` -> `model.layer.N.*` with the
 attention/intermediate/output names flattened, q/k/v fused into `qkv_proj`); a BertForSequenceClassification
-checkpoint's `bert.` prefix is dropped. Token types are 0 unless `token_type_ids` is passed: the engine carries
-none yet, so a cross-encoder pair runs with its second text as type 0, where BERT tokenizers mark it 1.
+checkpoint's `bert.` prefix is dropped. Token types are 0 unless `token_type_ids` is passed: the runner passes
+them for a cross-encoder pair (its second text type 1, as BERT tokenizers mark it), rebuilt from the request's
+`compressed_token_type_ids` (worker/token_types.py).
 """
 
 from __future__ import annotations
