@@ -298,11 +298,14 @@ def test_byte_table_is_built_per_device_and_value_then_reused(monkeypatch: pytes
 
 def test_processed_logits_apply_the_grammar_bitmask() -> None:
     vocab = 40
-    allowed = [[t % 4 == 1 for t in range(vocab)], [True] * vocab]
-    state, rows = load([SamplingParams(temperature=0.5), SamplingParams(temperature=0.5)], vocab)
-    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1))
+    allowed = [[t % 4 == 1 for t in range(vocab)], [True] * vocab, [t < 20 for t in range(vocab)]]
+    params = [SamplingParams(temperature=0.5), SamplingParams(temperature=0.5)]
+    params.append(SamplingParams(temperature=0.5, allowed_token_ids=[3, 7, 25]))  # allowed ids within the grammar
+    state, rows = load(params, vocab)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
     ours = Sampler().processed_logits(logits, state.make_metadata(rows), _pack(allowed))
-    assert torch.isfinite(ours).tolist() == allowed
+    assert torch.isfinite(ours[:2]).tolist() == allowed[:2]
+    assert torch.isfinite(ours[2]).nonzero().flatten().tolist() == [3, 7]
     torch.testing.assert_close(ours[1], logits[1] / 0.5)
 
 
