@@ -511,6 +511,8 @@ def test_gather_logprobs_ranks_count_strictly_better_tokens() -> None:
         assert lp.logprob_token_ids[0, 1] in (1, 2)
         assert lp.logprob_token_ids.dtype == torch.int64 and lp.selected_token_ranks.dtype == torch.int64
         assert lp.logprobs.dtype == torch.float32 and lp.logprob_token_ids[0, 0] == token
+    only_chosen = gather_logprobs(logprobs, torch.tensor([3], dtype=torch.int32), 0)
+    assert only_chosen.logprob_token_ids.dtype == torch.int64 and only_chosen.logprob_token_ids.tolist() == [[3]]
 
 
 def test_prompt_logprob_argument_errors_say_what_was_given() -> None:
