@@ -82,6 +82,7 @@ def test_phase_times_are_unknown_until_the_core_reported_them() -> None:
 def test_the_cores_timestamps_reach_the_metrics_and_the_finished_requests_stats() -> None:
     proc = OutputProcessor(CharTokenizer(), log_stats=True)
     proc.add_request(request(), None)
+    proc.process_outputs([EngineCoreOutput("r", [])], engine_core_timestamp=51.5)  # a prefill chunk: no token step
     first = EngineCoreOutput("r", ids("a"), queued_ts=50.0, scheduled_ts=51.0, num_cached_tokens=2)
     proc.process_outputs([first], engine_core_timestamp=52.0)
     proc.process_outputs([EngineCoreOutput("r", [], num_cached_tokens=7)], engine_core_timestamp=53.0)
@@ -110,9 +111,18 @@ def test_iteration_stats_count_prompts_once_and_latencies_between_token_steps() 
     s2 = proc.process_outputs([EngineCoreOutput("r", ids("xy"))]).iteration_stats
     assert (s2.num_prompt_tokens, s2.num_generation_tokens, len(s2.time_to_first_tokens_s)) == (4, 2, 1)
     assert s2.inter_token_latencies_s == []
+    ttft = proc.request_states["r"].metrics.first_token_time - 100.0
+    assert s2.time_to_first_tokens_s == [pytest.approx(ttft)]
+    before = proc.request_states["r"].metrics.last_token_time
     s3 = proc.process_outputs([EngineCoreOutput("r", ids("z"))]).iteration_stats
     assert (s3.num_prompt_tokens, s3.num_generation_tokens, s3.time_to_first_tokens_s) == (0, 1, [])
-    assert len(s3.inter_token_latencies_s) == 1 and s3.inter_token_latencies_s[0] >= 0
+    after = proc.request_states["r"].metrics.last_token_time
+    assert s3.inter_token_latencies_s == [pytest.approx(after - before)]
+    # Two requests in one batch: their counts add up.
+    proc.add_request(request("s", prompt="abc"), None)
+    proc.add_request(request("t", prompt="de"), None)
+    s4 = proc.process_outputs([EngineCoreOutput("s", ids("xy")), EngineCoreOutput("t", ids("z"))]).iteration_stats
+    assert (s4.num_prompt_tokens, s4.num_generation_tokens) == (5, 3)
     assert OutputProcessor(CharTokenizer()).process_outputs([]).iteration_stats is None
 
 
@@ -424,3 +434,42 @@ def test_a_request_that_skips_detokenizing_gets_logprobs_without_text() -> None:
     assert (lp.num_logprobs, lp.num_prompt_logprobs, lp.text_cache) == (0, 1, None)
     with_text = LogprobsProcessor.from_new_request(request(logprobs=2), TokenTextCache(CharTokenizer()))
     assert with_text.text_cache is not None and with_text.num_prompt_logprobs is None
+
+
+# ---------------------------------------------------------------------- one batch, many requests
+def add_parent_as(proc: OutputProcessor, pid: str, n: int, kind: RequestOutputKind) -> None:
+    parent, children = ParentRequest.make_child_requests(pid, SamplingParams(n=n, output_kind=kind))
+    for i, (cid, child_params) in enumerate(children):
+        proc.add_request(EngineCoreRequest(cid, ids("Q:"), child_params, 0, 100.0), "Q:", parent, i)
+
+
+def test_an_output_with_nothing_due_or_for_a_forgotten_request_does_not_hide_the_rest_of_the_batch() -> None:
+    proc = OutputProcessor(CharTokenizer())
+    proc.add_request(request("f", output_kind=FINAL), None)
+    proc.add_request(request("c"), None)
+    add_parent_as(proc, "p", 2, FINAL)
+    add_parent_as(proc, "q", 2, CUM)
+    batch = [
+        EngineCoreOutput("gone", ids("?")),  # aborted earlier: dropped
+        EngineCoreOutput("f", ids("x")),  # FINAL_ONLY, not finished: nothing due
+        EngineCoreOutput("0_p", ids("y")),  # its parent has nothing due either
+        EngineCoreOutput("c", ids("hi")),
+        EngineCoreOutput("0_q", ids("z")),
+    ]
+    outs = proc.process_outputs(batch).request_outputs
+    assert [(o.request_id, [c.text for c in o.outputs]) for o in outs] == [("c", ["hi"]), ("q", ["z"])]
+    assert outs[0].prompt_token_ids == ids("Q:")
+
+
+def test_the_cores_stop_token_is_not_part_of_the_text_and_held_back_text_is_released_at_the_end() -> None:
+    proc = OutputProcessor(CharTokenizer())
+    proc.add_request(request("s", stop_token_ids=[ord("!")]), None)
+    (ro,) = proc.process_outputs(
+        [EngineCoreOutput("s", ids("hi!"), finish_reason=FinishReason.STOP, stop_reason=ord("!"))]
+    ).request_outputs
+    assert (ro.outputs[0].text, ro.outputs[0].stop_reason, ro.outputs[0].finish_reason) == ("hi", ord("!"), "stop")
+    proc.add_request(request("h", stop=["xyz"]), None)
+    (ro,) = proc.process_outputs([EngineCoreOutput("h", ids("abx"))]).request_outputs
+    assert ro.outputs[0].text == "ab"  # "x" may start the stop string: held back while streaming
+    (ro,) = proc.process_outputs([EngineCoreOutput("h", [], finish_reason=LENGTH)]).request_outputs
+    assert ro.outputs[0].text == "abx"
