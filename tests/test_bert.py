@@ -101,13 +101,102 @@ def test_embed_equals_sentence_transformers_mean_normalize(embed_dir: str) -> No
         torch.testing.assert_close(torch.tensor(o.outputs.embedding), want, atol=ATOL, rtol=0)
 
 
-def test_cross_encoder_classify_equals_hf_sigmoid_of_its_logit(rerank_dir: str) -> None:
-    """BertForSequenceClassification: [CLS] -> tanh pooler -> classifier, one label through a sigmoid."""
+@pytest.fixture(scope="module")
+def cross_encoder(rerank_dir: str):
+    """One in-process engine over the cross-encoder, shared by its tests."""
     with LLM(model=rerank_dir, **_ENGINE) as llm:
-        outs = llm.classify(PROMPTS, use_tqdm=False)
+        yield llm
+
+
+def test_cross_encoder_classify_equals_hf_sigmoid_of_its_logit(rerank_dir: str, cross_encoder: LLM) -> None:
+    """BertForSequenceClassification: [CLS] -> tanh pooler -> classifier, one label through a sigmoid."""
+    outs = cross_encoder.classify(PROMPTS, use_tqdm=False)
     for o in outs:
         want = torch.sigmoid(_hf(rerank_dir, o.prompt_token_ids, classifier=True))
         torch.testing.assert_close(torch.tensor(o.outputs.probs), want, atol=ATOL, rtol=0)
+
+
+def _hf_pair_scores(model_dir: str, pairs: list[tuple[str, str]], types: bool = True, keep: int = 0) -> list[float]:
+    """HF's sigmoid(logit) of `model(**tokenizer(a, b))` per pair; `types=False` zeroes the token types, `keep`
+    keeps the last `keep` tokens (truncate_prompt_tokens)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for a, b in pairs:
+        enc = {k: torch.tensor([v[-keep:]]) for k, v in tok(a, b).items()}
+        if not types:
+            enc["token_type_ids"].zero_()
+        with torch.no_grad():
+            out.append(float(torch.sigmoid(hf(**enc).logits[0, 0])))
+    return out
+
+
+def test_cross_encoder_score_runs_the_second_text_as_token_type_1(rerank_dir: str, cross_encoder: LLM) -> None:
+    """LLM.score equals HF over the tokenizer's pair encoding, token types included (one batch, several
+    boundaries); with every token type 0 HF scores visibly differently, so an ignored boundary fails here."""
+    from transformers import AutoTokenizer
+
+    query = "How is a sequence iterated?"
+    pairs = [(query, p) for p in PROMPTS]
+    types = AutoTokenizer.from_pretrained(rerank_dir)(query, PROMPTS[0])["token_type_ids"]
+    assert types[0] == 0 and types[-1] == 1, types  # the checkpoint's tokenizer types its pairs, as BERT's does
+    want = _hf_pair_scores(rerank_dir, pairs)
+    untyped = _hf_pair_scores(rerank_dir, pairs, types=False)
+    assert min(abs(w - u) for w, u in zip(want, untyped)) > 1e-3, (want, untyped)
+    got = [o.outputs.score for o in cross_encoder.score(query, PROMPTS, use_tqdm=False)]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=ATOL, rtol=0)
+    # Truncation keeps the last tokens, and the boundary moves with them.
+    got = cross_encoder.score(query, PROMPTS[0], truncate_prompt_tokens=6, use_tqdm=False)[0].outputs.score
+    assert abs(got - _hf_pair_scores(rerank_dir, pairs[:1], keep=6)[0]) < ATOL
+
+
+def test_token_types_compress_to_where_type_1_begins_and_expand_per_token() -> None:
+    import numpy as np
+
+    from vllm_lite.client.token_types import compress_token_type_ids, encode_pair, prompt_token_type_boundary
+    from vllm_lite.worker.token_types import build_token_type_ids
+
+    assert [compress_token_type_ids(t) for t in ([0, 0, 1, 1], [0, 0], [1, 1], [])] == [2, 2, 0, 0]
+    for bad in ([0, 1, 0], [1, 0], [0, 2]):
+        with pytest.raises(ValueError, match="token_type_ids"):
+            compress_token_type_ids(bad)
+
+    class Interleaved:  # a tokenizer whose pair types are not one 0s-then-1s split
+        def __call__(self, a: str, b: str) -> dict:
+            return {"input_ids": [1, 2, 3, 4], "token_type_ids": [0, 1, 0, 1]}
+
+    with pytest.raises(ValueError, match="contiguous"):
+        prompt_token_type_boundary(encode_pair(Interleaved(), "a", "b"), 4, True)
+    # Three requests in one step: types from position 2, none (never reached), from position 0.
+    bounds = np.array([2, np.iinfo(np.int64).max, 0])
+    got = build_token_type_ids(bounds, np.array([4, 2, 3]), np.array([0, 1, 2, 3, 0, 1, 0, 1, 2]))
+    assert got.tolist() == [0, 0, 1, 1, 0, 0, 1, 1, 1]
+
+
+def test_core_refuses_a_token_type_boundary_outside_the_prompt() -> None:
+    from vllm_lite.core.messages import EngineCoreRequest
+    from vllm_lite.core.request_validation import RequestLimits, validate_request
+    from vllm_lite.pooling_params import PoolingParams
+    from vllm_lite.sampling_params import SamplingParams
+
+    limits = RequestLimits(vocab_size=100, max_model_len=64, runner_type="pooling")
+
+    def request(boundary, pooling: bool = True) -> EngineCoreRequest:
+        params = PoolingParams(task="score") if pooling else None
+        sampling = None if pooling else SamplingParams()
+        return EngineCoreRequest(
+            "r", [1, 2, 3], sampling, None, 0.0, pooling_params=params, compressed_token_type_ids=boundary
+        )
+
+    for ok in (None, 0, 3):
+        validate_request(request(ok), limits)
+    for bad in (-1, 4, True):
+        with pytest.raises(ValueError, match="compressed_token_type_ids"):
+            validate_request(request(bad), limits)
+    with pytest.raises(ValueError, match="pooling requests only"):
+        validate_request(request(1, pooling=False), RequestLimits(vocab_size=100, max_model_len=64))
 
 
 @requires_cuda_devices(1)

@@ -151,7 +151,8 @@ def test_bad_pooling_requests_are_openai_400s(server: ServerThread) -> None:
 
 
 def test_cross_encoder_score_and_rerank_equal_hf_over_the_pair_encoding() -> None:
-    """A BertForSequenceClassification (one label): each pair read as one prompt, sigmoid of the classifier."""
+    """A BertForSequenceClassification (one label): each pair read as one prompt with its token types (the
+    checkpoint's tokenizer types the second text 1, and the types change every score), sigmoid of the classifier."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from vllm_lite.client.async_llm import AsyncLLM
