@@ -53,14 +53,14 @@ def _message_error(messages: list[dict[str, Any]]) -> str:
 
 
 def test_an_empty_message_list_is_refused():
-    assert "at least one message" in _message_error([])
+    assert _message_error([]) == "messages must contain at least one message."
 
 
 @pytest.mark.parametrize("role", ["hacker", "", "User", 5, None])
 def test_a_role_outside_openais_five_is_refused_naming_the_message_and_the_role(role):
     msg = _message_error([{"role": "user", "content": "ok"}, {"role": role, "content": "hi"}])
     assert msg.startswith("messages[1].role must be one of "), msg
-    assert all(r in msg for r in ("system", "developer", "user", "assistant", "tool")), msg
+    assert "must be one of system, developer, user, assistant, tool; got" in msg, msg
     assert f"got {role!r}" in msg, msg
 
 

@@ -100,6 +100,7 @@ REFUSED_PAST_THE_BOUND: list[tuple[dict[str, Any], str, str]] = [
     (dict(logit_bias={1.5: 1.0}), "logit_bias", "keys must be non-negative token ids"),
     (dict(logit_bias={"-5": 1.0}), "logit_bias", "keys must be non-negative token ids"),
     (dict(logit_bias={"4.2": 1.0}), "logit_bias", "keys must be non-negative token ids"),
+    (dict(logit_bias={"X1": 1.0}), "logit_bias", "keys must be non-negative token ids"),
     (dict(logit_bias={3: 100.001}), "logit_bias", "values must be numbers in [-100, 100]"),
     (dict(logit_bias={3: -100.001}), "logit_bias", "values must be numbers in [-100, 100]"),
     (dict(logit_bias={3: True}), "logit_bias", "values must be numbers in [-100, 100]"),
