@@ -1,24 +1,32 @@
-"""Phi-3 LongRoPE (the 128k-context variants) gives Hugging Face's float32 greedy tokens and logprobs.
+"""Phi-3 LongRoPE (the 128k-context variants) gives Hugging Face generate()'s float32 greedy tokens and logprobs.
 
-The tiny build's original_max_position_embeddings is 32, so one batch holds a prompt that stays under it
-(short factors throughout), one whose decode crosses it (long factors from the step its sequence passes 32),
-and one longer than it (long factors from the first token); each request picks its factors by its own
-sequence length, as transformers' dynamic LongRoPE does for one sequence. The oracle is transformers' model
-stepped with its KV cache (hf_oracle.hf_greedy).
+The tiny build's original_max_position_embeddings is 32. transformers' Phi-3 rotates a sequence of at most 32
+tokens with the short factors and a longer one with the long factors, and its generate() drops the KV cache and
+recomputes the whole sequence at the step the sequence first grows past 32. So the oracle is generate() itself
+(not the model stepped with its cache, which keeps the short-rotated keys): one engine with a small
+max_num_batched_tokens (long prompts run in chunks) and prefix caching on must give its tokens exactly and its
+chosen-token logprobs within 1e-4 for a prompt that stays under 32, one whose decode crosses it, one longer than
+it, and a long prompt that shares a prefix with an earlier short request.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator, Sequence
+from typing import Any
+
 import pytest
+import torch
 
 from vllm_lite import LLM
 from vllm_lite.testing.checkpoints import get_checkpoint
-from vllm_lite.testing.hf_match import assert_matches_hf, generate_greedy
-from vllm_lite.testing.hf_oracle import greedy_prompts
+from vllm_lite.testing.hf_match import as_greedy_run, generate_greedy, hf_model_eager, record_preemptions
+from vllm_lite.testing.hf_oracle import PROMPT_TEXT, GreedyRun
 
 ORIGINAL_MAX = 32  # the phi3_longrope build's original_max_position_embeddings
 NEW_TOKENS = 12
-PROMPT_LENS = (9, 26, 45)  # under it throughout; crossing it while decoding; over it from the start
+BUDGET = 16  # max_num_batched_tokens: a 45-token prompt runs in three chunks, the first two under 32 tokens
+TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -26,20 +34,81 @@ def path() -> str:
     return get_checkpoint("phi3_longrope")
 
 
-def test_greedy_matches_hf_under_across_and_past_the_original_context(path: str) -> None:
+@pytest.fixture(scope="module")
+def llm(path: str) -> Iterator[LLM]:
     with LLM(
         model=path,
         dtype="float32",
         multiprocess=False,
         block_size=8,
         max_model_len=128,
+        max_num_batched_tokens=BUDGET,
         enable_prefix_caching=True,
-    ) as llm:
-        prompts = greedy_prompts(llm.get_tokenizer(), PROMPT_LENS)
-        outs = generate_greedy(llm, prompts, NEW_TOKENS)
-    lens = [len(p) for p in prompts]
-    assert lens[0] + NEW_TOKENS <= ORIGINAL_MAX < lens[1] + NEW_TOKENS and lens[1] < ORIGINAL_MAX < lens[2]
-    assert_matches_hf(path, prompts, outs)
+    ) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def text_ids(llm: LLM) -> list[int]:
+    return llm.get_tokenizer()(PROMPT_TEXT, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def hf_generate_greedy(path: str, prompt: Sequence[int], n: int) -> GreedyRun:
+    """transformers' generate() (greedy, EOS ignored): its tokens and each chosen token's logprob."""
+    model = hf_model_eager(path)
+    config = copy.deepcopy(model.generation_config)
+    config.update(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=n, min_new_tokens=n)
+    config.update(output_logits=True, return_dict_in_generate=True)
+    out = model.generate(torch.tensor([list(prompt)]), generation_config=config)
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens)]
+    return GreedyRun(tokens, logprobs)
+
+
+def assert_equals_hf_generate(path: str, prompts: Sequence[Sequence[int]], outs: Sequence[Any]) -> None:
+    for prompt, out in zip(prompts, outs):
+        ours, hf = as_greedy_run(out), hf_generate_greedy(path, prompt, NEW_TOKENS)
+        assert ours.tokens == hf.tokens, f"prompt of {len(prompt)} tokens"
+        err = max(abs(a - b) for a, b in zip(ours.logprobs, hf.logprobs))
+        assert err < TOL, f"prompt of {len(prompt)} tokens: logprob error {err}"
+
+
+def test_decode_crossing_the_original_context_recomputes_like_hf_generate(
+    llm: LLM, path: str, text_ids: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 26-token prompt grows past 32 at its 7th token: from there HF recomputes every token with the long set."""
+    preemptions = record_preemptions(monkeypatch)
+    prompts = [text_ids[1:27], text_ids[3:12]]  # crosses while decoding; stays under 32 throughout
+    assert len(prompts[0]) < ORIGINAL_MAX < len(prompts[0]) + NEW_TOKENS
+    assert len(prompts[1]) + NEW_TOKENS <= ORIGINAL_MAX
+    assert_equals_hf_generate(path, prompts, generate_greedy(llm, prompts, NEW_TOKENS))
+    assert preemptions == []  # the crossing's recompute is not a preemption
+
+
+def test_chunked_prompt_longer_than_the_original_context_uses_the_long_set_throughout(
+    llm: LLM, path: str, text_ids: list[int]
+) -> None:
+    """Every chunk of a 45-token prompt (16 tokens a step) is rotated with the long set, as HF's one forward is."""
+    prompts = [text_ids[5:50]]
+    assert len(prompts[0]) > ORIGINAL_MAX > BUDGET
+    assert_equals_hf_generate(path, prompts, generate_greedy(llm, prompts, NEW_TOKENS))
+
+
+def test_prefix_cache_keeps_the_short_and_long_regimes_apart(
+    llm: LLM, path: str, text_ids: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt never reuses the short-rotated keys of an earlier short request with the same prefix, yet a
+    second long prompt with that prefix does hit the first one's (long-rotated) blocks."""
+    from vllm_lite.testing.hf_match import record_prefix_hits
+
+    short, long_a, long_b = text_ids[60:84], text_ids[60:110], text_ids[60:100] + text_ids[7:15]
+    generate_greedy(llm, [short], 4)  # 24 + 4 tokens: short factors throughout, its blocks cached
+    hits = record_prefix_hits(monkeypatch)
+    outs = [generate_greedy(llm, [p], NEW_TOKENS)[0] for p in (long_a, long_b)]
+    assert hits[0] == 0, "the long prompt reused blocks written with the short factors"
+    assert hits[1] >= 40, "the second long prompt missed the first one's long-regime blocks"
+    assert_equals_hf_generate(path, [long_a, long_b], outs)
 
 
 def test_factor_lists_of_the_wrong_length_are_refused() -> None:
@@ -59,3 +128,19 @@ def test_factor_lists_of_the_wrong_length_are_refused() -> None:
     cfg.rope_parameters["short_factor"] = [1.0] * 3  # transformers validates at construction; break it after
     with pytest.raises(ValueError, match="short_factor must have 8 entries"):
         Phi3ForCausalLM(cfg)
+
+
+def test_only_phi3_longrope_configs_switch_regime() -> None:
+    """The scheduler's recompute is gated on this: every other model (and Phi-3 without LongRoPE) gets None."""
+    from vllm_lite.worker.models.rope_regime import rope_recompute_at
+
+    longrope = {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0], "original_max_position_embeddings": 32}
+    assert rope_recompute_at({"model_type": "phi3", "rope_parameters": longrope}) == 32
+    assert (
+        rope_recompute_at(
+            {"model_type": "phi3", "rope_scaling": {"type": "su"}, "original_max_position_embeddings": 64}
+        )
+        == 64
+    )
+    assert rope_recompute_at({"model_type": "phi3", "rope_parameters": {"rope_type": "default"}}) is None
+    assert rope_recompute_at({"model_type": "llama", "rope_parameters": longrope}) is None

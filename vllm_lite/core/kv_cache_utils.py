@@ -37,7 +37,9 @@ def block_extra_keys(request: "Request", block_index: int) -> Optional[tuple]:
 
     The tenant salt (the core's, per frontend) and the request's own ``cache_salt`` sit in separate
     slots, so no choice of ``cache_salt`` reproduces another frontend's chain. The chain carries them
-    to every later block, so two salts never share any block.
+    to every later block, so two salts never share any block. A request past its model's rope switch
+    point (Phi-3 LongRoPE's long factors) adds a regime key, so keys rotated with one set of factors are
+    never reused by a request that needs the other.
     """
     if block_index != 0:
         return None
@@ -46,6 +48,8 @@ def block_extra_keys(request: "Request", block_index: int) -> Optional[tuple]:
         keys += ("tenant", request.tenant_salt)
     if request.cache_salt is not None:
         keys += ("salt", request.cache_salt)
+    if request.uses_long_rope:
+        keys += ("rope", "long")
     return keys or None
 
 

@@ -99,6 +99,9 @@ class Request:
         self.structured_output_request: Optional[StructuredOutputRequest] = None
         # Speculative decoding: draft tokens proposed after this request's last token, verified at its next step.
         self.spec_token_ids: list[int] = []
+        # Set by the scheduler for a model whose rotation switches past this length (Phi-3 LongRoPE, see
+        # worker/models/rope_regime.py): past it the request's KV is a different regime, hashed apart.
+        self.rope_recompute_at: Optional[int] = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, tenant_salt: Optional[bytes] = None) -> "Request":
@@ -119,8 +122,16 @@ class Request:
     def append_output_token_ids(self, token_ids: Union[int, list[int]]) -> None:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
+        was_long = self.uses_long_rope
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+        if self.uses_long_rope != was_long:  # its blocks' keys change regime: hashes rebuild from block 0
+            self.block_hashes = []
+
+    @property
+    def uses_long_rope(self) -> bool:
+        """True once the request is longer than its model's rope switch point (never for other models)."""
+        return self.rope_recompute_at is not None and self.num_tokens > self.rope_recompute_at
 
     @property
     def num_tokens(self) -> int:

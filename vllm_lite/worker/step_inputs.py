@@ -8,6 +8,7 @@ a few vectorised ops, then copied to the device once (`to_device`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ class StepInputs:
     positions: np.ndarray  # int64 [T]
     slot_mapping: np.ndarray  # int64 [T]
     block_table: np.ndarray  # int32 [B, max blocks any scheduled request needs]
+    req_num_tokens: Optional[np.ndarray] = None  # int64 [B] each request's known tokens (prompt + outputs so far)
 
     @property
     def num_reqs(self) -> int:
@@ -58,6 +60,9 @@ class StepInputs:
             slot_mapping=torch.from_numpy(self.slot_mapping).to(device, non_blocking=True),
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_cpu,
+            num_tokens=None
+            if self.req_num_tokens is None
+            else torch.from_numpy(self.req_num_tokens.astype(np.int32)).to(device, non_blocking=True),
         )
         input_ids = torch.from_numpy(self.input_ids).to(device, non_blocking=True)
         positions = torch.from_numpy(self.positions).to(device, non_blocking=True)
@@ -97,4 +102,5 @@ def build_step_inputs(
         positions=positions,
         slot_mapping=block_idx * block_size + positions % block_size,
         block_table=batch.block_table[rows, :max_blocks],
+        req_num_tokens=batch.num_tokens[rows],
     )

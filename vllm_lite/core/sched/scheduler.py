@@ -34,6 +34,7 @@ from vllm_lite.core.sched.pooling import finish_pooling_request
 from vllm_lite.core.sched.request_queue import RequestQueue, create_request_queue
 from vllm_lite.core.sched.spec_decode import SpecDecodeScheduling
 from vllm_lite.structured_output.manager import StructuredOutputManager
+from vllm_lite.worker.models.rope_regime import rope_recompute_at
 from vllm_lite.worker.models.sliding_window import uniform_sliding_window
 from vllm_lite.worker.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -109,6 +110,8 @@ class Scheduler:
         self._failed_before_running: list[Request] = []
         # Speculative decoding: drafts per request, rollback of rejected ones, acceptance counters.
         self.spec = SpecDecodeScheduling(vllm_config.speculative_config)
+        # Phi-3 LongRoPE: a request growing past this length recomputes from token 0 (None: every other model).
+        self.rope_recompute_at = rope_recompute_at(vllm_config.model_config.hf_config)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -128,6 +131,7 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: status must be WAITING to be added, got {request.status.name}.")
         self.requests[rid] = request
         self._arrival_order[rid] = next(self._order_counter)
+        request.rope_recompute_at = self.rope_recompute_at
         so_params = request.sampling_params.structured_outputs
         if so_params is not None:
             request.structured_output_request = self.structured_output_manager.grammar_init(so_params)
@@ -223,6 +227,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             drafts = self.spec.drafts_for(req, self.max_model_len) if self.spec.enabled else []
+            if drafts and self.rope_recompute_at is not None and req.num_tokens <= self.rope_recompute_at:
+                drafts = drafts[: self.rope_recompute_at - req.num_tokens]  # none verified past the rope switch
             n = self._num_new_tokens(req, req.num_computed_tokens, budget, len(drafts))
             if n <= 0:
                 i += 1
@@ -456,6 +462,20 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.prepend(req)
 
+    def _recompute_for_long_rope(self, req: Request) -> None:
+        """The request just grew past its model's rope switch point: as transformers' Phi-3 generate() drops its
+        cache there, recompute every token from 0 with the long factors (blocks freed, the request first in the
+        waiting queue, the worker told to drop its row). Not a preemption: the metrics do not count it."""
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.prepend(req)
+        if req.request_id in self._in_worker:
+            self._in_worker.discard(req.request_id)
+            self._finished_req_ids.add(req.request_id)
+
     # ------------------------------------------------------------------ update
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -480,6 +500,7 @@ class Scheduler:
                 stopped.append(req)
                 continue
             sampled = mro.sampled_token_ids[idx] if idx is not None else []
+            was_long_rope = req.uses_long_rope
             new_token_ids: list[int] = []
             finished = False
             # Tokens only count once the whole known sequence ran (a mid-prompt chunk samples nothing).
@@ -500,6 +521,8 @@ class Scheduler:
             prompt_lp = mro.prompt_logprobs_dict.get(rid)
             if finished:
                 stopped.append(req)
+            elif req.uses_long_rope != was_long_rope:
+                self._recompute_for_long_rope(req)
             if new_token_ids or finished or prompt_lp is not None:
                 first = len(new_token_ids) == len(req.output_token_ids) and bool(new_token_ids)
                 per_client[req.client_index].append(

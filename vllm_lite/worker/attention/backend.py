@@ -36,6 +36,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T], on the device
     query_start_loc_cpu: torch.Tensor  # int32 [B+1], CPU copy for host-side decisions
     seq_lens_cpu: torch.Tensor  # int32 [B], CPU copy
+    # int32 [B], on the device: each request's known tokens (prompt + outputs so far), which a chunk of a long
+    # prompt has before its seq_len does; read by models whose rotation depends on it (LongRoPE). None: seq_lens.
+    num_tokens: Optional[torch.Tensor] = None
 
 
 class AttentionBackend(ABC):

@@ -7,17 +7,19 @@ reads its own heads. Partial rotary (Phi-4-mini) comes from the shared RotaryEmb
 LongRoPE ("longrope", older "su"; the 128k-context variants): per-dimension `short_factor` and
 `long_factor` divide the frequencies, and cos/sin are scaled by the attention factor
 (sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) unless the config gives one), as
-transformers computes them. Which set a token uses follows transformers' dynamic rule per request:
-HF's forward picks the long set when the sequence reaches past original_max_position_embeddings, so
-a prompt longer than that is rotated with the long set and a short prompt with the short set until
-its sequence grows past it. Here a token uses the long set iff its request's sequence length in this
-step (`seq_lens`) exceeds it: identical to HF's model stepped with its KV cache, for a prompt run in
-one step followed by decodes. Where that differs: HF's `generate()` for Phi-3 also drops its cache at
-the crossing step and recomputes the whole sequence with the long set (we keep the earlier keys as
-rotated); chunked prefill of a prompt longer than the original context rotates its first chunks with
-the short set; a prefix-cache hit reuses keys as their first writer rotated them. (vLLM instead uses
-the long set everywhere once max_model_len exceeds the original context: consistent, but unlike HF
-on short prompts.)
+transformers computes them. Which set a request uses follows transformers' generate(): the short set
+while the request holds at most original_max_position_embeddings tokens (prompt + outputs so far), the
+long set past it, for every token of the request, so all its KV is always in one regime:
+- a token reads the long set iff its request's known length (`num_tokens` in the attention metadata,
+  the prompt plus the outputs so far) exceeds it, so every chunk of a long prompt uses the long set, as
+  HF's single forward over the prompt does;
+- at the step a request first grows past it, HF drops its cache and recomputes the whole sequence with
+  the long set; the scheduler does the same (`rope_regime.rope_recompute_at`: the request goes back to
+  recompute from token 0, not counted as a preemption), and never lets speculative drafts run past it;
+- the prefix cache keys a long-regime request's blocks apart (an extra key in its first block's hash),
+  so keys rotated with one set are never reused by a request that needs the other.
+(vLLM instead uses the long set everywhere once max_model_len exceeds the original context: consistent,
+but unlike HF on short prompts.)
 """
 
 from __future__ import annotations
@@ -33,8 +35,7 @@ from torch import nn
 from vllm_lite.worker.forward_context import get_forward_context
 from vllm_lite.worker.models.layers import RotaryEmbedding, get_rope_parameters, read_shard
 from vllm_lite.worker.models.llama import LlamaForCausalLM
-
-LONGROPE_TYPES = ("longrope", "su")
+from vllm_lite.worker.models.rope_regime import LONGROPE_TYPES, longrope_original_max_position
 
 
 def longrope_tables(
@@ -61,8 +62,9 @@ def longrope_tables(
 class LongRopeRotaryEmbedding(RotaryEmbedding):
     """RotaryEmbedding over two stacked tables: rows [0, P) short factors, [P, 2P) long factors.
 
-    A token reads the long half iff its request's sequence in this step is longer than
-    original_max_position_embeddings (transformers' dynamic choice, per request)."""
+    A token reads the long half iff its request's known length (prompt + outputs so far; the step's
+    sequence length where the metadata has none) is longer than original_max_position_embeddings:
+    transformers' choice for the whole sequence, per request."""
 
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any], original_max_position: int) -> None:
         nn.Module.__init__(self)
@@ -89,7 +91,8 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
         md = get_forward_context().metadata
         n, b = md.num_actual_tokens, md.num_reqs
         qsl = md.query_start_loc[: b + 1]
-        long_req = (md.seq_lens[:b] > self.original_max_position).to(positions.dtype)
+        lengths = md.num_tokens if md.num_tokens is not None else md.seq_lens
+        long_req = (lengths[:b] > self.original_max_position).to(positions.dtype)
         long_tok = torch.repeat_interleave(long_req, qsl[1:] - qsl[:-1], output_size=n)
         if positions.shape[0] > n:  # padded rows past the real tokens
             long_tok = torch.cat([long_tok, long_tok.new_zeros(positions.shape[0] - n)])
@@ -112,9 +115,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         plain.rope_scaling = None
         super().__init__(plain)
         self.config = config
-        original = rope.get("original_max_position_embeddings") or getattr(
-            config, "original_max_position_embeddings", None
-        )
+        original = longrope_original_max_position(config)
         if not original:
             raise ValueError("Phi-3 longrope needs original_max_position_embeddings in the config.")
         for layer in self.model.layers:
