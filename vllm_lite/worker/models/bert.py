@@ -6,7 +6,8 @@ same prompt, so every prompt must arrive whole in one step (a chunked prompt is 
 silently different answer). No KV cache: the model has no `Attention` layer, so the runner binds
 none and sizes none for it. Attention runs as one batched SDPA over the prompts padded to the
 longest, with a key-padding mask (exactly HF's math); on CUDA in half precision, flash varlen
-attention over the packed rows instead. Tensor parallel splits heads and the MLP as GPT-2 does.
+attention over the packed rows instead; on the CPU one unpadded SDPA per prompt over views of
+the packed rows. Tensor parallel splits heads and the MLP as GPT-2 does.
 
 Parameters are HF's, renamed on load by `_hf_to_ours` (`encoder.layer.N.*` -> `model.layer.N.*` with the
 attention/intermediate/output names flattened, q/k/v fused into `qkv_proj`); a BertForSequenceClassification
@@ -52,18 +53,21 @@ def _varlen_attn():
 
 @dataclass
 class EncoderBatch:
-    """How one step's packed prompts map onto a padded [B, L] batch; computed once per forward pass.
+    """How one step's packed prompts are laid out for attention; computed once per forward pass.
 
-    Row b of the padded batch holds prompt b's tokens qsl[b] .. qsl[b+1]-1, then padding (masked as keys).
+    Prompt b owns packed rows `query_bounds[b]` (host ints, for the CPU per-prompt path). On CUDA also the padded
+    [B, L] layout: row b of the padded batch holds prompt b's tokens qsl[b] .. qsl[b+1]-1, then padding (masked
+    as keys); none of it is built on the CPU, which never pads.
     """
 
     metadata: AttentionMetadata
     num_reqs: int
     longest: int
-    cu_seqlens: torch.Tensor  # int32 [B+1] (the varlen kernel's)
-    key_mask: torch.Tensor  # bool [B, 1, 1, L]
-    gather: torch.Tensor  # int64 [B*L]: packed row of each padded slot (clamped for padding)
-    scatter: torch.Tensor  # int64 [T]: padded slot of each packed row
+    query_bounds: list[tuple[int, int]]
+    cu_seqlens: Optional[torch.Tensor] = None  # int32 [B+1] (the varlen kernel's)
+    key_mask: Optional[torch.Tensor] = None  # bool [B, 1, 1, L]
+    gather: Optional[torch.Tensor] = None  # int64 [B*L]: packed row of each padded slot (clamped for padding)
+    scatter: Optional[torch.Tensor] = None  # int64 [T]: padded slot of each packed row
 
     @staticmethod
     def from_metadata(md: AttentionMetadata, device: torch.device) -> "EncoderBatch":
@@ -75,19 +79,26 @@ class EncoderBatch:
                 "across steps (raise max_num_batched_tokens to at least the longest prompt)."
             )
         n, b, longest = md.num_actual_tokens, md.num_reqs, md.max_query_len
+        starts = md.query_start_loc_cpu[: b + 1].tolist()
+        batch = EncoderBatch(md, b, longest, list(zip(starts[:-1], starts[1:])))
+        if device.type == "cpu":
+            return batch
         qsl = md.query_start_loc[: b + 1].to(device=device, dtype=torch.int64)
         lens = qsl[1:] - qsl[:-1]
         cols = torch.arange(longest, device=device)
         valid = cols.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
-        gather = (qsl[:-1].unsqueeze(1) + cols.unsqueeze(0)).clamp_(max=max(n - 1, 0)).view(-1)
+        batch.gather = (qsl[:-1].unsqueeze(1) + cols.unsqueeze(0)).clamp_(max=max(n - 1, 0)).view(-1)
         # Token t of request r sits at padded slot r*L + (t - qsl[r]).
         req = torch.repeat_interleave(torch.arange(b, device=device), lens, output_size=n)
-        scatter = req * longest + (torch.arange(n, device=device) - qsl.index_select(0, req))
-        return EncoderBatch(md, b, longest, qsl.to(torch.int32), valid.view(b, 1, 1, longest), gather, scatter)
+        batch.scatter = req * longest + (torch.arange(n, device=device) - qsl.index_select(0, req))
+        batch.cu_seqlens, batch.key_mask = qsl.to(torch.int32), valid.view(b, 1, 1, longest)
+        return batch
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: EncoderBatch, scale: float):
     """Bidirectional attention within each prompt of the packed batch: q/k/v [T, H, D] -> [T, H, D]."""
+    if q.device.type == "cpu":
+        return _per_prompt_attention(q, k, v, batch, scale)
     n, heads, dim = q.shape
     b, longest = batch.num_reqs, batch.longest
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and (varlen := _varlen_attn()) is not None:
@@ -99,6 +110,22 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: 
 
     out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=batch.key_mask, scale=scale)
     return out.transpose(1, 2).reshape(b * longest, heads, dim).index_select(0, batch.scatter)
+
+
+def _per_prompt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: EncoderBatch, scale: float
+) -> torch.Tensor:
+    """CPU: one unmasked SDPA per prompt over views of the packed rows, then one concatenation.
+
+    Why not the padded batch on CPU: it computes every prompt at the longest one's length (on mixed lengths 2-3x
+    the scores the real tokens need) and gathers q/k/v into the padded layout and back. Here each prompt costs a
+    few microseconds of Python per layer against milliseconds of math; on a device, where each call is a kernel
+    launch, the padded batch (float32) or flash varlen (half precision) stays."""
+    outs = []
+    for start, end in batch.query_bounds:  # [H, len, D] views of the prompt's rows
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1))
+    return torch.cat(outs) if len(outs) != 1 else outs[0]
 
 
 class BertEmbeddings(nn.Module):
