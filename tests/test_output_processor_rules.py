@@ -94,7 +94,7 @@ def test_the_cores_timestamps_reach_the_metrics_and_the_finished_requests_stats(
     (fin,) = res.iteration_stats.finished_requests
     assert (fin.queue_time_s, fin.prefill_time_s, fin.decode_time_s, fin.inference_time_s) == (1.0, 1.0, 3.0, 4.0)
     assert fin.finish_reason == "length" and fin.num_prompt_tokens == 2 and fin.num_generation_tokens == 2
-    assert fin.e2e_latency_s == pytest.approx(m.finished_time - 100.0)
+    assert fin.e2e_latency_s == pytest.approx(m.finished_time - 100.0, abs=1e-3)
     # Later outputs without scheduling times (0.0) and batches without a core timestamp change nothing.
     proc.add_request(request("s"), None)
     proc.process_outputs([EngineCoreOutput("s", ids("x"), queued_ts=1.0, scheduled_ts=2.0)])
@@ -112,12 +112,12 @@ def test_iteration_stats_count_prompts_once_and_latencies_between_token_steps() 
     assert (s2.num_prompt_tokens, s2.num_generation_tokens, len(s2.time_to_first_tokens_s)) == (4, 2, 1)
     assert s2.inter_token_latencies_s == []
     ttft = proc.request_states["r"].metrics.first_token_time - 100.0
-    assert s2.time_to_first_tokens_s == [pytest.approx(ttft)]
+    assert s2.time_to_first_tokens_s == [pytest.approx(ttft, abs=1e-3)]
     before = proc.request_states["r"].metrics.last_token_time
     s3 = proc.process_outputs([EngineCoreOutput("r", ids("z"))]).iteration_stats
     assert (s3.num_prompt_tokens, s3.num_generation_tokens, s3.time_to_first_tokens_s) == (0, 1, [])
     after = proc.request_states["r"].metrics.last_token_time
-    assert s3.inter_token_latencies_s == [pytest.approx(after - before)]
+    assert s3.inter_token_latencies_s == [pytest.approx(after - before, abs=1e-3)]
     # Two requests in one batch: their counts add up.
     proc.add_request(request("s", prompt="abc"), None)
     proc.add_request(request("t", prompt="de"), None)
@@ -297,8 +297,9 @@ def test_merged_delta_outputs_keep_every_piece_prompt_logprob_and_error() -> Non
     assert merge_request_outputs(_ro("a"), _ro("b")).prompt_logprobs is None
     kept = merge_request_outputs(_ro("a", prompt_logprobs=[None]), _ro("b"))
     assert kept.prompt_logprobs == [None]  # a later piece without prompt logprobs keeps the earlier ones
-    later = _ro("b", metrics=RequestMetrics(arrival_time=3.0))
-    assert merge_request_outputs(_ro("a", metrics=RequestMetrics(arrival_time=1.0)), later).metrics is later.metrics
+    later = _ro("b", metrics=RequestMetrics(arrival_time=3.0), num_cached_tokens=8)
+    merged = merge_request_outputs(_ro("a", metrics=RequestMetrics(arrival_time=1.0), num_cached_tokens=4), later)
+    assert merged.metrics is later.metrics and merged.num_cached_tokens == 8
     only_new = merge_request_outputs(_ro("a"), _ro("b", prompt_logprobs=[None]))
     assert only_new.prompt_logprobs == [None]
 
@@ -473,3 +474,21 @@ def test_the_cores_stop_token_is_not_part_of_the_text_and_held_back_text_is_rele
     assert ro.outputs[0].text == "ab"  # "x" may start the stop string: held back while streaming
     (ro,) = proc.process_outputs([EngineCoreOutput("h", [], finish_reason=LENGTH)]).request_outputs
     assert ro.outputs[0].text == "abx"
+
+
+def test_a_plain_request_is_output_zero_and_reports_no_cached_tokens_before_its_first_token() -> None:
+    proc = OutputProcessor(CharTokenizer())
+    proc.add_request(request(), None)
+    (ro,) = proc.process_outputs(
+        [EngineCoreOutput("r", [], finish_reason=FinishReason.ERROR, error="bad", num_cached_tokens=3)]
+    ).request_outputs
+    assert ro.outputs[0].index == 0 and ro.num_cached_tokens == 0
+
+
+def test_without_a_tokenizer_logprobs_carry_no_text() -> None:
+    proc = OutputProcessor(None)
+    assert proc.text_cache is None
+    proc.add_request(request(logprobs=0), None)
+    lp = lp_rows([([5], [-1.0], 1)])
+    (ro,) = proc.process_outputs([EngineCoreOutput("r", [5], new_logprobs=lp, finish_reason=LENGTH)]).request_outputs
+    assert ro.outputs[0].logprobs == [{5: Logprob(-1.0, 1, None)}]
