@@ -908,6 +908,17 @@ def test_a_pooling_request_runs_its_whole_prompt_in_one_step_without_a_prefix_hi
     assert not s.has_unfinished_requests() and s.num_free_blocks == s.num_total_blocks
 
 
+def test_a_pooling_request_finishing_does_not_hide_the_rest_of_the_batch():
+    s = Scheduler(make_config())
+    s.add_request(_pooling_request("p", 4))
+    s.add_request(make_request("g", 3, start=300))
+    so = s.schedule()
+    mro = ModelRunnerOutput(["p", "g"], {"p": 0, "g": 1}, [[], [7]], pooler_output=[torch.ones(2), None])
+    outs = outputs_by_id(s.update_from_output(so, mro))
+    assert outs["p"].finish_reason == FinishReason.STOP and outs["g"].new_token_ids == [7]
+    assert list(s.requests) == ["g"] and [r.request_id for r in s.running] == ["g"]
+
+
 def test_a_pooling_request_waits_for_a_budget_that_holds_its_whole_prompt():
     s = Scheduler(make_config(max_num_batched_tokens=6))
     s.add_request(_pooling_request("p", 7))
