@@ -122,9 +122,9 @@ def _per_prompt_attention(
     few microseconds of Python per layer against milliseconds of math; on a device, where each call is a kernel
     launch, the padded batch (float32) or flash varlen (half precision) stays."""
     outs = []
-    for start, end in batch.query_bounds:  # [H, len, D] views of the prompt's rows
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1))
+    for start, end in batch.query_bounds:  # [1, H, len, D] views of the prompt's rows (4-D: the fused CPU kernel's)
+        qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1))
     return torch.cat(outs) if len(outs) != 1 else outs[0]
 
 
