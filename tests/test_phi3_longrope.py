@@ -111,6 +111,17 @@ def test_prefix_cache_keeps_the_short_and_long_regimes_apart(
     assert_equals_hf_generate(path, [long_a, long_b], outs)
 
 
+def test_prompt_logprobs_come_once_across_the_recompute(llm: LLM, text_ids: list[int]) -> None:
+    """The crossing's recompute runs the prompt again; its prompt logprobs were already sent and are not resent."""
+    from vllm_lite import SamplingParams
+
+    prompt = text_ids[1:27]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert len(prompt) + 8 > ORIGINAL_MAX and len(out.outputs[0].token_ids) == 8
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+
+
 def test_factor_lists_of_the_wrong_length_are_refused() -> None:
     from transformers import Phi3Config
 

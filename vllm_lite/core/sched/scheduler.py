@@ -519,6 +519,8 @@ class Scheduler:
                 start = mro.logprobs_cu[idx] if mro.logprobs_cu is not None else idx
                 new_logprobs = mro.logprobs.slice(start, start + len(new_token_ids))
             prompt_lp = mro.prompt_logprobs_dict.get(rid)
+            if prompt_lp is not None and req.num_output_tokens > len(new_token_ids):
+                prompt_lp = None  # sent whole before this recompute (preemption, rope switch): not again
             if finished:
                 stopped.append(req)
             elif req.uses_long_rope != was_long_rope:
