@@ -513,3 +513,29 @@ def test_bad_words_whose_tokens_the_model_lacks_are_refused(tokenizer, tmp_path)
 
 def test_the_module_caps_match_vllms_values():
     assert (processor_mod.PRIORITY_MIN, processor_mod.PRIORITY_MAX) == (-(2**63), 2**63 - 1)
+
+
+def test_an_empty_prompt_gets_the_exact_reason(proc):
+    with pytest.raises(ValueError) as e:
+        proc.process_inputs("r", [], SamplingParams())
+    assert str(e.value) == "Invalid prompt: prompt is empty (no token ids)."
+
+
+class IdZeroTokenizer:
+    """Encodes every text to token id 0 (a real id: the first in the vocabulary)."""
+
+    eos_token_id = 1
+
+    def __len__(self) -> int:
+        return 8
+
+    def get_vocab(self) -> dict:
+        return {"a": 0}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [0]
+
+
+def test_a_bad_word_made_of_token_id_zero_is_accepted(tmp_path):
+    p = make(IdZeroTokenizer(), str(tmp_path / "m"), vocab_size=8)
+    assert p.process_inputs("r", [1], SamplingParams(bad_words=["a"]))[1].sampling_params.bad_words_token_ids == [[0]]
