@@ -70,8 +70,9 @@ class EncoderBatch:
     scatter: Optional[torch.Tensor] = None  # int64 [T]: padded slot of each packed row
 
     @staticmethod
-    def from_metadata(md: AttentionMetadata, device: torch.device) -> "EncoderBatch":
-        """Requires every request's query to be its whole sequence (nothing computed before this step)."""
+    def from_metadata(md: AttentionMetadata, device: torch.device, padded: Optional[bool] = None) -> "EncoderBatch":
+        """Requires every request's query to be its whole sequence (nothing computed before this step).
+        `padded`: build the padded layout (default: off the CPU only)."""
         query_lens = md.query_start_loc_cpu[1:] - md.query_start_loc_cpu[:-1]
         if not torch.equal(query_lens, md.seq_lens_cpu):
             raise ValueError(
@@ -81,7 +82,7 @@ class EncoderBatch:
         n, b, longest = md.num_actual_tokens, md.num_reqs, md.max_query_len
         starts = md.query_start_loc_cpu[: b + 1].tolist()
         batch = EncoderBatch(md, b, longest, list(zip(starts[:-1], starts[1:])))
-        if device.type == "cpu":
+        if not (device.type != "cpu" if padded is None else padded):
             return batch
         qsl = md.query_start_loc[: b + 1].to(device=device, dtype=torch.int64)
         lens = qsl[1:] - qsl[:-1]
@@ -98,12 +99,21 @@ class EncoderBatch:
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: EncoderBatch, scale: float):
     """Bidirectional attention within each prompt of the packed batch: q/k/v [T, H, D] -> [T, H, D]."""
     if q.device.type == "cpu":
-        return _per_prompt_attention(q, k, v, batch, scale)
-    n, heads, dim = q.shape
-    b, longest = batch.num_reqs, batch.longest
+        return per_prompt_attention(q, k, v, batch, scale)
+    longest = batch.longest
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and (varlen := _varlen_attn()) is not None:
         cu = batch.cu_seqlens
         return varlen(q, k, v, cu, cu, longest, longest, scale=scale)
+    return padded_attention(q, k, v, batch, scale)
+
+
+def padded_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: EncoderBatch, scale: float
+) -> torch.Tensor:
+    """One SDPA over the prompts padded to the longest, padding masked as keys (HF's math); device float32."""
+    assert batch.gather is not None and batch.scatter is not None, "EncoderBatch built without the padded layout"
+    n, heads, dim = q.shape
+    b, longest = batch.num_reqs, batch.longest
 
     def padded(x: torch.Tensor) -> torch.Tensor:
         return x.index_select(0, batch.gather).view(b, longest, heads, dim).transpose(1, 2)
@@ -112,7 +122,7 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: 
     return out.transpose(1, 2).reshape(b * longest, heads, dim).index_select(0, batch.scatter)
 
 
-def _per_prompt_attention(
+def per_prompt_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: EncoderBatch, scale: float
 ) -> torch.Tensor:
     """CPU: one unmasked SDPA per prompt over views of the packed rows, then one concatenation.
