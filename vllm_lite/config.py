@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from vllm_lite.config_values import config_fields
 from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
 from vllm_lite.pooling_config import PoolerConfig
 
@@ -195,20 +196,7 @@ class StructuredOutputsConfig:
             return cls()
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs_config must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs_config must be a dict or JSON object, got {value!r}.")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"structured_outputs_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
-            )
-        return cls(**value)
+        return cls(**config_fields(value, "structured_outputs_config", cls.__dataclass_fields__))
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -273,20 +261,7 @@ class SpeculativeConfig:
         """From a SpeculativeConfig, a dict or its JSON text (None: no speculation); unknown keys are a ValueError."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict or JSON object, got {value!r}.")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
-            )
-        return cls(**value)
+        return cls(**config_fields(value, "speculative_config", cls.__dataclass_fields__))
 
 
 @dataclass

@@ -14,6 +14,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional, Sequence
 
+from vllm_lite.config_values import config_fields
+
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
 # sentence-transformers' pooling modes -> ours (max / weighted modes have no counterpart: refused).
@@ -64,20 +66,7 @@ class PoolerConfig:
         """From a PoolerConfig, a dict or its JSON text (None stays None); unknown keys are a ValueError."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"pooler_config must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a dict or JSON object, got {value!r}.")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"pooler_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}."
-            )
-        return cls(**value)
+        return cls(**config_fields(value, "pooler_config", (f.name for f in fields(cls))))
 
     def merged_over(self, base: "PoolerConfig") -> "PoolerConfig":
         """This config's set fields over `base`'s."""
