@@ -93,6 +93,19 @@ class OpenAIServingPoolingBase(OpenAIServing):
     ) -> list[PoolingRequestOutput]:
         return await self.encode_all([{"prompt_token_ids": p} for p in prompts], [params] * len(prompts), priority)
 
+    async def pool_inputs(self, request: Any, task: str) -> list[PoolingRequestOutput]:
+        """/v1/embeddings and /pooling alike: check the model, pool every input of ``request`` for ``task``."""
+        self.check_model(request.model)
+        self.check_pooling_model()
+        params = PoolingParams(
+            task=task,
+            dimensions=request.dimensions,
+            normalize=request.normalize,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+        )
+        prompts = self.prompts_from_input(request.input, request.add_special_tokens)
+        return await self.encode_token_prompts(prompts, params, request.priority)
+
     @staticmethod
     def usage(outputs: Sequence[PoolingRequestOutput]) -> UsageInfo:
         n = sum(len(o.prompt_token_ids) for o in outputs)
@@ -103,16 +116,7 @@ class OpenAIServingPooling(OpenAIServingPoolingBase):
     """POST /pooling: the pooled tensor of each input as the model's pooler returns it."""
 
     async def create_pooling(self, request: PoolingRequest) -> PoolingResponse:
-        self.check_model(request.model)
-        self.check_pooling_model()
-        params = PoolingParams(
-            task=request.task or "encode",
-            dimensions=request.dimensions,
-            normalize=request.normalize,
-            truncate_prompt_tokens=request.truncate_prompt_tokens,
-        )
-        prompts = self.prompts_from_input(request.input, request.add_special_tokens)
-        outs = await self.encode_token_prompts(prompts, params, request.priority)
+        outs = await self.pool_inputs(request, request.task or "encode")
         data = [
             PoolingResponseData(index=i, data=encode_vector(o.outputs.data, request.encoding_format))
             for i, o in enumerate(outs)
