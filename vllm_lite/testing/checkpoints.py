@@ -13,7 +13,7 @@ import os
 import shutil
 import sysconfig
 import tempfile
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -339,15 +339,22 @@ def get_checkpoint(arch: str, size: str = "tiny") -> str:
     """Path of a cached checkpoint for (arch, size), built on first use; safe under concurrent callers."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}.")
+    dtype = torch.bfloat16 if size == "100m" else torch.float32
+    return cached_build(
+        f"{CACHE_VERSION}-{arch}-{size}", lambda tmp: build_checkpoint(arch, tmp, size=size, dtype=dtype)
+    )
+
+
+def cached_build(name: str, build: Callable[[str], object]) -> str:
+    """``cache_dir()/name``, made by ``build(tmp_dir)`` on first use and renamed into place atomically."""
     root = cache_dir()
-    final = os.path.join(root, f"{CACHE_VERSION}-{arch}-{size}")
+    final = os.path.join(root, name)
     if os.path.isfile(os.path.join(final, "config.json")):
         return final
     os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".build-{arch}-{size}-", dir=root)
+    tmp = tempfile.mkdtemp(prefix=f".build-{name}-", dir=root)
     try:
-        dtype = torch.bfloat16 if size == "100m" else torch.float32
-        build_checkpoint(arch, tmp, size=size, dtype=dtype)
+        build(tmp)
         try:
             os.rename(tmp, final)  # atomic; fails if another process won the race
         except OSError:

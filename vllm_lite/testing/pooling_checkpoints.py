@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import torch
 
-from vllm_lite.testing.checkpoints import BOS_ID, EOS_ID, _hf_config, _randomize, build_tokenizer, cache_dir
+from vllm_lite.testing.checkpoints import BOS_ID, EOS_ID, _hf_config, _randomize, build_tokenizer, cached_build
 
 CACHE_VERSION = "v1"
 ST_POOLING_MODES = ("lasttoken", "mean", "cls")
@@ -157,20 +155,6 @@ def get_pooling_checkpoint(name: str) -> str:
     """Path of a cached pooling checkpoint (one of POOLING_CHECKPOINTS), built on first use."""
     if name not in POOLING_CHECKPOINTS:
         raise ValueError(f"name must be one of {sorted(POOLING_CHECKPOINTS)}, got {name!r}.")
-    root = cache_dir()
-    final = os.path.join(root, f"pooling-{CACHE_VERSION}-{name}")
-    if os.path.isfile(os.path.join(final, "config.json")):
-        return final
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".build-{name}-", dir=root)
-    try:
-        build_pooling_checkpoint(tmp, **POOLING_CHECKPOINTS[name])
-        try:
-            os.rename(tmp, final)  # atomic; fails if another process won the race
-        except OSError:
-            if not os.path.isfile(os.path.join(final, "config.json")):
-                raise
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cached_build(
+        f"pooling-{CACHE_VERSION}-{name}", lambda tmp: build_pooling_checkpoint(tmp, **POOLING_CHECKPOINTS[name])
+    )
