@@ -16,6 +16,7 @@ from vllm_lite.core.messages import FinishReason
 from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.scheduler import Scheduler
 from vllm_lite.core.step_recovery import RecoveredStep, recover_failed_step
+from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.testing.fake_executor import FakeExecutor, fake_next_token
 from vllm_lite.testing.scheduler_config import make_config
@@ -365,3 +366,21 @@ def test_a_fatal_failure_in_a_later_step_leaves_each_requests_progress_as_the_st
     assert after_step == [4, 5]
     assert recover_failed_step(sched, ex, so, error) is None
     assert computed(sched, "a", "b") == after_step
+
+
+def test_probes_send_a_pooling_request_with_its_pooling_params_and_token_type_boundary() -> None:
+    cfg = make_config()
+    sched = Scheduler(cfg)
+    ex = FakeExecutor(cfg, fail_when=fails_if_in("p"))
+    sched.add_request(request("a", PROMPTS["a"]))
+    pooled = Request(
+        "p", [5, 6, 7, 8], None, None, 1.0, pooling_params=PoolingParams(task="embed"), compressed_token_type_ids=2
+    )
+    sched.add_request(pooled)
+    so, error = failing_step(sched, ex)
+    assert recover_failed_step(sched, ex, so, error) is not None
+    p_rows = [new for probe in probes(ex, 1) for new in probe.scheduled_new_reqs if new.req_id == "p"]
+    assert p_rows, "the failing pooling request was never probed"
+    for new in p_rows:
+        assert new.pooling_params is pooled.pooling_params
+        assert new.compressed_token_type_ids == 2

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 from vllm_lite.core.request import Request, RequestStatus
-from vllm_lite.core.sched.scheduler import Scheduler
+from vllm_lite.core.sched.scheduler import Scheduler, new_request_data
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.worker.step import (
     CachedRequestData,
@@ -186,20 +186,8 @@ class _Prober:
 
     def _probe_output(self, ids: list[str]) -> SchedulerOutput:
         kv = self.scheduler.kv_cache_manager
-        new_reqs = []
-        for rid in ids:
-            req = self.step[rid][0]
-            new_reqs.append(
-                NewRequestData(
-                    req_id=rid,
-                    prompt_token_ids=list(req.prompt_token_ids),
-                    output_token_ids=list(req.output_token_ids),
-                    sampling_params=req.sampling_params,
-                    block_ids=kv.get_block_ids(rid),
-                    num_computed_tokens=req.num_computed_tokens,
-                    eos_token_id=req.eos_token_id,
-                )
-            )
+        # The same worker copy the scheduler sends: a pooling request keeps its params and token-type boundary.
+        new_reqs = [new_request_data(self.step[rid][0], kv.get_block_ids(rid)) for rid in ids]
         scheduled = {rid: self.step[rid][1] for rid in ids}
         # Swap-ins are idempotent (host blocks are not reused during recovery); swap-outs never get here.
         return SchedulerOutput(

@@ -41,6 +41,21 @@ from vllm_lite.worker.step import CachedRequestData, ModelRunnerOutput, NewReque
 logger = logging.getLogger("vllm_lite.scheduler")
 
 
+def new_request_data(r: Request, block_ids: list[int]) -> NewRequestData:
+    """The worker's copy of a request joining its batch (step recovery re-sends the same when it probes)."""
+    return NewRequestData(
+        req_id=r.request_id,
+        prompt_token_ids=list(r.prompt_token_ids),
+        output_token_ids=list(r.output_token_ids),
+        sampling_params=r.sampling_params,
+        block_ids=block_ids,
+        num_computed_tokens=r.num_computed_tokens,
+        eos_token_id=r.eos_token_id,
+        pooling_params=r.pooling_params,
+        compressed_token_type_ids=r.compressed_token_type_ids,
+    )
+
+
 class Scheduler:
     def __init__(self, vllm_config: VllmConfig) -> None:
         cc = vllm_config.cache_config
@@ -303,20 +318,7 @@ class Scheduler:
 
         # 3. The diff for the worker.
         new_ids = {r.request_id for r in to_worker_as_new}
-        new_reqs = [
-            NewRequestData(
-                req_id=r.request_id,
-                prompt_token_ids=list(r.prompt_token_ids),
-                output_token_ids=list(r.output_token_ids),
-                sampling_params=r.sampling_params,
-                block_ids=kv.get_block_ids(r.request_id),
-                num_computed_tokens=r.num_computed_tokens,
-                eos_token_id=r.eos_token_id,
-                pooling_params=r.pooling_params,
-                compressed_token_type_ids=r.compressed_token_type_ids,
-            )
-            for r in to_worker_as_new
-        ]
+        new_reqs = [new_request_data(r, kv.get_block_ids(r.request_id)) for r in to_worker_as_new]
         cached = CachedRequestData()
         for r in self.running:
             rid = r.request_id
