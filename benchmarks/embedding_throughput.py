@@ -29,35 +29,21 @@ MINILM = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, inte
 
 def minilm_checkpoint() -> str:
     """A random all-MiniLM-L6-v2-shaped sentence-transformers BERT (mean + Normalize), built once and cached."""
-    import shutil
-    import tempfile
 
     import transformers
 
-    from vllm_lite.testing.checkpoints import _randomize, build_tokenizer, cache_dir
+    from vllm_lite.testing.checkpoints import _randomize, build_tokenizer, cached_build
     from vllm_lite.testing.pooling_checkpoints import bert_config, write_sentence_transformers_files
 
-    final = os.path.join(cache_dir(), "bench-v1-bert-minilm-l6")
-    if os.path.isfile(os.path.join(final, "config.json")):
-        return final
-    os.makedirs(cache_dir(), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".build-bench-bert-", dir=cache_dir())
-    try:
+    def build(tmp: str) -> None:
         build_tokenizer(tmp, vocab_size=2000)
         vocab = len(transformers.AutoTokenizer.from_pretrained(tmp))
         model = transformers.AutoModel.from_config(bert_config(vocab, **MINILM), dtype=torch.float32)
         _randomize(model, std=0.05, seed=0)
         model.save_pretrained(tmp, safe_serialization=True)
         write_sentence_transformers_files(tmp, MINILM["hidden_size"], "mean", normalize=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, "config.json")):
-                raise
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+    return cached_build("bench-v1-bert-minilm-l6", build)
 
 
 def make_texts(n: int, min_words: int, max_words: int, seed: int) -> list[str]:

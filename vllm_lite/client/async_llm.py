@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 from typing import Any, AsyncGenerator, Iterable, Optional, Union
 
 import msgspec
@@ -169,16 +170,9 @@ class AsyncLLM:
         )
         queue = RequestOutputCollector(request.sampling_params.output_kind)
         await self._add_request(prompt_text, request, queue)
-        finished = False
-        try:
-            while not finished:
-                out = queue.get_nowait() or await queue.get()
-                finished = out.finished
+        async with aclosing(self._stream(queue, request_id)) as stream:  # an early close aborts now, not at GC
+            async for out in stream:
                 yield out
-        finally:
-            if not finished:
-                # Cancelled, closed early or failed: stop the work in the core (never blocks).
-                self._abort_nowait([request_id])
 
     async def encode(
         self,
@@ -209,6 +203,12 @@ class AsyncLLM:
         )
         queue = RequestOutputCollector()
         await self._add_request(prompt_text, request, queue)
+        async with aclosing(self._stream(queue, request_id)) as stream:  # an early close aborts now, not at GC
+            async for out in stream:
+                yield out
+
+    async def _stream(self, queue: RequestOutputCollector, request_id: str) -> AsyncGenerator[Any, None]:
+        """A request's outputs until the finished one; cancelled, closed early or failed: abort it in the core."""
         finished = False
         try:
             while not finished:
@@ -217,7 +217,7 @@ class AsyncLLM:
                 yield out
         finally:
             if not finished:
-                self._abort_nowait([request_id])
+                self._abort_nowait([request_id])  # never blocks
 
     async def _add_request(
         self, prompt_text: Optional[str], request: EngineCoreRequest, queue: RequestOutputCollector
