@@ -265,6 +265,31 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA serving limits, by vLLM's names (``enable_lora`` turns this on).
+
+    ``max_loras``: adapters resident in device slots at once, and so the most distinct adapters in one
+    step; ``max_lora_rank``: the rank every slot is sized for (an adapter of higher rank is refused);
+    ``max_cpu_loras``: adapters kept loaded in host memory (LRU), at least ``max_loras``.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        v = self.max_cpu_loras
+        if isinstance(v, bool) or not isinstance(v, int) or v < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({v!r}) must be an integer >= max_loras ({self.max_loras}).")
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -273,6 +298,7 @@ class VllmConfig:
     device_config: DeviceConfig
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: Optional[SpeculativeConfig] = None
+    lora_config: Optional[LoRAConfig] = None
 
 
 # ---------------------------------------------------------------------------- wire form (JSON, no pickle)
