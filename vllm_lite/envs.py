@@ -51,6 +51,10 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _str("VLLM_LITE_ATTENTION_BACKEND", None),
         "Force an attention backend (torch, cpu, triton); unset: chosen by the platform.",
     ),
+    "VLLM_LITE_CPU_ATTENTION_IMPL": (
+        _str("VLLM_LITE_CPU_ATTENTION_IMPL", None),
+        "Key loop of the C++ CPU attention kernel: auto (default: fastest built here), avx512, avx2, portable.",
+    ),
     "VLLM_LITE_PREPACK": (
         _flag("VLLM_LITE_PREPACK", True),
         "Prepack bfloat16 linear weights for oneDNN on CPU at load (default on; 0 turns it off).",
@@ -80,6 +84,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Largest message (bytes) an engine core accepts from a frontend; a bigger one drops that "
         "connection (ZMQ_MAXMSGSIZE). Unset or 0: sized from the model (16 MiB + 32 B per token of "
         "max_model_len and of the vocabulary).",
+    ),
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": (
+        _flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING", False),
+        "vLLM's switch: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default off; "
+        "anyone who can reach the API may then load adapters from the server's disk).",
     ),
     "VLLM_LITE_TEST_CACHE": (
         _str("VLLM_LITE_TEST_CACHE", None),

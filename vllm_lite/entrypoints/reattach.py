@@ -112,7 +112,14 @@ class Reattacher:
                 logger.debug("re-attach attempt %d failed: %s", self.attempts, e)
                 continue
             try:
-                engine = build_attached_engine(self.args, client)
+                # Heartbeats from READY on (the core counts our silence), then the slow part off the loop.
+                await client.call_utility_async("ping")
+            except Exception as e:  # noqa: BLE001 -- it died again: keep trying
+                client.shutdown()
+                logger.debug("re-attach attempt %d: the core did not answer: %s", self.attempts, e)
+                continue
+            try:
+                engine = await asyncio.to_thread(build_attached_engine, self.args, client)
             except Exception:  # noqa: BLE001 -- keep trying; the server stays up meanwhile
                 logger.exception("re-attach: could not build the engine")
                 continue
@@ -128,7 +135,6 @@ class Reattacher:
             metrics = getattr(self.app.state, "metrics", None)
             if metrics is not None:
                 engine.add_stat_logger(metrics)
-            await engine.call_utility_async("ping")  # starts its receive and heartbeat tasks now
             self.app.state.engine_dead = False
             self.app.state.health_monitor.revive()
             logger.warning("re-attached to the engine core after %d attempts", self.attempts)

@@ -12,6 +12,11 @@ with ``/health`` at 503, and it re-attaches (HELLO again) each ``reattach_interv
 core answers at the same address(es) -- or it is stopped: SIGTERM (exit 1 while the engine is
 dead), or the supervisor's ``stop`` control first, when the cores are draining on purpose and
 their exit ends this frontend cleanly (exit 0).
+
+Start-up and heartbeats: from READY on, the core counts this frontend's silence (``--heartbeat-timeout``,
+10 s) and the client heartbeats from a task on this event loop. So the handshake runs in a worker thread,
+the heartbeat task starts the moment READY is in, and what is slow after it (the tokenizer, building the
+app) runs in a worker thread too: the loop keeps beating however long a loaded machine takes.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ import asyncio
 import logging
 import os
 import socket
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import msgspec
 
-from vllm_lite.entrypoints.reattach import Reattacher, build_attached_engine, reattaching_app
+from vllm_lite.entrypoints.openai.lora_modules import LoRAModulePath
+from vllm_lite.entrypoints.reattach import Reattacher, attach_client, build_attached_engine, reattaching_app
 from vllm_lite.launcher import open_pidfd
 from vllm_lite.launcher_child import ChildChannel, Control, run_child
 
@@ -62,6 +68,7 @@ class FrontendArgs(msgspec.Struct, kw_only=True):
     tool_call_parser: Optional[str] = None
     ssl_keyfile: Optional[str] = None
     ssl_certfile: Optional[str] = None
+    lora_modules: list[LoRAModulePath] = []  # --lora-modules: loaded before the frontend says it is ready
 
 
 class FrontendReady(msgspec.Struct):
@@ -84,21 +91,32 @@ def watch_pids(loop: asyncio.AbstractEventLoop, pids: list[int], on_exit: Callab
     return fds
 
 
-async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> int:
-    """Attach, serve HTTP on the inherited socket until told to stop or a core dies; the exit code."""
-    from vllm_lite.entrypoints.openai.api_server import build_app, serve_app
+async def serve(
+    args: FrontendArgs, channel: Optional[ChildChannel] = None, app_factory: Optional[Callable[..., Any]] = None
+) -> int:
+    """Attach, serve HTTP on the inherited socket until told to stop or a core dies; the exit code.
 
-    engine = build_attached_engine(args)
+    ``app_factory``: what builds the app (``api_server.build_app``'s signature; tests pass a slow one).
+    """
+    from vllm_lite.entrypoints.openai.api_server import build_app, init_static_loras, serve_app
+
+    factory = app_factory or build_app
     loop = asyncio.get_running_loop()
+    # HELLO/READY blocks on sockets: off the loop, which is free to beat as soon as READY is in.
+    client = await asyncio.to_thread(attach_client, args)
+    engine: Any = None
     pidfds: list[int] = []
     reattacher: Optional[Reattacher] = None
     try:
-        # Starts the client's receive and heartbeat tasks now, so the core does not drop us as silent.
-        await engine.call_utility_async("ping")
-        app, engine, reattacher = reattaching_app(
+        # Starts the client's receive and heartbeat tasks now, before anything slow.
+        await client.call_utility_async("ping")
+        # The tokenizer and the app take seconds on a loaded machine: worker threads, the loop keeps beating.
+        engine = await asyncio.to_thread(build_attached_engine, args, client)
+        app, engine, reattacher = await asyncio.to_thread(
+            reattaching_app,
             args,
             engine,
-            lambda handle, **on_death: build_app(
+            lambda handle, **on_death: factory(
                 handle,
                 args.served_model_names or None,
                 api_key=args.api_key,
@@ -114,9 +132,11 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
                 max_request_body_bytes=args.max_request_body_bytes,
                 enable_auto_tool_choice=args.enable_auto_tool_choice,
                 tool_call_parser=args.tool_call_parser,
+                lora_modules=list(args.lora_modules),
                 **on_death,
             ),
         )
+        await init_static_loras(app)  # a bad --lora-modules adapter is a start-up error, with its reason
 
         def core_exited(pid: int) -> None:
             for fd in pidfds:
@@ -166,7 +186,7 @@ async def serve(args: FrontendArgs, channel: Optional[ChildChannel] = None) -> i
                 pass
             os.close(fd)
         try:
-            engine.shutdown()
+            (engine if engine is not None else client).shutdown()
         except Exception:  # noqa: BLE001 -- exiting anyway
             logger.exception("engine shutdown failed")
 

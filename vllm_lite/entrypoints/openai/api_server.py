@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vllm_lite
+from vllm_lite import envs
 from vllm_lite.entrypoints.openai.errors import (
     AuthenticationError,
     BadRequestError,
@@ -35,19 +36,21 @@ from vllm_lite.entrypoints.openai.errors import (
     make_error,
 )
 from vllm_lite.entrypoints.openai.health import HealthMonitor
+from vllm_lite.entrypoints.openai.lora_modules import LoRAModulePath
 from vllm_lite.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from vllm_lite.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from vllm_lite.entrypoints.openai.protocol_pooling import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 from vllm_lite.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_lite.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm_lite.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from vllm_lite.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_lite.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from vllm_lite.entrypoints.openai.serving_score import OpenAIServingRerank, OpenAIServingScores
 from vllm_lite.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -61,6 +64,9 @@ KNOWN_PATHS = PUBLIC_PATHS | {"/v1/models", "/v1/completions", "/v1/chat/complet
 # Pooling models' endpoints (vLLM's paths, its /v1 and /v2 aliases included).
 POOLING_PATHS = frozenset({"/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
 KNOWN_PATHS |= POOLING_PATHS
+# vLLM's runtime adapter routes (served with $VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+KNOWN_PATHS |= LORA_PATHS
 
 
 # --max-request-body-bytes default: far more than any prompt max_model_len allows, far less than a flood.
@@ -180,11 +186,17 @@ def build_app(
     max_request_body_bytes: Optional[int] = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: Optional[str] = None,
+    lora_modules: Sequence[LoRAModulePath] = (),
+    allow_runtime_lora_updating: Optional[bool] = None,
 ) -> FastAPI:
     """The FastAPI app for `engine` (AsyncLLM or anything with its interface).
 
     The keyword options after `on_engine_dead` are vLLM's server flags of the same names
     (`server_options(args)` reads them from parsed CLI arguments).
+
+    `lora_modules` (--lora-modules) are loaded when the app starts (or earlier by `init_static_loras`);
+    `allow_runtime_lora_updating` (default $VLLM_ALLOW_RUNTIME_LORA_UPDATING) adds vLLM's
+    /v1/load_lora_adapter and /v1/unload_lora_adapter routes.
 
     `on_engine_dead(reason)` runs once when the engine is found dead; by
     default the app asks its uvicorn server (set as `app.state.server` by
@@ -241,8 +253,17 @@ def build_app(
         on_dead=handle_dead,
     )
 
+    models = OpenAIServingModels(
+        engine,
+        names,
+        model_path=engine.model_config.model,
+        max_model_len=int(engine.model_config.max_model_len),
+        lora_modules=lora_modules,
+    )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await init_static_loras(app)  # a no-op when the caller did it before serving
         monitor.start()
         try:
             yield
@@ -263,17 +284,19 @@ def build_app(
     app.state.server = None
     app.state.metrics = metrics
     app.state.health_monitor = monitor
-    completion = OpenAIServingCompletion(engine, names, metrics)
+    app.state.openai_serving_models = models
+    completion = OpenAIServingCompletion(engine, names, metrics, models=models)
     chat = OpenAIServingChat(
         engine,
         names,
         metrics,
+        models=models,
         chat_template=chat_template,
         response_role=response_role,
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
     )
-    tokenization = OpenAIServingTokenization(engine, names, metrics, chat_template=chat_template)
+    tokenization = OpenAIServingTokenization(engine, names, metrics, chat_template=chat_template, models=models)
     embedding = OpenAIServingEmbedding(engine, names, metrics)
     pooling = OpenAIServingPooling(engine, names, metrics)
     scores = OpenAIServingScores(engine, names, metrics)
@@ -359,10 +382,21 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        cards = [
-            ModelCard(id=name, root=engine.model_config.model, max_model_len=completion.max_model_len) for name in names
-        ]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(models.show_available_models().model_dump())
+
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING if allow_runtime_lora_updating is None else allow_runtime_lora_updating:
+        logger.warning(
+            "LoRA adapters can be loaded and unloaded at runtime (/v1/load_lora_adapter): anyone who can reach "
+            "this API may load any adapter directory this server can read."
+        )
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Any:
+            return await respond(lambda: _as_text(models.load_lora_adapter(request)))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Any:
+            return await respond(lambda: _as_text(models.unload_lora_adapter(request)))
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
@@ -420,6 +454,18 @@ class _RequestLog:
         client = raw_request.client.host if raw_request.client is not None else "-"
         fields = request.model_dump(exclude_unset=True, exclude={"prompt", "messages"})
         logger.info("request from %s to %s: %s", client, raw_request.url.path, fields)
+
+
+async def _as_text(coro: Any) -> Response:
+    """A 200 with plain text, as vLLM answers the adapter routes."""
+    return Response(content=await coro, status_code=200, media_type="text/plain")
+
+
+async def init_static_loras(app: FastAPI) -> None:
+    """Load the app's --lora-modules into the engine now (once): ValueError naming the adapter that failed."""
+    if not getattr(app.state, "static_loras_loaded", False):
+        await app.state.openai_serving_models.init_static_loras()
+        app.state.static_loras_loaded = True
 
 
 async def _as_json(coro: Any) -> Response:
@@ -558,6 +604,7 @@ def server_options(args: Any) -> dict[str, Any]:
         "max_request_body_bytes": args.max_request_body_bytes,
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
+        "lora_modules": list(getattr(args, "lora_modules", None) or []),
     }
 
 

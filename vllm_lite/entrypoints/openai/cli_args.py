@@ -12,6 +12,7 @@ import json
 from vllm_lite import envs
 from vllm_lite.cli_flags import flag_name, flag_specs
 from vllm_lite.engine_args import EngineArgs
+from vllm_lite.entrypoints.openai.lora_modules import add_lora_modules_flag, check_lora_modules_args
 from vllm_lite.entrypoints.openai.tool_parsers import ToolParserManager
 
 # Engine flags that still mean something when attaching to a running core (--engine).
@@ -71,14 +72,17 @@ def add_http_options(srv: argparse._ArgumentGroup) -> None:
         choices=ToolParserManager.names(),
         help="How tool calls are read out of the model's replies under tool_choice auto (vLLM's parser names).",
     )
+    add_lora_modules_flag(srv)
 
 
 def check_tool_args(args: argparse.Namespace) -> None:
-    """ValueError when --enable-auto-tool-choice comes without a parser, as vLLM refuses it at start-up."""
+    """ValueError, as vLLM refuses them at start-up: --enable-auto-tool-choice without a parser, and
+    --lora-modules without --enable-lora."""
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise ValueError(
             "--enable-auto-tool-choice needs --tool-call-parser (one of: " + ", ".join(ToolParserManager.names()) + ")."
         )
+    check_lora_modules_args(args)
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -379,12 +379,27 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "vllm-lite"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model (vLLM's card); None for a base model
     max_model_len: Optional[int] = None
 
 
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+class LoadLoRAAdapterRequest(StrictRequestModel):
+    """POST /v1/load_lora_adapter (vLLM's body; the route exists with $VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(StrictRequestModel):
+    """POST /v1/unload_lora_adapter: by name, or by the id the server gave it (vLLM's body)."""
+
+    lora_name: Optional[str] = None
+    lora_int_id: Optional[int] = None
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -61,7 +61,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Any = None
     ) -> Union[ChatCompletionResponse, StreamingResponse]:
-        self.check_model(request.model)
+        lora_request = self.check_model_or_adapter(request.model)
         self.check_fields(CHAT_FIELDS, request)
         self.check_engine()
         top_logprobs = request.top_logprobs
@@ -105,12 +105,15 @@ class OpenAIServingChat(OpenAIServing):
             params,
             request_id,
             request.priority,
+            lora_request,
         )
         if constraint_field is not None:
             async with DisconnectWatcher(raw_request, lambda: self.abort_all([request_id])):
                 gen = await self.refused_before_tokens(gen, constraint_field)
         if request.stream:
-            body = self._stream(request, prompt_ids, gen, request_id, created, raw_request, plan)
+            body = self._stream(
+                request, prompt_ids, gen, request_id, created, raw_request, plan, self.response_model(lora_request)
+            )
             return StreamingResponse(body, media_type="text/event-stream")
 
         final: Optional[RequestOutput] = None
@@ -120,7 +123,9 @@ class OpenAIServingChat(OpenAIServing):
                     final = out
             finally:
                 await shielded(gen.aclose())
-        return self._response(request, prompt_ids, final, request_id, created, num_logprobs, plan)
+        return self._response(
+            request, prompt_ids, final, request_id, created, num_logprobs, plan, self.response_model(lora_request)
+        )
 
     # ------------------------------------------------------------------ whole response
     def _response(
@@ -132,6 +137,7 @@ class OpenAIServingChat(OpenAIServing):
         created: int,
         num_logprobs: Optional[int],
         plan: ToolPlan,
+        model_name: Optional[str] = None,
     ) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
@@ -156,7 +162,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=request_id,
             created=created,
-            model=self.model_name,
+            model=model_name or self.model_name,
             choices=choices,
             usage=UsageInfo(
                 prompt_tokens=len(prompt_ids),
@@ -187,7 +193,9 @@ class OpenAIServingChat(OpenAIServing):
         created: int,
         raw_request: Any,
         plan: ToolPlan,
+        model_name: Optional[str] = None,
     ) -> AsyncGenerator[str, None]:
+        model = model_name or self.model_name
         n = request.n
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         completion_tokens = [0] * n
@@ -195,7 +203,7 @@ class OpenAIServingChat(OpenAIServing):
         streamers = [ToolCallStreamer(parser) for _ in range(n)] if parser is not None else None
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> ChatCompletionStreamResponse:
-            c = ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name, choices=choices)
+            c = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices)
             if request.continuous_usage:
                 c.usage = _usage(len(prompt_ids), sum(completion_tokens))
             return c
@@ -252,7 +260,7 @@ class OpenAIServingChat(OpenAIServing):
                 final = ChatCompletionStreamResponse(
                     id=request_id,
                     created=created,
-                    model=self.model_name,
+                    model=model,
                     choices=[],
                     usage=_usage(len(prompt_ids), sum(completion_tokens)),
                 )

@@ -35,7 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(
         self, request: CompletionRequest, raw_request: Any = None
     ) -> Union[CompletionResponse, StreamingResponse]:
-        self.check_model(request.model)
+        lora_request = self.check_model_or_adapter(request.model)
         self.check_fields(COMPLETION_FIELDS, request)
         self.check_engine()
         if request.stream and request.best_of is not None and request.best_of > request.n:
@@ -68,6 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.validate_request(p.token_ids, params, constraint_field)
             params_list.append(params)
 
+        model_name = self.response_model(lora_request)
         base_id = random_id("cmpl")
         created = int(time.time())
         request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
@@ -79,6 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 params,
                 rid,
                 request.priority,
+                lora_request,
             )
             for p, params, rid in zip(prompts, params_list, request_ids)
         ]
@@ -87,7 +89,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 generators = await self.all_refused_before_tokens(generators, constraint_field)
         merged = merge_async_iterators(*generators)
         if request.stream:
-            body = self._stream(request, prompts, merged, base_id, created, request_ids, raw_request, echo_only)
+            body = self._stream(
+                request, prompts, merged, base_id, created, request_ids, raw_request, echo_only, model_name
+            )
             return StreamingResponse(body, media_type="text/event-stream")
 
         finals: list[Optional[RequestOutput]] = [None] * len(prompts)
@@ -97,7 +101,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     finals[i] = out
             finally:
                 await shielded(merged.aclose())
-        return self._response(request, prompts, finals, base_id, created, echo_only)
+        return self._response(request, prompts, finals, base_id, created, echo_only, model_name)
 
     # ------------------------------------------------------------------ prompts
     def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
@@ -138,6 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
         base_id: str,
         created: int,
         echo_only: bool = False,
+        model_name: Optional[str] = None,
     ) -> CompletionResponse:
         choices: list[CompletionResponseChoice] = []
         usage = UsageInfo()
@@ -171,7 +176,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                 )
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        return CompletionResponse(id=base_id, created=created, model=self.model_name, choices=choices, usage=usage)
+        model = model_name or self.model_name
+        return CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage)
 
     @staticmethod
     def _prompt_lps(out: RequestOutput, n: int) -> list:
@@ -189,7 +195,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request_ids: list[str],
         raw_request: Any,
         echo_only: bool = False,
+        model_name: Optional[str] = None,
     ) -> AsyncGenerator[str, None]:
+        model = model_name or self.model_name
         n = request.n
         num_choices = len(prompts) * n
         text_offsets = [0] * num_choices
@@ -224,7 +232,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         chunk = CompletionStreamResponse(
                             id=base_id,
                             created=created,
-                            model=self.model_name,
+                            model=model,
                             choices=[
                                 CompletionResponseStreamChoice(
                                     index=idx,
@@ -243,7 +251,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 final = CompletionStreamResponse(
                     id=base_id,
                     created=created,
-                    model=self.model_name,
+                    model=model,
                     choices=[],
                     usage=_usage(prompt_tokens, sum(completion_tokens)),
                 )

@@ -21,7 +21,9 @@ from vllm_lite.entrypoints.openai.protocol import (
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
 )
+from vllm_lite.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm_lite.entrypoints.openai.utils import shielded
+from vllm_lite.lora.request import LoRARequest
 from vllm_lite.outputs import Logprob, RequestOutput
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.structured_output.validation import validate_structured_outputs
@@ -42,12 +44,15 @@ class OpenAIServing:
         metrics: Optional[ServerMetrics] = None,
         *,
         chat_template: Optional[str] = None,
+        models: Optional[OpenAIServingModels] = None,
     ) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model.")
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
+        # The LoRA adapters a request's `model` may name (shared by every endpoint; None: the base model only).
+        self.models = models
         self.model_config = engine.model_config
         self.max_model_len = int(self.model_config.max_model_len)
         # The attribute, not get_tokenizer(): AsyncLLM's is a coroutine, as in vLLM.
@@ -64,6 +69,17 @@ class OpenAIServing:
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model not in self.served_model_names:
             raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
+
+    def check_model_or_adapter(self, model: Optional[str]) -> Optional[LoRARequest]:
+        """The LoRA adapter `model` names (None: the base model); 404 for a name that is neither."""
+        if self.models is None or model is None or model in self.served_model_names:
+            self.check_model(model)
+            return None
+        return self.models.lora_request(model)
+
+    def response_model(self, lora_request: Optional[LoRARequest]) -> str:
+        """The `model` a response reports: the adapter's name when one ran (vLLM's rule)."""
+        return lora_request.lora_name if lora_request is not None else self.model_name
 
     @staticmethod
     def check_fields(rules: dict, request: Any) -> None:
@@ -184,13 +200,20 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running requests
     async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for one request; leaving early (error, cancel, close) aborts it in the core."""
         tracker = self.metrics.tracker(params.output_kind) if self.metrics is not None else None
         finished = False
+        # Only with an adapter: engines (and test fakes) without LoRA keep their plain signature.
+        extra = {"lora_request": lora_request} if lora_request is not None else {}
         try:
-            async for out in self.engine.generate(prompt, params, request_id, priority=priority):
+            async for out in self.engine.generate(prompt, params, request_id, priority=priority, **extra):
                 if tracker is not None:
                     tracker.observe(out)
                 finished = out.finished

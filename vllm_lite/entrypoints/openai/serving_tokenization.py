@@ -14,7 +14,7 @@ from vllm_lite.entrypoints.openai.serving_engine import OpenAIServing
 
 class OpenAIServingTokenization(OpenAIServing):
     async def tokenize_request(self, request: TokenizeRequest) -> TokenizeResponse:
-        self.check_model(request.model)
+        self.check_model_or_adapter(request.model)  # an adapter shares the base model's tokenizer
         if (request.prompt is None) == (request.messages is None):
             raise BadRequestError("Pass exactly one of prompt and messages.", param="prompt")
         if request.messages is not None:
@@ -33,7 +33,7 @@ class OpenAIServingTokenization(OpenAIServing):
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
     async def detokenize_request(self, request: DetokenizeRequest) -> DetokenizeResponse:
-        self.check_model(request.model)
+        self.check_model_or_adapter(request.model)  # an adapter shares the base model's tokenizer
         vocab = int(getattr(self.model_config, "vocab_size", 0) or len(self.tokenizer))
         bad = [t for t in request.tokens if t < 0 or t >= vocab]
         if bad:
