@@ -90,7 +90,7 @@ def test_repo_id_loads_and_generates_like_the_local_directory(hf_cache, tiny_che
     "kwargs, error, match",
     [
         ({"trust_remote_code": True}, ValueError, "runs no code from checkpoints"),
-        ({"quantization": "awq"}, ValueError, "quantization='awq'.*implements: none"),
+        ({"quantization": "awq"}, ValueError, "quantization='awq'.*not quantized"),
         ({"max_logprobs": -1}, ValueError, "max_logprobs"),
         ({"generation_config": "/no/such/dir"}, FileNotFoundError, "generation_config"),
     ],

@@ -17,6 +17,7 @@ import torch
 from vllm_lite.config_values import config_fields
 from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
 from vllm_lite.pooling_config import PoolerConfig
+from vllm_lite.quantization.quant_config import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 _NOTED: set[str] = set()
@@ -48,6 +49,9 @@ class ModelConfig:
     # "generate" or "pooling" (vLLM's --runner, "auto" resolved); a pooling model's resolved pooler settings.
     runner_type: str = "generate"
     pooler_config: Optional[PoolerConfig] = None
+    # vLLM's `quantization` (the method, resolved against the checkpoint) and the format's settings.
+    quantization: Optional[str] = None
+    quant_config: Optional[QuantizationConfig] = None
 
     @property
     def name(self) -> str:

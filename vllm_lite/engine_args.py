@@ -30,6 +30,7 @@ from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
 from vllm_lite.dtype_policy import resolve_dtype
 from vllm_lite.platform import resolve_device
 from vllm_lite.pooling_config import RUNNERS, PoolerConfig, resolve_pooler_config, resolve_runner
+from vllm_lite.quantization.quant_config import resolve_quantization
 
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -107,7 +108,11 @@ class EngineArgs:
     )
     quantization: Optional[str] = field(
         default=None,
-        metadata={"help": "Quantization method; none is implemented yet, so any value is refused.", "aliases": ("-q",)},
+        metadata={
+            "help": "Method the weights are quantized with: awq or gptq (int4 checkpoints). Default: what the "
+            "checkpoint's quantization_config says; a method that contradicts it is refused.",
+            "aliases": ("-q",),
+        },
     )
     enforce_eager: bool = field(
         default=False, metadata={"help": "Never capture CUDA graphs (accepted; on CPU everything runs eager anyway)."}
@@ -388,6 +393,7 @@ class EngineArgs:
                 )
         elif self.pooler_config is not None:
             raise ValueError("pooler_config applies to pooling models only (runner='pooling').")
+        quant_config = resolve_quantization(self.quantization, hf, model_dir)
         model_config = ModelConfig(
             model=model_dir,
             tokenizer=tokenizer_dir,
@@ -404,6 +410,8 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             runner_type=runner_type,
             pooler_config=pooler_config,
+            quantization=quant_config.quant_method if quant_config else None,
+            quant_config=quant_config,
         )
         return VllmConfig(
             model_config=model_config,

@@ -74,10 +74,6 @@ def _from_hub(repo_id: str, revision: Optional[str], download_dir: Optional[str]
         raise FileNotFoundError(f"{what}={repo_id!r}: no such repository on the Hugging Face hub.") from None
 
 
-# Quantization methods this engine implements (vLLM has many; we have none yet).
-QUANTIZATION_METHODS: tuple[str, ...] = ()
-
-
 def check_model_options(trust_remote_code: bool, quantization: Optional[str], max_logprobs: int) -> None:
     """Refuse, with the reason, the model options vLLM accepts that this engine cannot honour."""
     if trust_remote_code:
@@ -85,11 +81,7 @@ def check_model_options(trust_remote_code: bool, quantization: Optional[str], ma
             "trust_remote_code=True: vllm-lite runs no code from checkpoints, only its own model "
             "implementations (Llama, Mistral, Qwen2, Qwen3, OPT, ...); leave trust_remote_code off."
         )
-    if quantization is not None:
-        known = ", ".join(QUANTIZATION_METHODS) or "none"
-        raise ValueError(
-            f"quantization={quantization!r} is not supported; quantization methods vllm-lite implements: {known}."
-        )
+    # `quantization` is checked against the checkpoint by quantization.quant_config.resolve_quantization.
     if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
         raise ValueError(f"max_logprobs must be a non-negative integer, got {max_logprobs!r}.")
 

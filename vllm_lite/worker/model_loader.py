@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from vllm_lite.config import ModelConfig
+from vllm_lite.quantization.int4_linear import quantized_linears
 from vllm_lite.worker.models.registry import get_model_class
 from vllm_lite.worker.parallel_state import get_tp_size
 
@@ -92,13 +93,15 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
 
     Done by hand with torch.empty rather than Module.to_empty: the latter routes through
     torch's Python reference ops and costs seconds of imports on first use. Shared
-    parameters (tied embeddings) stay shared.
+    parameters (tied embeddings) stay shared. A parameter marked `keep_dtype` (int4 layers' scales,
+    loaded in float32 so float16/bfloat16 checkpoint values stay exact) keeps its own dtype.
     """
     # id(old) -> (old, new); holding `old` keeps ids unique while we walk the tree.
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def empty_like(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(tuple(t.shape), dtype=dtype if t.dtype.is_floating_point else t.dtype, device=device)
+        keep = not t.dtype.is_floating_point or getattr(t, "keep_dtype", False)
+        return torch.empty(tuple(t.shape), dtype=t.dtype if keep else dtype, device=device)
 
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -127,7 +130,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     hf_config = _hf_config(model_config)
     archs = getattr(hf_config, "architectures", None) or [model_config.architecture]
     cls = get_model_class(archs)
-    with torch.device("meta"), skip_param_init():
+    with torch.device("meta"), skip_param_init(), quantized_linears(model_config.quant_config):
         model = cls(hf_config)
     materialize(model, model_config.dtype, device)
     init_non_persistent_buffers(model)
@@ -137,4 +140,13 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     if missing:
         shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {model_config.model!r} ({len(files)} file(s)) lacks parameters: {shown}.")
+    process_weights_after_loading(model)
     return model.eval()
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each quantized layer settle its loaded weights into the layout its forward reads (vLLM's hook)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)

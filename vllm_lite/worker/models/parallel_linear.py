@@ -8,6 +8,10 @@
   (or [gate slice | up slice]), so per-rank outputs split exactly like TP=1's.
 
 At TP=1 each layer is a plain nn.Linear (same forward, no collective).
+Built inside `quantized_linears(config)` (the model loader does this for AWQ/GPTQ checkpoints), a layer
+holds an int4 weight instead (vLLM's `quant_method`: vllm_lite/quantization/int4_linear.py): its
+qweight/qzeros/scales(/g_idx) load shard by shard as the float weight would, and forward(x) -> y keeps
+its signature, so wrappers (LoRA) call it the same way.
 `loaded` in the loaders is a whole tensor or a lazy safetensors slice: only
 this rank's rows/columns are read from disk.
 """
@@ -19,6 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from vllm_lite.quantization.int4_linear import Int4LinearMethod, current_quant_method
 from vllm_lite.worker.models.cpu_prepack import linear
 from vllm_lite.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 
@@ -63,6 +68,27 @@ def _divide(total: int, tp: int, what: str) -> int:
 # ---------------------------------------------------------------------------- column / row parallel
 
 
+def _init_linear(layer: nn.Linear, in_features: int, out_features: int, bias: bool, input_size_full: int) -> None:
+    """nn.Linear's init, or (inside quantized_linears) an int4 weight in place of `weight`."""
+    method: Optional[Int4LinearMethod] = current_quant_method()
+    if method is None:
+        nn.Linear.__init__(layer, in_features, out_features, bias=bias)
+        layer.quant_method = None
+        return
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features = in_features, out_features
+    layer.register_parameter("weight", None)
+    layer.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+    layer.quant_method = method
+    method.create_weights(layer, in_features, out_features, input_size_full)
+
+
+def _matmul(layer: nn.Linear, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if layer.quant_method is not None:
+        return layer.quant_method.apply(layer, x, bias)
+    return linear(x, layer, bias)
+
+
 class ColumnParallelLinear(nn.Linear):
     """Output rows split across ranks: rank r computes out[:, r*n/tp : (r+1)*n/tp]."""
 
@@ -70,13 +96,16 @@ class ColumnParallelLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, what: str = "out_features") -> None:
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        super().__init__(in_features, _divide(out_features, self.tp_size, what), bias=bias)
+        _init_linear(self, in_features, _divide(out_features, self.tp_size, what), bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self, self.bias)
+        return _matmul(self, x, self.bias)
 
     def load_weight(self, param: torch.Tensor, loaded: Any) -> None:
-        n = param.shape[0]
+        n = self.out_features if self.quant_method is not None else param.shape[0]
+        if self.quant_method is not None and param is not self.bias:
+            self.quant_method.load(self, param, loaded, read_shard, n_range=(0, self.tp_rank * n, n))
+            return
         with torch.no_grad():
             copy_checked(param.data, read_shard(loaded, 0, self.tp_rank * n, n), "column-parallel weight")
 
@@ -88,15 +117,18 @@ class RowParallelLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, what: str = "in_features") -> None:
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        super().__init__(_divide(in_features, self.tp_size, what), out_features, bias=bias)
+        _init_linear(self, _divide(in_features, self.tp_size, what), out_features, bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self, self.bias)
-        y = tensor_model_parallel_all_reduce(linear(x, self, None))
+            return _matmul(self, x, self.bias)
+        y = tensor_model_parallel_all_reduce(_matmul(self, x, None))
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, param: torch.Tensor, loaded: Any) -> None:
+        if self.quant_method is not None and param is not self.bias:
+            self.quant_method.load(self, param, loaded, read_shard, k_start=self.tp_rank * self.in_features)
+            return
         with torch.no_grad():
             if param.dim() == 1:  # bias: replicated
                 copy_checked(param.data, read_shard(loaded), "row-parallel bias")
@@ -140,6 +172,10 @@ class MergedLinear(ColumnParallelLinear):
         if shard_id not in self.shards:
             raise ValueError(f"unknown shard id {shard_id!r}; expected one of {list(self.shards)}.")
         off, size = self.shards[shard_id]
+        if self.quant_method is not None and param is not self.bias:
+            n_range = (off, self.src_start[shard_id], size)
+            self.quant_method.load(self, param, loaded, read_shard, n_range=n_range, shard_id=shard_id)
+            return
         src = read_shard(loaded, 0, self.src_start[shard_id], size)
         with torch.no_grad():
             copy_checked(param.data.narrow(0, off, size), src, f"shard {shard_id!r}")
