@@ -16,6 +16,7 @@ from vllm_lite import platform as _platform
 from vllm_lite.config import (
     CacheConfig,
     DeviceConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -266,6 +267,19 @@ class EngineArgs:
         },
     )
 
+    enable_lora: bool = field(
+        default=False,
+        metadata={"help": "Serve LoRA adapters (PEFT checkpoints) beside the base model, chosen per request."},
+    )
+    max_loras: int = field(default=1, metadata={"help": "Most LoRA adapters in one batch (device slots held at once)."})
+    max_lora_rank: int = field(
+        default=16, metadata={"help": "Largest LoRA rank served; every device slot is sized for it."}
+    )
+    max_cpu_loras: Optional[int] = field(
+        default=None,
+        metadata={"help": "LoRA adapters kept loaded in host memory, least recently used dropped (>= max_loras)."},
+    )
+
     @classmethod
     def add_cli_args(
         cls,
@@ -436,7 +450,14 @@ class EngineArgs:
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,
+            lora_config=self._lora_config(),
         )
+
+    def _lora_config(self) -> Optional[LoRAConfig]:
+        """enable_lora turns LoRA on with these limits (vLLM's); the limits alone change nothing."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras)
 
     def create_dp_engine_configs(self) -> list[VllmConfig]:
         """One VllmConfig per data-parallel rank: its own CUDA devices or a share of the CPU threads.

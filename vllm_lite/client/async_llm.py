@@ -27,6 +27,7 @@ from vllm_lite.client.tokenizer import get_tokenizer
 from vllm_lite.config import ModelConfig, VllmConfig
 from vllm_lite.core.messages import EngineCoreRequest, SchedulerStats
 from vllm_lite.engine_args import EngineArgs
+from vllm_lite.lora.request import LoRARequest
 from vllm_lite.outputs import PoolingRequestOutput, RequestOutput
 from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
@@ -51,7 +52,7 @@ class AsyncLLM:
         self.vllm_config = vllm_config
         self.model_config: ModelConfig = vllm_config.model_config
         self.tokenizer = get_tokenizer(self.model_config.tokenizer)
-        self.processor = Processor(self.model_config, self.tokenizer)
+        self.processor = Processor(self.model_config, self.tokenizer, lora_config=vllm_config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.engine_core: EngineCoreClient = client or make_client(
             vllm_config, multiprocess=True, asyncio_mode=True, **client_kwargs
@@ -148,6 +149,7 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream this request's outputs in ``sampling_params.output_kind``; the last one has finished=True.
 
@@ -167,6 +169,7 @@ class AsyncLLM:
             sampling_params,
             priority=priority,
             client_index=self.engine_core.client_index,
+            lora_request=lora_request,
         )
         queue = RequestOutputCollector(request.sampling_params.output_kind)
         await self._add_request(prompt_text, request, queue)
@@ -318,6 +321,23 @@ class AsyncLLM:
 
     async def get_stats(self) -> dict[str, Any]:
         return await self.call_utility_async("get_stats")
+
+    # ------------------------------------------------------------------ LoRA adapters (vLLM's names)
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into the engine ahead of its requests; True if it was not loaded yet."""
+        self.processor.check_lora_request(lora_request)
+        return bool(await self.call_utility_async("add_lora", lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Drop an adapter from the engine; True if it was loaded."""
+        self.processor.forget_lora(lora_id)
+        return bool(await self.call_utility_async("remove_lora", lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return set(await self.call_utility_async("list_loras"))
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return bool(await self.call_utility_async("pin_lora", lora_id))
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

@@ -15,6 +15,7 @@ from vllm_lite.client.tokenizer import get_tokenizer
 from vllm_lite.config import VllmConfig
 from vllm_lite.core.messages import EngineCoreRequest
 from vllm_lite.engine_args import EngineArgs
+from vllm_lite.lora.request import LoRARequest
 from vllm_lite.outputs import PoolingRequestOutput, RequestOutput
 from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
@@ -32,7 +33,7 @@ class LLMEngine:
         self.vllm_config = vllm_config
         mc = vllm_config.model_config
         self.tokenizer = get_tokenizer(mc.tokenizer)
-        self.processor = Processor(mc, self.tokenizer)
+        self.processor = Processor(mc, self.tokenizer, lora_config=vllm_config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
         self.engine_core = client or make_client(vllm_config, multiprocess=multiprocess_mode, asyncio_mode=False)
 
@@ -97,9 +98,12 @@ class LLMEngine:
         params: Union[SamplingParams, PoolingParams],
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
         """Validate and send one request (n > 1 fans out into child requests sharing the prompt)."""
-        prompt_text, request = self.process_request(request_id, prompt, params, arrival_time, priority)
+        prompt_text, request = self.process_request(
+            request_id, prompt, params, arrival_time, priority, lora_request=lora_request
+        )
         self.add_processed_request(prompt_text, request)
 
     def process_request(
@@ -109,6 +113,7 @@ class LLMEngine:
         params: Union[SamplingParams, PoolingParams],
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        lora_request: Optional[LoRARequest] = None,
     ) -> tuple[Optional[str], EngineCoreRequest]:
         """Validate and tokenize without sending: raises ValueError/TypeError on bad input."""
         if not isinstance(params, (SamplingParams, PoolingParams)):
@@ -120,6 +125,7 @@ class LLMEngine:
             arrival_time=arrival_time or time.time(),
             priority=priority,
             client_index=self.client_index,
+            lora_request=lora_request,
         )
 
     def add_processed_request(self, prompt_text: Optional[str], request: EngineCoreRequest) -> None:
@@ -169,6 +175,25 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.engine_core.call_utility("reset_prefix_cache"))
+
+    # ------------------------------------------------------------------ LoRA adapters (vLLM's names)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into the engine's host cache ahead of its requests; True if it was not loaded yet."""
+        self.processor.check_lora_request(lora_request)
+        return bool(self.engine_core.call_utility("add_lora", lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop an adapter from the engine (host cache and device slot); True if it was loaded."""
+        self.processor.forget_lora(lora_id)
+        return bool(self.engine_core.call_utility("remove_lora", lora_id))
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters the engine holds loaded."""
+        return set(self.engine_core.call_utility("list_loras"))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep an adapter in its device slot: LRU eviction passes it over."""
+        return bool(self.engine_core.call_utility("pin_lora", lora_id))
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

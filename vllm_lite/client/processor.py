@@ -15,8 +15,9 @@ from typing import Any, Optional, Union
 
 from vllm_lite.client.pooling import make_pooling_request
 from vllm_lite.client.token_types import prompt_token_type_boundary
-from vllm_lite.config import ModelConfig
+from vllm_lite.config import LoRAConfig, ModelConfig
 from vllm_lite.core.messages import EngineCoreRequest
+from vllm_lite.lora.request import LoRARequest
 from vllm_lite.pooling_params import GENERATE_ON_POOLING, PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 
@@ -122,8 +123,19 @@ def _eos_ids(value: Any) -> list[int]:
 class Processor:
     """Turns (prompt, SamplingParams) into a validated `EngineCoreRequest`."""
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, max_logprobs: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        max_logprobs: Optional[int] = None,
+        lora_config: Optional[LoRAConfig] = None,
+    ) -> None:
         self.model_config = model_config
+        self.lora_config = lora_config
+        # Adapters seen by this frontend: one id per name and one name per id (vLLM keys everything by id).
+        self._lora_ids: dict[str, int] = {}
+        self._lora_names: dict[int, str] = {}
+        self._lora_checked: set[LoRARequest] = set()
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
         self.max_logprobs = model_config.max_logprobs if max_logprobs is None else max_logprobs
@@ -160,6 +172,7 @@ class Processor:
         priority: int = 0,
         client_index: int = 0,
         cache_salt: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> tuple[Optional[str], EngineCoreRequest]:
         """Validate and tokenize; returns (prompt text if known, the request for the core)."""
         if not isinstance(request_id, str) or not request_id:
@@ -171,6 +184,10 @@ class Processor:
         check_priority(priority)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}.")
+        if lora_request is not None:
+            if isinstance(params, PoolingParams):
+                raise ValueError("lora_request: LoRA adapters apply to generation, not to pooling requests.")
+            self.check_lora_request(lora_request)
         prompt_text, prompt_ids = self._tokenize_prompt(prompt)
         token_types = prompt_token_type_boundary(prompt, len(prompt_ids), isinstance(params, PoolingParams))
         if isinstance(params, PoolingParams):
@@ -189,8 +206,41 @@ class Processor:
             priority=priority,
             client_index=client_index,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         return prompt_text, request
+
+    def check_lora_request(self, lora_request: Any) -> None:
+        """A usable adapter for this engine: LoRA on, a PEFT directory within max_lora_rank, one id per name."""
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}.")
+        if self.lora_config is None:
+            raise ValueError(
+                f"lora_request ({lora_request.lora_name!r}) given but LoRA is not enabled; start the engine with "
+                "enable_lora=True (--enable-lora)."
+            )
+        name, lid = lora_request.lora_name, lora_request.lora_int_id
+        if self._lora_ids.get(name, lid) != lid:
+            raise ValueError(
+                f"lora_request.lora_int_id: adapter {name!r} already has id {self._lora_ids[name]}, got {lid}."
+            )
+        if self._lora_names.get(lid, name) != name:
+            raise ValueError(
+                f"lora_request.lora_name: id {lid} already belongs to adapter {self._lora_names[lid]!r}, got {name!r}."
+            )
+        if lora_request not in self._lora_checked:
+            from vllm_lite.lora.peft_adapter import check_adapter
+
+            check_adapter(lora_request.lora_path, self.lora_config.max_lora_rank)
+            self._lora_checked.add(lora_request)
+        self._lora_ids[name], self._lora_names[lid] = lid, name
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """An adapter removed from the engine: its name and id may be reused."""
+        name = self._lora_names.pop(lora_int_id, None)
+        if name is not None:
+            self._lora_ids.pop(name, None)
+        self._lora_checked = {r for r in self._lora_checked if r.lora_int_id != lora_int_id}
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):

@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable, Optional
 
 from vllm_lite.config import VllmConfig
+from vllm_lite.core.lora_utilities import lora_utilities
 from vllm_lite.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -130,6 +131,7 @@ class EngineCore:
             "get_num_total_blocks": lambda: self.scheduler.num_total_blocks,
             "get_model_facts": lambda: dict(self.model_facts),
             "get_num_unfinished_requests": self.scheduler.get_num_unfinished_requests,
+            **lora_utilities(self.executor, self.config.lora_config),
         }
 
     def shutdown(self) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from vllm_lite.lora.request import LoRARequest
 from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
@@ -56,6 +57,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     pooling_params: Optional[PoolingParams] = None
     # A cross-encoder pair (vLLM's name): the prompt index where token type 1 begins; None: all type 0.
     compressed_token_type_ids: Optional[int] = None
+    # The LoRA adapter this request runs with (vLLM's name); None: the base model.
+    lora_request: Optional[LoRARequest] = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -7,6 +7,7 @@ import time
 from typing import Optional, Union
 
 from vllm_lite.core.messages import EngineCoreRequest, FinishReason
+from vllm_lite.lora.request import LoRARequest
 from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.structured_output.request import StructuredOutputRequest
@@ -60,6 +61,7 @@ class Request:
         tenant_salt: Optional[bytes] = None,
         pooling_params: Optional[PoolingParams] = None,
         compressed_token_type_ids: Optional[int] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -67,6 +69,7 @@ class Request:
         # one-token SamplingParams so the worker's batch rows stay uniform.
         self.pooling_params = pooling_params
         self.compressed_token_type_ids = compressed_token_type_ids  # where token type 1 begins (cross-encoders)
+        self.lora_request = lora_request  # its adapter (None: the base model)
         if sampling_params is None:
             if pooling_params is None:
                 raise ValueError(f"request {request_id!r}: needs sampling_params or pooling_params.")
@@ -117,6 +120,7 @@ class Request:
             tenant_salt=tenant_salt,
             pooling_params=req.pooling_params,
             compressed_token_type_ids=req.compressed_token_type_ids,
+            lora_request=req.lora_request,
         )
 
     def append_output_token_ids(self, token_ids: Union[int, list[int]]) -> None:
@@ -132,6 +136,11 @@ class Request:
     def uses_long_rope(self) -> bool:
         """True once the request is longer than its model's rope switch point (never for other models)."""
         return self.rope_recompute_at is not None and self.num_tokens > self.rope_recompute_at
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model (vLLM's convention)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

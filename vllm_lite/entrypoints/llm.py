@@ -11,6 +11,7 @@ from vllm_lite.client.llm_engine import LLMEngine
 from vllm_lite.client.processor import PromptType
 from vllm_lite.engine_args import EngineArgs
 from vllm_lite.entrypoints import llm_pooling
+from vllm_lite.lora.request import LoRARequest
 from vllm_lite.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -84,9 +85,13 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
         use_tqdm: bool = True,
+        lora_request: Optional[Union[LoRARequest, Sequence[LoRARequest]]] = None,
         priority: Optional[list[int]] = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list; returns RequestOutputs in input order."""
+        """Generate for one prompt or a list; returns RequestOutputs in input order.
+
+        ``lora_request``: one adapter for every prompt, or a list with one per prompt (None: the base model).
+        """
         llm_pooling.check_runner(self.llm_engine.vllm_config.model_config, "generate", "generate")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -101,7 +106,7 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
-        return self._run(prompt_list, params_list, priority, use_tqdm)
+        return self._run(prompt_list, params_list, priority, use_tqdm, _lora_list(lora_request, len(prompt_list)))
 
     def _run(
         self,
@@ -109,6 +114,7 @@ class LLM:
         params: Sequence[Union[SamplingParams, PoolingParams]],
         priority: Optional[list[int]],
         use_tqdm: bool,
+        lora_requests: Optional[list[Optional[LoRARequest]]] = None,
     ) -> list[Any]:
         engine = self.llm_engine
         # Validate everything before anything runs: a bad prompt names its index and nothing is queued.
@@ -120,7 +126,9 @@ class LLM:
                 raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(sp).__name__}")
             rid = str(next(self._counter))
             try:
-                processed.append(engine.process_request(rid, p, sp, priority=priority[i] if priority else 0))
+                lora = lora_requests[i] if lora_requests else None
+                prio = priority[i] if priority else 0
+                processed.append(engine.process_request(rid, p, sp, priority=prio, lora_request=lora))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e
         ids = [req.request_id for _, req in processed]
@@ -150,6 +158,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
         continue_final_message: bool = False,
+        lora_request: Optional[Union[LoRARequest, Sequence[LoRARequest]]] = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a batch of them, rendered with the chat template."""
         from vllm_lite.entrypoints.chat_utils import chat_prompts
@@ -162,7 +171,7 @@ class LLM:
             continue_final_message,
             chat_template_kwargs,
         )
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
@@ -300,6 +309,21 @@ def _final_only(sp: SamplingParams) -> SamplingParams:
     out = sp.clone()
     out.output_kind = RequestOutputKind.FINAL_ONLY
     return out
+
+
+def _lora_list(
+    lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]], n: int
+) -> Optional[list[Optional[LoRARequest]]]:
+    """One adapter for all prompts or one per prompt (vLLM's rule); None: the base model for all."""
+    if lora_request is None:
+        return None
+    if isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if not isinstance(lora_request, (list, tuple)):
+        raise TypeError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}.")
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} lora_request entries for {n} prompts; pass one or one per prompt")
+    return list(lora_request)
 
 
 def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from vllm_lite.config import VllmConfig
 from vllm_lite.worker.gpu_worker import GPUWorker
@@ -26,6 +26,10 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def lora_call(self, method: str, *args: Any) -> Any:
+        """The worker's add_lora / remove_lora / list_loras / pin_lora."""
+        return self.worker.lora_call(method, *args)
 
     def shutdown(self) -> None:
         pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -83,3 +84,7 @@ class GPUWorker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def lora_call(self, method: str, *args: Any) -> Any:
+        """add_lora / remove_lora / list_loras / pin_lora (vLLM's worker methods) on this worker's adapters."""
+        return self.model_runner.lora_call(method, *args)

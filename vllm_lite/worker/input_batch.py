@@ -23,7 +23,7 @@ from vllm_lite.worker.sampling_state import SamplingState
 from vllm_lite.worker.step import NewRequestData
 
 # Per-row scalars that move with a row when the batch condenses.
-_ROW_SCALARS = ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks")
+_ROW_SCALARS = ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks", "lora_ids")
 
 
 class InputBatch:
@@ -47,6 +47,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)  # each row's LoRA adapter id (0: none)
         self.sampling = SamplingState(max_num_reqs, vocab_size, max_model_len, device)
 
     @property
@@ -89,6 +90,7 @@ class InputBatch:
         self.num_tokens[row] = n_prompt + n_out
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
+        self.lora_ids[row] = new.lora_request.lora_int_id if new.lora_request is not None else 0
         self.append_block_ids(row, new.block_ids)
         return row
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from vllm_lite.worker.attention.layer import Attention
 from vllm_lite.worker.forward_context import set_forward_context
 from vllm_lite.worker.input_batch import InputBatch
 from vllm_lite.worker.kv_cache_sizing import measure_peak_allocated
+from vllm_lite.worker.lora_step import lora_call, make_lora_manager, register_new_loras
 from vllm_lite.worker.model_loader import load_model
 from vllm_lite.worker.models.cpu_prepack import maybe_prepack
 from vllm_lite.worker.parallel_state import broadcast_from_driver, get_tp_rank, get_tp_size
@@ -58,6 +59,7 @@ class GPUModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(mc, device)
         maybe_prepack(self.model, device, self.dtype, batch_hint=min(self.max_num_reqs, 64))
+        self.lora_manager = make_lora_manager(vllm_config, self.model, device)  # None without enable_lora
         self.load_time_s = time.perf_counter() - t0
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.takes_token_types = takes_token_type_ids(self.model)  # BERT: cross-encoder pairs carry token types
@@ -155,6 +157,7 @@ class GPUModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         """Apply the scheduler's diff to the persistent batch (which keeps the sampling rows in step)."""
         batch = self.input_batch
+        register_new_loras(self.lora_manager, so.scheduled_new_reqs)
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
         for new in so.scheduled_new_reqs:
@@ -163,6 +166,10 @@ class GPUModelRunner:
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             batch.update_request(req_id, new_blocks, num_computed)
+
+    def lora_call(self, method: str, *args: Any) -> Any:
+        """vLLM's worker LoRA API (add_lora, remove_lora, list_loras, pin_lora), on this runner's adapters."""
+        return lora_call(self.lora_manager, method, *args)
 
     def _move_blocks(self, so: SchedulerOutput) -> None:
         if so.blocks_to_swap_out:
@@ -194,6 +201,8 @@ class GPUModelRunner:
     ) -> ModelRunnerOutput:
         """Prepare inputs, run the model, sample, and report: one forward pass over `batch`."""
         inputs = build_step_inputs(batch, num_scheduled_tokens, self.block_size, self._arange)
+        if self.lora_manager is not None:  # this step's adapters in slots, and each token's slot, built once
+            self.lora_manager.prepare_step(batch.lora_ids[inputs.rows], inputs.num_scheduled)
         hidden = self._run_model(inputs, so)
         if self.pooler is not None:  # a pooling step: every request's whole prompt ran; pool, sample nothing
             batch.num_computed_tokens[inputs.rows] = inputs.seq_lens

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import msgspec
 
+from vllm_lite.lora.request import LoRARequest
 from vllm_lite.pooling_params import PoolingParams
 from vllm_lite.sampling_params import SamplingParams
 
@@ -35,6 +36,8 @@ class NewRequestData:
     pooling_params: Optional[PoolingParams] = None
     # Where token type 1 begins in the prompt (a cross-encoder pair; vLLM's name); None: every token type 0.
     compressed_token_type_ids: Optional[int] = None
+    # Its LoRA adapter (None: the base model); the worker loads it from lora_path on a miss.
+    lora_request: Optional[LoRARequest] = None
 
 
 @dataclass

@@ -53,6 +53,7 @@ def new_request_data(r: Request, block_ids: list[int]) -> NewRequestData:
         eos_token_id=r.eos_token_id,
         pooling_params=r.pooling_params,
         compressed_token_type_ids=r.compressed_token_type_ids,
+        lora_request=r.lora_request,
     )
 
 

@@ -1,0 +1,133 @@
+"""LoRA-wrapped linear layers: the model's projections after load, each with ``max_loras`` adapter slots.
+
+As vLLM's ``from_layer``: a wrapper takes the place of a loaded projection and computes
+``y = base(x) + expand(shrink(x, A[slot[t]]), B[slot[t]])`` for every token t of the step, batched over
+tokens (``ops``), where ``slot[t]`` comes from the model's shared `LoRAState` (-1: no adapter).
+
+Slot tensors per layer: ``lora_a`` [max_loras, n_sub * max_rank, in] stacks the A matrices of the fused
+sub-projections (q/k/v, or gate/up) so one shrink serves them all; ``lora_b[i]`` [max_loras, out_i, max_rank]
+holds sub-projection i's B, which lands at its output offset in the fused output. Ranks below max_rank are
+zero-padded, and the adapter's scale is folded into B.
+
+Tensor parallel: a column-parallel layer keeps A whole and this rank's rows of B (where its base weight's
+rows come from); a row-parallel layer keeps this rank's columns of A and all of B, and its partial delta is
+added before the all-reduce that sums the base layer's partial products, so the sum carries the whole delta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from vllm_lite.lora.ops import lora_expand, lora_shrink
+from vllm_lite.worker.models.cpu_prepack import linear
+from vllm_lite.worker.parallel_state import tensor_model_parallel_all_reduce
+
+
+@dataclass
+class LoRAState:
+    """Shared by every wrapped layer of one model: this step's per-token slot index (None: no adapter runs)."""
+
+    token_slots: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class SubProjection:
+    """One HF projection inside a (possibly fused) layer: its PEFT module name and where its rows sit."""
+
+    module: str
+    out_offset: int  # in this rank's fused output
+    out_size: int  # this rank's rows
+    src_start: int  # where this rank's rows start in the full projection
+
+
+class LoRALinear(nn.Module):
+    """A projection with adapter slots; attributes it lacks are the base layer's (``split``, ``num_heads``...)."""
+
+    def __init__(
+        self,
+        base: nn.Module,
+        subs: list[SubProjection],
+        row_parallel: bool,
+        state: LoRAState,
+        max_loras: int,
+        max_rank: int,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.subs = subs
+        self.row_parallel = row_parallel
+        self.state = state
+        self.max_rank = max_rank
+        self.tp_rank = int(getattr(base, "tp_rank", 0))
+        self.tp_size = int(getattr(base, "tp_size", 1))
+        self.in_local = int(base.in_features)
+        w = base.weight
+        dtype, device = w.dtype, w.device
+        self.register_buffer(
+            "lora_a", torch.zeros((max_loras, len(subs) * max_rank, self.in_local), dtype=dtype, device=device)
+        )
+        self.lora_b = [torch.zeros((max_loras, s.out_size, max_rank), dtype=dtype, device=device) for s in subs]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["base"], name)
+
+    # ------------------------------------------------------------------ slots
+    def set_slot(self, slot: int, weights: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Write one adapter (per sub-projection: (A [r, in_local], B [out_i, r] scaled) or None) into a slot."""
+        self.lora_a[slot].zero_()
+        for i, ab in enumerate(weights):
+            self.lora_b[i][slot].zero_()
+            if ab is None:
+                continue
+            a, b = ab
+            r = a.shape[0]
+            self.lora_a[slot, i * self.max_rank : i * self.max_rank + r].copy_(a)
+            self.lora_b[i][slot, :, :r].copy_(b)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        for b in self.lora_b:
+            b[slot].zero_()
+
+    def shard(self, sub: SubProjection, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a full adapter pair, as the base weight is split (see the module docstring)."""
+        if self.row_parallel:
+            return a[:, self.tp_rank * self.in_local : (self.tp_rank + 1) * self.in_local], b
+        return a, b[sub.src_start : sub.src_start + sub.out_size]
+
+    # ------------------------------------------------------------------ forward
+    def _add_delta(self, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+        buf = lora_shrink(x, self.lora_a, slots)
+        r = self.max_rank
+        for i, sub in enumerate(self.subs):
+            part = buf if len(self.subs) == 1 else buf[:, i * r : (i + 1) * r].contiguous()
+            lora_expand(y, part, self.lora_b[i], slots, sub.out_offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        slots = self.state.token_slots
+        if slots is None:
+            return self.base(x)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.row_parallel and self.tp_size > 1:
+            y = linear(x2, self.base, None)
+            self._add_delta(y, x2, slots)
+            y = tensor_model_parallel_all_reduce(y)
+            if self.base.bias is not None:
+                y = y + self.base.bias
+        else:
+            y = self.base(x2)
+            self._add_delta(y, x2, slots)
+        return y.view(*shape[:-1], y.shape[-1])
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "LoRALinear":
+        super()._apply(fn, recurse)
+        self.lora_b = [fn(b) for b in self.lora_b]
+        return self
