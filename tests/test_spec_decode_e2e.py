@@ -9,7 +9,9 @@ from the scheduler: each comparison also asserts that drafts were accepted, so i
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 from typing import Any, Iterator
 
 import msgspec
@@ -313,9 +315,27 @@ def test_speculative_config_from_cli_json_and_defaults() -> None:
         parser.parse_args(["--speculative-config", '{"method": "ngram"}'])
 
 
-def test_draft_model_speculation_is_refused_until_implemented() -> None:
-    args = EngineArgs(
-        model=get_checkpoint("llama"), speculative_config={"model": "/draft", "num_speculative_tokens": 2}
-    )
-    with pytest.raises(ValueError, match="draft-model speculation is not implemented"):
-        args.create_engine_config()
+def test_draft_model_of_another_vocabulary_is_refused_naming_the_field(tmp_path) -> None:
+    target = get_checkpoint("llama")
+    with open(os.path.join(target, "config.json")) as f:
+        config = json.load(f)
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, vocab_size=config["vocab_size"] + 8)))
+
+    def create(draft: str) -> None:
+        EngineArgs(
+            model=target, speculative_config={"model": draft, "num_speculative_tokens": 2}
+        ).create_engine_config()
+
+    with pytest.raises(ValueError, match="speculative_config.model: the draft's vocab_size"):
+        create(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with open(os.path.join(target, "tokenizer.json")) as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="speculative_config.model: .* different tokenizer"):
+        create(str(tmp_path))
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        create(str(tmp_path / "missing"))

@@ -260,12 +260,49 @@ class SpeculativeConfig:
                 f"({self.prompt_lookup_min})."
             )
 
+    def check_draft_model(self, target_dir: str, target_hf: dict[str, Any]) -> None:
+        """Method 'draft_model': the draft must exist and share the target's vocabulary (vocab_size and, where both
+        ship a tokenizer.json, the same token -> id map); a ValueError naming speculative_config.model otherwise."""
+        if self.method != "draft_model":
+            return
+        assert self.model is not None
+        try:
+            draft_hf = ModelConfig.read_hf_config(self.model)
+        except FileNotFoundError as e:
+            raise ValueError(f"speculative_config.model: {e}") from e
+        if not draft_hf.get("architectures"):
+            raise ValueError(f"speculative_config.model: config.json in {self.model!r} names no architectures.")
+        vocab, target_vocab = draft_hf.get("vocab_size"), target_hf.get("vocab_size")
+        if vocab != target_vocab:
+            raise ValueError(
+                f"speculative_config.model: the draft's vocab_size ({vocab}) differs from the target's "
+                f"({target_vocab}); a draft model must share the target's tokenizer and vocabulary."
+            )
+        draft_vocab, own_vocab = _tokenizer_vocab(self.model), _tokenizer_vocab(target_dir)
+        if draft_vocab is not None and own_vocab is not None and draft_vocab != own_vocab:
+            raise ValueError(
+                f"speculative_config.model: the draft {self.model!r} has a different tokenizer from the target "
+                f"{target_dir!r}; a draft model must share the target's tokenizer."
+            )
+
     @classmethod
     def from_value(cls, value: Any) -> Optional["SpeculativeConfig"]:
         """From a SpeculativeConfig, a dict or its JSON text (None: no speculation); unknown keys are a ValueError."""
         if value is None or isinstance(value, cls):
             return value
         return cls(**config_fields(value, "speculative_config", cls.__dataclass_fields__))
+
+
+def _tokenizer_vocab(model_dir: str) -> Optional[dict[str, int]]:
+    """The token -> id map of model_dir's tokenizer.json (added tokens included), or None without one."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tok = json.load(f)
+    vocab = dict((tok.get("model") or {}).get("vocab") or {})
+    vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens") or [] if "content" in t and "id" in t})
+    return vocab
 
 
 @dataclass

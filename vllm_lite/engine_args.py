@@ -338,12 +338,10 @@ class EngineArgs:
         check_model_options(self.trust_remote_code, self.quantization, self.max_logprobs)
         structured_outputs_config = StructuredOutputsConfig.from_value(self.structured_outputs_config)
         speculative_config = SpeculativeConfig.from_value(self.speculative_config)
-        if speculative_config is not None and speculative_config.method == "draft_model":
-            raise ValueError(
-                "speculative_config.model: draft-model speculation is not implemented yet; use method 'ngram'."
-            )
         model_dir, tokenizer_dir, gen_dir = resolve_model_and_tokenizer(self)
         hf = ModelConfig.read_hf_config(model_dir)
+        if speculative_config is not None:
+            speculative_config.check_draft_model(model_dir, hf)
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError(f"config.json in {self.model!r} names no architectures.")

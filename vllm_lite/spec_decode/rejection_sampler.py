@@ -149,6 +149,42 @@ def rejection_sample(
     return RejectionSamplerOutput(output_token_ids=out, num_accepted=num_accepted)
 
 
+def rejection_sample_rows(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    has_draft_probs: Optional[torch.Tensor],
+    target_probs: torch.Tensor,
+    is_greedy: torch.Tensor,
+    generators: Optional[dict[int, torch.Generator]] = None,
+) -> RejectionSamplerOutput:
+    """`rejection_sample` where only some rows have draft distributions (bool [B] `has_draft_probs`): those rows
+    use min(1, p/q) with the residual, the others are point masses (coupling path). Same output layout."""
+    generators = generators or {}
+    if draft_probs is None or has_draft_probs is None or not bool(has_draft_probs.any()):
+        return rejection_sample(draft_token_ids, num_draft_tokens, None, target_probs, is_greedy, generators)
+    if bool(has_draft_probs.all()):
+        return rejection_sample(draft_token_ids, num_draft_tokens, draft_probs, target_probs, is_greedy, generators)
+    b, k = draft_token_ids.shape
+    device = target_probs.device
+    out = torch.full((b, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    num_accepted = torch.zeros(b, dtype=torch.int64, device=device)
+    for with_q in (True, False):
+        rows = (has_draft_probs == with_q).nonzero().squeeze(1).to(device)
+        local = {j: generators[r] for j, r in enumerate(rows.tolist()) if r in generators}
+        part = rejection_sample(
+            draft_token_ids[rows],
+            num_draft_tokens[rows],
+            draft_probs[rows] if with_q else None,
+            target_probs[rows],
+            is_greedy[rows],
+            local,
+        )
+        out[rows] = part.output_token_ids
+        num_accepted[rows] = part.num_accepted
+    return RejectionSamplerOutput(output_token_ids=out, num_accepted=num_accepted)
+
+
 def _match_sample(
     draft_token_ids: torch.Tensor,
     num_draft_tokens: torch.Tensor,

@@ -67,7 +67,7 @@ class GPUModelRunner:
         self.backend = _get_backend(device)
         self.sampler = Sampler()
         self.pooler = make_pooler(mc, self.model)  # a pooling model pools instead of sampling
-        self.spec_decode = SpecDecodeStep.maybe_create(vllm_config)  # None without speculative_config
+        self.spec_decode = SpecDecodeStep.maybe_create(vllm_config, device, self.backend)  # None: no speculation
         self.tp_size, self.is_driver = get_tp_size(), get_tp_rank() == 0
         self.input_batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.vocab_size, device
@@ -80,7 +80,9 @@ class GPUModelRunner:
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_size * elem for a in self.attn_layers)
+        target = sum(2 * self.block_size * a.num_kv_heads * a.head_size * elem for a in self.attn_layers)
+        draft = self.spec_decode.draft if self.spec_decode is not None else None
+        return target + (draft.kv_cache_bytes_per_block() if draft is not None else 0)  # one block id, both caches
 
     def initialize_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate one [2, blocks, block_size, kv_heads, head_size] tensor per layer and bind it."""
@@ -103,6 +105,10 @@ class GPUModelRunner:
             if num_cpu_blocks > 0
             else []
         )
+        if self.spec_decode is not None and self.spec_decode.draft is not None:  # same block ids, its own tensors
+            caches, swaps = self.spec_decode.draft.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
+            self.kv_caches += caches
+            self.swap_caches += swaps
 
     # ------------------------------------------------------------------ profiling
     @torch.inference_mode()
@@ -190,6 +196,8 @@ class GPUModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         self._move_blocks(so)
+        if self.spec_decode is not None:
+            self.spec_decode.forget(so.finished_req_ids)
         if so.scheduled_spec_decode_tokens:
             SpecDecodeStep.write_drafts(self.input_batch, so)
         if so.total_num_scheduled_tokens == 0:
@@ -220,7 +228,7 @@ class GPUModelRunner:
         if sampled.num_rejected is not None:
             batch.num_computed_tokens[inputs.rows[sampled.index]] -= sampled.num_rejected
         if self.spec_decode is not None and so is not None:
-            sampled.spec_token_ids = self.spec_decode.propose(batch, inputs, sampled.index)
+            sampled.spec_token_ids = self.spec_decode.propose(batch, inputs, sampled.index, self.is_driver)
         return _build_output(inputs, sampled, prompt_lp)
 
     def _run_model(self, inputs: StepInputs, so: Optional[SchedulerOutput] = None) -> torch.Tensor:
@@ -274,7 +282,9 @@ class GPUModelRunner:
             bitmask = _grammar_bitmask_rows(so, req_ids)
             if bitmask is not None:
                 bitmask = bitmask.to(self.device, non_blocking=True)
-            tokens, lp = SpecDecodeStep.verify(logits, batch.sampling_metadata(s_rows), bitmask, drafts, num_draft)
+            q, has_q = self.spec_decode.draft_probs(req_ids, drafts, num_draft)
+            md = batch.sampling_metadata(s_rows)
+            tokens, lp = SpecDecodeStep.verify(logits, md, bitmask, drafts, num_draft, q, has_q)
         shape = (len(s_idx), drafts.shape[1] + 1)
         token_table = broadcast_from_driver(tokens, shape, torch.int64, self.device).cpu().numpy()
         num_emitted = (token_table >= 0).sum(axis=1)

@@ -26,7 +26,9 @@ import torch
 
 from vllm_lite.config import VllmConfig
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
-from vllm_lite.spec_decode.rejection_sampler import rejection_sample
+from vllm_lite.spec_decode.rejection_sampler import rejection_sample_rows
+from vllm_lite.worker.attention.backend import AttentionBackend
+from vllm_lite.worker.draft_model import DraftModel
 from vllm_lite.worker.input_batch import InputBatch
 from vllm_lite.worker.sampler import Sampler, gather_logprobs, warp
 from vllm_lite.worker.sampling_metadata import SamplingMetadata
@@ -116,22 +118,49 @@ def target_distributions(
 class SpecDecodeStep:
     """Drafts in, verified tokens out, new drafts proposed: the runner calls this around its forward pass."""
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, draft: Optional[DraftModel] = None) -> None:
         sc = vllm_config.speculative_config
-        assert sc is not None and sc.method == "ngram"
-        assert sc.num_speculative_tokens is not None
-        assert sc.prompt_lookup_min is not None and sc.prompt_lookup_max is not None
+        assert sc is not None and sc.num_speculative_tokens is not None
         self.num_spec_tokens = sc.num_speculative_tokens
-        self.proposer = NgramProposer(
-            sc.num_speculative_tokens,
-            sc.prompt_lookup_min,
-            sc.prompt_lookup_max,
-            max_model_len=vllm_config.model_config.max_model_len,
-        )
+        self.draft = draft
+        self.proposer: Optional[NgramProposer] = None
+        if sc.method == "ngram":
+            assert sc.prompt_lookup_min is not None and sc.prompt_lookup_max is not None
+            self.proposer = NgramProposer(
+                sc.num_speculative_tokens,
+                sc.prompt_lookup_min,
+                sc.prompt_lookup_max,
+                max_model_len=vllm_config.model_config.max_model_len,
+            )
+        elif draft is None:
+            raise ValueError(f"speculative_config.method {sc.method!r} needs its draft model")
 
     @staticmethod
-    def maybe_create(vllm_config: VllmConfig) -> Optional["SpecDecodeStep"]:
-        return SpecDecodeStep(vllm_config) if vllm_config.speculative_config is not None else None
+    def maybe_create(
+        vllm_config: VllmConfig, device: torch.device, backend: AttentionBackend
+    ) -> Optional["SpecDecodeStep"]:
+        """None without speculative_config; loads the draft model for method 'draft_model'."""
+        sc = vllm_config.speculative_config
+        if sc is None:
+            return None
+        draft = DraftModel(vllm_config, device, backend) if sc.method == "draft_model" else None
+        return SpecDecodeStep(vllm_config, draft)
+
+    def forget(self, req_ids: set[str]) -> None:
+        """Finished or preempted requests: drop what the proposer kept for them."""
+        if self.draft is not None and req_ids:
+            self.draft.forget(req_ids)
+
+    def draft_probs(
+        self, req_ids: list[str], drafts: np.ndarray, num_draft: np.ndarray
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(q [S, K, V], has_q bool [S]) for sampled draft-model proposals; (None, None) for point masses only."""
+        if self.draft is None:
+            return None, None
+        q = self.draft.draft_probs(req_ids, drafts, num_draft)
+        if q is None:
+            return None, None
+        return q, q.flatten(1).sum(dim=1) > 0
 
     # ------------------------------------------------------------------ before the forward pass
     @staticmethod
@@ -172,15 +201,21 @@ class SpecDecodeStep:
         bitmask: Optional[torch.Tensor],
         drafts: np.ndarray,
         num_draft: np.ndarray,
+        draft_probs: Optional[torch.Tensor] = None,
+        has_draft_probs: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[LogprobsTensors]]:
-        """Driver only. logits [S*(K+1), V] -> (tokens int64 [S, K+1] with -1 padding, logprobs per emitted token)."""
+        """Driver only. logits [S*(K+1), V] -> (tokens int64 [S, K+1] with -1 padding, logprobs per emitted token).
+
+        draft_probs [S, K, V] with has_draft_probs [S]: the rows' sampled-proposal distributions q (other rows, and
+        all rows when None, are point masses)."""
         s, k = drafts.shape
         device = logits.device
         target, greedy = target_distributions(logits, md, bitmask, k + 1)
-        out = rejection_sample(
+        out = rejection_sample_rows(
             torch.from_numpy(drafts).to(device),
             torch.from_numpy(num_draft).to(device),
-            None,
+            draft_probs,
+            has_draft_probs,
             target,
             greedy,
             md.generators,
@@ -195,8 +230,15 @@ class SpecDecodeStep:
         return tokens, lp
 
     # ------------------------------------------------------------------ after sampling
-    def propose(self, batch: InputBatch, inputs: StepInputs, s_idx: np.ndarray) -> list[list[int]]:
-        """Drafts for every request of the step (aligned with inputs.req_ids; [] for rows that did not sample)."""
+    def propose(
+        self, batch: InputBatch, inputs: StepInputs, s_idx: np.ndarray, is_driver: bool = True
+    ) -> list[list[int]]:
+        """Drafts for every request of the step (aligned with inputs.req_ids; [] for rows that did not sample).
+
+        The draft model runs even when no row sampled: its KV must catch up with every prefill chunk."""
+        if self.draft is not None:
+            return self.draft.propose(batch, inputs, s_idx, is_driver)
+        assert self.proposer is not None
         out: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
         if len(s_idx) == 0:
             return out

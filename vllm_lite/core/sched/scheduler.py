@@ -249,7 +249,8 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            blocks = kv.allocate_slots(req, n)
+            n_alloc = n + self.spec.lookahead(req.num_computed_tokens + n, self.max_model_len)
+            blocks = kv.allocate_slots(req, n_alloc)
             while blocks is None:
                 victim = self._pick_victim()
                 vi = self.running.index(victim)
@@ -264,7 +265,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     break
-                blocks = kv.allocate_slots(req, n)
+                blocks = kv.allocate_slots(req, n_alloc)
             if blocks is None:
                 continue  # req preempted itself; the next request now sits at index i
             num_scheduled[req.request_id] = n
@@ -303,7 +304,8 @@ class Scheduler:
                 else:
                     hit_blocks, num_hit = kv.get_computed_blocks(req)
                     n = self._num_new_tokens(req, num_hit, budget)
-                if kv.allocate_slots(req, n, num_hit, hit_blocks) is None:
+                n_alloc = n + self.spec.lookahead(num_hit + n, self.max_model_len)
+                if kv.allocate_slots(req, n_alloc, num_hit, hit_blocks) is None:
                     break
                 self.waiting.pop()
                 kv.record_prefix_cache_lookup(req.num_tokens, num_hit)

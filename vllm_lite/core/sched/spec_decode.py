@@ -42,6 +42,8 @@ class SpecDecodeScheduling:
     def __init__(self, config: Optional[SpeculativeConfig]) -> None:
         self.num_spec_tokens = config.num_speculative_tokens if config is not None else 0
         self.enabled = bool(self.num_spec_tokens)
+        # A draft model writes KV for its k proposal positions past a request's tokens: reserve those slots.
+        self.num_lookahead_tokens = self.num_spec_tokens if config is not None and config.method == "draft_model" else 0
         self._stats: Optional[SpecDecodingStats] = None
         # Since start (never reset): what tests and tools read.
         self.total = SpecDecodingStats.new(self.num_spec_tokens) if self.enabled else None
@@ -56,6 +58,11 @@ class SpecDecodeScheduling:
         if req.max_tokens is not None:
             room = min(room, req.max_tokens - req.num_output_tokens - 1)
         return drafts[: max(0, min(room, self.num_spec_tokens))]
+
+    def lookahead(self, num_tokens_after: int, max_model_len: int) -> int:
+        """Extra KV slots to allocate past `num_tokens_after` (the computed tokens after this step) for the
+        draft model's passes; none past max_model_len."""
+        return max(0, min(self.num_lookahead_tokens, max_model_len - num_tokens_after))
 
     def rollback(self, req: Request, num_drafts: int, num_sampled: int) -> None:
         """After a verified step: `num_sampled` tokens came back for `num_drafts` drafts (accepted + 1)."""
