@@ -4,7 +4,9 @@ Triton picks the interpreter when a kernel is decorated, i.e. when the backend i
 so the CPU cases must run in a process whose environment had TRITON_INTERPRET=1 from the start.
 `python -m vllm_lite.testing.triton_cases --device cpu` is that process: tests start it with the
 variable set in the child's environment only and read the one JSON line it prints (case name ->
-null or the failure text). On CUDA the same checks run in-process, compiled.
+null or the failure text). On CUDA the same checks run in-process, compiled. `--suite lora_int4`
+runs the LoRA and int4 kernels' checks (vllm_lite/testing/triton_lora_int4_cases.py) instead of
+the attention ones, so each test module pays only for its own kernels under the interpreter.
 
 Tolerances against the float64 oracle: float32 1e-5; bfloat16 2e-2 absolute and relative. On
 CUDA, bf16 probabilities are rounded to bf16 before the P·V tensor-core dot; a float32 simulation
@@ -202,10 +204,24 @@ def all_checks(device: str, full: bool) -> dict[str, Callable[[], None]]:
     return checks
 
 
-def run_checks(device: str, full: bool) -> dict[str, Optional[str]]:
+SUITES = ("attention", "lora_int4")
+
+
+def suite_checks(suite: str, device: str, full: bool) -> dict[str, Callable[[], None]]:
+    """The checks of one suite: "attention" (this module) or "lora_int4" (LoRA and int4 kernels)."""
+    if suite == "attention":
+        return all_checks(device, full)
+    if suite == "lora_int4":
+        from vllm_lite.testing import triton_lora_int4_cases
+
+        return triton_lora_int4_cases.all_checks(device, full)
+    raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
+
+
+def run_checks(device: str, full: bool, suite: str = "attention") -> dict[str, Optional[str]]:
     """Run every check; name -> None when it passed, else its failure text (one failure never hides the rest)."""
     results: dict[str, Optional[str]] = {}
-    for name, check in all_checks(device, full).items():
+    for name, check in suite_checks(suite, device, full).items():
         try:
             check()
             results[name] = None
@@ -218,13 +234,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--full", action="store_true", help="the full matrix (default: the interpreter's set)")
+    parser.add_argument("--suite", default="attention", choices=SUITES, help="which kernels' checks to run")
     args = parser.parse_args(argv)
     if args.device == "cpu" and not envs.TRITON_INTERPRET:
         parser.error("--device cpu needs TRITON_INTERPRET=1 in this process's environment")
-    results = run_checks(args.device, args.full)
+    results = run_checks(args.device, args.full, args.suite)
     import triton
 
-    print(json.dumps({"triton": triton.__version__, "device": args.device, "results": results}))
+    print(json.dumps({"triton": triton.__version__, "device": args.device, "suite": args.suite, "results": results}))
     return 0 if all(v is None for v in results.values()) else 1
 
 

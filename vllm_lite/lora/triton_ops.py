@@ -1,0 +1,370 @@
+"""LoRA gather-matmuls on CUDA as Triton kernels, punica-style: one launch serves every adapter in the batch.
+
+``lora_shrink`` computes buf[t] = x[t] @ A[slot(t)]^T (float32) and ``lora_expand`` adds
+buf[t] @ B[slot(t)]^T into a column range of y, for a batch whose tokens use different adapter slots
+(slot -1: no adapter, row untouched). Two kernel shapes, one per regime:
+
+- SGMV (segmented gather-matmul, prefill and large batches): tokens are grouped by slot with a stable
+  argsort on the device (``group_tokens_by_slot``; no host sync, so it stays capturable in a CUDA
+  graph). The grid is (token tiles x output tiles, slots, K splits); a program owns BLOCK_M tokens
+  of ONE slot, gathers their rows, and multiplies them by that slot's weight tile with ``tl.dot``, so
+  each weight tile is read once per token tile. Programs past the end of their slot's tokens exit.
+- BGMV (batched gather matrix-vector, small decode batches): one program per (token, output tile)
+  reads its own slot's weight tile; no grouping at all.
+
+The shrink has a long reduction (hidden size) and a short output (rank), so it splits K over
+programs and adds its partial sums atomically into the float32 buffer; the expand's reduction is the
+rank, so it never splits and each output element is written by exactly one program (y += ... is a
+plain load-add-store). Dots take the weight's dtype (the float32 buffer is rounded to it before the
+expand, as vLLM does) with float32 accumulation; float32 weights use exact ("ieee") dots. Under the
+CPU interpreter (TRITON_INTERPRET=1, the tests) tiles are widened to float32 before ``tl.dot``,
+whose interpreted bf16 path is wrong; the rounding to the weight dtype still happens first.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from vllm_lite import envs
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAS_TRITON = False
+
+# Batches of at most this many tokens take the BGMV kernel; tune with benchmarks/kernels_int4_lora.py.
+BGMV_MAX_TOKENS = 16
+# The shrink splits its reduction until about this many programs run (an H100 has 132 SMs).
+TARGET_PROGRAMS = 256
+MAX_SPLIT_K = 32
+
+
+class SlotGrouping(NamedTuple):
+    """Tokens grouped by adapter slot: computed once per step and shared by every LoRA layer."""
+
+    sorted_tokens: torch.Tensor  # [T] int32: token indices, slot 0's first, no-adapter tokens last
+    slot_start: torch.Tensor  # [S] int32: where each slot's tokens begin in sorted_tokens
+    slot_count: torch.Tensor  # [S] int32: how many tokens each slot has
+
+
+def group_tokens_by_slot(token_slots: torch.Tensor, num_slots: int) -> SlotGrouping:
+    """Stable device-side grouping (no host sync); a slot outside [0, num_slots) counts as no adapter."""
+    slots = token_slots.long()
+    key = torch.where((slots < 0) | (slots >= num_slots), num_slots, slots)
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    ids = torch.arange(num_slots, device=key.device)
+    start = torch.searchsorted(sorted_key, ids)
+    count = torch.searchsorted(sorted_key, ids, right=True) - start
+    return SlotGrouping(order.to(torch.int32), start.to(torch.int32), count.to(torch.int32))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _dot_tile(a, w, acc, W_F32: tl.constexpr, INTERPRET: tl.constexpr):
+        """acc += a @ w with a rounded to w's dtype; exact for float32, float32-widened when interpreted."""
+        a = a.to(w.dtype)
+        if W_F32:
+            acc += tl.dot(a, w, input_precision="ieee")
+        elif INTERPRET:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+        return acc
+
+    @triton.jit
+    def _sgmv_kernel(
+        in_ptr,
+        w_ptr,
+        out_ptr,
+        sorted_tokens_ptr,
+        slot_start_ptr,
+        slot_count_ptr,
+        n_out,
+        k_in,
+        stride_in_t,
+        stride_in_k,
+        stride_w_s,
+        stride_w_n,
+        stride_w_k,
+        stride_out_t,
+        stride_out_n,
+        ACCUMULATE: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        W_F32: tl.constexpr,
+        INTERPRET: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """out[tok, n] (+)= sum_k in[tok, k] * w[slot, n, k] for BLOCK_M of this slot's tokens."""
+        pid = tl.program_id(0)
+        slot = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        num_n = tl.cdiv(n_out, BLOCK_N)
+        pid_m = pid // num_n
+        pid_n = pid % num_n
+        count = tl.load(slot_count_ptr + slot)
+        if pid_m * BLOCK_M >= count:
+            return
+        start = tl.load(slot_start_ptr + slot)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < count
+        tokens = tl.load(sorted_tokens_ptr + start + offs_m, mask=row_ok, other=0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_out
+        w_base = w_ptr + slot.to(tl.int64) * stride_w_s
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(pid_k * BLOCK_K, k_in, BLOCK_K * SPLIT_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_in
+            a = tl.load(
+                in_ptr + tokens[:, None] * stride_in_t + offs_k[None, :] * stride_in_k,
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_base + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k,
+                mask=k_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )
+            acc = _dot_tile(a, w, acc, W_F32, INTERPRET)
+        out = out_ptr + tokens[:, None] * stride_out_t + offs_n[None, :] * stride_out_n
+        mask = row_ok[:, None] & n_ok[None, :]
+        if ACCUMULATE:
+            prev = tl.load(out, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out, (prev + acc).to(out_ptr.dtype.element_ty), mask=mask)
+        elif SPLIT_K > 1:
+            tl.atomic_add(out, acc, mask=mask)
+        else:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _bgmv_kernel(
+        in_ptr,
+        w_ptr,
+        out_ptr,
+        slots_ptr,
+        num_slots,
+        n_out,
+        k_in,
+        stride_in_t,
+        stride_in_k,
+        stride_w_s,
+        stride_w_n,
+        stride_w_k,
+        stride_out_t,
+        stride_out_n,
+        ACCUMULATE: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """out[t, n] (+)= sum_k in[t, k] * w[slot(t), n, k] for one token: a gathered matrix-vector product."""
+        t = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if (slot < 0) | (slot >= num_slots):
+            return
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_out
+        w_base = w_ptr + slot * stride_w_s
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(pid_k * BLOCK_K, k_in, BLOCK_K * SPLIT_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_in
+            w = tl.load(
+                w_base + offs_n[:, None] * stride_w_n + offs_k[None, :] * stride_w_k,
+                mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            a = tl.load(in_ptr + t * stride_in_t + offs_k * stride_in_k, mask=k_ok, other=0.0)
+            a = a.to(w.dtype).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        out = out_ptr + t * stride_out_t + offs_n * stride_out_n
+        if ACCUMULATE:
+            prev = tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(out, (prev + acc).to(out_ptr.dtype.element_ty), mask=n_ok)
+        elif SPLIT_K > 1:
+            tl.atomic_add(out, acc, mask=n_ok)
+        else:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _interpreting() -> bool:
+    return bool(envs.TRITON_INTERPRET)
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("the LoRA Triton kernels need the 'triton' package (pip install 'vllm-lite[triton]')")
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"LoRA kernel inputs must share one device, got {sorted({str(t.device) for t in tensors})}")
+    if device.type != "cuda" and not _interpreting():
+        raise ValueError("the LoRA Triton kernels got CPU tensors: run on CUDA, or set TRITON_INTERPRET=1 first.")
+
+
+def _check_slots(token_slots: torch.Tensor, num_tokens: int) -> None:
+    if token_slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"token_slots must be int32 (or int64), got {token_slots.dtype}")
+    if token_slots.dim() != 1 or token_slots.shape[0] != num_tokens:
+        raise ValueError(f"token_slots must have shape [{num_tokens}], got {list(token_slots.shape)}")
+
+
+def _pow2_block(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+
+
+def _split_k(programs: int, k_in: int, block_k: int) -> int:
+    """Split the reduction until about TARGET_PROGRAMS run, keeping at least one K tile per split."""
+    split = 1
+    while programs * split < TARGET_PROGRAMS and split * 2 * block_k <= k_in and split < MAX_SPLIT_K:
+        split *= 2
+    return split
+
+
+def _resolve_method(method: Optional[str], num_tokens: int) -> str:
+    if method is None:
+        return "bgmv" if num_tokens <= BGMV_MAX_TOKENS else "sgmv"
+    if method not in ("sgmv", "bgmv"):
+        raise ValueError(f"method must be 'sgmv' or 'bgmv', got {method!r}")
+    return method
+
+
+def _launch(
+    inp: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    token_slots: torch.Tensor,
+    accumulate: bool,
+    method: str,
+    grouping: Optional[SlotGrouping],
+    split_k: Optional[int],
+) -> None:
+    """out[t, :] (+)= inp[t] @ w[slot(t)]^T through one kernel launch (out may be a column view)."""
+    num_tokens, k_in = inp.shape
+    num_slots, n_out = w.shape[0], w.shape[1]
+    if num_tokens == 0 or num_slots == 0 or n_out == 0:
+        return
+    strides = (*inp.stride(), *w.stride(), *out.stride())
+    if method == "bgmv":
+        block_n = _pow2_block(n_out, 16, 64 if accumulate else 128)
+        block_k = _pow2_block(k_in, 16, 64 if accumulate else 128)
+        programs = num_tokens * triton.cdiv(n_out, block_n)
+        split = 1 if accumulate else (split_k or _split_k(programs, k_in, block_k))
+        grid = (num_tokens, triton.cdiv(n_out, block_n), split)
+        _bgmv_kernel[grid](
+            inp,
+            w,
+            out,
+            token_slots,
+            num_slots,
+            n_out,
+            k_in,
+            *strides,
+            ACCUMULATE=accumulate,
+            SPLIT_K=split,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=4,
+        )
+        return
+    if grouping is None:
+        grouping = group_tokens_by_slot(token_slots, num_slots)
+    block_m = 16 if num_tokens <= 256 else 32  # upper bound on tiles: sparse slots waste less
+    block_n = _pow2_block(n_out, 16, 64 if not accumulate else 128)
+    block_k = _pow2_block(k_in, 16, 64 if not accumulate else 32)
+    tiles = triton.cdiv(num_tokens, block_m) * triton.cdiv(n_out, block_n)
+    split = 1 if accumulate else (split_k or _split_k(tiles, k_in, block_k))
+    grid = (tiles, num_slots, split)
+    _sgmv_kernel[grid](
+        inp,
+        w,
+        out,
+        grouping.sorted_tokens,
+        grouping.slot_start,
+        grouping.slot_count,
+        n_out,
+        k_in,
+        *strides,
+        ACCUMULATE=accumulate,
+        SPLIT_K=split,
+        W_F32=w.dtype == torch.float32,
+        INTERPRET=_interpreting(),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    token_slots: torch.Tensor,
+    *,
+    grouping: Optional[SlotGrouping] = None,
+    method: Optional[str] = None,
+    split_k: Optional[int] = None,
+) -> torch.Tensor:
+    """[T, R] float32: x[t] @ lora_a[slot(t)]^T, zero rows where the slot is -1.
+
+    x [T, in]; lora_a [S, R, in] (R = the max rank, unused rows zero); token_slots [T] int32.
+    ``grouping`` (from ``group_tokens_by_slot``) saves the per-call sort when many layers share one
+    step; ``method`` forces "sgmv" or "bgmv" and ``split_k`` the reduction split (tests, benchmarks).
+    """
+    if x.dim() != 2 or lora_a.dim() != 3:
+        raise ValueError(f"x must be [T, in] and lora_a [S, R, in], got {list(x.shape)} and {list(lora_a.shape)}")
+    if lora_a.shape[2] != x.shape[1]:
+        raise ValueError(f"lora_a's input size {lora_a.shape[2]} != x's hidden size {x.shape[1]}")
+    _check_slots(token_slots, x.shape[0])
+    method = _resolve_method(method, x.shape[0])
+    if split_k is not None and not 1 <= split_k <= MAX_SPLIT_K:
+        raise ValueError(f"split_k must lie in [1, {MAX_SPLIT_K}], got {split_k}")
+    _check_device(x, lora_a, token_slots)
+    buf = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    _launch(x, lora_a, buf, token_slots, False, method, grouping, split_k)
+    return buf
+
+
+def lora_expand(
+    y: torch.Tensor,
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    out_offset: int = 0,
+    *,
+    grouping: Optional[SlotGrouping] = None,
+    method: Optional[str] = None,
+) -> None:
+    """In place: y[t, off:off + out] += buf[t] @ lora_b[slot(t)]^T, cast to y's dtype; slot -1 rows unchanged.
+
+    y [T, >= off + out]; buf [T, R] (lora_shrink's output); lora_b [S, out, R]. Several projections
+    packed in one y (q|k|v, gate|up) take one call each with their ``out_offset``.
+    """
+    if y.dim() != 2 or buf.dim() != 2 or lora_b.dim() != 3:
+        raise ValueError(
+            f"y must be [T, N], buf [T, R] and lora_b [S, out, R], got {list(y.shape)}, {list(buf.shape)} "
+            f"and {list(lora_b.shape)}"
+        )
+    if buf.shape[0] != y.shape[0]:
+        raise ValueError(f"buf has {buf.shape[0]} rows but y has {y.shape[0]}")
+    if lora_b.shape[2] != buf.shape[1]:
+        raise ValueError(f"lora_b's rank {lora_b.shape[2]} != buf's rank {buf.shape[1]}")
+    if out_offset < 0 or out_offset + lora_b.shape[1] > y.shape[1]:
+        raise ValueError(
+            f"out_offset {out_offset} + lora_b's output size {lora_b.shape[1]} exceeds y's {y.shape[1]} columns"
+        )
+    _check_slots(token_slots, y.shape[0])
+    method = _resolve_method(method, y.shape[0])
+    _check_device(y, buf, lora_b, token_slots)
+    target = y[:, out_offset : out_offset + lora_b.shape[1]]
+    _launch(buf, lora_b, target, token_slots, True, method, grouping, None)
