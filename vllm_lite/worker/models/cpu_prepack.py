@@ -51,8 +51,8 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
         w = getattr(module, "weight", None)
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu":
             continue
-        # Only layers whose forward goes through `linear()` below, and the LM head.
-        is_linear = getattr(module, "supports_prepack", False)
+        # Only float layers whose forward goes through `linear()` below, and the LM head.
+        is_linear = getattr(module, "supports_prepack", False) and getattr(module, "quant_method", None) is None
         if not (is_linear or module is head):
             continue
         try:
@@ -70,7 +70,10 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
 
 
 def linear(x: torch.Tensor, module: nn.Module, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """F.linear through the packed weight when there is one."""
+    """F.linear through the packed weight when there is one; an int4 layer's own matmul when it is one."""
+    method = getattr(module, "quant_method", None)
+    if method is not None:
+        return method.apply(module, x, bias)
     packed = getattr(module, _ATTR, None)
     if packed is None:
         return F.linear(x, module.weight, bias)

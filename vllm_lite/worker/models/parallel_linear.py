@@ -77,16 +77,12 @@ def _init_linear(layer: nn.Linear, in_features: int, out_features: int, bias: bo
         return
     nn.Module.__init__(layer)
     layer.in_features, layer.out_features = in_features, out_features
-    layer.register_parameter("weight", None)
+    # No float weight; a 0-row one still tells wrappers (LoRA) the compute dtype and device, as a prepacked
+    # layer's does. Not a parameter, so the checkpoint is not expected to carry it.
+    layer.register_buffer("weight", torch.empty((0, in_features)), persistent=False)
     layer.bias = nn.Parameter(torch.empty(out_features)) if bias else None
     layer.quant_method = method
     method.create_weights(layer, in_features, out_features, input_size_full)
-
-
-def _matmul(layer: nn.Linear, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if layer.quant_method is not None:
-        return layer.quant_method.apply(layer, x, bias)
-    return linear(x, layer, bias)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -99,7 +95,7 @@ class ColumnParallelLinear(nn.Linear):
         _init_linear(self, in_features, _divide(out_features, self.tp_size, what), bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(self, x, self.bias)
+        return linear(x, self, self.bias)
 
     def load_weight(self, param: torch.Tensor, loaded: Any) -> None:
         n = self.out_features if self.quant_method is not None else param.shape[0]
@@ -121,8 +117,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return _matmul(self, x, self.bias)
-        y = tensor_model_parallel_all_reduce(_matmul(self, x, None))
+            return linear(x, self, self.bias)
+        y = tensor_model_parallel_all_reduce(linear(x, self, None))
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, param: torch.Tensor, loaded: Any) -> None:
