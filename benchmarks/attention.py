@@ -1,9 +1,17 @@
-"""Microbenchmark: paged attention per call, PyTorch reference vs the native CPU kernel.
+"""Microbenchmark: paged attention per call -- the C++ kernel's key loops (portable, AVX2, AVX-512
+where built) against the PyTorch reference backend, interleaved in one process.
 
-Prints one JSON line. Two batches: decode-heavy (64 sequences x ~300 context, one token each)
-and prefill (a few long prompts from scratch). 12 query heads / 4 KV heads, head 64, bf16.
+Prints one JSON line: per batch and implementation the median microseconds of a call, GFLOP/s
+(4 * head_size flops per visible (query head, key) pair: QK^T and PV), and each implementation's
+speed-up over the portable loop and over the torch reference, plus the KV write (write_kv) per call.
+Rounds alternate the implementations (A, B, C, A, B, C, ...), so load on a shared host hits them
+alike: read the ratios, and the load average printed at start and end.
 
-    python benchmarks/attention.py [--threads N] [--dtype bfloat16|float32] [--block-size 16]
+Batches (the bench checkpoint's attention: 12 query heads / 4 KV heads, head 64):
+decode_32x300 (32 sequences of 280-320 tokens, one new token each: the offline workload's decode
+step) and prefill_4x512 (four 512-token prompts from scratch).
+
+    python benchmarks/attention.py [--threads 1] [--dtype float32|bfloat16] [--block-size 16] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -11,14 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import statistics
 import time
+from typing import Callable
 
 import torch
 
+from vllm_lite.platform import describe_host
 from vllm_lite.testing.paged import make_attention_metadata, random_block_tables
 from vllm_lite.worker.attention.backend import AttentionBackend, AttentionMetadata
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 from vllm_lite.worker.attention.torch_ref import TorchRefBackend
+
+HEADS, KV_HEADS, HEAD_SIZE = 12, 4, 64  # the bench checkpoint's attention
 
 
 def build_batch(
@@ -38,55 +52,111 @@ def build_batch(
     return query, cache, md
 
 
-def time_us(
-    backend: AttentionBackend, query: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata, min_seconds: float = 1.0
-) -> float:
-    """Median-free simple mean over enough calls to fill min_seconds, after warm-up."""
-    scale = 1.0 / math.sqrt(query.shape[-1])
-    for _ in range(3):
-        backend.forward(query, cache, md, scale)
+def attention_gflop(query_lens: list[int], seq_lens: list[int], heads: int, head_size: int) -> float:
+    """Flops of causal attention over the visible keys: 2*D for QK^T and 2*D for PV per (head, key)."""
+    pairs = 0
+    for q, s in zip(query_lens, seq_lens):
+        ctx = s - q
+        pairs += q * ctx + q * (q + 1) // 2  # query token i sees ctx + i + 1 keys
+    return 4.0 * head_size * heads * pairs / 1e9
+
+
+def time_call(fn: Callable[[], object], min_seconds: float) -> float:
+    """Mean seconds per call over enough calls to fill min_seconds (at least 3)."""
     calls, start = 0, time.perf_counter()
     while True:
-        backend.forward(query, cache, md, scale)
+        fn()
         calls += 1
         elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds and calls >= 5:
-            return elapsed / calls * 1e6
+        if elapsed >= min_seconds and calls >= 3:
+            return elapsed / calls
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int, min_seconds: float) -> dict[str, float]:
+    """Median seconds per call of each function, the functions alternating round by round."""
+    for fn in fns.values():  # warm-up
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(time_call(fn, min_seconds))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def bench_batch(
+    batch_name: str,
+    qlens: list[int],
+    slens: list[int],
+    backends: dict[str, AttentionBackend],
+    native: dict[str, CpuNativeBackend],
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+) -> dict[str, float]:
+    """Times one batch on every backend (interleaved) and its KV write; returns the JSON fields."""
+    heads, kv_heads, head_size = HEADS, KV_HEADS, HEAD_SIZE
+    query, cache, md = build_batch(qlens, slens, heads, kv_heads, head_size, args.block_size, dtype)
+    scale = 1.0 / math.sqrt(head_size)
+    gflop = attention_gflop(qlens, slens, heads, head_size)
+    fns = {name: (lambda b=b: b.forward(query, cache, md, scale)) for name, b in backends.items()}
+    times = interleaved(fns, args.rounds, args.seconds)
+    out: dict[str, float] = {}
+    for name, sec in times.items():
+        out[f"{batch_name}_{name}_us"] = round(sec * 1e6, 1)
+        out[f"{batch_name}_{name}_gflops"] = round(gflop / sec, 2)
+    for name in native:
+        out[f"{batch_name}_{name}_vs_portable"] = round(times["portable"] / times[name], 2)
+        if "torch_ref" in times:
+            out[f"{batch_name}_{name}_vs_torch_ref"] = round(times["torch_ref"] / times[name], 2)
+    # The KV write of this batch's new tokens (what a step writes before attending).
+    n = query.shape[0]
+    key = torch.randn(n, kv_heads, head_size).to(dtype)
+    value = torch.randn(n, kv_heads, head_size).to(dtype)
+    slots = torch.randperm(cache.shape[1] * args.block_size)[:n]
+    write = native["portable"]
+    sec = interleaved({"write_kv": lambda: write.write_kv(key, value, cache, slots)}, args.rounds, args.seconds)
+    out[f"{batch_name}_write_kv_us"] = round(sec["write_kv"] * 1e6, 1)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--seconds", type=float, default=1.0, help="minimum timed duration per measurement")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the median is reported)")
+    ap.add_argument("--seconds", type=float, default=0.3, help="minimum timed duration per round and implementation")
+    ap.add_argument("--skip-torch", action="store_true", help="leave out the (slow) torch reference")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    heads, kv_heads, head_size = 12, 4, 64
+    heads, head_size = HEADS, HEAD_SIZE
 
     gen = torch.Generator().manual_seed(1)
-    decode_ctx = (280 + torch.randint(0, 41, (64,), generator=gen)).tolist()
+    decode_ctx = (280 + torch.randint(0, 41, (32,), generator=gen)).tolist()
     batches = {
-        "decode_64x300": ([1] * 64, decode_ctx),
+        "decode_32x300": ([1] * 32, decode_ctx),
         "prefill_4x512": ([512] * 4, [512] * 4),
     }
-    backends: dict[str, AttentionBackend] = {"torch_ref": TorchRefBackend(), "cpu_native": CpuNativeBackend()}
+    native = {impl: CpuNativeBackend(impl) for impl in CpuNativeBackend().built_impls()}
+    backends: dict[str, AttentionBackend] = {**native}
+    if not args.skip_torch:
+        backends["torch_ref"] = TorchRefBackend()
     result: dict[str, object] = {
         "benchmark": "attention",
+        "host": describe_host(),
+        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
         "dtype": args.dtype,
         "threads": args.threads,
         "block_size": args.block_size,
         "heads": heads,
-        "kv_heads": kv_heads,
+        "kv_heads": KV_HEADS,
         "head_size": head_size,
+        "rounds": args.rounds,
+        "key_loops": {impl: b.key_loop(head_size) for impl, b in native.items()},
     }
     for batch_name, (qlens, slens) in batches.items():
-        query, cache, md = build_batch(qlens, slens, heads, kv_heads, head_size, args.block_size, dtype)
-        times = {name: time_us(b, query, cache, md, args.seconds) for name, b in backends.items()}
-        for name, us in times.items():
-            result[f"{batch_name}_{name}_us"] = round(us, 1)
-        result[f"{batch_name}_speedup"] = round(times["torch_ref"] / times["cpu_native"], 2)
+        result.update(bench_batch(batch_name, qlens, slens, backends, native, args, dtype))
+    result["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(result))
 
 

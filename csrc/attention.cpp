@@ -5,48 +5,44 @@
 // float32 rows, then streams the request's keys in small tiles gathered through the block
 // table, keeping a running max/sum per row (online softmax): nothing of size [query, context]
 // is ever materialised. Each key tile is converted to float32 once and reused by every row of
-// the item, stored transposed so scores for 16 keys are one vector FMA chain per row.
-// Two implementations of the key loop: AVX-512 intrinsics for head sizes 32/64/128/256
-// (registers hold scores and accumulators), and a portable loop for anything else.
+// the item, stored transposed so scores for a tile of keys are vector FMA chains per row.
+// Three implementations of the key loop ("impl"), the fastest one this build and head size allow
+// chosen by default: AVX-512 intrinsics (attention_avx512.h; head sizes 32/64/128/256, no
+// soft-capping), AVX2 + FMA (attention_avx2.h; head sizes that are multiples of 8 listed in
+// avx2_head_size, soft-capping included), and a portable loop for anything else.
+// Which instruction sets are built follows the compiler's target (-march=native on the host that
+// runs them, see cpu_kernels.py), so a path is never compiled for a CPU that lacks it.
 // A sliding window W (query at p sees keys in (p - W, p]) starts the key stream at the first key
-// any row of the item can see, so blocks before the window are never read (they may be freed);
-// logit soft-capping (Gemma 2) runs on the portable loop.
+// any row of the item can see, so blocks before the window are never read (they may be freed).
 
+#include "attention_avx2.h"
+#include "attention_avx512.h"
+#include "attention_common.h"
 #include "cpu_common.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
-#include <type_traits>
 #include <cmath>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace vllm_lite {
 namespace {
 
-constexpr int64_t kKeyTile = 32;      // keys per softmax step (two AVX-512 registers of scores)
-constexpr int64_t kRowsPerItem = 64;  // target query rows (tokens x heads) per work item
+using attn::ItemView;
+using attn::kKeyTile;
+using attn::kRowsPerItem;
+using attn::Scratch;
 
 struct WorkItem {
   int32_t req;
   int32_t q_begin;  // first query token of the tile, relative to the request
   int32_t q_end;    // one past the last
   int64_t cost;     // rough flops, to start big items first
-};
-
-// Per-thread scratch, sized once per call.
-struct Scratch {
-  std::vector<float> q, acc, row_max, row_sum, k_t, v;
-  // q is padded to a multiple of 4 rows (zeros) so the AVX-512 path can score rows four at a time.
-  Scratch(int64_t rows, int64_t d)
-      : q(((rows + 3) / 4) * 4 * d, 0.0f), acc(rows * d), row_max(rows), row_sum(rows), k_t(d * kKeyTile),
-        v(kKeyTile * d) {}
 };
 
 // Validates the batch on the host and lists the work items, largest first.
@@ -90,43 +86,6 @@ std::vector<WorkItem> plan_items(const at::Tensor& block_table, const at::Tensor
                    [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   return items;
 }
-
-// What one work item needs to stream its keys: where they live and which rows it owns.
-template <typename T>
-struct ItemView {
-  const T* k_cache;
-  const T* v_cache;
-  const int32_t* table;  // the request's block table row
-  int64_t block_size, blk_stride, tok_stride, kv_off;  // kv_off: this KV head's offset in a token row
-  int64_t ctx;           // position of the item's first query token
-  int64_t rows, group;   // rows = tokens * group; row r is token r / group
-  int64_t num_keys;      // keys key_begin..num_keys-1 are visible to some row
-  int64_t window;        // sliding window, 0 = none
-  int64_t key_begin;     // first key any row sees (0 without a window)
-  float soft_cap;        // 0 = none
-
-  // Cache offsets of keys k0..k0+n-1, walking the block table without a division per key.
-  void tile_offsets(int64_t k0, int64_t n, int64_t* offs) const {
-    int64_t blk = k0 / block_size, in_blk = k0 % block_size;
-    int64_t base = static_cast<int64_t>(table[blk]) * blk_stride + kv_off;
-    for (int64_t j = 0; j < n; ++j) {
-      offs[j] = base + in_blk * tok_stride;
-      if (++in_blk == block_size && j + 1 < n) {
-        in_blk = 0;
-        base = static_cast<int64_t>(table[++blk]) * blk_stride + kv_off;
-      }
-    }
-  }
-  // Keys of the tile starting at k0 that row r may see (causal), clamped to [0, kn].
-  int64_t visible(int64_t r, int64_t k0, int64_t kn) const {
-    return std::max<int64_t>(0, std::min(kn, ctx + r / group + 1 - k0));
-  }
-  // First key of that tile row r may see (the window's lower edge), clamped to [0, kn].
-  int64_t first_visible(int64_t r, int64_t k0, int64_t kn) const {
-    if (window <= 0) return 0;
-    return std::max<int64_t>(0, std::min(kn, ctx + r / group - window + 1 - k0));
-  }
-};
 
 // Portable path: any head size, loops left to the compiler's auto-vectoriser.
 template <typename T>
@@ -190,149 +149,101 @@ void key_loop_generic(const ItemView<T>& it, int64_t D, Scratch& s) {
   }
 }
 
+enum class Impl { kAuto, kPortable, kAvx2, kAvx512 };
+
+constexpr bool kHaveAvx512 =
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    true;
+#else
+    false;
+#endif
+constexpr bool kHaveAvx2 =
+#if defined(__AVX2__) && defined(__FMA__)
+    true;
+#else
+    false;
+#endif
+
+Impl parse_impl(c10::string_view name) {
+  if (name == "auto") return Impl::kAuto;
+  if (name == "portable") return Impl::kPortable;
+  if (name == "avx2") {
+    TORCH_CHECK_VALUE(kHaveAvx2, "impl='avx2' is not built here: this CPU (or compiler target) lacks AVX2+FMA");
+    return Impl::kAvx2;
+  }
+  if (name == "avx512") {
+    TORCH_CHECK_VALUE(kHaveAvx512, "impl='avx512' is not built here: this CPU (or compiler target) lacks AVX-512");
+    return Impl::kAvx512;
+  }
+  TORCH_CHECK_VALUE(false, "impl must be one of auto, portable, avx2, avx512; got '", std::string(name), "'");
+  return Impl::kAuto;
 }
 
-// 16-lane version of fast_exp; 2^n is applied with scalef.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// In-place transpose of a 16x16 float tile held in 16 registers (three shuffle stages).
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-  }
-  for (int h = 0; h < 16; h += 8) {
-    for (int i = 0; i < 4; ++i) {
-      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
-      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
-    }
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+bool avx512_head_size(int64_t d) { return d == 32 || d == 64 || d == 128 || d == 256; }
+bool avx2_head_size(int64_t d) {
+  switch (d) {
+    case 16: case 32: case 48: case 64: case 80: case 96: case 128: case 256: return true;
+    default: return false;
   }
 }
 
-constexpr int64_t kTile16 = 16;  // keys per step on the AVX-512 path: one register of scores
-constexpr int kRowBlock = 4;     // query rows whose scores are computed together
+// The key loop that a request for `want` runs at this head size: the requested path where it
+// applies (auto: the fastest built), else the next one down, ending at the portable loop.
+Impl resolve_impl(Impl want, int64_t d, bool soft_cap) {
+  if ((want == Impl::kAuto || want == Impl::kAvx512) && kHaveAvx512 && avx512_head_size(d) && !soft_cap) {
+    return Impl::kAvx512;
+  }
+  if (want != Impl::kPortable && kHaveAvx2 && avx2_head_size(d)) return Impl::kAvx2;
+  return Impl::kPortable;
+}
 
-// AVX-512 path for head_size = 16 * NC: registers hold scores and the accumulator of a row.
-template <typename T, int NC>
-void key_loop_avx512(const ItemView<T>& it, Scratch& s) {
-  constexpr int64_t D = 16 * NC;
-  float* vbuf = s.v.data();                 // [16][D] value rows converted to float32
-  float* kt = s.k_t.data();                 // [D][16] transposed keys
-  alignas(64) float probs[kTile16];
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t k0 = it.key_begin; k0 < it.num_keys; k0 += kTile16) {
-    const int64_t kn = std::min(kTile16, it.num_keys - k0);
-    int64_t offs[kTile16];
-    it.tile_offsets(k0, kn, offs);
-    // Decode is bound by cache misses on the scattered KV rows: start fetching the next tile now.
-    if (k0 + kTile16 < it.num_keys) {
-      int64_t next[kTile16];
-      const int64_t nn = std::min(kTile16, it.num_keys - k0 - kTile16);
-      it.tile_offsets(k0 + kTile16, nn, next);
-      for (int64_t j = 0; j < nn; ++j) {
-        for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(it.k_cache + next[j]) + byte, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(it.v_cache + next[j]) + byte, _MM_HINT_T0);
-        }
-      }
-    }
-    const float* vrow[kTile16];  // value rows as float32: the cache itself, or converted copies
-    for (int64_t j = 0; j < kn; ++j) {
-      const T* vsrc = it.v_cache + offs[j];
-      if constexpr (std::is_same_v<T, float>) {
-        vrow[j] = vsrc;
-      } else {
-        float* vdst = vbuf + j * D;
-        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(vdst + 16 * c, load16(vsrc + 16 * c));
-        vrow[j] = vdst;
-      }
-    }
-    for (int c = 0; c < NC; ++c) {
-      __m512 blk[16];
-      for (int64_t j = 0; j < 16; ++j) blk[j] = j < kn ? load16(it.k_cache + offs[j] + 16 * c) : _mm512_setzero_ps();
-      transpose16(blk);
-      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (16 * c + i) * kTile16, blk[i]);
-    }
-    for (int64_t r0 = 0; r0 < it.rows; r0 += kRowBlock) {
-      // s.q has rows padded to a multiple of kRowBlock, so all four rows are safe to read.
-      __m512 sc[kRowBlock];
-      for (int i = 0; i < kRowBlock; ++i) sc[i] = _mm512_setzero_ps();
-      const float* q0 = s.q.data() + r0 * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const __m512 kd = _mm512_loadu_ps(kt + d * kTile16);
-        for (int i = 0; i < kRowBlock; ++i) sc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q0[i * D + d]), kd, sc[i]);
-      }
-      const int64_t nr = std::min<int64_t>(kRowBlock, it.rows - r0);
-      for (int64_t i = 0; i < nr; ++i) {
-        const int64_t r = r0 + i;
-        const int64_t valid = it.visible(r, k0, kn);
-        const int64_t lo = it.first_visible(r, k0, kn);
-        if (valid <= lo) continue;
-        const __mmask16 m = static_cast<__mmask16>(((1u << valid) - 1u) & ~((1u << lo) - 1u));
-        const __m512 sv = _mm512_mask_blend_ps(m, neg_inf, sc[i]);
-        const float new_max = std::max(s.row_max[r], _mm512_reduce_max_ps(sv));
-        const float alpha = std::exp(s.row_max[r] - new_max);  // 0 on the first tile
-        const __m512 p = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(new_max))));
-        s.row_max[r] = new_max;
-        s.row_sum[r] = s.row_sum[r] * alpha + _mm512_reduce_add_ps(p);
-        _mm512_store_ps(probs, p);
-        float* acc = s.acc.data() + r * D;
-        __m512 a[NC];
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), av);
-        for (int64_t j = lo; j < valid; ++j) {
-          const __m512 pj = _mm512_set1_ps(probs[j]);
-          const float* vj = vrow[j];
-          for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * c), a[c]);
-        }
-        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
-      }
-    }
+const char* impl_name(Impl impl) {
+  switch (impl) {
+    case Impl::kAvx512: return "avx512";
+    case Impl::kAvx2: return "avx2";
+    case Impl::kPortable: return "portable";
+    default: return "auto";
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <typename T>
+void key_loop_avx2(const ItemView<T>& it, int64_t D, Scratch& s) {
+  switch (D) {
+    case 16: return attn::key_loop_avx2<T, 2>(it, s);
+    case 32: return attn::key_loop_avx2<T, 4>(it, s);
+    case 48: return attn::key_loop_avx2<T, 6>(it, s);
+    case 64: return attn::key_loop_avx2<T, 8>(it, s);
+    case 80: return attn::key_loop_avx2<T, 10>(it, s);
+    case 96: return attn::key_loop_avx2<T, 12>(it, s);
+    case 128: return attn::key_loop_avx2<T, 16>(it, s);
+    case 256: return attn::key_loop_avx2<T, 32>(it, s);
+    default: TORCH_CHECK(false, "no AVX2 key loop for head size ", D);
   }
 }
 #endif
 
-// Runs the key loop with the fastest path available for this head size.
-template <typename T>
-void key_loop(const ItemView<T>& it, int64_t D, Scratch& s) {
 #if defined(__AVX512F__)
-  if (it.soft_cap <= 0.0f) switch (D) {
-    case 32: return key_loop_avx512<T, 2>(it, s);
-    case 64: return key_loop_avx512<T, 4>(it, s);
-    case 128: return key_loop_avx512<T, 8>(it, s);
-    case 256: return key_loop_avx512<T, 16>(it, s);
-    default: break;
+template <typename T>
+void key_loop_avx512(const ItemView<T>& it, int64_t D, Scratch& s) {
+  switch (D) {
+    case 32: return attn::key_loop_avx512<T, 2>(it, s);
+    case 64: return attn::key_loop_avx512<T, 4>(it, s);
+    case 128: return attn::key_loop_avx512<T, 8>(it, s);
+    case 256: return attn::key_loop_avx512<T, 16>(it, s);
+    default: TORCH_CHECK(false, "no AVX-512 key loop for head size ", D);
   }
+}
+#endif
+
+// Runs the key loop chosen by resolve_impl.
+template <typename T>
+void key_loop(const ItemView<T>& it, int64_t D, Scratch& s, Impl impl) {
+#if defined(__AVX512F__)
+  if (impl == Impl::kAvx512) return key_loop_avx512<T>(it, D, s);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (impl == Impl::kAvx2) return key_loop_avx2<T>(it, D, s);
 #endif
   key_loop_generic<T>(it, D, s);
 }
@@ -340,7 +251,8 @@ void key_loop(const ItemView<T>& it, int64_t D, Scratch& s) {
 template <typename T>
 void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                       const at::Tensor& block_table, const at::Tensor& seq_lens,
-                      const at::Tensor& query_start_loc, float scale, int64_t window, float soft_cap) {
+                      const at::Tensor& query_start_loc, float scale, int64_t window, float soft_cap,
+                      Impl impl) {
   const int64_t num_tokens = query.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t head_size = query.size(2);
@@ -398,7 +310,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
         std::fill_n(s.acc.data() + r * D, D, 0.0f);
       }
 
-      key_loop<T>(it, D, s);
+      key_loop<T>(it, D, s, impl);
 
       for (int64_t r = 0; r < it.rows; ++r) {
         const int64_t tok = qsl[b] + item.q_begin + r / group;
@@ -417,7 +329,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                     double logits_soft_cap) {
+                     double logits_soft_cap, c10::string_view impl) {
+  const Impl chosen = resolve_impl(parse_impl(impl), query.size(2), logits_soft_cap > 0.0);
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&out, "out"}, {&query, "query"},
                          {&kv_cache, "kv_cache"}, {&block_table, "block_table"}, {&seq_lens, "seq_lens"},
                          {&query_start_loc, "query_start_loc"}}) {
@@ -458,14 +371,28 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const float cap = static_cast<float>(logits_soft_cap);
   switch (query.scalar_type()) {
     case at::kFloat:
-      attention_kernel<float>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s, sliding_window, cap);
+      attention_kernel<float>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s, sliding_window, cap,
+                              chosen);
       break;
     case at::kBFloat16:
-      attention_kernel<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s, sliding_window, cap);
+      attention_kernel<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s, sliding_window, cap,
+                              chosen);
       break;
     default:
       TORCH_CHECK_TYPE(false, "paged_attention supports float32 and bfloat16, got ", query.scalar_type());
   }
+}
+
+std::string paged_attention_impl(int64_t head_size, double logits_soft_cap, c10::string_view impl) {
+  return impl_name(resolve_impl(parse_impl(impl), head_size, logits_soft_cap > 0.0));
+}
+
+std::vector<std::string> attention_impls() {
+  std::vector<std::string> names;
+  if (kHaveAvx512) names.emplace_back("avx512");
+  if (kHaveAvx2) names.emplace_back("avx2");
+  names.emplace_back("portable");
+  return names;
 }
 
 }  // namespace vllm_lite

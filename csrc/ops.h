@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 namespace vllm_lite {
@@ -12,10 +13,18 @@ namespace vllm_lite {
 // block_table int32 [B, M]; seq_lens int32 [B]; query_start_loc int32 [B+1].
 // sliding_window W > 0: a query at position p sees keys in (p - W, p]; blocks before that are not read.
 // logits_soft_cap c > 0: scores become c * tanh(score / c). 0 turns either off.
+// impl: "auto" (the fastest key loop built here for this head size), or "avx512" / "avx2" /
+// "portable" to ask for one (benchmarks, tests); a path that does not apply falls to the next.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                     double logits_soft_cap);
+                     double logits_soft_cap, c10::string_view impl);
+
+// The key loop paged_attention runs for this head size, soft-capping and impl request.
+std::string paged_attention_impl(int64_t head_size, double logits_soft_cap, c10::string_view impl);
+
+// The key loops built into this library, fastest first ("avx512", "avx2", "portable").
+std::vector<std::string> attention_impls();
 
 // Scatter key/value rows [T, KVH, D] into the cache at slot_mapping (int64 [T]; negative = skip).
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,

@@ -34,7 +34,9 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[2]  # vllm_lite/
 CSRC_CANDIDATES = (_PACKAGE_DIR.parent / "csrc", _PACKAGE_DIR / "_csrc")
 EXTRA_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 EXTRA_LDFLAGS = ["-fopenmp"]
-OP_NAMES = ("paged_attention", "write_kv", "copy_blocks", "swap_blocks")
+OP_NAMES = ("paged_attention", "paged_attention_impl", "attention_impls", "write_kv", "copy_blocks", "swap_blocks")
+# Key loops paged_attention can be asked for; "auto" = the fastest built for this CPU and head size.
+ATTENTION_IMPLS = ("auto", "avx512", "avx2", "portable")
 
 _lock = threading.Lock()
 _loaded: Optional[bool] = None

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
+from vllm_lite import envs
 from vllm_lite.worker.attention.backend import AttentionBackend, AttentionMetadata
-from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+from vllm_lite.worker.attention.cpu_kernels import ATTENTION_IMPLS, load_cpu_ops
+
+logger = logging.getLogger(__name__)
 
 
 def _check_cpu(t: torch.Tensor, name: str) -> None:
@@ -20,10 +24,42 @@ class CpuNativeBackend(AttentionBackend):
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, impl: Optional[str] = None) -> None:
+        """impl: which key loop to ask for ("auto", "avx512", "avx2", "portable"); None reads
+        VLLM_LITE_CPU_ATTENTION_IMPL (default "auto": the fastest one built for this CPU)."""
+        impl = impl if impl is not None else (envs.VLLM_LITE_CPU_ATTENTION_IMPL or "auto")
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
         if not load_cpu_ops():
             raise RuntimeError("vllm-lite CPU kernels could not be built or loaded; use the torch backend.")
         self._ops = torch.ops.vllm_lite
+        built = self.built_impls()
+        if impl not in ("auto", *built):
+            raise ValueError(f"impl={impl!r} is not built for this CPU; built here: {built}")
+        self.impl = impl
+        self._announced: set[tuple[int, bool]] = set()
+
+    def built_impls(self) -> list[str]:
+        """The key loops built into the loaded kernels for this CPU, fastest first."""
+        return list(self._ops.attention_impls())
+
+    def key_loop(self, head_size: int, logits_soft_cap: Optional[float] = None) -> str:
+        """The key loop ("avx512", "avx2" or "portable") that forward runs for this head size."""
+        return str(self._ops.paged_attention_impl(int(head_size), float(logits_soft_cap or 0.0), self.impl))
+
+    def _announce(self, head_size: int, logits_soft_cap: Optional[float]) -> None:
+        """Logs, once per head size and soft-cap setting, which key loop the kernel runs."""
+        key = (head_size, bool(logits_soft_cap))
+        if key in self._announced:
+            return
+        self._announced.add(key)
+        logger.info(
+            "CPU paged attention: %s key loop (head size %d%s, impl=%s)",
+            self.key_loop(head_size, logits_soft_cap),
+            head_size,
+            ", soft-capped" if logits_soft_cap else "",
+            self.impl,
+        )
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -50,6 +86,8 @@ class CpuNativeBackend(AttentionBackend):
         n = query.shape[0]
         q = query if query.stride(-1) == 1 else query.contiguous()
         out = torch.empty(n, q.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
+        if (q.shape[2], bool(logits_soft_cap)) not in self._announced:
+            self._announce(q.shape[2], logits_soft_cap)
         self._ops.paged_attention(
             out,
             q,
@@ -60,6 +98,7 @@ class CpuNativeBackend(AttentionBackend):
             float(scale),
             int(sliding_window or 0),
             float(logits_soft_cap or 0.0),
+            self.impl,
         )
         return out
 
