@@ -39,7 +39,9 @@ def block_extra_keys(request: "Request", block_index: int) -> Optional[tuple]:
     slots, so no choice of ``cache_salt`` reproduces another frontend's chain. The chain carries them
     to every later block, so two salts never share any block. A request past its model's rope switch
     point (Phi-3 LongRoPE's long factors) adds a regime key, so keys rotated with one set of factors are
-    never reused by a request that needs the other.
+    never reused by a request that needs the other. A request with a LoRA adapter adds its id (vLLM puts
+    the lora id in every block's extra keys; the chain carries ours from the first), so adapters share no
+    block with each other or with the base model.
     """
     if block_index != 0:
         return None
@@ -50,6 +52,8 @@ def block_extra_keys(request: "Request", block_index: int) -> Optional[tuple]:
         keys += ("salt", request.cache_salt)
     if request.uses_long_rope:
         keys += ("rope", "long")
+    if request.lora_request is not None:  # KV computed through an adapter is that adapter's alone
+        keys += ("lora", request.lora_request.lora_int_id)
     return keys or None
 
 

@@ -128,6 +128,9 @@ class Scheduler:
         self.spec = SpecDecodeScheduling(vllm_config.speculative_config)
         # Phi-3 LongRoPE: a request growing past this length recomputes from token 0 (None: every other model).
         self.rope_recompute_at = rope_recompute_at(vllm_config.model_config.hf_config)
+        # LoRA: the most distinct adapters among running requests (the worker's device slots); 0: LoRA off.
+        lc = vllm_config.lora_config
+        self.max_loras = lc.max_loras if lc is not None else 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -145,6 +148,8 @@ class Scheduler:
             )
         if request.is_finished() or request.status != RequestStatus.WAITING:
             raise ValueError(f"request {rid!r}: status must be WAITING to be added, got {request.status.name}.")
+        if request.lora_request is not None and not self.max_loras:
+            raise ValueError(f"request {rid!r}: lora_request given but LoRA is not enabled (enable_lora).")
         self.requests[rid] = request
         self._arrival_order[rid] = next(self._order_counter)
         request.rope_recompute_at = self.rope_recompute_at
@@ -278,8 +283,13 @@ class Scheduler:
         # 2. Swapped, then waiting requests, unless this step had to preempt (no room to grow).
         if not preempted:
             blocked = False
+            loras = self._running_loras()
+            skipped: list[Request] = []  # waiting requests whose adapter would be one too many this step
             while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.swapped.peek()
+                if not self._lora_fits(req, loras):
+                    blocked = True
+                    break
                 n = self._num_new_tokens(req, req.num_computed_tokens, budget)
                 pairs = kv.swap_in(req, n)
                 if pairs is None:
@@ -292,9 +302,14 @@ class Scheduler:
                 to_worker_as_new.append(req)
                 num_scheduled[req.request_id] = n
                 budget -= n
+                if req.lora_int_id:
+                    loras.add(req.lora_int_id)
 
             while not blocked and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting.peek()
+                if not self._lora_fits(req, loras):  # vLLM V1: it waits; later requests may still go
+                    skipped.append(self.waiting.pop())
+                    continue
                 if req.pooling_params is not None:
                     # Pooled states need every prompt token in one step: no prefix hit, no chunk; else wait.
                     hit_blocks, num_hit = [], 0
@@ -318,6 +333,10 @@ class Scheduler:
                 to_worker_as_new.append(req)
                 num_scheduled[req.request_id] = n
                 budget -= n
+                if req.lora_int_id:
+                    loras.add(req.lora_int_id)
+            for req in reversed(skipped):  # back at the front, in their order
+                self.waiting.prepend(req)
 
         # 3. The diff for the worker.
         new_ids = {r.request_id for r in to_worker_as_new}
@@ -434,6 +453,15 @@ class Scheduler:
             int(np.unpackbits(row.view(np.uint8)).sum()),
             req.sampling_params,
         )
+
+    def _running_loras(self) -> set[int]:
+        """Adapters of the running requests (each may run this step or the next)."""
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
+        """vLLM V1's rule: at most max_loras distinct adapters among the requests that run; the base is free."""
+        lid = req.lora_int_id
+        return not lid or lid in loras or len(loras) < self.max_loras
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int, num_draft_tokens: int = 0) -> int:
         """Tokens to run now: what is left (plus any drafts), cut by the chunk threshold, the budget and
