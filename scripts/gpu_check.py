@@ -1,5 +1,6 @@
 """The CUDA check in one command: native Triton kernels, Hugging Face greedy match per architecture, the
-whole test suite and the GPU benchmark, summarised in one JSON file (pass/fail and figures per part).
+whole test suite, the GPU benchmark and the int4/LoRA kernel micro-benchmark, summarised in one JSON file
+(pass/fail and figures per part).
 
 Run through scripts/gpu_check.sh on a CUDA machine (it installs missing wheels from .whl/ and sets
 HF_HUB_OFFLINE=1). The Hugging Face part also runs on CPU (`--device cpu --parts hf`), so it can be
@@ -22,7 +23,7 @@ import xml.etree.ElementTree as ET
 from typing import Any, Callable, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("triton", "hf", "suite", "bench")
+PARTS = ("triton", "hf", "suite", "bench", "kernels")
 HD32 = "llama-hd32"  # a Llama with head_dim 32 (the tiny ones have 16), built here
 FLOAT32_LOGPROB_TOL = 1e-4
 NEW_TOKENS = 24
@@ -106,9 +107,9 @@ def _pytest(args: list[str], junit: str, log: str, timeout_s: float) -> dict[str
 
 
 def part_triton(args: argparse.Namespace) -> dict[str, Any]:
-    """tests/test_triton_kernels.py: the full matrix compiled on CUDA, plus the interpreter subprocess."""
+    """The Triton kernel tests (attention; LoRA and int4): full matrices compiled on CUDA, plus the interpreter."""
     res = _pytest(
-        ["tests/test_triton_kernels.py"],
+        ["tests/test_triton_kernels.py", "tests/test_triton_lora_int4.py"],
         os.path.join(args.out, "triton.xml"),
         os.path.join(args.out, "triton.log"),
         args.part_timeout,
@@ -135,11 +136,21 @@ def part_suite(args: argparse.Namespace) -> dict[str, Any]:
 
 def part_bench(args: argparse.Namespace) -> dict[str, Any]:
     """benchmarks/gpu.py when it exists: its last JSON line is the figures."""
-    script = os.path.join(REPO, "benchmarks", "gpu.py")
+    return _bench_script(args, "gpu.py", "bench.log")
+
+
+def part_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    """benchmarks/kernels_int4_lora.py: the int4 and LoRA Triton kernels against their torch paths."""
+    return _bench_script(args, "kernels_int4_lora.py", "kernels.log")
+
+
+def _bench_script(args: argparse.Namespace, name: str, log_name: str) -> dict[str, Any]:
+    """Run benchmarks/<name> when it exists; its last JSON line is the figures."""
+    script = os.path.join(REPO, "benchmarks", name)
     if not os.path.exists(script):
-        return {"status": "absent", "note": "benchmarks/gpu.py does not exist yet"}
+        return {"status": "absent", "note": f"benchmarks/{name} does not exist yet"}
     t0 = time.monotonic()
-    log = os.path.join(args.out, "bench.log")
+    log = os.path.join(args.out, log_name)
     try:
         proc = subprocess.run(
             [sys.executable, script], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=args.part_timeout
@@ -265,6 +276,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "hf": part_hf,
     "suite": part_suite,
     "bench": part_bench,
+    "kernels": part_kernels,
 }
 
 

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The CUDA check in one command, from anywhere: native Triton kernel tests, Hugging Face greedy match on
-# every architecture (float32 in-process and multiprocess, bfloat16 figures), the whole suite and the GPU
-# benchmark, summarised in ONE JSON file: $OUT/gpu_check.json when $OUT is set, else ./gpu_check.json.
+# The CUDA check in one command, from anywhere: native Triton kernel tests (attention, LoRA SGMV/BGMV, int4
+# AWQ/GPTQ), Hugging Face greedy match on every architecture (float32 in-process and multiprocess, bfloat16
+# figures), the whole suite, the GPU benchmark and the int4/LoRA kernel micro-benchmark
+# (benchmarks/kernels_int4_lora.py), summarised in ONE JSON file: $OUT/gpu_check.json when $OUT is set,
+# else ./gpu_check.json.
 #
 #     bash scripts/gpu_check.sh                          # everything
-#     bash scripts/gpu_check.sh --parts triton,hf        # a subset (triton, hf, suite, bench)
+#     bash scripts/gpu_check.sh --parts triton,hf        # a subset (triton, hf, suite, bench, kernels)
+#     bash scripts/gpu_check.sh --parts triton,kernels   # only the Triton kernels: tests and micro-benchmark
 #     bash scripts/gpu_check.sh --device cpu --parts hf  # the HF match on CPU
 #
 # No network: HF_HUB_OFFLINE=1, checkpoints are built locally. Where msgspec/pyzmq/fastapi/uvicorn are

@@ -199,7 +199,7 @@ def quant_cases(full: bool) -> list[QuantCase]:
             QuantCase("awq", "fp16", 1, 128, 48, 32),
             QuantCase("awq", "bf16", 5, 128, 64, 64, split_k=1),
             QuantCase("awq", "fp16", 33, 256, 32, 128, seed=1),
-            QuantCase("gptq", "fp16", 1, 128, 48, 32, pass_g_idx=False),
+            QuantCase("gptq", "fp16", 1, 128, 48, 64, pass_g_idx=False),
             QuantCase("gptq", "bf16", 7, 128, 32, 64, desc_act=True),
             QuantCase("gptq", "fp16", 20, 256, 32, 128, desc_act=True, split_k=2, seed=2),
             QuantCase("gptq_v2", "fp32", 3, 64, 32, 32, seed=3),
