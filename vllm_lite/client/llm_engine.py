@@ -215,6 +215,8 @@ def attached_frontend_config(client: Any) -> VllmConfig:
         runner=str(facts.get("runner_type", "auto")),
         pooler_config=facts.get("pooler_config"),
         device="cpu",
+        # The core's LoRA limits: this frontend refuses what the core would (enable_lora off when None).
+        **({"enable_lora": True, **lora} if (lora := facts.get("lora_config")) else {}),
     ).create_engine_config()
     if facts["model"] != config.model_config.model:
         config.model_config.served_model_name = facts["model"]

@@ -183,6 +183,7 @@ class MPClientBase(EngineCoreClient):
             "generation_config": reply.generation_config,
             "runner_type": reply.runner_type,
             "pooler_config": reply.pooler_config,
+            "lora_config": reply.lora_config,
         }
         self.model_path = reply.model_path
         self.tokenizer_path = reply.tokenizer

@@ -60,6 +60,8 @@ class EngineCore:
             "generation_config": mc.generation_config,
             "runner_type": mc.runner_type,
             "pooler_config": dataclasses.asdict(mc.pooler_config) if mc.pooler_config is not None else None,
+            # LoRAConfig's fields (None: LoRA off), so an attached frontend checks adapters as this core will.
+            "lora_config": dataclasses.asdict(lc) if (lc := vllm_config.lora_config) is not None else None,
         }
         self._stats_log = _StatsLogger(vllm_config.scheduler_config.log_stats_interval_s)
         self.startup_time_s = time.perf_counter() - t0

@@ -299,6 +299,7 @@ class EngineCoreProc:
             generation_config=str(facts.get("generation_config", "auto")),
             runner_type=str(facts.get("runner_type", "generate")),
             pooler_config=facts.get("pooler_config"),
+            lora_config=facts.get("lora_config"),
             core_pid=os.getpid(),
             core_host=self._host_id,
             core_started=self._started,

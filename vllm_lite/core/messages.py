@@ -175,6 +175,8 @@ class HandshakeReply(msgspec.Struct, omit_defaults=True):
     # pooling requests as the core will run them.
     runner_type: str = "generate"
     pooler_config: Optional[dict[str, Any]] = None
+    # LoRAConfig's fields when the core serves LoRA adapters (--enable-lora), else None.
+    lora_config: Optional[dict[str, Any]] = None
     # The core process, for a frontend on the same host to watch (vllm_lite.process_watch): its pid,
     # this host's boot id and the process's start time; a frontend elsewhere relies on heartbeats.
     core_pid: int = 0
