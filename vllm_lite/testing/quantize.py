@@ -254,3 +254,34 @@ def dequantized_checkpoint(model_dir: str, dst: str) -> str:
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return dst
+
+
+def get_quantized_checkpoint(
+    arch: str,
+    method: str,
+    group_size: int = 32,
+    desc_act: bool = False,
+    sym: bool = True,
+    checkpoint_format: str = "gptq",
+    size: str = "tiny",
+) -> str:
+    """The cached test checkpoint (arch, size) quantized with these settings, built on first use."""
+    from vllm_lite.testing.checkpoints import CACHE_VERSION, cached_build, get_checkpoint
+
+    src = get_checkpoint(arch, size)
+    name = f"{CACHE_VERSION}-int4-{arch}-{size}-{method}-g{group_size}"
+    if method == "gptq":
+        name += f"-{'act' if desc_act else 'seq'}-{'sym' if sym else 'asym'}-{checkpoint_format}"
+    return cached_build(
+        name,
+        lambda tmp: quantize_checkpoint(src, tmp, method, group_size, desc_act, sym, checkpoint_format),
+    )
+
+
+def get_dequantized_checkpoint(quantized: str) -> str:
+    """The cached float32 checkpoint that the int4 checkpoint at `quantized` stands for."""
+    from vllm_lite.testing.checkpoints import cached_build
+
+    return cached_build(
+        os.path.basename(quantized.rstrip("/")) + "-dequantized", lambda tmp: dequantized_checkpoint(quantized, tmp)
+    )
