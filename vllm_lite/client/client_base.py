@@ -28,6 +28,13 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Add requests as one batch (offline ``LLM.generate``): a process client sends them in one
+        ADD_BATCH, which the core admits whole before its next step, so the batches it forms do not
+        depend on timing. Here (no core of its own to step early): one by one."""
+        for request in requests:
+            self.add_request(request)
+
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
 

@@ -196,6 +196,20 @@ class DPCoreClient(_DPClientBase):
             self._unroute(request.request_id)
             raise
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Route each request, then one batch per core (each core schedules its share whole)."""
+        by_core: dict[int, list[EngineCoreRequest]] = {}
+        try:
+            for request in requests:
+                by_core.setdefault(self._route(request), []).append(request)
+            for core, batch in sorted(by_core.items()):
+                self.clients[core].add_requests(batch)
+        except BaseException:
+            for batch in by_core.values():
+                for request in batch:
+                    self._unroute(request.request_id)
+            raise
+
     def abort_requests(self, request_ids: list[str]) -> None:
         for core, ids in self._groups(request_ids).items():
             self.clients[core].abort_requests(ids)

@@ -129,18 +129,32 @@ class LLMEngine:
         )
 
     def add_processed_request(self, prompt_text: Optional[str], request: EngineCoreRequest) -> None:
+        for core_request in self._track(prompt_text, request):
+            self.engine_core.add_request(core_request)
+
+    def add_processed_requests(self, processed: list[tuple[Optional[str], EngineCoreRequest]]) -> None:
+        """Send processed requests as one batch, which the core schedules whole (offline ``LLM``): its
+        first steps then hold the same requests every run, so greedy bf16 tokens repeat exactly."""
+        batch: list[EngineCoreRequest] = []
+        for prompt_text, request in processed:
+            batch.extend(self._track(prompt_text, request))
+        self.engine_core.add_requests(batch)
+
+    def _track(self, prompt_text: Optional[str], request: EngineCoreRequest) -> list[EngineCoreRequest]:
+        """Register a request with the output processor; returns what the core runs (n > 1: the children)."""
         request_id = request.request_id
         if request_id in getattr(self.output_processor, "request_states", {}):
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is still running")
         if request.sampling_params is None or request.sampling_params.num_samples == 1:  # pooling, or one sample
             self.output_processor.add_request(request, prompt_text)
-            self.engine_core.add_request(request)
-            return
+            return [request]
         parent, children = ParentRequest.make_child_requests(request_id, request.sampling_params)
+        core_requests = []
         for index, (child_id, child_params) in enumerate(children):
             child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
             self.output_processor.add_request(child, prompt_text, parent, index)
-            self.engine_core.add_request(child)
+            core_requests.append(child)
+        return core_requests
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

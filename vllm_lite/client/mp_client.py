@@ -33,7 +33,7 @@ from typing import Any, Optional
 import msgspec
 import zmq
 
-from vllm_lite import launcher
+from vllm_lite import envs, launcher
 from vllm_lite.client.client_base import EngineCoreClient, OutputItem, shut_down_error
 from vllm_lite.client.exceptions import EngineDeadError, EngineHandshakeError
 from vllm_lite.client.private_core import (
@@ -49,6 +49,7 @@ from vllm_lite.core.messages import (
     EngineCoreOutputs,
     EngineCoreOutputType,
     EngineCoreRequest,
+    EngineCoreRequestBatch,
     EngineCoreRequestType,
     HandshakeReply,
     HelloRequest,
@@ -70,6 +71,9 @@ DEFAULT_ENGINE_SILENCE_TIMEOUT_S = 4.0
 LOCAL_ENGINE_SILENCE_TIMEOUT_S = 30.0
 # How often an attached frontend heartbeats at most (more often when the core asks for it).
 HEARTBEAT_INTERVAL_S = 1.0
+# The largest ADD_BATCH message we send: half the smallest input limit a core sets (16 MiB of slack, see
+# core_sockets.max_input_message_bytes); a bigger batch goes in parts.
+BATCH_MESSAGE_BYTES = 8 << 20
 
 _UTILITY_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
 
@@ -232,6 +236,32 @@ class MPClientBase(EngineCoreClient):
             request = self.namespace.request(request)
         request.client_index = self.client_index
         return self._frames(EngineCoreRequestType.ADD, request)
+
+    def _add_batch_messages(self, requests: list[EngineCoreRequest]) -> list[list[Any]]:
+        """The ADD_BATCH messages of ``requests``: one, or parts that each fit the core's size limit."""
+        if self.namespace is not None:
+            requests = [self.namespace.request(r) for r in requests]
+        for request in requests:
+            request.client_index = self.client_index
+        configured = int(envs.VLLM_LITE_MAX_MESSAGE_BYTES)
+        limit = min(BATCH_MESSAGE_BYTES, configured // 2) if configured > 0 else BATCH_MESSAGE_BYTES
+        parts: list[list[Any]] = []
+        self._split_batch(requests, limit, parts)
+        # Every part but the last says more are coming (the core holds its steps until the last).
+        last = EngineCoreRequestBatch(parts[-1][0].requests, more=False)
+        parts[-1] = [last, self._frames(EngineCoreRequestType.ADD_BATCH, last)]
+        return [frames for _, frames in parts]
+
+    def _split_batch(self, requests: list[EngineCoreRequest], limit: int, out: list[list[Any]]) -> None:
+        """Append ``[batch, frames]`` for ``requests`` if they fit ``limit`` (or are one), else for each half."""
+        batch = EngineCoreRequestBatch(requests, more=True)
+        frames = self._frames(EngineCoreRequestType.ADD_BATCH, batch)
+        if len(requests) > 1 and sum(len(f) for f in frames[1:]) > limit:
+            half = len(requests) // 2
+            self._split_batch(requests[:half], limit, out)
+            self._split_batch(requests[half:], limit, out)
+            return
+        out.append([batch, frames])
 
     def _abort_frames(self, request_ids: list[str]) -> list[Any]:
         ids = self.namespace.ids(request_ids) if self.namespace is not None else list(request_ids)

@@ -38,6 +38,16 @@ class SyncMPClient(MPClientBase):
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(self._add_frames(request))
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """One ADD_BATCH (in parts, back to back, if big): the core schedules the batch whole."""
+        if not requests:
+            return
+        messages = self._add_batch_messages(requests)
+        self._check_alive()
+        with self._send_lock:
+            for frames in messages:
+                self._in_sync.send_multipart(frames, copy=False)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._send(self._abort_frames(request_ids))

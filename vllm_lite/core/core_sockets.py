@@ -4,7 +4,7 @@ Sockets (the core always binds, frontends connect):
 
 * ``input``  ROUTER. A frontend connects a DEALER with a fixed identity and sends
   ``[type, *payload]`` where ``type`` is one ``EngineCoreRequestType`` byte:
-  HELLO(HelloRequest), ADD(EngineCoreRequest), ABORT(list[str]),
+  HELLO(HelloRequest), ADD(EngineCoreRequest), ADD_BATCH(EngineCoreRequestBatch), ABORT(list[str]),
   UTILITY(UtilityRequest), HEARTBEAT(no payload), GOODBYE(no payload: detach now).
 * ``output`` ROUTER. The same frontend connects a second DEALER with the *same*
   identity; the core sends it ``[type, *payload]`` where ``type`` is one
@@ -52,6 +52,7 @@ from vllm_lite.core.messages import (
     EngineCoreOutputs,
     EngineCoreOutputType,
     EngineCoreRequest,
+    EngineCoreRequestBatch,
     EngineCoreRequestType,
     HelloRequest,
     UtilityOutput,
@@ -219,6 +220,7 @@ class CoreSockets:
         monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         decoders = {
             EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ADD_BATCH: MsgpackDecoder(EngineCoreRequestBatch),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
             EngineCoreRequestType.HELLO: MsgpackDecoder(HelloRequest),

@@ -15,8 +15,9 @@ outputs. A frontend must HELLO before anything else; messages from unknown ident
 dropped.
 
 Busy loop (main thread): drain the input queue (HELLOs, then ABORTs -- the fast path -- then
-ADDs and UTILITY calls in arrival order, then GOODBYEs), ``step()``, route outputs per client;
-block on the input queue when idle.
+ADDs, ADD_BATCHes and UTILITY calls in arrival order, then GOODBYEs), ``step()``, route outputs per
+client; block on the input queue when idle. While a frontend's ADD_BATCH is still arriving in parts
+the loop does not step (for ``BATCH_HOLD_S`` at most), so an offline batch is scheduled whole.
 
 Lifecycle: SIGTERM stops new work, drains running requests for at most ``drain_timeout_s``,
 aborts the rest and exits 0. A fatal error in the loop sends ``EngineCoreOutputs(engine_dead=True)``
@@ -75,6 +76,9 @@ logger = logging.getLogger(__name__)
 
 # How often the idle loop wakes to check heartbeats, the parent and signals.
 _IDLE_POLL_S = 0.2
+# The longest the loop holds its steps for a frontend whose ADD_BATCH has more parts to come: the parts
+# are sent back to back, so this only bounds what a stalled or hostile frontend can cost the others.
+BATCH_HOLD_S = 5.0
 
 
 @dataclass
@@ -147,6 +151,8 @@ class EngineCoreProc:
         self.registry = ClientRegistry(self.options.auth_token, drop_log)
         self.shutdown_state = ShutdownState(self.options.drain_timeout_s)
         self._last_housekeeping = 0.0
+        # Frontends whose ADD_BATCH has more parts to come -> when the loop stops waiting for them.
+        self._open_batches: dict[bytes, float] = {}
         # Sent in every READY: a frontend on this host watches our process instead of waiting on heartbeats.
         self._host_id, self._started = process_watch.host_id(), process_watch.start_ticks(os.getpid())
         self.sockets = CoreSockets(
@@ -215,13 +221,13 @@ class EngineCoreProc:
         """Serve until told to stop; return the process exit code (0 clean, 1 fatal)."""
         try:
             while True:
-                self._process_input(block=not self.engine_core.has_unfinished_requests())
+                self._process_input(block=self._batch_open() or not self.engine_core.has_unfinished_requests())
                 self._housekeeping()
                 if self.shutdown_state.advance(self.engine_core.has_unfinished_requests()) is Phase.STOPPED:
                     if self.shutdown_state.drain_expired:
                         self._abort_all("the engine core shut down before the request finished")
                     break
-                if self.engine_core.has_unfinished_requests():
+                if self.engine_core.has_unfinished_requests() and not self._batch_open():
                     self._route_outputs(self.engine_core.step())
         except BaseException:  # noqa: BLE001 -- any failure here kills the engine, loudly
             logger.error("Fatal error in the engine core busy loop:\n%s", traceback.format_exc())
@@ -252,6 +258,11 @@ class EngineCoreProc:
                 if aborted_after.get((identity, payload.request_id), -1) > pos:
                     continue
                 self._handle_add(identity, payload)
+            elif kind is EngineCoreRequestType.ADD_BATCH:
+                for request in payload.requests:
+                    if aborted_after.get((identity, request.request_id), -1) <= pos:
+                        self._handle_add(identity, request)
+                self._batch_part(identity, payload.more)
             elif kind is EngineCoreRequestType.UTILITY:
                 self._handle_utility(identity, payload)
         for identity, kind, _ in items:
@@ -263,6 +274,22 @@ class EngineCoreProc:
                 client = self.registry.get(identity)
                 if client is not None:  # may come back (a reconnect after a network blip): remembered
                     self._drop_client(client, "its connection closed")
+
+    def _batch_part(self, identity: bytes, more: bool) -> None:
+        """Book one part of an ADD_BATCH: hold steps for this frontend's next part, or stop holding."""
+        if more and self.registry.get(identity) is not None:
+            self._open_batches[identity] = time.monotonic() + BATCH_HOLD_S
+        else:
+            self._open_batches.pop(identity, None)
+
+    def _batch_open(self) -> bool:
+        """True while some frontend's ADD_BATCH has parts to come (each waited for BATCH_HOLD_S at most)."""
+        if self._open_batches:
+            now = time.monotonic()
+            for identity in [i for i, deadline in self._open_batches.items() if deadline <= now]:
+                logger.warning("An ADD_BATCH from %s stopped before its last part; stepping on.", identity.hex())
+                del self._open_batches[identity]
+        return bool(self._open_batches)
 
     def _take_input(self, block: bool) -> list[InputItem]:
         """Everything queued now; when ``block``, wait a little for the first item."""
@@ -409,6 +436,7 @@ class EngineCoreProc:
             why,
             len(client.request_ids),
         )
+        self._open_batches.pop(client.identity, None)
         ids = self.registry.drop(client, may_return)
         # If it is alive after all, it learns why its requests ended instead of waiting forever.
         self._abort_and_tell(client, ids, f"aborted by the engine core: this frontend was dropped ({why})")

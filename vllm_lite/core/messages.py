@@ -42,6 +42,7 @@ class EngineCoreRequestType(enum.Enum):
     HELLO = b"\x03"
     HEARTBEAT = b"\x04"
     GOODBYE = b"\x05"  # no payload: this frontend detaches; its requests are aborted
+    ADD_BATCH = b"\x06"  # EngineCoreRequestBatch: requests the core admits together, before its next step
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -59,6 +60,19 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     compressed_token_type_ids: Optional[int] = None
     # The LoRA adapter this request runs with (vLLM's name); None: the base model.
     lora_request: Optional[LoRARequest] = None
+
+
+class EngineCoreRequestBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Requests added together (offline ``LLM.generate``), each still validated on its own.
+
+    The core admits a whole batch before it steps again, so the first steps' batches, and with them the
+    order of bf16 sums in batched matmuls, do not depend on when each request arrived: the same prompts
+    give the same tokens run after run. A batch too big for one message goes in parts; every part but
+    the last has ``more`` set and the core holds its steps until the last part (for a few seconds at most).
+    """
+
+    requests: list[EngineCoreRequest]
+    more: bool = False
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -132,8 +132,9 @@ class LLM:
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from e
         ids = [req.request_id for _, req in processed]
-        for prompt_text, req in processed:
-            engine.add_processed_request(prompt_text, req)
+        # One batch: the core schedules all of it before its first step, as vLLM's LLM adds every request
+        # before stepping, so which requests share a step (and the bf16 sums) does not depend on timing.
+        engine.add_processed_requests(processed)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         try:
