@@ -163,7 +163,7 @@ def test_adapter_ids_agree_across_frontends_and_differ_between_adapters(adapters
     assert ids_a["poem"] != ids_b["poem"]  # same name, other weights: never the same id
     every = [ids_a["sql"], ids_a["poem"], ids_b["late"], ids_b["poem"]]
     assert len(set(every)) == 4
-    assert all(1 <= i <= 2**31 - 1 for i in every)
+    assert all(1 <= i <= 2**62 for i in every)
 
 
 # ---------------------------------------------------------------------------- the HTTP rules
@@ -281,3 +281,31 @@ def test_a_static_adapter_that_fails_to_load_stops_start_up_naming_it(adapters, 
     app = build_app(engine, MODEL, lora_modules=[LoRAModulePath("bad", str(tmp_path))])
     with pytest.raises(ValueError, match=r"--lora-modules bad=.*no adapter_config.json"):
         asyncio.run(init_static_loras(app))
+
+
+_ROUTES_CHILD = """
+import json, os
+from vllm_lite.entrypoints.openai.api_server import build_app
+from vllm_lite.testing.checkpoints import get_checkpoint
+from vllm_lite.testing.openai_fake_engine import FakeAsyncLLM
+
+def routes():
+    return sorted(r.path for r in build_app(FakeAsyncLLM(get_checkpoint("llama"))).routes if "lora" in r.path)
+
+unset = routes()
+os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
+print(json.dumps({"unset": unset, "true": routes()}))
+"""
+
+
+def test_runtime_adapter_routes_follow_vllms_environment_variable():
+    """Read through envs.py by default: off unless $VLLM_ALLOW_RUNTIME_LORA_UPDATING is true (set in a child
+    process only; this process's environment is not touched)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+    out = subprocess.run([sys.executable, "-c", _ROUTES_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"unset": [], "true": ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]}

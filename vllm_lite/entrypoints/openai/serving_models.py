@@ -5,10 +5,11 @@ Adapter ids. Several frontends may share one engine core (``serve --api-server-c
 frontend that attaches to a running core), and the core knows an adapter by its ``lora_int_id`` alone
 (device slot, host cache, prefix-cache hash). A per-frontend counter (vLLM's, from 1) would give two
 frontends' different adapters the same id, and one would silently run the other's weights. So the id
-is derived from the adapter's name and path (a hash into 1..2**31-1): every frontend computes the same
-id for the same adapter, so they share its slot and its cached prefixes, and different adapters get
-different ids with no coordination; a collision within this frontend is refused, and across frontends
-the core's own one-name-one-id rule refuses it.
+is derived from the adapter's name and path (62 bits of a SHA-256): every frontend computes the same id
+for the same adapter, so they share its slot and its cached prefixes, and different adapters get
+different ids with no coordination (a chance collision, about n**2 / 2**63 for n adapters, is refused
+when both are in one frontend). Unloading in one frontend frees the core's copy; another frontend still
+serving it has the core read it again from its path on its next request.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from vllm_lite.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
-# lora_int_id range: positive and within int32, whatever the engine stores it in.
-_MAX_ID = 2**31 - 1
+# lora_int_id range: 1..2**62, within the int64 the engine keeps ids in.
+_ID_BITS = 62
 
 
 class InvalidUserInputError(OpenAIServingError):
@@ -47,7 +48,7 @@ class InvalidUserInputError(OpenAIServingError):
 def adapter_id(name: str, path: str) -> int:
     """The ``lora_int_id`` of adapter ``name`` at ``path``: the same in every frontend, without coordination."""
     digest = hashlib.sha256(f"{name}\0{path}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") % _MAX_ID + 1
+    return (int.from_bytes(digest[:8], "big") >> (64 - _ID_BITS)) + 1
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -134,7 +135,7 @@ class OpenAIServingModels:
                 raise InvalidUserInputError(f"The lora adapter name '{name}' is the base model's name.")
             lora_id = adapter_id(name, path)
             clash = next((r for r in self.lora_requests.values() if r.lora_int_id == lora_id), None)
-            if clash is not None:  # a 31-bit hash collision: refuse rather than share weights
+            if clash is not None:  # a hash collision: refuse rather than share weights
                 raise InvalidUserInputError(
                     f"The lora adapter '{name}' would share its id with '{clash.lora_name}': choose another name."
                 )
