@@ -182,32 +182,50 @@ def test_stop_conditions_inside_an_accepted_run(base: LLM, spec: LLM) -> None:
     assert _accepted(spec) > before
 
 
-def test_penalized_requests_get_no_drafts_and_keep_their_outputs(base: LLM, spec: LLM) -> None:
-    """Penalties depend on the tokens accepted earlier in the same step; such requests are never given drafts
-    (the scheduler's choice), so they decode exactly as without speculation."""
-    params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.2)
-    total = _scheduler(spec).spec.total
-    drafts_before = total.num_drafts
-    expected = base.generate(_prompts(REPEATING[:2]), params, use_tqdm=False)
-    got = spec.generate(_prompts(REPEATING[:2]), params, use_tqdm=False)
-    _assert_same_outputs(expected, got)
-    assert total.num_drafts == drafts_before
+def test_penalized_requests_are_drafted_and_keep_their_outputs(base: LLM, spec: LLM) -> None:
+    """Penalties at each verified position count the drafts accepted before it (they would be outputs by then):
+    penalised requests get drafts, some are accepted, and the tokens and logprobs are plain decoding's."""
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.4, presence_penalty=0.3, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=-0.5, logprobs=2),  # favours repeats
+    ]
+    prompts = _prompts([REPEATING[0]] * 3)
+    before = _accepted(spec)
+    expected = base.generate(prompts, cases, use_tqdm=False)
+    got = spec.generate(prompts, cases, use_tqdm=False)
+    _assert_same_outputs(expected, got, logprobs=True)
+    assert _accepted(spec) > before
 
 
-def test_grammar_request_beside_drafted_ones_keeps_its_constraint(base: LLM, spec: LLM) -> None:
-    """A constrained request gets no drafts, but it is verified in the same pass as drafted ones: its grammar
-    mask must stay on its own row there."""
+def test_grammar_requests_are_drafted_and_keep_their_constraint(base: LLM, spec: LLM) -> None:
+    """A constrained request is verified with one grammar row per position (its matcher advanced through the
+    drafts, then rolled back); drafts are accepted, outputs equal plain decoding's, beside unconstrained rows."""
     constrained = SamplingParams(
-        temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex="(ab|cd)+e")
+        temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="(ab|cd)+e")
+    )
+    json_like = SamplingParams(
+        temperature=0.0,
+        max_tokens=32,
+        structured_outputs=StructuredOutputsParams(regex="\\[(1|22|333)(,(1|22|333))*\\]"),
     )
     plain = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    prompts = _prompts(REPEATING[:2] + [RANDOM[0]])
-    params = [plain, plain, constrained]
-    before = _accepted(spec)
-    expected = base.generate(prompts, params, use_tqdm=False)
-    got = spec.generate(prompts, params, use_tqdm=False)
+    prompts = _prompts(REPEATING[:2] + [RANDOM[0], REPEATING[1]])
+    params = [plain, plain, constrained, json_like]
+    sched = _scheduler(spec)
+    constrained_drafts = []
+    original = sched.spec.rollback
+    sched.spec.rollback = lambda req, n, m: (
+        constrained_drafts.append(m - 1) if req.structured_output_request is not None else None,
+        original(req, n, m),
+    )
+    try:
+        expected = base.generate(prompts, params, use_tqdm=False)
+        got = spec.generate(prompts, params, use_tqdm=False)
+    finally:
+        del sched.spec.rollback
     _assert_same_outputs(expected, got)
-    assert _accepted(spec) > before
+    assert sum(constrained_drafts) > 0, "no draft of a constrained request was accepted"
 
 
 # ---------------------------------------------------------------------------------------------- sampling

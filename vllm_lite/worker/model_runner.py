@@ -279,7 +279,7 @@ class GPUModelRunner:
         s_rows = inputs.rows[s_idx]
         tokens, lp = None, None
         if self.is_driver:
-            bitmask = _grammar_bitmask_rows(so, req_ids)
+            bitmask = SpecDecodeStep.grammar_rows(so, req_ids, num_draft)  # one row per verified position
             if bitmask is not None:
                 bitmask = bitmask.to(self.device, non_blocking=True)
             q, has_q = self.spec_decode.draft_probs(req_ids, drafts, num_draft)

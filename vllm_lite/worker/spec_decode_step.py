@@ -49,10 +49,55 @@ class VerifiedTokens:
         return [row[:n].tolist() for row, n in zip(self.token_ids, self.num_emitted)]
 
 
-def expand_metadata(md: SamplingMetadata, reps: int) -> SamplingMetadata:
-    """The same sampling rows, each repeated `reps` times in a row (row r -> rows r*reps .. r*reps+reps-1)."""
+def penalties_with_drafts(
+    token_ids: torch.Tensor, counts: torch.Tensor, drafts: torch.Tensor, num_draft: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Penalty tables for verified positions: position j of row r sees drafts[r, :j] as generated tokens too.
+
+    token_ids / counts: a row's distinct prompt+output tokens and their output counts, int64 / float32 [S, L]
+    (padded by repeating entry 0). drafts: int64 [S, K] (-1 past num_draft). Returns [S*(K+1), L+K] tables:
+    row r*(K+1)+j lists the row's tokens then drafts[r, :j] (the rest repeat entry 0), each with its output count
+    plus its occurrences among drafts[r, :j], so every copy of a token carries the same count."""
+    s, length = token_ids.shape
+    k = drafts.shape[1]
+    reps = k + 1
+    pos = torch.arange(reps, device=drafts.device)
+    # before[r, j, c]: draft c precedes position j (and exists).
+    before = (torch.arange(k, device=drafts.device)[None, None, :] < pos[None, :, None]) & (
+        torch.arange(k, device=drafts.device)[None, None, :] < num_draft[:, None, None]
+    )
+    seen = torch.where(before, drafts[:, None, :], -1)  # [S, reps, K]: drafts counted at each position
+    extra_ids = torch.where(before, drafts[:, None, :], token_ids[:, None, :1])  # [S, reps, K]
+    ids = torch.cat([token_ids[:, None, :].expand(s, reps, length), extra_ids], dim=2)  # [S, reps, L+K]
+    # Output count of each listed token: its count in the row's table (0 when new) + its occurrences in `seen`.
+    base_known = counts[:, None, :].expand(s, reps, length)
+    match_new = extra_ids[..., :, None] == token_ids[:, None, None, :]  # [S, reps, K, L]
+    base_new = (match_new * counts[:, None, None, :]).amax(dim=3)
+    base = torch.cat([base_known, base_new], dim=2)
+    occurrences = (ids[..., :, None] == seen[..., None, :]).sum(dim=3)  # [S, reps, L+K]
+    return ids.reshape(s * reps, length + k), (base + occurrences).reshape(s * reps, length + k).float()
+
+
+def expand_metadata(
+    md: SamplingMetadata,
+    reps: int,
+    drafts: Optional[torch.Tensor] = None,
+    num_draft: Optional[torch.Tensor] = None,
+) -> SamplingMetadata:
+    """The same sampling rows, each repeated `reps` times in a row (row r -> rows r*reps .. r*reps+reps-1).
+
+    With the rows' drafts (int64 [S, reps-1], and their counts), penalties at position j count the drafts
+    before it as generated tokens (they are, if position j is reached)."""
     if reps == 1:
         return md
+    penalty_ids, penalty_counts = None, None
+    if md.penalty_token_ids is not None:
+        assert md.penalty_output_counts is not None
+        if drafts is None or num_draft is None:
+            raise ValueError("penalties at verified positions need the rows' drafts")
+        penalty_ids, penalty_counts = penalties_with_drafts(
+            md.penalty_token_ids, md.penalty_output_counts, drafts, num_draft
+        )
 
     def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if t is None else t.repeat_interleave(reps, dim=0)
@@ -80,8 +125,8 @@ def expand_metadata(md: SamplingMetadata, reps: int) -> SamplingMetadata:
         presence_penalties=rows(md.presence_penalties),
         frequency_penalties=rows(md.frequency_penalties),
         repetition_penalties=rows(md.repetition_penalties),
-        penalty_token_ids=rows(md.penalty_token_ids),
-        penalty_output_counts=rows(md.penalty_output_counts),
+        penalty_token_ids=penalty_ids,
+        penalty_output_counts=penalty_counts,
         allowed_rows=rows(md.allowed_rows),
         allowed_index=pairs(md.allowed_index),
         banned_index=pairs(md.banned_index),
@@ -91,13 +136,19 @@ def expand_metadata(md: SamplingMetadata, reps: int) -> SamplingMetadata:
 
 
 def target_distributions(
-    logits: torch.Tensor, md: SamplingMetadata, bitmask: Optional[torch.Tensor], reps: int
+    logits: torch.Tensor,
+    md: SamplingMetadata,
+    bitmask: Optional[torch.Tensor],
+    reps: int,
+    drafts: Optional[torch.Tensor] = None,
+    num_draft: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(target [S, reps, V], greedy [S]): warped probabilities for random rows, processed logits for greedy rows
-    (the rejection sampler reads only their argmax), exactly as the sampler would sample each position."""
-    md_x = expand_metadata(md, reps)
-    if bitmask is not None:
-        bitmask = bitmask.repeat_interleave(reps, dim=0)
+    (the rejection sampler reads only their argmax), exactly as the sampler would sample each position.
+
+    bitmask: int32 [S*reps, W], one grammar row per verified position (after the drafts before it), or None.
+    Penalties at each position count the drafts before it (`expand_metadata`)."""
+    md_x = expand_metadata(md, reps, drafts, num_draft)
     processed = Sampler.apply_logits_processors(logits, md_x, bitmask)
     s = md.num_rows
     if md.all_greedy:
@@ -187,6 +238,30 @@ class SpecDecodeStep:
         return table, counts
 
     @staticmethod
+    def grammar_rows(so: SchedulerOutput, req_ids: list[str], num_draft: np.ndarray) -> Optional[torch.Tensor]:
+        """The scheduler's grammar rows per verified position: int32 [S*(K+1), W] (all ones where unconstrained).
+
+        A constrained request's rows start at `structured_output_request_ids[req]`: one for its current state,
+        then one after each of its drafts (the scheduler advanced its matcher through them and rolled it back).
+        Padding positions repeat the row's last one, as `logits_positions` repeats the last logits."""
+        if so.grammar_bitmask is None or not so.structured_output_request_ids:
+            return None
+        src = torch.as_tensor(so.grammar_bitmask, dtype=torch.int32)
+        first = so.structured_output_request_ids
+        reps = (int(num_draft.max()) if len(num_draft) else 0) + 1
+        dst, take = [], []
+        for i, rid in enumerate(req_ids):  # host-side index layout, one entry per constrained row
+            if rid in first:
+                n = int(num_draft[i])
+                dst.extend(range(i * reps, (i + 1) * reps))
+                take.extend(first[rid] + min(j, n) for j in range(reps))
+        if not dst:
+            return None
+        full = torch.full((len(req_ids) * reps, src.shape[1]), -1, dtype=torch.int32)
+        full[dst] = src[take]
+        return full
+
+    @staticmethod
     def logits_positions(inputs: StepInputs, s_idx: np.ndarray, num_draft: np.ndarray) -> np.ndarray:
         """int64 [S, K+1]: the flat token index of each verified position (padding repeats the row's last)."""
         k = int(num_draft.max()) if len(num_draft) else 0
@@ -205,15 +280,17 @@ class SpecDecodeStep:
         has_draft_probs: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[LogprobsTensors]]:
         """Driver only. logits [S*(K+1), V] -> (tokens int64 [S, K+1] with -1 padding, logprobs per emitted token).
+        bitmask: int32 [S*(K+1), W], each verified position's grammar row (`grammar_rows`), or None.
 
         draft_probs [S, K, V] with has_draft_probs [S]: the rows' sampled-proposal distributions q (other rows, and
         all rows when None, are point masses)."""
         s, k = drafts.shape
         device = logits.device
-        target, greedy = target_distributions(logits, md, bitmask, k + 1)
+        drafts_t, num_draft_t = torch.from_numpy(drafts).to(device), torch.from_numpy(num_draft).to(device)
+        target, greedy = target_distributions(logits, md, bitmask, k + 1, drafts_t, num_draft_t)
         out = rejection_sample_rows(
-            torch.from_numpy(drafts).to(device),
-            torch.from_numpy(num_draft).to(device),
+            drafts_t,
+            num_draft_t,
             draft_probs,
             has_draft_probs,
             target,

@@ -32,7 +32,7 @@ from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, Schedul
 from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.pooling import finish_pooling_request
 from vllm_lite.core.sched.request_queue import RequestQueue, create_request_queue
-from vllm_lite.core.sched.spec_decode import SpecDecodeScheduling
+from vllm_lite.core.sched.spec_decode import SpecDecodeScheduling, grammar_bitmask_with_drafts
 from vllm_lite.structured_output.manager import StructuredOutputManager
 from vllm_lite.worker.models.rope_regime import rope_recompute_at
 from vllm_lite.worker.models.sliding_window import uniform_sliding_window
@@ -365,7 +365,7 @@ class Scheduler:
             sor = r.structured_output_request
             if sor is not None and sor.matcher is not None and not sor.matcher.resync(r.output_token_ids):
                 logger.error("request %s: its kept output tokens no longer match its grammar", r.request_id)
-        so_ids, bitmask = self._grammar_bitmask()
+        so_ids, bitmask = self._grammar_bitmask(spec_tokens)
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -404,19 +404,22 @@ class Scheduler:
         if self._waiting_for_grammar:
             self.structured_output_manager.wait_for_grammar(timeout)
 
-    def _grammar_bitmask(self) -> tuple[dict[str, int], Optional[np.ndarray]]:
-        """One bitmask row per constrained request that samples this step (its whole sequence is computed)."""
-        matchers = []
-        ids: dict[str, int] = {}
+    def _grammar_bitmask(self, spec_tokens: dict[str, list[int]]) -> tuple[dict[str, int], Optional[np.ndarray]]:
+        """Bitmask rows for each constrained request that samples this step (its whole sequence is computed): one,
+        plus one per draft it verifies (`grammar_bitmask_with_drafts`)."""
+        constrained = []
         for rid, req in self._scheduled.items():
             sor = req.structured_output_request
             if sor is None or sor.matcher is None or req.num_computed_tokens < req.num_tokens:
                 continue
-            ids[rid] = len(matchers)
-            matchers.append(sor.matcher)
-        if not matchers:
+            constrained.append((rid, sor.matcher, spec_tokens.get(rid, [])))
+        if not constrained:
             return {}, None
-        return ids, self.structured_output_manager.fill_bitmask(matchers)
+        if not any(drafts for _, _, drafts in constrained):
+            return {rid: i for i, (rid, _, _) in enumerate(constrained)}, self.structured_output_manager.fill_bitmask(
+                [m for _, m, _ in constrained]
+            )
+        return grammar_bitmask_with_drafts(self.structured_output_manager, constrained)
 
     def _advance_grammar(self, req: Request, token_id: int) -> bool:
         """Feed a sampled token to the request's matcher; True if the grammar finishes the request."""

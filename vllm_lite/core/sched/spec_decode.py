@@ -8,32 +8,79 @@ plus the drafts (1 + k tokens; the KV slots of all of them are allocated, the lo
 drafts, so their KV slots are rewritten by the next step and the prefix cache, which hashes only full blocks of
 computed tokens, never holds a rejected token.
 
-Requests whose next-token distribution depends on their own latest outputs in ways the verification pass does
-not model get no drafts: structured outputs (matchers are not rolled back this session), penalties,
+Grammar requests get one bitmask row per verified position (their matcher advanced through the drafts, then
+rolled back); penalised requests are penalised per position by the runner. Requests whose next-token
+distribution depends on their latest outputs in ways the verification pass does not model get no drafts:
 `min_tokens` still unmet (stop-token bans move with the output count), multi-token bad words, and pooling.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
 
 from vllm_lite.config import SpeculativeConfig
 from vllm_lite.core.request import Request
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
+from vllm_lite.structured_output.backend_types import StructuredOutputMatcher
+from vllm_lite.structured_output.manager import StructuredOutputManager, bitmask_width
 
 
 def may_speculate(req: Request) -> bool:
-    """Whether the verification pass emits exactly what plain decoding would for this request."""
+    """Whether the verification pass emits exactly what plain decoding would for this request.
+
+    Penalties are exact per position (the runner counts the drafts before each one) and grammars are too (one
+    bitmask row per position, `grammar_bitmask_with_drafts`). Still excluded: unmet min_tokens (its stop-token
+    ban would have to lift mid-step) and multi-token bad words (their prefix match would have to move with the
+    drafts), which the runner applies from the request's outputs before the step only."""
     sp = req.sampling_params
     return (
-        req.structured_output_request is None
-        and getattr(req, "pooling_params", None) is None
-        and sp.presence_penalty == 0.0
-        and sp.frequency_penalty == 0.0
-        and sp.repetition_penalty == 1.0
+        getattr(req, "pooling_params", None) is None
         and req.num_output_tokens >= sp.min_tokens
         and all(len(w) <= 1 for w in (sp.bad_words_token_ids or []))
     )
+
+
+def grammar_bitmask_with_drafts(
+    manager: StructuredOutputManager, constrained: Sequence[tuple[str, StructuredOutputMatcher, list[int]]]
+) -> tuple[dict[str, int], np.ndarray]:
+    """The step's grammar rows: (request -> its first row, int32 [rows, W]).
+
+    A request without drafts has one row (its matcher's current state). A request with drafts d_1..d_n has 1 + n:
+    row j is what the grammar allows after d_1..d_j, so each verified position is masked as plain decoding would
+    mask it had the drafts before it been sampled. The matcher advances through the drafts to fill those rows and
+    is rolled back after, so it still holds only the request's outputs (the accepted drafts are fed to it one by
+    one in update_from_output, as sampled tokens are). After a draft the grammar refuses, the rows allow all: the
+    verification rejects that draft (its target probability is 0), so no later position is ever emitted."""
+    ids: dict[str, int] = {}
+    plain_rows: list[int] = []
+    plain: list[StructuredOutputMatcher] = []
+    drafted: list[tuple[int, StructuredOutputMatcher, list[int]]] = []
+    rows = 0
+    for rid, matcher, drafts in constrained:
+        ids[rid] = rows
+        if drafts:
+            drafted.append((rows, matcher, drafts))
+            rows += 1 + len(drafts)
+        else:
+            plain_rows.append(rows)
+            plain.append(matcher)
+            rows += 1
+    full = torch.full((rows, bitmask_width(manager.vocab_size)), -1, dtype=torch.int32)
+    if plain:  # the usual batched fill
+        full[plain_rows] = torch.from_numpy(manager.fill_bitmask(plain))
+    for first, matcher, drafts in drafted:
+        matcher.fill_bitmask(full, first)
+        accepted = 0
+        for tok in drafts:
+            if not matcher.accept_tokens([tok]):
+                break
+            accepted += 1
+            matcher.fill_bitmask(full, first + accepted)
+        matcher.rollback(accepted)
+    return ids, full.numpy()
 
 
 class SpecDecodeScheduling:
