@@ -4,7 +4,8 @@ On CUDA, per shape and implementation, the median microseconds of a call (CUDA e
 burst of calls, implementations alternating round by round so clocks and load hit them alike):
 
 - int4 x @ W for a Llama-7B-like projection (K=4096, N=4096 and N=11008, group 128) at M = 1, 16,
-  128, 1024: ``awq_gemm``, ``gptq_gemm`` (g_idx=None, and desc_act g_idx), the reference path
+  128, 1024: ``awq_gemm`` (and with ``wide_load=False``: one packed word gathered per weight),
+  ``gptq_gemm`` (g_idx=None, and desc_act g_idx), the reference path
   (``dequantize_awq`` into a half-precision weight, then matmul) and the dense half-precision matmul
   (the bf16/fp16 model this replaces), with the weight bytes each reads per call and GB/s.
 - LoRA shrink+expand with 8 adapters (rank 16, hidden 4096 -> 4096), tokens spread over the slots and
@@ -83,6 +84,7 @@ def _int4_fns(x: torch.Tensor, awq, gptq, dense: torch.Tensor, device: str) -> d
         from vllm_lite.quantization.triton_int4 import awq_gemm, gptq_gemm
 
         fns["triton_awq"] = lambda: awq_gemm(x, aq, az, as_, 128)
+        fns["triton_awq_gather"] = lambda: awq_gemm(x, aq, az, as_, 128, wide_load=False)
         fns["triton_gptq"] = lambda: gptq_gemm(x, gq, gz, gs, None, group_size=128)
         fns["triton_gptq_desc_act"] = lambda: gptq_gemm(x, gq, gz, gs, gi)
     xd = x.to(dense.dtype)

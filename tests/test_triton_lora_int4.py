@@ -135,6 +135,7 @@ def test_int4_kernel_compiles_for_sm90_ahead_of_time(fmt, dtype, g_idx, block_m)
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        WIDE_LOAD=True,
     )
     compiled = _compile_sm90(triton_int4._int4_gemm_kernel, sig, consts)
     assert compiled.asm["cubin"]

@@ -183,11 +183,13 @@ class QuantCase:
     bits: int = 4
     pass_g_idx: bool = True  # gptq: False takes the g_idx=None (k // G) path
     split_k: Optional[int] = None
+    wide_load: bool = True  # False: the kernel's gather-per-weight loads
     seed: int = 0
 
     @property
     def name(self) -> str:
         extra = ("-desc_act" if self.desc_act else "") + ("" if self.pass_g_idx else "-no_g_idx")
+        extra += "" if self.wide_load else "-gather"
         extra += (f"-{self.bits}bit" if self.bits != 4 else "") + (f"-split{self.split_k}" if self.split_k else "")
         return f"{self.fmt}-{self.dtype}-m{self.m}-k{self.k}-n{self.n}-g{self.group_size}{extra}"
 
@@ -197,10 +199,12 @@ def quant_cases(full: bool) -> list[QuantCase]:
     if not full:
         return [
             QuantCase("awq", "fp16", 1, 128, 48, 32),
+            QuantCase("awq", "fp16", 3, 128, 48, 32, wide_load=False),
             QuantCase("awq", "bf16", 5, 128, 64, 64, split_k=1),
             QuantCase("awq", "fp16", 33, 256, 32, 128, seed=1),
             QuantCase("gptq", "fp16", 1, 128, 48, 64, pass_g_idx=False),
             QuantCase("gptq", "bf16", 7, 128, 32, 64, desc_act=True),
+            QuantCase("gptq", "fp16", 4, 128, 32, 32, desc_act=True, wide_load=False),
             QuantCase("gptq", "fp16", 20, 256, 32, 128, desc_act=True, split_k=2, seed=2),
             QuantCase("gptq_v2", "fp32", 3, 64, 32, 32, seed=3),
             QuantCase("gptq", "fp16", 2, 64, 32, 32, bits=8, seed=4),
@@ -217,6 +221,8 @@ def quant_cases(full: bool) -> list[QuantCase]:
         QuantCase("gptq_v2", "bf16", 8, 2048, 2048, 128, desc_act=True),
         QuantCase("gptq", "fp16", 4, 2048, 1024, 128, bits=8),
         QuantCase("awq", "fp32", 3, 1024, 512, 128),
+        QuantCase("awq", "bf16", 16, 4096, 4096, 128, wide_load=False),
+        QuantCase("gptq", "fp16", 64, 4096, 4096, 128, desc_act=True, wide_load=False),
     ]
     return cases
 
@@ -244,7 +250,9 @@ def _run_quant(case: QuantCase, q: Int4Case, x: torch.Tensor, device: str) -> to
 
     qweight, qzeros, scales = (t.to(device) for t in (q.qweight, q.qzeros, q.scales))
     if case.fmt == "awq":
-        return awq_gemm(x.to(device), qweight, qzeros, scales, q.group_size, split_k=case.split_k)
+        return awq_gemm(
+            x.to(device), qweight, qzeros, scales, q.group_size, split_k=case.split_k, wide_load=case.wide_load
+        )
     g_idx = q.g_idx.to(device) if case.pass_g_idx else None
     return gptq_gemm(
         x.to(device),
@@ -256,6 +264,7 @@ def _run_quant(case: QuantCase, q: Int4Case, x: torch.Tensor, device: str) -> to
         checkpoint_format=case.fmt,
         group_size=q.group_size,
         split_k=case.split_k,
+        wide_load=case.wide_load,
     )
 
 
