@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from vllm_lite import LLM, SamplingParams
+from vllm_lite.sampling_params import StructuredOutputsParams
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.testing.chi_square import chi_square_homogeneity_pvalue
 from vllm_lite.testing.draft_checkpoints import get_target_and_draft
@@ -110,6 +111,23 @@ def test_prefix_cache_hits_blocks_written_by_draft_steps(base: LLM, spec: LLM) -
     assert got[0].num_cached_tokens >= 48, "the extended prompt should hit the blocks of the first run"
     assert _total(spec).num_accepted_tokens > before
     _assert_same_outputs(base.generate(_prompts([extended]), follow, use_tqdm=False), got, logprobs=True)
+
+
+def test_penalised_and_grammar_requests_are_drafted_and_keep_their_outputs(base: LLM, spec: LLM) -> None:
+    """Draft-model proposals for requests with penalties (counted per verified position) and a grammar (one
+    bitmask row per position): tokens and logprobs are plain decoding's, and drafts were accepted."""
+    regex = StructuredOutputsParams(regex="(ab|cd)+e")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.2, frequency_penalty=0.3, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=20, presence_penalty=-0.4, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=regex, logprobs=1),
+    ]
+    prompts = _prompts(PROMPTS[:3])
+    before = _total(spec).num_accepted_tokens
+    expected = base.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    _assert_same_outputs(expected, got, logprobs=True)
+    assert _total(spec).num_accepted_tokens > before
 
 
 def test_forced_preemption_and_chunked_prefill_keep_greedy_outputs(base: LLM, models) -> None:

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from vllm_lite.spec_decode.metrics import METRIC_NAMES, SpecDecodingStats
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
-from vllm_lite.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
+from vllm_lite.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample, rejection_sample_rows
 from vllm_lite.testing.chi_square import chi_square_pvalue
+from vllm_lite.worker.spec_decode_step import penalties_with_drafts
 
 # A distribution test fails when its p-value is below this; every draw is seeded, so the outcome is fixed.
 SIGNIFICANCE = 1e-3
@@ -282,3 +283,64 @@ def test_seeded_point_mass_rows_draw_once_per_emitted_token() -> None:
         for _ in range(int(out.num_accepted[i]) + 1):
             torch.rand((v,), generator=replay)
         assert torch.equal(generators[i].get_state(), replay.get_state()), f"row {i}"
+
+
+# ---------------------------------------------------------------------------------------------- draft-model rows
+def test_rows_with_and_without_draft_probs_each_keep_their_rule() -> None:
+    """`rejection_sample_rows`: rows with a draft q follow min(1, p/q) + residual (the target distribution holds);
+    point-mass rows beside them keep the seeded coupling (the same tokens as verified alone); greedy rows are exact."""
+    b, k = 16000, 2
+    q = torch.tensor([[0.1, 0.1, 0.6, 0.1, 0.1], [0.3, 0.3, 0.3, 0.05, 0.05]])
+    gen = torch.Generator().manual_seed(7)
+    drafts = torch.stack([torch.multinomial(q[i], b, replacement=True, generator=gen) for i in range(k)], dim=1)
+    has_q = torch.arange(b) % 4 != 0
+    greedy = torch.arange(b) % 8 == 4
+    seeded = {i: torch.Generator().manual_seed(i) for i in range(0, b, 4)}  # the point-mass rows
+    target = TARGET.expand(b, -1, -1)
+    draft_probs = torch.where(has_q[:, None, None], q.expand(b, -1, -1), 0.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(8)
+        out = rejection_sample_rows(drafts, torch.full((b,), k), draft_probs, has_q, target, greedy, seeded)
+    random_q = has_q & ~greedy
+    emitted_distributions_match(_subset(out, random_q), TARGET, drafts[random_q])
+    pm = (~has_q).nonzero().squeeze(1)
+    alone = rejection_sample(
+        drafts[pm],
+        torch.full((len(pm),), k),
+        None,
+        target[pm],
+        greedy[pm],
+        {j: torch.Generator().manual_seed(int(r)) for j, r in enumerate(pm.tolist())},
+    )
+    assert torch.equal(out.output_token_ids[pm], alone.output_token_ids)
+    g = greedy.nonzero().squeeze(1)
+    for i in g[:50].tolist():
+        expected = naive_greedy(drafts[i].tolist(), TARGET)
+        assert out.output_token_ids[i, : len(expected)].tolist() == expected
+
+
+def _subset(out, mask: torch.Tensor):
+    return type(out)(output_token_ids=out.output_token_ids[mask], num_accepted=out.num_accepted[mask])
+
+
+def test_penalty_tables_count_the_drafts_before_each_position() -> None:
+    """Position j of a verified row is penalised as if drafts[:j] had been sampled: each listed token's count is its
+    output count plus its occurrences among those drafts, and new draft tokens join the table."""
+    token_ids = torch.tensor([[3, 5, 7, 3], [2, 4, 2, 2]])  # distinct tokens, padded by repeating entry 0
+    counts = torch.tensor([[1.0, 0.0, 2.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
+    drafts = torch.tensor([[5, 9, 5], [4, -1, -1]])
+    num_draft = torch.tensor([3, 1])
+    ids, got = penalties_with_drafts(token_ids, counts, drafts, num_draft)
+    assert ids.shape == got.shape == (8, 7)
+    for r in range(2):
+        base = {int(t): float(c) for t, c in zip(token_ids[r], counts[r])}
+        for j in range(4):
+            seen = drafts[r, : min(j, int(num_draft[r]))].tolist()
+            want = dict(base)
+            for t in seen:
+                want[t] = want.get(t, 0.0) + 1.0
+            row = r * 4 + j
+            table = {}
+            for t, c in zip(ids[row].tolist(), got[row].tolist()):
+                assert table.setdefault(t, c) == c, "copies of a token must carry one count"
+            assert table == want, (r, j)
