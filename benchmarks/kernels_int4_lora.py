@@ -5,7 +5,8 @@ burst of calls, implementations alternating round by round so clocks and load hi
 
 - int4 x @ W for a Llama-7B-like projection (K=4096, N=4096 and N=11008, group 128) at M = 1, 16,
   128, 1024: ``awq_gemm`` (and with ``wide_load=False``: one packed word gathered per weight),
-  ``gptq_gemm`` (g_idx=None, and desc_act g_idx), the reference path
+  ``gptq_gemm`` (g_idx=None; desc_act g_idx; desc_act rows sorted by group at load time, x's columns
+  gathered per call), the reference path
   (``dequantize_awq`` into a half-precision weight, then matmul) and the dense half-precision matmul
   (the bf16/fp16 model this replaces), with the weight bytes each reads per call and GB/s.
 - LoRA shrink+expand with 8 adapters (rank 16, hidden 4096 -> 4096), tokens spread over the slots and
@@ -81,12 +82,18 @@ def _int4_fns(x: torch.Tensor, awq, gptq, dense: torch.Tensor, device: str) -> d
     gq, gz, gs, gi = to(gptq.qweight), to(gptq.qzeros), to(gptq.scales), to(gptq.g_idx)
     fns: dict[str, Fn] = {}
     if device == "cuda":
-        from vllm_lite.quantization.triton_int4 import awq_gemm, gptq_gemm
+        from vllm_lite.quantization.triton_int4 import awq_gemm, gptq_gemm, sort_gptq_act_order
 
+        sorted_rows = sort_gptq_act_order(gq, gi, gs.shape[0])
+        assert sorted_rows is not None
+        gq_sorted, perm = sorted_rows
         fns["triton_awq"] = lambda: awq_gemm(x, aq, az, as_, 128)
         fns["triton_awq_gather"] = lambda: awq_gemm(x, aq, az, as_, 128, wide_load=False)
         fns["triton_gptq"] = lambda: gptq_gemm(x, gq, gz, gs, None, group_size=128)
         fns["triton_gptq_desc_act"] = lambda: gptq_gemm(x, gq, gz, gs, gi)
+        fns["triton_gptq_desc_act_sorted"] = lambda: gptq_gemm(
+            x.index_select(1, perm), gq_sorted, gz, gs, None, group_size=128
+        )
     xd = x.to(dense.dtype)
     fns["torch_dequant_then_matmul"] = lambda: xd @ dequantize_awq(aq, az, as_, 128, dtype=dense.dtype)
     fns["torch_dense_matmul"] = lambda: xd @ dense

@@ -261,3 +261,15 @@ def test_oracle_and_quantization_reference_agree_bit_for_bit(fmt, desc_act):
             ours = oracle.dequantize_gptq_ref(q.qweight, q.qzeros, q.scales, q.g_idx, zero_offset=zero_offset)
             ref = packing.dequantize_gptq(q.qweight, q.qzeros, q.scales, q.g_idx, fmt, dtype=dtype)
         assert torch.equal(ours, ref) and torch.equal(ours.double(), q.weight)
+
+
+def test_sorting_act_order_rows_keeps_each_row_and_makes_groups_contiguous():
+    q = oracle.random_gptq_case(1, 256, 16, 64, torch.float16, desc_act=True)
+    qweight, perm = triton_int4.sort_gptq_act_order(q.qweight, q.g_idx, 4)
+    assert torch.equal(q.g_idx[perm].long(), torch.arange(256) // 64), "rows must come out in group order"
+    plain = packing.dequantize_gptq(qweight, q.qzeros, q.scales, None, dtype=torch.float16)
+    original = packing.dequantize_gptq(q.qweight, q.qzeros, q.scales, q.g_idx, dtype=torch.float16)
+    assert torch.equal(plain, original[perm])
+    uneven = q.g_idx.clone()
+    uneven[0] = (uneven[0] + 1) % 4  # one group one row short, another one long
+    assert triton_int4.sort_gptq_act_order(q.qweight, uneven, 4) is None

@@ -337,3 +337,33 @@ def gptq_gemm(
         group_size = 1  # unused: every row's group is read from g_idx
     zero_offset = 1 if checkpoint_format == "gptq" else 0
     return _launch(x, qweight, qzeros, scales, g_idx, group_size, n, False, bits, zero_offset, split_k, wide_load)
+
+
+def sort_gptq_act_order(
+    qweight: torch.Tensor, g_idx: torch.Tensor, num_groups: int, bits: int = 4
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(qweight with its input rows sorted by group, perm) for a desc_act layer; None when groups are uneven.
+
+    Done once at load time: with rows in group order, g_idx becomes k // G, so ``gptq_gemm(x[:, perm],
+    qweight_sorted, qzeros, scales, None, group_size=G)`` takes the one-group-per-tile path (one row of
+    zeros and scales per K tile, not a gather per weight) at the cost of one gather of x's columns.
+    Like exllama's act-order reordering; equal to the unsorted product up to summation order.
+    """
+    if bits not in GPTQ_BITS:
+        raise ValueError(f"bits must be one of {GPTQ_BITS}, got {bits}")
+    pack = 32 // bits
+    k = qweight.shape[0] * pack
+    if tuple(g_idx.shape) != (k,) or num_groups <= 0 or k % num_groups:
+        raise ValueError(f"g_idx must have shape [{k}] and {num_groups} groups must divide K = {k}")
+    group_size = k // num_groups
+    perm = torch.argsort(g_idx.long(), stable=True)
+    counts = torch.bincount(g_idx.long(), minlength=num_groups)
+    if counts.numel() != num_groups or bool((counts != group_size).any()):
+        return None  # uneven groups (a hand-made g_idx): keep the per-row map
+    mask = (1 << bits) - 1
+    shifts = torch.arange(pack, device=qweight.device, dtype=torch.int64) * bits
+    values = ((qweight.long().unsqueeze(1) >> shifts.view(1, -1, 1)) & mask).reshape(k, -1)  # [K, N]
+    values = values.index_select(0, perm).view(k // pack, pack, -1)
+    words = (values << shifts.view(1, -1, 1)).sum(1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.contiguous(), perm

@@ -306,6 +306,19 @@ def check_quant_dequantizes_exactly(fmt: str, device: str) -> None:
     )
 
 
+def check_gptq_sorted_act_order(device: str) -> None:
+    """desc_act rows sorted by group at load time, x's columns gathered to match: the oracle's product."""
+    from vllm_lite.quantization.triton_int4 import gptq_gemm, sort_gptq_act_order
+
+    q = random_gptq_case(6, 256, 48, 64, torch.float16, desc_act=True, seed=8)
+    sorted_rows = sort_gptq_act_order(q.qweight.to(device), q.g_idx.to(device), 4)
+    assert sorted_rows is not None
+    qweight, perm = sorted_rows
+    x = q.x.to(device)
+    out = gptq_gemm(x.index_select(1, perm), qweight, q.qzeros.to(device), q.scales.to(device), None, group_size=64)
+    _close(out, x.double() @ q.weight.to(device), torch.float16, "sorted act-order vs float64 oracle")
+
+
 # ---------------------------------------------------------------------------------------------- all
 
 
@@ -317,4 +330,5 @@ def all_checks(device: str, full: bool) -> dict[str, Callable[[], None]]:
     checks.update({c.name: (lambda c=c: check_quant(c, device)) for c in quant_cases(full)})
     checks["awq-dequantizes-bit-exactly"] = lambda: check_quant_dequantizes_exactly("awq", device)
     checks["gptq-desc_act-dequantizes-bit-exactly"] = lambda: check_quant_dequantizes_exactly("gptq", device)
+    checks["gptq-desc_act-rows-sorted-by-group"] = lambda: check_gptq_sorted_act_order(device)
     return checks
