@@ -559,6 +559,7 @@ def run_server(args: Any) -> int:
                 )
             else:  # a private core cannot come back: exit (code 1) after the grace period
                 app = build_app(engine, names, engine_dead_grace_s=args.engine_dead_grace, **options)
+            await init_static_loras(app)  # a bad --lora-modules adapter stops start-up here, naming it
             scheme = "https" if args.ssl_certfile else "http"
             logger.info(
                 "OpenAI API on %s://%s:%d%s%s",
