@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram prompt lookup): does it pay, and where.
+"""Speculative decoding (n-gram prompt lookup, and a draft model): does it pay, and where.
 
 Two workloads on a trained checkpoint (default: the bundled model, a tiny Llama trained on Python's docs):
 - repetitive: a documentation passage P, the model's own greedy continuation G of it, then P again: the
@@ -7,12 +7,15 @@ Two workloads on a trained checkpoint (default: the bundled model, a tiny Llama 
 - random: prompts of random token ids, where lookup rarely finds anything.
 
 For each workload: batch-1 milliseconds per output token (median over the prompts, greedy, fixed length) and
-batch throughput (all prompts at once), with and without `speculative_config`, plus Hugging Face `generate` at
+batch throughput (all prompts at once), without speculation, with n-gram proposals and with a draft model
+(`--draft-model`, default: the target's first `--draft-layers` layers with its embeddings, final norm and LM
+head: same tokenizer, a fraction of the compute), the runs interleaved per workload, plus Hugging Face `generate` at
 default settings (the baseline) and HF's own prompt-lookup decoding (`prompt_lookup_num_tokens`, the
 like-for-like), both batch 1. Our runs are in-process engines (`multiprocess=False`) so the acceptance counters
 can be read; HF runs in this interpreter after ours at torch's thread count. Prints one JSON line (host included).
 
     python benchmarks/spec_decode.py --num-prompts 4 --max-tokens 64
+    python benchmarks/spec_decode.py --no-hf --draft-layers 1 --num-speculative-tokens 3
 """
 
 from __future__ import annotations
@@ -112,6 +115,19 @@ def run_hf(model: str, prompts: list[list[int]], max_tokens: int, lookup: int | 
     return {"ms_per_token_batch1": 1e3 * float(np.median(per_tok)), "outputs": outputs}
 
 
+def _param_count(model_dir: str) -> int:
+    """Parameters in a checkpoint's safetensors files (read from their headers only)."""
+    from safetensors import safe_open
+
+    total = 0
+    for name in os.listdir(model_dir):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+                for key in f.keys():
+                    total += int(np.prod(f.get_slice(key).get_shape()))
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
@@ -120,6 +136,16 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
+    ap.add_argument("--draft-model", default=None, help="draft checkpoint (same vocabulary as the target)")
+    ap.add_argument("--draft-layers", type=int, default=1, help="layers of the default draft (the target's first)")
+    ap.add_argument(
+        "--synthetic-pair",
+        default=None,
+        metavar="ARCH:SIZE",
+        help="target and draft from vllm_lite.testing.draft_checkpoints.get_target_and_draft (e.g. qwen2:100m): "
+        "a random checkpoint with its later layers damped and its one-layer draft, which agree by construction "
+        "(measures what the draft passes cost at that size; the n-gram rows then run on it too)",
+    )
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=None, help="torch threads, ours and HF's (default: policy)")
@@ -131,6 +157,11 @@ def main() -> None:
     from vllm_lite.platform import describe_host
 
     model = resolve_model(args.model)
+    if args.synthetic_pair is not None:
+        from vllm_lite.testing.draft_checkpoints import get_target_and_draft
+
+        arch, size = args.synthetic_pair.split(":")
+        model, args.draft_model = get_target_and_draft(arch, size=size)
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -140,10 +171,17 @@ def main() -> None:
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
     }
+    if args.draft_model is None:
+        from vllm_lite.testing.draft_checkpoints import get_layer_skip_draft
+
+        args.draft_model = get_layer_skip_draft(model, args.draft_layers)
+    draft_spec = {"model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
     result: dict[str, Any] = {
         "model": model,
         "max_tokens": args.max_tokens,
         "speculative_config": spec,
+        "draft_speculative_config": draft_spec,
+        "draft_params_ratio": _param_count(args.draft_model) / _param_count(model),
         "num_threads": args.num_threads or torch.get_num_threads(),
         "host": describe_host(),
     }
@@ -151,6 +189,7 @@ def main() -> None:
     for name, prompts in sets.items():
         plain = run_ours(model, prompts, args.max_tokens, None, args.num_threads)
         fast = run_ours(model, prompts, args.max_tokens, spec, args.num_threads)
+        drafted = run_ours(model, prompts, args.max_tokens, draft_spec, args.num_threads)
         row: dict[str, Any] = {
             "num_prompts": len(prompts),
             "mean_prompt_tokens": float(np.mean([len(p) for p in prompts])),
@@ -158,7 +197,10 @@ def main() -> None:
             "ngram_spec": {k: v for k, v in fast.items() if k != "outputs"},
             "speedup_batch1": plain["ms_per_token_batch1"] / fast["ms_per_token_batch1"],
             "speedup_throughput": fast["throughput_tok_s"] / plain["throughput_tok_s"],
-            "greedy_outputs_equal": plain["outputs"] == fast["outputs"],
+            "draft_spec": {k: v for k, v in drafted.items() if k != "outputs"},
+            "draft_speedup_batch1": plain["ms_per_token_batch1"] / drafted["ms_per_token_batch1"],
+            "draft_speedup_throughput": drafted["throughput_tok_s"] / plain["throughput_tok_s"],
+            "greedy_outputs_equal": plain["outputs"] == fast["outputs"] == drafted["outputs"],
         }
         if not args.no_hf:
             hf = run_hf(model, prompts, args.max_tokens, None)

@@ -1,4 +1,4 @@
-"""Speculative decoding (vLLM's `speculative_config`): n-gram proposals verified in one forward pass.
+"""Speculative decoding (vLLM's `speculative_config`): n-gram or draft-model proposals verified in one forward pass.
 
 The pieces, each unit-tested on its own:
 - `ngram_proposer.NgramProposer`: prompt-lookup proposals (`method: "ngram"`), batched over numpy histories.
@@ -12,11 +12,12 @@ How the engine uses them:
   (budget and KV slots count them; `SchedulerOutput.scheduled_spec_decode_tokens`); after the step
   `num_computed_tokens` drops back over the rejected drafts, so their slots are rewritten and the prefix cache
   (full blocks of computed tokens only) never holds one; accepted tokens are appended one by one through the
-  usual stop checks. Requests with penalties, unmet min_tokens, multi-token bad words or a grammar get no drafts.
+  usual stop checks. Grammar requests get one bitmask row per verified position (matcher advanced through the
+  drafts, then rolled back); requests with unmet min_tokens or multi-token bad words get no drafts.
 - Runner (`worker/spec_decode_step.py`): writes the drafts into its token buffer, verifies every sampling row's
-  1 + k positions with the sampler's processors and warpers and this rejection sampler, records the emitted
-  tokens, and proposes the next drafts from the same buffer (the history lives there).
-
-Not done yet: draft-model proposals (`{"model": DIR}` is refused), grammar rollback for drafted grammar requests,
-per-position penalties (those requests simply get no drafts).
+  1 + k positions with the sampler's processors and warpers (penalties counting the drafts before each
+  position) and this rejection sampler, records the emitted tokens, and proposes the next drafts: n-gram from
+  the same buffer (the history lives there), or the draft model (`worker/draft_model.py`: its own paged KV
+  cache on the target's block ids, a catch-up pass then k - 1 one-token passes; greedy/seeded rows propose its
+  argmax, other random rows sample it and keep q for the min(1, p/q) rule).
 """

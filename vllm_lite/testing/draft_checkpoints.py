@@ -75,11 +75,14 @@ def build_damped_target(source_dir: str, path: str, damping: float) -> str:
     return path
 
 
-def get_target_and_draft(arch: str = "llama", damping: float = 0.3) -> tuple[str, str]:
-    """(target, draft) directories for draft-model speculation tests: the tiny `arch` checkpoint with its later
-    layers damped, and its one-layer draft (same tokenizer, a third of the layers)."""
+def get_target_and_draft(arch: str = "llama", damping: float = 0.1, size: str = "tiny") -> tuple[str, str]:
+    """(target, draft) directories for draft-model speculation tests and benchmarks: the cached `arch`/`size`
+    checkpoint with its later layers damped, and its one-layer draft (same tokenizer). Their agreement is by
+    construction, so timings with it measure the mechanism's cost, not a real draft's quality."""
     from vllm_lite.testing.checkpoints import get_checkpoint
 
-    source = get_checkpoint(arch)
-    target = cached_build(f"spec-v1-{arch}-damped{damping}", lambda tmp: build_damped_target(source, tmp, damping))
+    source = get_checkpoint(arch, size)
+    target = cached_build(
+        f"spec-v1-{arch}-{size}-damped{damping}", lambda tmp: build_damped_target(source, tmp, damping)
+    )
     return target, get_layer_skip_draft(target, 1)

@@ -8,12 +8,13 @@ processors and warpers (the metadata rows repeated per position), and `rejection
 prefix of drafts that the target's samples agree with, plus one token. Rows without drafts take the same path
 with k = 0, which is plain sampling.
 
-Processors depending on the request's latest outputs (penalties, min_tokens bans, multi-token bad words,
-grammars) are only exact at position 0 here; the scheduler gives such requests no drafts (see
-`core/sched/spec_decode.py`), so position 0 is the only one they use.
+Penalties at position j count the drafts before it (`penalties_with_drafts`), and grammar rows come one per
+position from the scheduler (`grammar_rows`). min_tokens bans and multi-token bad words are only exact at
+position 0; the scheduler gives such requests no drafts (see `core/sched/spec_decode.py`).
 
-Proposals come from the n-gram proposer over the same persistent buffer: every request's history (prompt and
-outputs) already lives there, row by row, which is what the proposer's batched numpy search reads.
+Proposals come from the n-gram proposer over the same persistent buffer (every request's history, prompt and
+outputs, already lives there, row by row, which its batched numpy search reads), or from the draft model
+(`draft_model.py`), whose sampled proposals' q this step hands to the rejection sampler.
 """
 
 from __future__ import annotations
