@@ -1,0 +1,167 @@
+"""LoRA-wrapped layers under tensor parallelism, ranks emulated in one process (no model, no collectives).
+
+A column-parallel layer (fused q/k/v, gate/up) keeps A whole and its rows of B, so each rank's output is its
+slice of the full one; a row-parallel layer (o, down) keeps its columns of A, so the ranks' partial outputs,
+delta included, sum to the full output (what the all-reduce does).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from vllm_lite.config import LoRAConfig
+from vllm_lite.lora.model_manager import LoRAModelManager
+from vllm_lite.lora.request import LoRARequest
+from vllm_lite.testing.lora_checkpoints import AdapterSpec, build_lora_adapter
+from vllm_lite.worker import parallel_state
+from vllm_lite.worker.models.parallel_linear import MergedLinear, QKVLinear, RowParallelLinear
+
+HIDDEN, HEAD_DIM, HEADS, KV_HEADS, INTER = 16, 4, 4, 2, 24
+
+
+@pytest.fixture(autouse=True)
+def _reset_tp_state():
+    yield
+    parallel_state.set_tp_state_for_testing(0, 1)
+
+
+class _Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = QKVLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, bias=False)
+        self.o_proj = RowParallelLinear(HEADS * HEAD_DIM, HIDDEN, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(HIDDEN, [INTER, INTER], False, [0, 1])
+        self.down_proj = RowParallelLinear(INTER, HIDDEN, bias=False)
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = _Attn()
+        self.mlp = _MLP()
+
+
+class _Model(nn.Module):
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer()])
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        for sid in "qkv":
+            attn.qkv_proj.weight_loader(attn.qkv_proj.weight, weights[sid], sid)
+        attn.o_proj.load_weight(attn.o_proj.weight, weights["o"])
+        mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, weights["gate"], 0)
+        mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, weights["up"], 1)
+        mlp.down_proj.load_weight(mlp.down_proj.weight, weights["down"])
+
+
+def _adapter(tmp_path) -> str:
+    base = tmp_path / "base"
+    base.mkdir()
+    config = dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        intermediate_size=INTER,
+        num_hidden_layers=1,
+    )
+    (base / "config.json").write_text(json.dumps(config))
+    return build_lora_adapter(str(base), str(tmp_path / "adapter"), AdapterSpec(r=4, lora_alpha=6, seed=5))
+
+
+def _wrapped(weights, adapter: str, rank: int, tp: int) -> tuple[_Model, LoRAModelManager]:
+    parallel_state.set_tp_state_for_testing(rank, tp)
+    model = _Model(weights)
+    manager = LoRAModelManager(model, LoRAConfig(max_loras=2, max_lora_rank=8), torch.device("cpu"))
+    manager.add_lora(LoRARequest("a", 1, adapter))
+    return model, manager
+
+
+def test_tp2_shards_sum_to_the_unsharded_lora_layers(tmp_path) -> None:
+    g = torch.Generator().manual_seed(0)
+    shapes = dict(
+        q=(HEADS * HEAD_DIM, HIDDEN),
+        k=(KV_HEADS * HEAD_DIM, HIDDEN),
+        v=(KV_HEADS * HEAD_DIM, HIDDEN),
+        o=(HIDDEN, HEADS * HEAD_DIM),
+        gate=(INTER, HIDDEN),
+        up=(INTER, HIDDEN),
+        down=(HIDDEN, INTER),
+    )
+    weights = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    adapter = _adapter(tmp_path)
+    lora_ids, num_scheduled = np.array([1, 0]), np.array([3, 2])  # 3 tokens with the adapter, 2 without
+    x = torch.randn(5, HIDDEN, generator=g)
+    h_attn = torch.randn(5, HEADS * HEAD_DIM, generator=g)
+    h_mlp = torch.randn(5, INTER, generator=g)
+
+    full, manager = _wrapped(weights, adapter, 0, 1)
+    manager.prepare_step(lora_ids, num_scheduled)
+    layer = full.layers[0]
+    want_q, want_k, want_v = layer.self_attn.qkv_proj.split(layer.self_attn.qkv_proj(x))
+    want_o = layer.self_attn.o_proj(h_attn)
+    want_gate_up = layer.mlp.gate_up_proj(x).view(5, 2, INTER)
+    want_down = layer.mlp.down_proj(h_mlp)
+    assert not torch.allclose(want_o[:3], nn.functional.linear(h_attn[:3], weights["o"]))  # the adapter acts
+    torch.testing.assert_close(want_o[3:], nn.functional.linear(h_attn[3:], weights["o"]))  # and only on its tokens
+
+    o_sum, down_sum = torch.zeros_like(want_o), torch.zeros_like(want_down)
+    for rank in range(2):
+        model, manager = _wrapped(weights, adapter, rank, 2)
+        manager.prepare_step(lora_ids, num_scheduled)
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        q, k, v = attn.qkv_proj.split(attn.qkv_proj(x))
+        qs, kvs = HEADS * HEAD_DIM // 2, KV_HEADS * HEAD_DIM // 2
+        torch.testing.assert_close(q, want_q[:, rank * qs : (rank + 1) * qs])
+        torch.testing.assert_close(k, want_k[:, rank * kvs : (rank + 1) * kvs])
+        torch.testing.assert_close(v, want_v[:, rank * kvs : (rank + 1) * kvs])
+        half = INTER // 2
+        torch.testing.assert_close(
+            mlp.gate_up_proj(x).view(5, 2, half), want_gate_up[:, :, rank * half : (rank + 1) * half]
+        )
+        slots = manager.state.token_slots
+        for wrapper, h, total in ((attn.o_proj, h_attn, o_sum), (mlp.down_proj, h_mlp, down_sum)):
+            part = h[:, rank * wrapper.in_local : (rank + 1) * wrapper.in_local]
+            y = nn.functional.linear(part, wrapper.base.weight)  # this rank's partial product
+            wrapper._add_delta(y, part, slots)
+            total += y
+    torch.testing.assert_close(o_sum, want_o)
+    torch.testing.assert_close(down_sum, want_down)
+
+
+def test_slots_evict_least_recently_used_and_pinned_stay(tmp_path) -> None:
+    g = torch.Generator().manual_seed(1)
+    weights = {
+        "q": torch.randn(HEADS * HEAD_DIM, HIDDEN, generator=g),
+        "k": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
+        "v": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
+        "o": torch.randn(HIDDEN, HEADS * HEAD_DIM, generator=g),
+        "gate": torch.randn(INTER, HIDDEN, generator=g),
+        "up": torch.randn(INTER, HIDDEN, generator=g),
+        "down": torch.randn(HIDDEN, INTER, generator=g),
+    }
+    adapter = _adapter(tmp_path)
+    _, manager = _wrapped(weights, adapter, 0, 1)
+    for lid in (2, 3):
+        manager.register(LoRARequest(f"a{lid}", lid, adapter))
+    one = np.array([1])
+    manager.prepare_step(np.array([1, 2]), np.array([1, 1]))
+    assert set(manager.slot_ids) == {1, 2}
+    manager.prepare_step(np.array([2]), one)  # 1 is now the least recently used
+    manager.prepare_step(np.array([3]), one)
+    assert set(manager.slot_ids) == {2, 3}
+    manager.pin_lora(2)
+    manager.prepare_step(np.array([1]), one)  # 3 goes, pinned 2 stays
+    assert set(manager.slot_ids) == {1, 2}
+    with pytest.raises(ValueError, match="max_loras"):
+        manager.prepare_step(np.array([1, 2, 3]), np.array([1, 1, 1]))
