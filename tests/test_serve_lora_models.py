@@ -163,7 +163,7 @@ def test_adapter_ids_agree_across_frontends_and_differ_between_adapters(adapters
     assert ids_a["poem"] != ids_b["poem"]  # same name, other weights: never the same id
     every = [ids_a["sql"], ids_a["poem"], ids_b["late"], ids_b["poem"]]
     assert len(set(every)) == 4
-    assert all(1 <= i <= 2**62 for i in every)
+    assert all(1 <= i <= 2**52 for i in every)
 
 
 # ---------------------------------------------------------------------------- the HTTP rules

@@ -5,10 +5,10 @@ Adapter ids. Several frontends may share one engine core (``serve --api-server-c
 frontend that attaches to a running core), and the core knows an adapter by its ``lora_int_id`` alone
 (device slot, host cache, prefix-cache hash). A per-frontend counter (vLLM's, from 1) would give two
 frontends' different adapters the same id, and one would silently run the other's weights. So the id
-is derived from the adapter's name and path (62 bits of a SHA-256): every frontend computes the same id
-for the same adapter, so they share its slot and its cached prefixes, and different adapters get
-different ids with no coordination (a chance collision, about n**2 / 2**63 for n adapters, is refused
-when both are in one frontend). Unloading in one frontend frees the core's copy; another frontend still
+is derived from the adapter's name and path (52 bits of a SHA-256, exact as a JSON number in any client):
+every frontend computes the same id for the same adapter, so they share its slot and its cached prefixes,
+and different adapters get different ids with no coordination (a chance collision, about n**2 / 2**53
+for n adapters, is refused when both are in one frontend). Unloading in one frontend frees the core's copy; another frontend still
 serving it has the core read it again from its path on its next request.
 """
 
@@ -34,8 +34,8 @@ from vllm_lite.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
-# lora_int_id range: 1..2**62, within the int64 the engine keeps ids in.
-_ID_BITS = 62
+# lora_int_id range: 1..2**52: within the engine's int64 and exact as a JSON number (a double) in any client.
+_ID_BITS = 52
 
 
 class InvalidUserInputError(OpenAIServingError):
