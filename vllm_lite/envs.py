@@ -55,6 +55,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _str("VLLM_LITE_CPU_ATTENTION_IMPL", None),
         "Key loop of the C++ CPU attention kernel: auto (default: fastest built here), avx512, avx2, portable.",
     ),
+    "VLLM_LITE_CPU_LINEAR_SLICES": (
+        _flag("VLLM_LITE_CPU_LINEAR_SLICES", True),
+        "Run wide float32 CPU linears (>= 4096 outputs, 16-128 rows) over 768-output weight slices, "
+        "bit-identical to F.linear and faster with MKL on AVX2 hosts (default on; 0 turns it off).",
+    ),
     "VLLM_LITE_PREPACK": (
         _flag("VLLM_LITE_PREPACK", True),
         "Prepack bfloat16 linear weights for oneDNN on CPU at load (default on; 0 turns it off).",

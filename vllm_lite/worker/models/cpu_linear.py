@@ -11,7 +11,7 @@ The rule, from those measurements: float32 CPU weight with at least MIN_OUT_FEAT
 an input of MIN_ROWS..MAX_ROWS rows. Bit-identity is not assumed: the first input of each
 (shape, rows, bias, threads) is run both ways and compared; a mismatch (another BLAS, another CPU)
 keeps that case on `F.linear` for good and logs a warning. The first use of blocks per weight shape
-is logged once.
+is logged once. VLLM_LITE_CPU_LINEAR_SLICES=0 turns it off (benchmarks' A/B).
 """
 
 from __future__ import annotations
@@ -23,16 +23,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from vllm_lite import envs
+
 logger = logging.getLogger(__name__)
 
 BLOCK = 768  # output features per slice: the fastest block size measured for both wide shapes
 MIN_OUT_FEATURES = 4096  # gate_up (6144) and the LM head (32000) of the bench checkpoint; not qkv/o/down
 MIN_ROWS = 16  # below this the slices are no faster (m = 1: 0.8-1.0x)
-MAX_ROWS = 512  # the largest batch measured; prefill chunks beyond it keep F.linear
+MAX_ROWS = 128  # measured: 1.03-1.15x at 128 rows, 1.0x at 256, 0.87-1.01x at 512 (prefill chunks)
 
 _lock = threading.Lock()
 _checked: dict[tuple[int, int, int, bool, int], bool] = {}  # case -> blocks are bit-identical there
 _announced: set[tuple[int, int]] = set()
+_on: Optional[bool] = None  # VLLM_LITE_CPU_LINEAR_SLICES, read once
 
 
 def applies(rows: int, weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
@@ -62,6 +65,13 @@ def plan(rows: int, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -
     return "unchecked" if ok is None else "blocks" if ok else "f_linear"
 
 
+def _enabled() -> bool:
+    global _on
+    if _on is None:
+        _on = bool(envs.VLLM_LITE_CPU_LINEAR_SLICES)
+    return _on
+
+
 def _case(rows: int, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[int, int, int, bool, int]:
     return (weight.shape[1], weight.shape[0], rows, bias is not None, torch.get_num_threads())
 
@@ -69,7 +79,7 @@ def _case(rows: int, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tupl
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Same result as F.linear(x, weight, bias), bit for bit; faster where the rule applies."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.requires_grad or not applies(rows, weight, x.dtype):
+    if x.requires_grad or not applies(rows, weight, x.dtype) or not _enabled():
         return F.linear(x, weight, bias)
     case = _case(rows, weight, bias)
     ok = _checked.get(case)
