@@ -216,6 +216,19 @@ def test_resident_int4_weights_take_about_4_25_bits_each(case):
         assert layer.weight.numel() == 0
 
 
+@pytest.mark.parametrize("case", ["awq-g32", "gptq-g32-actorder-asym"])
+def test_native_cpu_dequantization_equals_the_torch_ops_bit_for_bit(case):
+    """csrc's int4_dequant_nk (plain groups; act-order g_idx) writes what the torch ops compute, both dtypes."""
+    from vllm_lite.worker.model_loader import load_native_int4
+
+    model = _load(_case_dir(case))
+    assert load_native_int4(), "the CPU kernels (csrc/int4_cpu.cpp) must build here"
+    for name, layer in _int4_layers(model).items():
+        for dtype in (torch.float32, torch.bfloat16):
+            want = dequantize_nk(layer, dtype, native=False).clone()
+            assert torch.equal(dequantize_nk(layer, dtype), want), (name, dtype)
+
+
 def test_bfloat16_compute_rounds_the_exact_float32_weights_once():
     model = _load(_case_dir("awq-g32"))
     layer = next(iter(_int4_layers(model).values()))

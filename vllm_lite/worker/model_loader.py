@@ -55,10 +55,10 @@ def iterate_weights(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, A
 
 
 def _hf_config(model_config: ModelConfig):
-    import transformers
+    """The resolved transformers config; from a snapshot without importing transformers when it was seen before."""
+    from vllm_lite.worker.hf_config_cache import load_hf_config
 
-    config = transformers.AutoConfig.from_pretrained(model_config.model)
-    return config
+    return load_hf_config(model_config.model)
 
 
 _INIT_FNS = (
@@ -145,8 +145,28 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Let each quantized layer settle its loaded weights into the layout its forward reads (vLLM's hook)."""
+    """Let each quantized layer settle its loaded weights into the layout its forward reads (vLLM's hook);
+    int4 layers on CPU get the native dequantization kernel where the CPU kernels build."""
+    on_cpu = False
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+            on_cpu = on_cpu or getattr(module, "qweight_nk", None) is not None
+    if on_cpu:
+        load_native_int4()
+
+
+def load_native_int4() -> bool:
+    """Register csrc's int4_dequant_nk for int4 layers' CPU forward; False (torch ops used) if unavailable."""
+    from vllm_lite.quantization.int4_linear import set_native_dequantize
+    from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+
+    op = None
+    if load_cpu_ops():
+        try:
+            op = torch.ops.vllm_lite.int4_dequant_nk
+        except (AttributeError, RuntimeError):  # a library built from sources without csrc/int4_cpu.cpp
+            op = None
+    set_native_dequantize(op)
+    return op is not None

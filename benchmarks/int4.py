@@ -1,0 +1,162 @@
+"""int4 (AWQ / GPTQ) against bfloat16 and float32 on the benchmark checkpoint: throughput and batch-1 latency.
+
+Workload: throughput.py's offline one, smaller (default 16 prompts, input lengths uniform in [32, 256],
+32 output tokens, greedy, ignore_eos), and batch-1 decode: one 32-token prompt, ms per output token
+measured as (time for 1 + N tokens - time for 1 token) / N, so prefill is left out. The int4 checkpoint is
+the ~100M Qwen2-shaped test model quantized by vllm_lite/testing/quantize.py (AWQ GEMM, group 128, by
+default). Every engine runs in this process (`multiprocess=False`) at the engine core's thread policy;
+the variants run interleaved, --rounds times, and the best round of each is reported, so the ratios come
+from the same run. Also reported: resident bytes of the linear layers' weights (int4: bits per weight).
+Prints one JSON line with the host's CPU model and capability (and GPU when --device cuda).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+
+def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(lo, hi + 1, size=num)
+    return [rng.integers(10, vocab - 10, size=int(n)).tolist() for n in lens]
+
+
+def weight_bytes(model_dir: str, dtype: torch.dtype, device: str) -> dict[str, float]:
+    """Resident bytes of the decoder's linear-layer weights as the engine loads them, and bits per weight."""
+    from vllm_lite.engine_args import EngineArgs
+    from vllm_lite.quantization.int4_linear import quantized_weight_bytes
+    from vllm_lite.worker.model_loader import load_model
+
+    mc = EngineArgs(model=model_dir, device=device, dtype=str(dtype).replace("torch.", "")).create_engine_config()
+    model = load_model(mc.model_config, torch.device(device))
+    held, weights = quantized_weight_bytes(model)
+    if not weights:  # a float model: its parallel linear layers' weights
+        for m in model.modules():
+            if hasattr(m, "quant_method") and m.weight is not None:
+                weights += m.weight.numel()
+                held += m.weight.numel() * m.weight.element_size()
+    del model
+    return {"linear_weight_mb": round(held / 2**20, 1), "bits_per_weight": round(8 * held / weights, 3)}
+
+
+def run_variant(model: str, dtype: str, device: str, prompts: list[list[int]], out_len: int, b1_len: int) -> dict:
+    from vllm_lite import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, dtype=dtype, device=device, multiprocess=False, max_model_len=512, max_num_seqs=64)
+    startup = time.perf_counter() - t0
+    try:
+        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], warm, use_tqdm=False)
+        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        one = [{"prompt_token_ids": prompts[0][:32]}]
+
+        def timed(n: int) -> float:
+            t = time.perf_counter()
+            llm.generate(one, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+            return time.perf_counter() - t
+
+        t1, tn = timed(1), timed(1 + b1_len)
+        first_tokens = outs[0].outputs[0].token_ids[:8]
+    finally:
+        llm.shutdown()
+    return {
+        "tokens_per_s": n_out / dt,
+        "batch1_ms_per_token": 1000 * (tn - t1) / b1_len,
+        "startup_s": startup,
+        "first_tokens": list(first_tokens),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None, help="float checkpoint (default: the ~100M Qwen2-shaped test model)")
+    ap.add_argument("--method", default="awq", choices=("awq", "gptq"))
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--desc-act", action="store_true", help="GPTQ act order")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--batch1-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="int4:float32,bfloat16,float32", help="comma list of dtype or int4:dtype")
+    args = ap.parse_args()
+
+    from vllm_lite.platform import describe_host
+    from vllm_lite.testing.checkpoints import get_checkpoint
+    from vllm_lite.testing.quantize import get_quantized_checkpoint, quantize_checkpoint
+
+    host = describe_host()
+    if args.model is None:
+        base = get_checkpoint("qwen2", size="100m")
+        quant = get_quantized_checkpoint(
+            "qwen2", args.method, group_size=args.group_size, desc_act=args.desc_act, size="100m"
+        )
+    else:
+        base = args.model
+        quant = os.path.join(os.path.dirname(os.path.abspath(base)), os.path.basename(base) + f"-{args.method}")
+        if not os.path.isfile(os.path.join(quant, "config.json")):
+            quantize_checkpoint(base, quant, args.method, args.group_size, args.desc_act)
+    with open(os.path.join(base, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts = make_prompts(args.num_prompts, 32, 256, vocab, seed=0)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    best: dict[str, dict[str, Any]] = {}
+    for _ in range(args.rounds):  # interleaved: each round runs every variant once
+        for v in variants:
+            is_int4 = v.startswith("int4")
+            dtype = v.split(":", 1)[1] if is_int4 else v
+            r = run_variant(
+                quant if is_int4 else base, dtype, args.device, prompts, args.output_len, args.batch1_tokens
+            )
+            b = best.setdefault(v, dict(r))
+            b["tokens_per_s"] = max(b["tokens_per_s"], r["tokens_per_s"])
+            b["batch1_ms_per_token"] = min(b["batch1_ms_per_token"], r["batch1_ms_per_token"])
+    for v in variants:
+        is_int4 = v.startswith("int4")
+        dtype = getattr(torch, v.split(":", 1)[1] if is_int4 else v)
+        best[v].update(weight_bytes(quant if is_int4 else base, dtype, args.device))
+        best[v]["tokens_per_s"] = round(best[v]["tokens_per_s"], 1)
+        best[v]["batch1_ms_per_token"] = round(best[v]["batch1_ms_per_token"], 2)
+        best[v]["startup_s"] = round(best[v]["startup_s"], 2)
+    result: dict[str, Any] = {
+        "benchmark": "int4",
+        "host": host,
+        "device": args.device,
+        "model": os.path.basename(base.rstrip("/")),
+        "quantization": {"method": args.method, "group_size": args.group_size, "desc_act": args.desc_act},
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        "rounds": args.rounds,
+        "torch_threads": torch.get_num_threads(),
+        "load_avg": os.getloadavg()[0],
+        "variants": best,
+    }
+    int4 = next((v for v in variants if v.startswith("int4")), None)
+    if int4:
+        for v in variants:
+            if v != int4:
+                result[f"{int4}_vs_{v}"] = {
+                    "throughput_ratio": round(best[int4]["tokens_per_s"] / best[v]["tokens_per_s"], 3),
+                    "batch1_latency_ratio": round(
+                        best[int4]["batch1_ms_per_token"] / best[v]["batch1_ms_per_token"], 3
+                    ),
+                }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
