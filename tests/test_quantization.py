@@ -229,6 +229,34 @@ def test_native_cpu_dequantization_equals_the_torch_ops_bit_for_bit(case):
             assert torch.equal(dequantize_nk(layer, dtype), want), (name, dtype)
 
 
+@pytest.mark.parametrize("case", ["awq-g32", "gptq-g32-sym", "gptq-g32-actorder-asym"])
+def test_fused_kernel_path_passes_the_checkpoint_layout_as_the_triton_kernels_take_it(case, monkeypatch):
+    """The CUDA path's wiring, on CPU: reference matmuls stand in for triton_int4's awq_gemm/gptq_gemm
+    (same signatures); act order runs on rows sorted by group with x's columns gathered, as on CUDA."""
+    from vllm_lite.quantization import int4_linear
+
+    calls: list[str] = []
+
+    def awq_gemm(x, qweight, qzeros, scales, group_size):
+        calls.append("awq")
+        return x @ dequantize_awq(qweight, qzeros, scales, group_size)
+
+    def gptq_gemm(x, qweight, qzeros, scales, g_idx, bits=4, *, checkpoint_format="gptq", group_size=None):
+        calls.append(f"gptq g_idx={'map' if g_idx is not None else 'plain'}")
+        assert bits == 4 and (g_idx is None) == (group_size is not None)
+        return x @ dequantize_gptq(qweight, qzeros, scales, g_idx, checkpoint_format)
+
+    path = _case_dir(case)
+    monkeypatch.setattr(int4_linear, "_kernels_for", lambda device: (awq_gemm, gptq_gemm))
+    model = _load(path)
+    ref = dequantize_checkpoint_tensors(path)
+    x = torch.randn(3, 64)
+    for name, layer in _int4_layers(model).items():
+        if layer.in_features == 64:
+            torch.testing.assert_close(layer(x), F.linear(x, _reference(ref, name), layer.bias))
+    assert calls and (calls[0] == "awq" if case.startswith("awq") else set(calls) == {"gptq g_idx=plain"})
+
+
 def test_bfloat16_compute_rounds_the_exact_float32_weights_once():
     model = _load(_case_dir("awq-g32"))
     layer = next(iter(_int4_layers(model).values()))

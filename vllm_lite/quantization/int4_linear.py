@@ -204,10 +204,9 @@ class Int4LinearMethod:
             groups = layer.scales.shape[0]
             if int(g.min()) < 0 or int(g.max()) >= groups:
                 raise ValueError(f"g_idx values must lie in [0, {groups}); got [{int(g.min())}, {int(g.max())}].")
-        layer.triton = None
-        if device.type == "cuda" and (c.quant_method == "awq" or c.checkpoint_format == "gptq"):
-            layer.triton = _triton_kernels()
+        layer.triton = _kernels_for(device)
         if layer.triton is not None:
+            self._prepare_triton(layer)
             return
         q, z, s, g_idx = checkpoint_to_nk(c, layer.qweight.data, layer.qzeros.data, layer.scales.data, _g(layer))
         n, k = q.shape
@@ -220,6 +219,26 @@ class Int4LinearMethod:
         # A g_idx of k // group is the plain grouping: drop it and broadcast groups instead of gathering.
         plain = g_idx is None or torch.equal(g_idx, torch.arange(k, device=g_idx.device) // (k // z.shape[1]))
         layer.register_buffer("g_idx_k", None if plain else g_idx.long(), persistent=False)
+
+    def _prepare_triton(self, layer: nn.Module) -> None:
+        """GPTQ: a plain g_idx becomes None (the kernel's one-group-per-tile path); an act-order one has its
+        rows sorted by group once (x's columns are gathered per call instead), as exllama does."""
+        layer.act_perm = None
+        if self.config.quant_method != "gptq":
+            return
+        g = layer.g_idx.data
+        groups = layer.scales.shape[0]
+        k = g.shape[0]
+        if torch.equal(g.long(), torch.arange(k, device=g.device) // (k // groups)):
+            layer.g_idx_kernel = None
+            return
+        layer.g_idx_kernel = g
+        from vllm_lite.quantization.triton_int4 import sort_gptq_act_order
+
+        sorted_ = sort_gptq_act_order(layer.qweight.data, g, groups)
+        if sorted_ is not None:
+            layer.qweight.data, layer.act_perm = sorted_[0], sorted_[1]
+            layer.g_idx_kernel = None
 
     # ------------------------------------------------------------------ forward
 
@@ -237,7 +256,18 @@ class Int4LinearMethod:
         if self.config.quant_method == "awq":
             y = awq_gemm(x2, layer.qweight, layer.qzeros, layer.scales, layer.group)
         else:
-            y = gptq_gemm(x2, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, 4)
+            if layer.act_perm is not None:
+                x2 = x2.index_select(1, layer.act_perm)
+            y = gptq_gemm(
+                x2,
+                layer.qweight,
+                layer.qzeros,
+                layer.scales,
+                layer.g_idx_kernel,
+                4,
+                checkpoint_format=self.config.checkpoint_format,
+                group_size=None if layer.g_idx_kernel is not None else layer.group,
+            )
         y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
@@ -331,6 +361,11 @@ def dequantize_nk(
         diff = q.sub_(z.index_select(1, g_idx))
         torch.mul(diff, s.float().index_select(1, g_idx), out=out)
     return out
+
+
+def _kernels_for(device: torch.device) -> Optional[tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]]:
+    """The fused int4 matmuls for layers on `device`: Triton's on CUDA, none elsewhere (dequantize instead)."""
+    return _triton_kernels() if device.type == "cuda" else None
 
 
 def _triton_kernels() -> Optional[tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]]:
