@@ -309,3 +309,38 @@ def test_runtime_adapter_routes_follow_vllms_environment_variable():
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"unset": [], "true": ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]}
+
+
+def test_unload_frees_the_engine_copy_only_after_the_adapters_running_requests_end(adapters):
+    """The core cannot run a request whose adapter it dropped: unload stops new requests at once (404) and
+    calls remove_lora when this frontend's last request with the adapter is over."""
+    from vllm_lite.entrypoints.openai.errors import ModelNotFoundError
+    from vllm_lite.entrypoints.openai.protocol import UnloadLoRAAdapterRequest
+    from vllm_lite.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from vllm_lite.sampling_params import SamplingParams
+    from vllm_lite.testing.waiting import async_wait_until
+
+    engine = LoRAFakeEngine(get_checkpoint("llama"))
+    late_id = adapter_id("late", adapters["late"])
+
+    async def scenario() -> None:
+        models = OpenAIServingModels(engine, [MODEL])
+        await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name="late", lora_path=adapters["late"]))
+        serving = OpenAIServingCompletion(engine, [MODEL], models=models)
+        engine.hang = True  # the request runs until aborted
+        gen = serving.generate(
+            {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=3), "r1", 0, models.lora_request("late")
+        )
+        first = asyncio.ensure_future(gen.__anext__())
+        await async_wait_until(lambda: "r1" in engine.running, 30, "the request running")
+        await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name="late"))
+        with pytest.raises(ModelNotFoundError):
+            models.lora_request("late")
+        assert engine.removed == [] and late_id in engine.loras  # still in use
+        await engine.abort("r1")
+        assert (await first).finished
+        async for _ in gen:
+            pass
+        assert engine.removed == [late_id] and late_id not in engine.loras
+
+    asyncio.run(scenario())

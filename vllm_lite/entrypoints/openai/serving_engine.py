@@ -212,6 +212,9 @@ class OpenAIServing:
         finished = False
         # Only with an adapter: engines (and test fakes) without LoRA keep their plain signature.
         extra = {"lora_request": lora_request} if lora_request is not None else {}
+        adapters = self.models if lora_request is not None else None
+        if adapters is not None:  # an unload waits for this request before freeing the engine's copy
+            adapters.request_started(lora_request)
         try:
             async for out in self.engine.generate(prompt, params, request_id, priority=priority, **extra):
                 if tracker is not None:
@@ -224,6 +227,8 @@ class OpenAIServing:
                 if tracker is not None:
                     ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
                     tracker.abandoned(len(ids) if ids is not None else 0, params.n)
+            if adapters is not None:
+                await shielded(adapters.request_ended(lora_request))
 
     async def refused_before_tokens(
         self, gen: AsyncGenerator[RequestOutput, None], constraint_field: str

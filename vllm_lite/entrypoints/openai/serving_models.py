@@ -75,6 +75,10 @@ class OpenAIServingModels:
         self.max_model_len = max_model_len
         self.static_lora_modules = list(lora_modules or [])
         self.lora_requests: dict[str, LoRARequest] = {}  # by lora_name, in load order
+        # Requests of this frontend running per adapter id, and unloaded ids whose engine copy is freed once
+        # their last running request ends (the core cannot run a request whose adapter it dropped).
+        self._running: dict[int, int] = {}
+        self._free_when_idle: set[int] = set()
         self._lock = asyncio.Lock()  # one load/unload at a time: check, engine call, record
 
     # ------------------------------------------------------------------ names
@@ -156,6 +160,7 @@ class OpenAIServingModels:
                     raise ModelNotFoundError(str(e), param="lora_path") from e
                 raise BadRequestError(str(e), param="lora_path") from e
             self.lora_requests[name] = lora_request
+            self._free_when_idle.discard(lora_id)  # loaded again before its last request ended
         logger.info("Loaded new LoRA adapter: name '%s', path '%s', id %d", name, path, lora_id)
         return f"Success: LoRA adapter '{name}' added successfully."
 
@@ -171,11 +176,35 @@ class OpenAIServingModels:
                 label = request.lora_name or request.lora_int_id
                 raise ModelNotFoundError(f"The lora adapter '{label}' cannot be found.", param="lora_name")
             del self.lora_requests[found.lora_name]  # new requests get a 404 from here on
-            remove_lora = getattr(self.engine, "remove_lora", None)
-            if remove_lora is not None:
-                try:
-                    await _maybe_await(remove_lora(found.lora_int_id))
-                except (ValueError, TypeError) as e:  # already gone from the engine: nothing left to free
-                    logger.info("remove_lora(%d) for '%s': %s", found.lora_int_id, found.lora_name, e)
+            if self._running.get(found.lora_int_id):
+                self._free_when_idle.add(found.lora_int_id)  # its running requests finish with it first
+            else:
+                await self._free(found.lora_int_id)
         logger.info("Removed LoRA adapter: name '%s'", found.lora_name)
         return f"Success: LoRA adapter '{found.lora_name}' removed successfully."
+
+    def request_started(self, lora_request: LoRARequest) -> None:
+        """A request of this frontend runs with the adapter (pair with `request_ended`)."""
+        self._running[lora_request.lora_int_id] = self._running.get(lora_request.lora_int_id, 0) + 1
+
+    async def request_ended(self, lora_request: LoRARequest) -> None:
+        """The request is over: an adapter unloaded meanwhile is freed in the engine with its last request."""
+        lora_id = lora_request.lora_int_id
+        left = self._running.get(lora_id, 0) - 1
+        if left > 0:
+            self._running[lora_id] = left
+            return
+        self._running.pop(lora_id, None)
+        if lora_id in self._free_when_idle:
+            self._free_when_idle.discard(lora_id)
+            await self._free(lora_id)
+
+    async def _free(self, lora_id: int) -> None:
+        """remove_lora in the engine (AsyncLLM's; it forgets the id in this frontend's processor too)."""
+        remove_lora = getattr(self.engine, "remove_lora", None)
+        if remove_lora is None:
+            return
+        try:
+            await _maybe_await(remove_lora(lora_id))
+        except (ValueError, TypeError) as e:  # LoRA off or already gone from the engine: nothing left to free
+            logger.info("remove_lora(%d): %s", lora_id, e)
