@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+import msgspec
 import torch
 from torch import nn
 
@@ -45,6 +46,12 @@ def lora_call(manager: Optional["LoRAModelManager"], method: str, *args: Any) ->
         raise ValueError(f"{method}: LoRA is not enabled; start the engine with enable_lora=True (--enable-lora).")
     if method == "add_lora":
         (req,) = args
+        if isinstance(req, dict):  # as it travels to a tensor-parallel rank
+            try:
+                req = msgspec.convert(req, LoRARequest)
+            except msgspec.ValidationError as e:
+                raise TypeError(f"add_lora: not a LoRARequest ({e}).") from None
         if not isinstance(req, LoRARequest):
             raise TypeError(f"add_lora takes a LoRARequest, got {type(req).__name__}.")
+        args = (req,)
     return getattr(manager, method)(*args)

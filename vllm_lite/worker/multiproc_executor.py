@@ -244,6 +244,16 @@ class MultiprocExecutor:
         self._broadcast(P.ToWorker.EXECUTE_MODEL, scheduler_output)
         return self._collect([0], self._out_decoder, "running a model step")[0]
 
+    def lora_call(self, method: str, *args: Any) -> Any:
+        """A LoRA worker call (add_lora, remove_lora, list_loras, pin_lora) on every rank; rank 0's answer."""
+        self._broadcast(P.ToWorker.LORA, [method, list(args)])
+        replies = self._collect(list(range(self.world_size)), self._any_decoder, f"running {method}")
+        for rank in sorted(replies):
+            if "error" in replies[rank]:
+                raise ValueError(f"{method} on tensor-parallel rank {rank}: {replies[rank]['error']}")
+        result = replies[0]["result"]
+        return set(result) if method == "list_loras" else result
+
     def shutdown(self) -> None:
         """Tell ranks to exit, give them a moment, then terminate/kill the local ones. Idempotent."""
         if self._closed:

@@ -26,6 +26,7 @@ class ToWorker(enum.IntEnum):
     DETERMINE_NUM_BLOCKS = 2  # no payload; every rank replies RESULT (num_gpu, num_cpu)
     INITIALIZE_CACHE = 3  # (num_gpu, num_cpu); every rank replies RESULT None
     SHUTDOWN = 4  # no payload; ranks exit
+    LORA = 5  # [method, args]: a LoRA worker call (add_lora, ...); every rank replies RESULT {"result"|"error": ...}
 
 
 class FromWorker(enum.IntEnum):

@@ -175,6 +175,14 @@ class _RankProcess:
                     num_gpu, num_cpu = self.any_decoder.decode(frames[1:])
                     self.worker.initialize_cache(int(num_gpu), int(num_cpu))
                     self._send(P.FromWorker.RESULT, None)
+                elif kind == P.ToWorker.LORA:
+                    method, args = self.any_decoder.decode(frames[1:])
+                    try:  # a bad adapter is the caller's error, not this rank's: it answers and serves on
+                        result = self.worker.lora_call(method, *args)
+                        reply = {"result": sorted(result) if isinstance(result, set) else result}
+                    except (ValueError, TypeError) as e:
+                        reply = {"error": f"{type(e).__name__}: {e}"}
+                    self._send(P.FromWorker.RESULT, reply)
                 elif kind == P.ToWorker.SHUTDOWN:
                     return 0
                 else:
