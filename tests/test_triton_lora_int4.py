@@ -188,6 +188,22 @@ def _expand(**over):
     return lambda: triton_ops.lora_expand(**args)
 
 
+def test_step_slots_share_one_grouping_only_for_the_declared_tensor():
+    slots = torch.tensor([1, -1, 0, 1], dtype=torch.int32)
+    try:
+        triton_ops.set_step_slots(slots)
+        first = triton_ops._grouping_for(slots, 2)
+        assert triton_ops._grouping_for(slots, 2) is first, "layers of one step should share the sort"
+        assert first.slot_count.tolist() == [1, 2]
+        other = slots.flip(0)  # another tensor (the next step's) is grouped afresh
+        assert triton_ops._grouping_for(other, 2).sorted_tokens.tolist()[:3] == [1, 0, 3]
+        assert triton_ops._grouping_for(slots, 3).slot_count.tolist() == [1, 2, 0]
+        triton_ops.set_step_slots(None)
+        assert triton_ops._grouping_for(slots, 2) is not first
+    finally:
+        triton_ops.set_step_slots(None)
+
+
 @pytest.mark.parametrize(
     "call,exc,field",
     [

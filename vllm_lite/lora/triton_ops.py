@@ -64,6 +64,30 @@ def group_tokens_by_slot(token_slots: torch.Tensor, num_slots: int) -> SlotGroup
     return SlotGrouping(order.to(torch.int32), start.to(torch.int32), count.to(torch.int32))
 
 
+# This step's token_slots (held, so its identity cannot be reused) and, once an SGMV call needed it, its grouping.
+_step: Optional[list] = None
+
+
+def set_step_slots(token_slots: Optional[torch.Tensor]) -> None:
+    """Declare this step's token_slots: SGMV calls with this same tensor then share one grouping (None clears).
+
+    Mirrors torch_ops.set_step_slots. Call it inside the forward (so a CUDA graph captures the sort it
+    triggers), after the tensor holds this step's slots; calls passing ``grouping=`` ignore it.
+    """
+    global _step
+    _step = None if token_slots is None else [token_slots, None, None]  # tensor, num_slots, grouping
+
+
+def _grouping_for(token_slots: torch.Tensor, num_slots: int) -> SlotGrouping:
+    """The step's shared grouping when token_slots is the declared tensor, else a fresh one."""
+    step = _step
+    if step is None or step[0] is not token_slots:
+        return group_tokens_by_slot(token_slots, num_slots)
+    if step[1] != num_slots:
+        step[1], step[2] = num_slots, group_tokens_by_slot(token_slots, num_slots)
+    return step[2]
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -278,7 +302,7 @@ def _launch(
         )
         return
     if grouping is None:
-        grouping = group_tokens_by_slot(token_slots, num_slots)
+        grouping = _grouping_for(token_slots, num_slots)
     block_m = 16 if num_tokens <= 256 else 32  # upper bound on tiles: sparse slots waste less
     block_n = _pow2_block(n_out, 16, 64 if not accumulate else 128)
     block_k = _pow2_block(k_in, 16, 64 if not accumulate else 32)
@@ -318,8 +342,8 @@ def lora_shrink(
     """[T, R] float32: x[t] @ lora_a[slot(t)]^T, zero rows where the slot is -1.
 
     x [T, in]; lora_a [S, R, in] (R = the max rank, unused rows zero); token_slots [T] int32.
-    ``grouping`` (from ``group_tokens_by_slot``) saves the per-call sort when many layers share one
-    step; ``method`` forces "sgmv" or "bgmv" and ``split_k`` the reduction split (tests, benchmarks).
+    ``grouping`` (from ``group_tokens_by_slot``), or ``set_step_slots`` once per step, saves the
+    per-call sort when many layers share one step; ``method`` forces "sgmv" or "bgmv" and ``split_k`` the reduction split (tests, benchmarks).
     """
     if x.dim() != 2 or lora_a.dim() != 3:
         raise ValueError(f"x must be [T, in] and lora_a [S, R, in], got {list(x.shape)} and {list(lora_a.shape)}")
