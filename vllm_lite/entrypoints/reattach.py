@@ -171,3 +171,21 @@ def reattaching_app(args: AttachTarget, engine: Any, build: Callable[..., Any]) 
     )
     reattacher.append(Reattacher(args, handle, app, args.reattach_interval_s))
     return app, handle, reattacher[0]
+
+
+async def attach_app(target: AttachTarget, build: Callable[..., Any]) -> tuple[Any, EngineHandle, Reattacher]:
+    """`reattaching_app` over a fresh attachment, never blocking the event loop once the core counts our silence.
+
+    From READY on the core drops a frontend silent for its heartbeat timeout, and the client heartbeats from
+    a task on this loop: so the handshake runs in a worker thread, the heartbeat task starts as soon as READY
+    is in, and the slow rest (the tokenizer, building the app) runs in worker threads while the loop beats.
+    """
+    client = await asyncio.to_thread(attach_client, target)
+    engine: Any = None
+    try:
+        await client.call_utility_async("ping")  # starts the client's receive and heartbeat tasks
+        engine = await asyncio.to_thread(build_attached_engine, target, client)
+        return await asyncio.to_thread(reattaching_app, target, engine, build)
+    except BaseException:
+        (engine if engine is not None else client).shutdown()
+        raise

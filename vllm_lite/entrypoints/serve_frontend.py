@@ -14,9 +14,8 @@ dead), or the supervisor's ``stop`` control first, when the cores are draining o
 their exit ends this frontend cleanly (exit 0).
 
 Start-up and heartbeats: from READY on, the core counts this frontend's silence (``--heartbeat-timeout``,
-10 s) and the client heartbeats from a task on this event loop. So the handshake runs in a worker thread,
-the heartbeat task starts the moment READY is in, and what is slow after it (the tokenizer, building the
-app) runs in a worker thread too: the loop keeps beating however long a loaded machine takes.
+10 s) and the client heartbeats from a task on this event loop, so nothing slow may run on the loop after
+HELLO: ``reattach.attach_app`` shakes hands and builds the tokenizer and the app in worker threads.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from typing import Any, Callable, Optional
 import msgspec
 
 from vllm_lite.entrypoints.openai.lora_modules import LoRAModulePath
-from vllm_lite.entrypoints.reattach import Reattacher, attach_client, build_attached_engine, reattaching_app
+from vllm_lite.entrypoints.reattach import attach_app
 from vllm_lite.launcher import open_pidfd
 from vllm_lite.launcher_child import ChildChannel, Control, run_child
 
@@ -102,40 +101,31 @@ async def serve(
 
     factory = app_factory or build_app
     loop = asyncio.get_running_loop()
-    # HELLO/READY blocks on sockets: off the loop, which is free to beat as soon as READY is in.
-    client = await asyncio.to_thread(attach_client, args)
-    engine: Any = None
     pidfds: list[int] = []
-    reattacher: Optional[Reattacher] = None
+    # Attach and build the app with the loop free to heartbeat (see attach_app).
+    app, engine, reattacher = await attach_app(
+        args,
+        lambda handle, **on_death: factory(
+            handle,
+            args.served_model_names or None,
+            api_key=args.api_key,
+            health_stuck_timeout_s=args.health_stuck_timeout_s,
+            chat_template=args.chat_template,
+            response_role=args.response_role,
+            root_path=args.root_path,
+            allowed_origins=args.allowed_origins,
+            allowed_methods=args.allowed_methods,
+            allowed_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
+            disable_log_requests=args.disable_log_requests,
+            max_request_body_bytes=args.max_request_body_bytes,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            lora_modules=list(args.lora_modules),
+            **on_death,
+        ),
+    )
     try:
-        # Starts the client's receive and heartbeat tasks now, before anything slow.
-        await client.call_utility_async("ping")
-        # The tokenizer and the app take seconds on a loaded machine: worker threads, the loop keeps beating.
-        engine = await asyncio.to_thread(build_attached_engine, args, client)
-        app, engine, reattacher = await asyncio.to_thread(
-            reattaching_app,
-            args,
-            engine,
-            lambda handle, **on_death: factory(
-                handle,
-                args.served_model_names or None,
-                api_key=args.api_key,
-                health_stuck_timeout_s=args.health_stuck_timeout_s,
-                chat_template=args.chat_template,
-                response_role=args.response_role,
-                root_path=args.root_path,
-                allowed_origins=args.allowed_origins,
-                allowed_methods=args.allowed_methods,
-                allowed_headers=args.allowed_headers,
-                allow_credentials=args.allow_credentials,
-                disable_log_requests=args.disable_log_requests,
-                max_request_body_bytes=args.max_request_body_bytes,
-                enable_auto_tool_choice=args.enable_auto_tool_choice,
-                tool_call_parser=args.tool_call_parser,
-                lora_modules=list(args.lora_modules),
-                **on_death,
-            ),
-        )
         await init_static_loras(app)  # a bad --lora-modules adapter is a start-up error, with its reason
 
         def core_exited(pid: int) -> None:
@@ -177,8 +167,7 @@ async def serve(
             channel.ready(FrontendReady(port=sock.getsockname()[1]))
         return await task
     finally:
-        if reattacher is not None:
-            await reattacher.stop()
+        await reattacher.stop()
         for fd in pidfds:
             try:
                 loop.remove_reader(fd)
@@ -186,7 +175,7 @@ async def serve(
                 pass
             os.close(fd)
         try:
-            (engine if engine is not None else client).shutdown()
+            engine.shutdown()
         except Exception:  # noqa: BLE001 -- exiting anyway
             logger.exception("engine shutdown failed")
 

@@ -538,26 +538,22 @@ def run_server(args: Any) -> int:
     """Build the engine, serve HTTP, shut the engine down; the return value is the process exit code."""
 
     async def main() -> int:
-        engine = build_engine(args)
+        names = args.served_model_name or None
+        options = dict(api_key=args.api_key, health_stuck_timeout_s=args.health_stuck_timeout, **server_options(args))
         reattacher = None
-        try:
-            # First call on this loop: starts the client's receive and heartbeat tasks now, so an
-            # attached core does not drop us as silent while uvicorn starts up.
-            await engine.call_utility_async("ping")
-            names = args.served_model_name or None
-            options = dict(
-                api_key=args.api_key, health_stuck_timeout_s=args.health_stuck_timeout, **server_options(args)
-            )
-            if getattr(args, "engine", None):
-                # Attached (as `serve`'s frontends): on core death stay up with /health 503 and re-attach.
-                from vllm_lite.entrypoints.reattach import attach_target_for_cli, reattaching_app
+        if getattr(args, "engine", None):
+            # Attached (as `serve`'s frontends): heartbeats from READY on, the slow start-up off the loop; on
+            # core death stay up with /health 503 and re-attach.
+            from vllm_lite.entrypoints.reattach import attach_app, attach_target_for_cli
 
-                app, engine, reattacher = reattaching_app(
-                    attach_target_for_cli(args),
-                    engine,
-                    lambda handle, **on_death: build_app(handle, names, **options, **on_death),
-                )
-            else:  # a private core cannot come back: exit (code 1) after the grace period
+            app, engine, reattacher = await attach_app(
+                attach_target_for_cli(args), lambda handle, **on_death: build_app(handle, names, **options, **on_death)
+            )
+        else:  # a private core (no heartbeats) cannot come back: exit (code 1) after the grace period
+            engine = build_engine(args)
+        try:
+            if reattacher is None:
+                await engine.call_utility_async("ping")  # starts the client's receive task on this loop
                 app = build_app(engine, names, engine_dead_grace_s=args.engine_dead_grace, **options)
             await init_static_loras(app)  # a bad --lora-modules adapter stops start-up here, naming it
             scheme = "https" if args.ssl_certfile else "http"
