@@ -55,10 +55,10 @@ def iterate_weights(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, A
 
 
 def _hf_config(model_config: ModelConfig):
-    """The resolved transformers config; from a snapshot without importing transformers when it was seen before."""
-    from vllm_lite.worker.hf_config_cache import load_hf_config
+    import transformers
 
-    return load_hf_config(model_config.model)
+    config = transformers.AutoConfig.from_pretrained(model_config.model)
+    return config
 
 
 _INIT_FNS = (
