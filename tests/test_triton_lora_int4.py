@@ -1,4 +1,4 @@
-"""LoRA gather-matmul (SGMV/BGMV) and int4 AWQ/GPTQ Triton kernels: interpreted on CPU, compiled for sm_90, native on CUDA.
+"""LoRA SGMV/BGMV and int4 AWQ/GPTQ Triton kernels: interpreted on CPU, compiled for sm_90, native on CUDA.
 
 The interpreter cases run in one subprocess whose environment alone has TRITON_INTERPRET=1
 (`python -m vllm_lite.testing.triton_cases --suite lora_int4`); it starts before the ahead-of-time
