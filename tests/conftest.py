@@ -11,12 +11,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import json  # noqa: E402
 import os.path  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_lite.testing.checkpoints import build_checkpoint, get_checkpoint  # noqa: E402
+from vllm_lite.testing.wheel import build_wheel  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -50,3 +52,9 @@ def checkpoint_factory(tmp_path_factory) -> Callable[..., str]:
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def project_wheel(tmp_path_factory) -> Path:
+    """The project's wheel, built once per session from a copy of the tree; packaging tests inspect it."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -245,37 +244,10 @@ def test_loader_reports_its_result_to_the_platform_module(backend):
 
 
 @pytest.mark.slow
-def test_wheel_ships_the_sources_and_an_installed_copy_loads_the_same_kernels(backend, tmp_path):
+def test_wheel_ships_the_sources_and_an_installed_copy_loads_the_same_kernels(backend, project_wheel, tmp_path):
     """A regular (non-editable) install has no repository beside it: the wheel carries the sources as
     vllm_lite/_csrc, and the loader there hashes them to the same key, so it loads the cached build."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
-        shutil.copy(REPO / name, src)
-    shutil.copytree(REPO / "csrc", src / "csrc")
-    shutil.copytree(
-        REPO / "vllm_lite", src / "vllm_lite", ignore=shutil.ignore_patterns("__pycache__", "*.so", "build", "assets")
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            ".",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path / "dist"),
-        ],
-        cwd=src,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    wheel = project_wheel
     names = set(zipfile.ZipFile(wheel).namelist())
     for p in cpu_kernels.source_files():
         assert f"vllm_lite/_csrc/{p.name}" in names, p.name
