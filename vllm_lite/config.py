@@ -203,6 +203,55 @@ class StructuredOutputsConfig:
         return cls(**config_fields(value, "structured_outputs_config", cls.__dataclass_fields__))
 
 
+# vLLM's CompilationMode names and values; 0 runs eager, 1-3 compile the model forward (see worker/compile.py).
+COMPILATION_MODES = {"NONE": 0, "STOCK_TORCH_COMPILE": 1, "DYNAMO_TRACE_ONCE": 2, "VLLM_COMPILE": 3}
+
+
+@dataclass
+class CompilationConfig:
+    """vLLM's ``compilation_config`` (``-O``/``--compilation-config``): an int mode, or ``{"mode": 3}``, or vLLM's
+    older ``{"level": 3}``; a mode may be named ("VLLM_COMPILE"). Mode 0 (the default here) runs the model eager;
+    modes 1-3 all compile each decoder layer's non-attention blocks (norms, MLP) with ``torch.compile``
+    (``backend``, inductor by default), dynamic in the token count. ``enforce_eager`` turns it off."""
+
+    mode: int = 0
+    backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mode, str):
+            name = self.mode.strip().upper()
+            if name not in COMPILATION_MODES and not name.isdigit():
+                raise ValueError(
+                    f"compilation_config.mode must be 0-3 or one of {', '.join(COMPILATION_MODES)}, got {self.mode!r}."
+                )
+            self.mode = COMPILATION_MODES[name] if name in COMPILATION_MODES else int(name)
+        if isinstance(self.mode, bool) or not isinstance(self.mode, int) or not 0 <= self.mode <= 3:
+            raise ValueError(
+                f"compilation_config.mode must be 0-3 or one of {', '.join(COMPILATION_MODES)}, got {self.mode!r}."
+            )
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"compilation_config.backend must be a torch.compile backend name, got {self.backend!r}.")
+
+    @classmethod
+    def from_value(cls, value: Any) -> "CompilationConfig":
+        """None, a CompilationConfig, an int mode (``-O3``), or a dict / JSON object with mode or level."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(mode=value)
+        if isinstance(value, str) and value.strip().isdigit():
+            return cls(mode=int(value))
+        fields = dict(config_fields(value, "compilation_config", ("mode", "level", "backend")))
+        if "level" in fields:
+            level = fields.pop("level")
+            if "mode" in fields and fields["mode"] != level:
+                raise ValueError(f"compilation_config: level {level!r} and mode {fields['mode']!r} disagree; give one.")
+            fields["mode"] = level
+        return cls(**fields)
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -340,6 +389,7 @@ class VllmConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: Optional[SpeculativeConfig] = None
     lora_config: Optional[LoRAConfig] = None
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
 
 
 # ---------------------------------------------------------------------------- wire form (JSON, no pickle)

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 from vllm_lite import platform as _platform
 from vllm_lite.config import (
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     LoRAConfig,
     ModelConfig,
@@ -48,6 +49,14 @@ def parse_speculative_config(text: str) -> Optional[SpeculativeConfig]:
     """--speculative-config's JSON value, e.g. '{"method": "ngram", "num_speculative_tokens": 3}'."""
     try:
         return SpeculativeConfig.from_value(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_compilation_config(text: str) -> CompilationConfig:
+    """-O / --compilation-config: a mode (-O3) or JSON, e.g. '{"mode": 3}' or vLLM's older '{"level": 3}'."""
+    try:
+        return CompilationConfig.from_value(text)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -116,7 +125,20 @@ class EngineArgs:
         },
     )
     enforce_eager: bool = field(
-        default=False, metadata={"help": "Never capture CUDA graphs (accepted; on CPU everything runs eager anyway)."}
+        default=False,
+        metadata={"help": "Run the model eager: no torch.compile (compilation_config is ignored), no CUDA graphs."},
+    )
+    compilation_config: Optional[CompilationConfig] = field(
+        default=None,
+        metadata={
+            "help": "torch.compile of the model forward, as vLLM spells it: a mode (-O3) or JSON ('{\"mode\": 3}', "
+            '\'{"level": 3}\', \'{"mode": "VLLM_COMPILE", "backend": "inductor"}\'). 0 (default): eager; '
+            "1-3: each decoder layer's norms and MLP compiled with inductor (slower start-up). Python: an int, a "
+            "dict or a CompilationConfig.",
+            "type": parse_compilation_config,
+            "metavar": "MODE|JSON",
+            "aliases": ("-O",),
+        },
     )
     max_logprobs: int = field(
         default=20, metadata={"help": "Most logprobs or prompt logprobs one request may ask for."}
@@ -346,10 +368,10 @@ class EngineArgs:
         if not archs:
             raise ValueError(f"config.json in {self.model!r} names no architectures.")
         device = resolve_device(self.device)
-        if self.enforce_eager:
-            _note_once(
-                f"enforce_eager=True accepted: this engine captures no CUDA graphs, so {device.type} runs eager anyway."
-            )
+        compilation_config = CompilationConfig.from_value(self.compilation_config)
+        if self.enforce_eager and compilation_config.mode:
+            _note_once(f"enforce_eager=True: compilation_config mode {compilation_config.mode} is ignored; eager.")
+            compilation_config = CompilationConfig(mode=0, backend=compilation_config.backend)
         dtype = resolve_dtype(self.dtype, hf.get("torch_dtype") or hf.get("dtype"), device)
         max_pos = hf.get("max_position_embeddings") or hf.get("n_positions") or 2048  # n_positions: GPT-2
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -449,6 +471,7 @@ class EngineArgs:
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,
             lora_config=self._lora_config(),
+            compilation_config=compilation_config,
         )
 
     def _lora_config(self) -> Optional[LoRAConfig]:

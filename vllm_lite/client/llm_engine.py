@@ -11,6 +11,7 @@ from vllm_lite.client.core_client import EngineCoreClient, make_client
 from vllm_lite.client.output_processor import OutputProcessor
 from vllm_lite.client.parallel_sampling import ParentRequest
 from vllm_lite.client.processor import Processor, PromptType
+from vllm_lite.client.startup import load_while_starting
 from vllm_lite.client.tokenizer import get_tokenizer
 from vllm_lite.config import VllmConfig
 from vllm_lite.core.messages import EngineCoreRequest
@@ -32,10 +33,21 @@ class LLMEngine:
     ) -> None:
         self.vllm_config = vllm_config
         mc = vllm_config.model_config
-        self.tokenizer = get_tokenizer(mc.tokenizer)
-        self.processor = Processor(mc, self.tokenizer, lora_config=vllm_config.lora_config)
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
-        self.engine_core = client or make_client(vllm_config, multiprocess=multiprocess_mode, asyncio_mode=False)
+        if client is None:  # the core starts (imports, model load) while this process loads the tokenizer
+            self.tokenizer, client = load_while_starting(
+                lambda: get_tokenizer(mc.tokenizer),
+                lambda: make_client(vllm_config, multiprocess=multiprocess_mode, asyncio_mode=False),
+                lambda c: c.shutdown(),
+            )
+        else:
+            self.tokenizer = get_tokenizer(mc.tokenizer)
+        self.engine_core = client
+        try:
+            self.processor = Processor(mc, self.tokenizer, lora_config=vllm_config.lora_config)
+            self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
+        except BaseException:
+            client.shutdown()
+            raise
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool = True) -> "LLMEngine":

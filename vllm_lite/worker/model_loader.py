@@ -55,10 +55,10 @@ def iterate_weights(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, A
 
 
 def _hf_config(model_config: ModelConfig):
-    import transformers
+    """The resolved transformers config; from a snapshot without importing transformers when it was seen before."""
+    from vllm_lite.worker.hf_config_cache import load_hf_config
 
-    config = transformers.AutoConfig.from_pretrained(model_config.model)
-    return config
+    return load_hf_config(model_config.model)
 
 
 _INIT_FNS = (

@@ -21,6 +21,7 @@ from vllm_lite.config import VllmConfig
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.worker.attention.backend import AttentionBackend
 from vllm_lite.worker.attention.layer import Attention
+from vllm_lite.worker.compile import maybe_compile
 from vllm_lite.worker.forward_context import set_forward_context
 from vllm_lite.worker.input_batch import InputBatch
 from vllm_lite.worker.kv_cache_sizing import measure_peak_allocated
@@ -59,6 +60,7 @@ class GPUModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(mc, device)
         maybe_prepack(self.model, device, self.dtype, batch_hint=min(self.max_num_reqs, 64))
+        maybe_compile(self.model, vllm_config)  # compilation_config (vLLM's); eager unless asked
         self.lora_manager = make_lora_manager(vllm_config, self.model, device)  # None without enable_lora
         self.load_time_s = time.perf_counter() - t0
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
