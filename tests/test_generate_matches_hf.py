@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -26,9 +28,19 @@ def _prompts(tokenizer, n: int = 8) -> list[list[int]]:
 
 
 def hf_greedy(model_dir: str, prompt: list[int], n: int, dtype: torch.dtype) -> tuple[list[int], list[float]]:
-    """Greedy continuation by Hugging Face with its KV cache, plus each chosen token's logprob."""
+    """Greedy continuation by Hugging Face with its KV cache, plus each chosen token's logprob.
+
+    Memoised: the Qwen2 tests ask for the same continuations five times and HF's answer cannot change."""
+    tokens, logprobs = _hf_greedy_cached(model_dir, tuple(prompt), n, dtype)
+    return list(tokens), list(logprobs)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_greedy_cached(
+    model_dir: str, prompt: tuple[int, ...], n: int, dtype: torch.dtype
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
     model = _hf_model(model_dir, dtype)
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([list(prompt)])
     out, logprobs = [], []
     past = None
     with torch.no_grad():
@@ -40,7 +52,7 @@ def hf_greedy(model_dir: str, prompt: list[int], n: int, dtype: torch.dtype) -> 
             out.append(tok)
             logprobs.append(float(lp[tok]))
             ids = torch.tensor([[tok]])
-    return out, logprobs
+    return tuple(out), tuple(logprobs)
 
 
 _HF_CACHE: dict = {}
@@ -118,24 +130,23 @@ def test_text_prompts_and_request_output_fields() -> None:
     llm.shutdown()
 
 
+@functools.lru_cache(maxsize=None)
+def _kv_bytes_per_block(path: str, block_size: int) -> int:
+    """Bytes of one KV block as the runner sizes it (float32); one engine start for every preemption case."""
+    llm = LLM(model=path, dtype="float32", multiprocess=False, max_model_len=136, block_size=block_size)
+    try:
+        return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.kv_cache_bytes_per_block()
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("caching", [True, False])
 def test_greedy_matches_hf_under_forced_preemption(mode: str, caching: bool, monkeypatch) -> None:
     """A KV cache so small that requests are preempted many times still gives HF's exact tokens."""
     path = get_checkpoint("qwen2")
     preempted = record_preemptions(monkeypatch)
-    llm = LLM(
-        model=path,
-        dtype="float32",
-        multiprocess=False,
-        max_model_len=136,
-        block_size=4,
-        max_num_batched_tokens=24,
-        enable_prefix_caching=caching,
-        preemption_mode=mode,
-    )
-    per_block = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.kv_cache_bytes_per_block()
-    llm.shutdown()
+    per_block = _kv_bytes_per_block(path, block_size=4)
     # 35 usable blocks of 4 tokens (one max_model_len sequence fits) for 8 requests growing to 35-133 tokens.
     llm = LLM(
         model=path,
