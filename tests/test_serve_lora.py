@@ -65,6 +65,9 @@ def reference(daemon, adapters) -> dict[str, list[int]]:
     core beside the HTTP one (it learns the core's LoRA limits from READY; the ids agree by construction)."""
     llm = LLM(engine_address=daemon[0])
     try:
+        # The HTTP frontend loaded its --lora-modules into the core under the ids this frontend derives too.
+        static = {adapter_id(name, adapters[name]) for name in ("sql", "poem")}
+        assert set(llm.llm_engine.list_loras()) == static
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         out = {"base": list(llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids)}
         for name, path in adapters.items():
