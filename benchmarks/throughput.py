@@ -47,23 +47,39 @@ def matmul_tflops(dtype: torch.dtype, threads: int, n: int = 1024, reps: int = 1
 
 
 def run_ours(
-    model: str, prompts: list[list[int]], out_len: int, dtype: str, multiprocess: bool, num_threads: int | None
+    model: str,
+    prompts: list[list[int]],
+    out_len: int,
+    dtype: str,
+    multiprocess: bool,
+    num_threads: int | None,
+    compilation_config: str | None = None,
 ) -> dict:
     from vllm_lite import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(
-        model=model, dtype=dtype, multiprocess=multiprocess, max_model_len=512, max_num_seqs=64, num_threads=num_threads
+        model=model,
+        dtype=dtype,
+        multiprocess=multiprocess,
+        max_model_len=512,
+        max_num_seqs=64,
+        num_threads=num_threads,
+        compilation_config=compilation_config,
     )
     ready = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    # Warm-up (with compilation_config: the compile), at two batch sizes so the timed run meets no new graph.
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    warmup = time.perf_counter() - t0
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     llm.shutdown()
-    return {"tokens_per_s": n_out / dt, "elapsed_s": dt, "output_tokens": n_out, "startup_s": ready}
+    return {"tokens_per_s": n_out / dt, "elapsed_s": dt, "output_tokens": n_out, "startup_s": ready, "warmup_s": warmup}
 
 
 def run_hf(model: str, prompts: list[list[int]], out_len: int, dtype: torch.dtype, batches: list[int]) -> dict:
@@ -136,6 +152,9 @@ def main() -> None:
     ap.add_argument("--inprocess", action="store_true", help="run the engine core in this process")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--num-threads", type=int, default=None, help="engine-core torch threads (default: its policy)")
+    ap.add_argument(
+        "--compilation-config", "-O", default=None, help="vLLM's compilation_config for the engine: a mode (3) or JSON"
+    )
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)  # internal: the HF subprocess
     args = ap.parse_args()
     if args.hf_worker is not None:
@@ -152,7 +171,9 @@ def main() -> None:
     prompts = make_prompts(args.num_prompts, 32, 256, cfg["vocab_size"], seed=0)
 
     host = host_description()  # before the engine starts: this process's default torch threads
-    ours = run_ours(args.model, prompts, args.output_len, args.dtype, not args.inprocess, args.num_threads)
+    ours = run_ours(
+        args.model, prompts, args.output_len, args.dtype, not args.inprocess, args.num_threads, args.compilation_config
+    )
     core_threads = engine_core_threads(args.num_threads)
     engine_cfg = RunConfig("vllm_lite", args.dtype, warmup=True, threads=core_threads, batch=64)
     result: dict = {
@@ -164,6 +185,8 @@ def main() -> None:
         "output_len": args.output_len,
         "vllm_lite_tokens_per_s": round(ours["tokens_per_s"], 1),
         "vllm_lite_startup_s": round(ours["startup_s"], 2),
+        "vllm_lite_warmup_s": round(ours["warmup_s"], 2),
+        "compilation_config": args.compilation_config,
     }
     baselines = []
     if not args.skip_hf:
