@@ -44,7 +44,7 @@ def _check_every_impl(backends, query, cache, md, scale, window=None, cap=None, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [16, 32, 64, 128])
-@pytest.mark.parametrize("gqa", [1, 3, 4])
+@pytest.mark.parametrize("gqa", [1, 3])
 def test_every_key_loop_matches_the_oracle_over_a_mixed_batch(backends, dtype, head_size, gqa):
     query, cache, md = make_case(QUERY, SEQ, 2 * gqa, 2, head_size, 16, dtype, seed=head_size + gqa)
     _check_every_impl(backends, query, cache, md, 1.0 / math.sqrt(head_size), dtype=dtype)
