@@ -85,6 +85,15 @@ def _assert_same_outputs(a: list[Any], b: list[Any], logprobs: bool = False) -> 
                         assert px[tok].rank == py[tok].rank
 
 
+def test_draft_kv_cache_is_sized_with_the_target_on_the_same_block_ids(spec: LLM) -> None:
+    """One block id addresses a block in every target layer's cache and every draft layer's: the budget is split
+    by the bytes of both, and all caches have the same number of blocks."""
+    runner = spec.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    assert runner.kv_cache_bytes_per_block() == BLOCK_BYTES
+    assert len(runner.kv_caches) == 3 + 1
+    assert {c.shape[1] for c in runner.kv_caches} == {(4 << 20) // BLOCK_BYTES}
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
 
 
