@@ -13,6 +13,7 @@ Prints one JSON line with the host's CPU model and capability (and GPU when --de
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -46,6 +47,54 @@ def weight_bytes(model_dir: str, dtype: torch.dtype, device: str) -> dict[str, f
                 held += m.weight.numel() * m.weight.element_size()
     del model
     return {"linear_weight_mb": round(held / 2**20, 1), "bits_per_weight": round(8 * held / weights, 3)}
+
+
+def _int4_linear(x: torch.Tensor, layer: torch.nn.Module, native: bool) -> torch.Tensor:
+    from vllm_lite.quantization.int4_linear import dequantize_nk
+
+    return torch.nn.functional.linear(x, dequantize_nk(layer, torch.float32, native=native))
+
+
+def layer_timings(model_dir: str, rows: tuple[int, ...] = (1, 64), reps: int = 5) -> dict[str, Any]:
+    """ms per call of each int4 layer shape of the model, the paths interleaved in one loop: int4 with the native
+    dequantization, int4 with the torch-ops one, and F.linear over float32 and bfloat16 copies of the weight."""
+    import statistics
+
+    import torch.nn.functional as F
+
+    from vllm_lite.engine_args import EngineArgs
+    from vllm_lite.quantization.int4_linear import dequantize_nk
+    from vllm_lite.worker.model_loader import load_model, load_native_int4
+
+    mc = EngineArgs(model=model_dir, device="cpu", dtype="float32").create_engine_config().model_config
+    model = load_model(mc, torch.device("cpu"))
+    native = load_native_int4()
+    layers = {}
+    for name, m in model.named_modules():
+        if getattr(m, "quant_method", None) is not None:
+            layers.setdefault(name.rsplit(".", 1)[1], m)  # one layer per shape (layer 0's)
+    out: dict[str, Any] = {"native_kernel": native}
+    for short, layer in layers.items():
+        w32 = dequantize_nk(layer, torch.float32).clone()
+        w16 = w32.to(torch.bfloat16)
+        for m in rows:
+            x = torch.randn(m, layer.in_features)
+            xb = x.to(torch.bfloat16)
+            paths = {
+                "int4_native_f32": functools.partial(_int4_linear, x, layer, True),
+                "int4_torchops_f32": functools.partial(_int4_linear, x, layer, False),
+                "float32": functools.partial(F.linear, x, w32),
+                "bfloat16": functools.partial(F.linear, xb, w16),
+            }
+            times: dict[str, list[float]] = {k: [] for k in paths}
+            for _ in range(reps):
+                for k, fn in paths.items():
+                    t = time.perf_counter()
+                    fn()
+                    times[k].append(1000 * (time.perf_counter() - t))
+            key = f"{short}[{layer.out_features}x{layer.in_features}] m={m}"
+            out[key] = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    return out
 
 
 def run_variant(model: str, dtype: str, device: str, prompts: list[list[int]], out_len: int, b1_len: int) -> dict:
@@ -93,6 +142,7 @@ def main() -> None:
     ap.add_argument("--batch1-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", default="int4:float32,bfloat16,float32", help="comma list of dtype or int4:dtype")
+    ap.add_argument("--layers-only", action="store_true", help="only the per-layer timings (CPU)")
     args = ap.parse_args()
 
     from vllm_lite.platform import describe_host
@@ -100,6 +150,9 @@ def main() -> None:
     from vllm_lite.testing.quantize import get_quantized_checkpoint, quantize_checkpoint
 
     host = describe_host()
+    import transformers  # fully imported before any engine starts (engines may import it from a thread)
+
+    transformers.AutoConfig  # noqa: B018 -- resolve the lazy attribute now
     if args.model is None:
         base = get_checkpoint("qwen2", size="100m")
         quant = get_quantized_checkpoint(
@@ -112,6 +165,19 @@ def main() -> None:
             quantize_checkpoint(base, quant, args.method, args.group_size, args.desc_act)
     with open(os.path.join(base, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
+    if args.layers_only:
+        print(
+            json.dumps(
+                {
+                    "benchmark": "int4_layers",
+                    "host": host,
+                    "load_avg": os.getloadavg()[0],
+                    "torch_threads": torch.get_num_threads(),
+                    "layers": layer_timings(quant),
+                }
+            )
+        )
+        return
     prompts = make_prompts(args.num_prompts, 32, 256, vocab, seed=0)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     best: dict[str, dict[str, Any]] = {}
@@ -145,6 +211,8 @@ def main() -> None:
         "load_avg": os.getloadavg()[0],
         "variants": best,
     }
+    if args.device == "cpu":
+        result["layers"] = layer_timings(quant)
     int4 = next((v for v in variants if v.startswith("int4")), None)
     if int4:
         for v in variants:
