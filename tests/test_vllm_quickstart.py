@@ -29,7 +29,8 @@ def hf_env(tmp_path_factory, tiny_checkpoint) -> dict[str, str]:
     return env
 
 
-def test_offline_quickstart_generate_and_chat(hf_env):
+def test_offline_quickstart_generate_and_chat(hf_env, serve_process):
+    """`serve_process` (used by the tests below) starts beside this test's own process, not after it."""
     script = textwrap.dedent(f"""
         from vllm_lite import LLM, SamplingParams
 
@@ -63,7 +64,9 @@ def test_offline_quickstart_generate_and_chat(hf_env):
 
 
 @pytest.fixture(scope="module")
-def served(hf_env):
+def serve_process(hf_env):
+    """`vllm-lite serve` started, not yet waited for: the offline test asks for it too, so the two start-ups
+    (independent processes) overlap on CI's second CPU, which the suite otherwise leaves mostly idle."""
     srv = ServeProcess(
         [
             REPO,
@@ -83,12 +86,17 @@ def served(hf_env):
         hf_env,
     )
     try:
-        core = srv.core_address()
-        yield srv, core, srv.api_base()
+        yield srv
     finally:
         srv.stop()
     assert srv.proc.returncode == 0
     wait_until(lambda: process_gone(srv.proc.pid), 30, "serve gone")
+
+
+@pytest.fixture(scope="module")
+def served(serve_process):
+    """(the serve process, its core's address, its API base URL) once it listens."""
+    return serve_process, serve_process.core_address(), serve_process.api_base()
 
 
 def test_serve_quickstart_with_the_openai_client(served):
