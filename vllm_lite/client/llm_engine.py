@@ -33,7 +33,9 @@ class LLMEngine:
     ) -> None:
         self.vllm_config = vllm_config
         mc = vllm_config.model_config
-        if client is None:  # the core starts (imports, model load) while this process loads the tokenizer
+        if client is None and multiprocess_mode:
+            # The core process starts (imports, model load) while this process loads the tokenizer. Not with the
+            # core in this process: two threads importing transformers at once can see it half initialised.
             self.tokenizer, client = load_while_starting(
                 lambda: get_tokenizer(mc.tokenizer),
                 lambda: make_client(vllm_config, multiprocess=multiprocess_mode, asyncio_mode=False),
@@ -41,6 +43,7 @@ class LLMEngine:
             )
         else:
             self.tokenizer = get_tokenizer(mc.tokenizer)
+            client = client or make_client(vllm_config, multiprocess=multiprocess_mode, asyncio_mode=False)
         self.engine_core = client
         try:
             self.processor = Processor(mc, self.tokenizer, lora_config=vllm_config.lora_config)
