@@ -9,7 +9,8 @@ Two workloads on a trained checkpoint (default: the bundled model, a tiny Llama 
 For each workload: batch-1 milliseconds per output token (median over the prompts, greedy, fixed length) and
 batch throughput (all prompts at once), without speculation, with n-gram proposals and with a draft model
 (`--draft-model`, default: the target's first `--draft-layers` layers with its embeddings, final norm and LM
-head: same tokenizer, a fraction of the compute), the runs interleaved per workload, plus Hugging Face `generate` at
+head: same tokenizer, a fraction of the compute), the three timed in turn prompt by prompt (interleaved, so load
+on a shared host hits them alike), plus Hugging Face `generate` at
 default settings (the baseline) and HF's own prompt-lookup decoding (`prompt_lookup_num_tokens`, the
 like-for-like), both batch 1. Our runs are in-process engines (`multiprocess=False`) so the acceptance counters
 can be read; HF runs in this interpreter after ours at torch's thread count. Prints one JSON line (host included).
@@ -58,43 +59,57 @@ def workloads(
     return {"repetitive": rep, "random": rand}
 
 
-def run_ours(model: str, prompts: list[list[int]], max_tokens: int, spec: dict | None, num_threads: int | None) -> dict:
+def run_ours_interleaved(
+    model: str, prompts: list[list[int]], max_tokens: int, specs: dict[str, dict | None], num_threads: int | None
+) -> dict[str, dict]:
+    """One in-process engine per configuration, timed in turn on each prompt (batch 1) and then on the whole batch,
+    so load changes on a shared host hit every configuration alike."""
     from vllm_lite import LLM, SamplingParams
 
-    llm = LLM(
-        model=model,
-        dtype="float32",
-        multiprocess=False,
-        max_model_len=512,
-        speculative_config=spec,
-        num_threads=num_threads,
-        disable_log_stats=True,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    per_tok = []
-    outputs = []
-    for p in prompts:  # batch 1
-        t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
-        per_tok.append((time.perf_counter() - t0) / len(out.outputs[0].token_ids))
-        outputs.append(list(out.outputs[0].token_ids))
-    t0 = time.perf_counter()
-    batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    result = {
-        "ms_per_token_batch1": 1e3 * float(np.median(per_tok)),
-        "throughput_tok_s": sum(len(o.outputs[0].token_ids) for o in batch) / dt,
-    }
-    if spec is not None:
-        total = llm.llm_engine.engine_core.engine_core.scheduler.spec.total
-        result.update(
-            draft_acceptance_rate=round(total.draft_acceptance_rate, 3),
-            mean_acceptance_length=round(total.mean_acceptance_length, 3),
+    engines = {
+        name: LLM(
+            model=model,
+            dtype="float32",
+            multiprocess=False,
+            max_model_len=512,
+            speculative_config=spec,
+            num_threads=num_threads,
+            disable_log_stats=True,
         )
-    llm.shutdown()
-    result["outputs"] = outputs
-    return result
+        for name, spec in specs.items()
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    warm = SamplingParams(max_tokens=4, ignore_eos=True)
+    per_tok: dict[str, list[float]] = {name: [] for name in specs}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in specs}
+    for llm in engines.values():
+        llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
+    for p in prompts:  # batch 1, configurations in turn
+        for name, llm in engines.items():
+            t0 = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+            per_tok[name].append((time.perf_counter() - t0) / len(out.outputs[0].token_ids))
+            outputs[name].append(list(out.outputs[0].token_ids))
+    results: dict[str, dict] = {}
+    for name, llm in engines.items():
+        t0 = time.perf_counter()
+        batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        result = {
+            "ms_per_token_batch1": 1e3 * float(np.median(per_tok[name])),
+            "throughput_tok_s": sum(len(o.outputs[0].token_ids) for o in batch) / dt,
+        }
+        if specs[name] is not None:
+            total = llm.llm_engine.engine_core.engine_core.scheduler.spec.total
+            result.update(
+                draft_acceptance_rate=round(total.draft_acceptance_rate, 3),
+                mean_acceptance_length=round(total.mean_acceptance_length, 3),
+            )
+        result["outputs"] = outputs[name]
+        results[name] = result
+    for llm in engines.values():
+        llm.shutdown()
+    return results
 
 
 def run_hf(model: str, prompts: list[list[int]], max_tokens: int, lookup: int | None) -> dict:
@@ -187,9 +202,10 @@ def main() -> None:
     }
     sets = workloads(model, tokenizer, args.num_prompts, args.max_tokens, len(tokenizer), args.seed)
     for name, prompts in sets.items():
-        plain = run_ours(model, prompts, args.max_tokens, None, args.num_threads)
-        fast = run_ours(model, prompts, args.max_tokens, spec, args.num_threads)
-        drafted = run_ours(model, prompts, args.max_tokens, draft_spec, args.num_threads)
+        runs = run_ours_interleaved(
+            model, prompts, args.max_tokens, {"plain": None, "ngram": spec, "draft": draft_spec}, args.num_threads
+        )
+        plain, fast, drafted = runs["plain"], runs["ngram"], runs["draft"]
         row: dict[str, Any] = {
             "num_prompts": len(prompts),
             "mean_prompt_tokens": float(np.mean([len(p) for p in prompts])),
