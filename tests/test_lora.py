@@ -213,8 +213,11 @@ def test_eviction_reloads_adapters_and_keeps_tokens_right(llama, llama_loras) ->
     assert again == [o for o, w in zip(ours, which) if w == llama_loras[0]]
 
 
-def test_torch_ops_match_a_per_token_reference() -> None:
+@pytest.mark.parametrize("gather_max", [0, 1 << 19], ids=["grouped", "auto"])
+def test_torch_ops_match_a_per_token_reference(gather_max: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_lite.lora import torch_ops
+
+    monkeypatch.setattr(torch_ops, "GATHER_MAX_ELEMENTS", gather_max)
 
     g = torch.Generator().manual_seed(0)
     x, a, b = torch.randn(9, 12, generator=g), torch.randn(3, 4, 12, generator=g), torch.randn(3, 10, 4, generator=g)

@@ -163,5 +163,7 @@ def test_slots_evict_least_recently_used_and_pinned_stay(tmp_path) -> None:
     manager.pin_lora(2)
     manager.prepare_step(np.array([1]), one)  # 3 goes, pinned 2 stays
     assert set(manager.slot_ids) == {1, 2}
+    manager.prepare_step(np.array([1, 3]), np.array([1, 1]))  # a step that needs both slots: the pin yields
+    assert set(manager.slot_ids) == {1, 3}
     with pytest.raises(ValueError, match="max_loras"):
         manager.prepare_step(np.array([1, 2, 3]), np.array([1, 1, 1]))

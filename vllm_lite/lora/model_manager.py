@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from vllm_lite.config import LoRAConfig
-from vllm_lite.lora import torch_ops
+from vllm_lite.lora import ops
 from vllm_lite.lora.layers import LoRALinear, LoRAState, SubProjection
 from vllm_lite.lora.peft_adapter import load_adapter_tensors
 from vllm_lite.lora.request import LoRARequest
@@ -206,11 +206,14 @@ class LoRAModelManager:
         for slot, lid in enumerate(self.slot_ids):
             if lid is None:
                 return slot
-        for lid, slot in self._slot_lru.items():  # least recently used first
-            if lid not in needed and lid not in self.pinned:
-                del self._slot_lru[lid]
-                self.slot_ids[slot] = None
-                return slot
+        # Least recently used first; a pinned adapter only when the step cannot run otherwise (the scheduler
+        # admits max_loras adapters and knows nothing of pins), and it comes back when next needed.
+        for spare_pinned in (False, True):
+            for lid, slot in self._slot_lru.items():
+                if lid not in needed and (spare_pinned or lid not in self.pinned):
+                    del self._slot_lru[lid]
+                    self.slot_ids[slot] = None
+                    return slot
         raise ValueError(f"no LoRA slot free: max_loras={self.max_loras} slots hold adapters this step needs.")
 
     def _load_slot(self, slot: int, lora_id: int) -> None:
@@ -231,7 +234,7 @@ class LoRAModelManager:
         """Slots for this step's adapters and the per-token slot index ([T] int32, -1: none), built once."""
         if len(req_lora_ids) == 0 or not req_lora_ids.any():
             self.state.token_slots = None
-            torch_ops.set_step_slots(None)
+            ops.set_step_slots(None)
             return
         uniq, inverse = np.unique(req_lora_ids, return_inverse=True)
         ids = [int(u) for u in uniq if u != 0]
@@ -240,4 +243,4 @@ class LoRAModelManager:
         token_slots = np.repeat(slot_of_uniq[inverse.reshape(-1)], num_scheduled)
         t = torch.from_numpy(token_slots).to(self.device, non_blocking=True)
         self.state.token_slots = t
-        torch_ops.set_step_slots(t)
+        ops.set_step_slots(t)

@@ -38,6 +38,15 @@ def _pick(name: str, x: torch.Tensor) -> Callable[..., Any]:
     return getattr(torch_ops, name)
 
 
+def set_step_slots(token_slots: Optional[torch.Tensor]) -> None:
+    """This step's per-token slots, grouped once for every layer's calls (by the ops that will run them)."""
+    mod = _triton_ops() if token_slots is None or token_slots.is_cuda else None
+    triton_runs = mod is not None and hasattr(mod, "set_step_slots")
+    torch_ops.set_step_slots(None if triton_runs and token_slots is not None else token_slots)
+    if triton_runs:
+        mod.set_step_slots(token_slots)
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
     return _pick("lora_shrink", x)(x, lora_a, token_slots)
 
