@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,21 +283,38 @@ if __name__ == "__main__":
 """
 
 
-def test_seeded_n3_is_the_same_in_other_processes_with_and_without_a_core_process(llm, path, tmp_path) -> None:
-    kw = dict(SEEDED, n=3)
-    here = [c.token_ids for c in llm.generate(PROMPTS[0], SamplingParams(**kw), use_tqdm=False)[0].outputs]
-    script = tmp_path / "child.py"
+SEEDED_N3 = dict(SEEDED, n=3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def seeded_child(path, tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
+    """The child above, started with the module (autouse): its interpreter and two engines start on CI's second
+    CPU, which the suite otherwise leaves mostly idle, while the in-process tests run; the test reads its answer.
+    Output goes to files, so a child that writes much never waits on a pipe nobody reads yet."""
+    tmp = tmp_path_factory.mktemp("seeded-child")
+    script, out, err = tmp / "child.py", tmp / "stdout", tmp / "stderr"
     script.write_text(_CHILD)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONHASHSEED="random")
-    res = subprocess.run(
-        [sys.executable, str(script), path, PROMPTS[0], json.dumps(kw)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        child = subprocess.Popen(
+            [sys.executable, str(script), path, PROMPTS[0], json.dumps(SEEDED_N3)],
+            stdout=stdout,
+            stderr=stderr,
+            env=env,
+        )
+    try:
+        yield child, out, err
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+
+
+def test_seeded_n3_is_the_same_in_other_processes_with_and_without_a_core_process(llm, seeded_child) -> None:
+    here = [c.token_ids for c in llm.generate(PROMPTS[0], SamplingParams(**SEEDED_N3), use_tqdm=False)[0].outputs]
+    child, out, err = seeded_child
+    assert child.wait(300) == 0, err.read_text()[-2000:]
+    got = json.loads(out.read_text().strip().splitlines()[-1])
     assert got == {"multiprocess=True": here, "multiprocess=False": here}
 
 
