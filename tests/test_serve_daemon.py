@@ -600,21 +600,19 @@ def test_bundled_default_on_ipc_two_api_servers_metrics_sum_and_sigterm_under_lo
         d.stop()
 
 
-def test_killing_the_serve_process_leaves_no_core_or_frontend_behind(long_ckpt, tmp_path):
-    d = Daemon([long_ckpt, "--port", "0", "--api-port", "0", "--num-threads", "1"], str(tmp_path / "d.log"))
-    try:
-        _, line = d.core_line()
-        d.api_url()
-        core_pid = int(line.rsplit("pid ", 1)[1].rstrip(")"))
-        frontends = [p for p in children(d.proc.pid) if launched_as(p, "vllm_lite.entrypoints.serve_frontend", "http-")]
-        assert len(frontends) == 1
-        d.proc.kill()
-        d.proc.wait(10)
-        wait_until(
-            lambda: process_gone(core_pid) and all(process_gone(p) for p in frontends), DEADLINE_S, "the orphans exit"
-        )
-    finally:
-        d.stop()
+def test_killing_the_serve_process_leaves_no_core_or_frontend_behind(daemon):
+    """Kills the module's daemon (a core and one HTTP frontend), so it stays the last test that uses it:
+    one serve start fewer than a daemon of its own (the fixture's stop accepts a dead process)."""
+    core_pid = int(daemon.listening.rsplit("pid ", 1)[1].rstrip(")"))
+    frontends = [
+        p for p in children(daemon.proc.pid) if launched_as(p, "vllm_lite.entrypoints.serve_frontend", "http-")
+    ]
+    assert len(frontends) == 1
+    daemon.proc.kill()
+    daemon.proc.wait(10)
+    wait_until(
+        lambda: process_gone(core_pid) and all(process_gone(p) for p in frontends), DEADLINE_S, "the orphans exit"
+    )
 
 
 @pytest.mark.parametrize(
