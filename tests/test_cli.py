@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
@@ -289,9 +290,30 @@ def test_chat_loop_ends_on_eof(default_tokenizer):
 
 
 # ---------------------------------------------------------------------------- end to end
+E2E_RUNS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "generate": (
+        ("generate", "The for statement", "--max-tokens", "24", "--temperature", "0", "--num-threads", "1"),
+        None,
+    ),
+    "chat": (
+        ("chat", "--max-tokens", "32", "--temperature", "0", "--num-threads", "1"),
+        "What does the function os.path.join do?\n",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def e2e_runs() -> dict[str, subprocess.CompletedProcess]:
+    """Both end-to-end CLI runs, started together: they are independent processes (each with its own
+    engine core), and the suite otherwise keeps one core of a two-core CI machine idle while each starts."""
+    with ThreadPoolExecutor(len(E2E_RUNS)) as pool:
+        futures = {name: pool.submit(_cli, *args, stdin=stdin) for name, (args, stdin) in E2E_RUNS.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
 @pytest.mark.slow
-def test_generate_with_no_model_prints_english_like_text():
-    proc = _cli("generate", "The for statement", "--max-tokens", "24", "--temperature", "0", "--num-threads", "1")
+def test_generate_with_no_model_prints_english_like_text(e2e_runs):
+    proc = e2e_runs["generate"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout.strip()
     words = text.split()
@@ -302,17 +324,8 @@ def test_generate_with_no_model_prints_english_like_text():
 
 
 @pytest.mark.slow
-def test_chat_answers_one_line_from_stdin_and_exits_on_eof():
-    proc = _cli(
-        "chat",
-        "--max-tokens",
-        "32",
-        "--temperature",
-        "0",
-        "--num-threads",
-        "1",
-        stdin="What does the function os.path.join do?\n",
-    )
+def test_chat_answers_one_line_from_stdin_and_exits_on_eof(e2e_runs):
+    proc = e2e_runs["chat"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     reply = proc.stdout
     assert reply.endswith("\n") and reply.count("\n") >= 1
