@@ -91,7 +91,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget in one step
     policy: str = "fcfs"  # or "priority"
-    log_stats_interval_s: float = 10.0
+    # None: never log (disable_log_stats); not inf, which JSON (the wire form) cannot carry.
+    log_stats_interval_s: Optional[float] = 10.0
 
 
 @dataclass

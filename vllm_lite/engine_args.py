@@ -464,7 +464,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
-                log_stats_interval_s=float("inf") if self.disable_log_stats else 10.0,
+                log_stats_interval_s=None if self.disable_log_stats else 10.0,
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),

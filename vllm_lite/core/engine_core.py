@@ -158,7 +158,7 @@ def _stats_dict(stats: SchedulerStats) -> dict[str, Any]:
 class _StatsLogger:
     """A periodic structured log line: throughput, running/waiting, KV usage, prefix-cache hit rate."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: Optional[float]) -> None:
         self.interval_s = interval_s
         self.last_log = time.monotonic()
         self.prompt_tokens = 0
@@ -187,7 +187,7 @@ class _StatsLogger:
         self.gen_tokens += gen
         self.prompt_tokens += max(0, num_scheduled_tokens - gen)
         now = time.monotonic()
-        if stats is None or now - self.last_log < self.interval_s:
+        if stats is None or self.interval_s is None or now - self.last_log < self.interval_s:
             return
         dt = now - self.last_log
         hit_rate = self.hits / self.queries if self.queries else 0.0
