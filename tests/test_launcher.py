@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
@@ -208,39 +207,23 @@ def _run(argv: list[str], tmp_path, stdin: str = "") -> subprocess.CompletedProc
     return subprocess.run(argv, input=stdin, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
 
 
-def _run_script(how: str, tmp_path) -> subprocess.CompletedProcess:
+# A script file without a main guard, and a notebook-like __main__ with no file at all (stdin and -c start the
+# same way as the latter: nothing to re-import, since no child is started through multiprocessing).
+@pytest.mark.parametrize("how", ["script-without-main-guard", "exec-without-file"])
+def test_llm_starts_from_any_kind_of_script_and_exits_cleanly(how, tmp_path):
     if how == "script-without-main-guard":
         script = tmp_path / "user_script.py"
         script.write_text(LLM_SCRIPT)
-        return _run([sys.executable, str(script)], tmp_path)
-    # a notebook-like __main__: a fresh module with no __file__, code exec'd into it
-    driver = textwrap.dedent(f"""
-        import sys, types
-        main = types.ModuleType("__main__")
-        sys.modules["__main__"] = main
-        exec(compile({LLM_SCRIPT!r}, "<cell>", "exec"), main.__dict__)
-        assert not hasattr(main, "__file__")
-    """)
-    return _run([sys.executable, "-c", driver], tmp_path)
-
-
-# A script file without a main guard, and a notebook-like __main__ with no file at all (stdin and -c start the
-# same way as the latter: nothing to re-import, since no child is started through multiprocessing).
-SCRIPT_KINDS = ["script-without-main-guard", "exec-without-file"]
-
-
-@pytest.fixture(scope="module")
-def script_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """Both kinds run together, each in a directory of its own: independent processes (each starts its own
-    engine core), and the suite otherwise leaves one core of a two-core CI machine idle while they start."""
-    with ThreadPoolExecutor(len(SCRIPT_KINDS)) as pool:
-        futures = {how: pool.submit(_run_script, how, tmp_path_factory.mktemp(how)) for how in SCRIPT_KINDS}
-        return {how: f.result() for how, f in futures.items()}
-
-
-@pytest.mark.parametrize("how", SCRIPT_KINDS)
-def test_llm_starts_from_any_kind_of_script_and_exits_cleanly(how, script_runs):
-    res = script_runs[how]
+        res = _run([sys.executable, str(script)], tmp_path)
+    else:  # a notebook-like __main__: a fresh module with no __file__, code exec'd into it
+        driver = textwrap.dedent(f"""
+            import sys, types
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile({LLM_SCRIPT!r}, "<cell>", "exec"), main.__dict__)
+            assert not hasattr(main, "__file__")
+        """)
+        res = _run([sys.executable, "-c", driver], tmp_path)
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("GENERATED 4") == 1, res.stdout  # the script body ran exactly once
     for bad in _BAD_STDERR:
