@@ -3,10 +3,9 @@
 Same signatures as ``triton_ops``: every token t of a step carries ``token_slots[t]``, the device slot of
 its adapter (-1: none, adds nothing). Tokens are grouped by slot once per step (``set_step_slots``: every
 layer shares the step's ``token_slots`` tensor), then each slot's tokens go through one
-matmul: a loop over at most ``max_loras`` slots, never over requests. A small batch of several adapters
-(decode) instead gathers each token's A and B and runs one bmm: there the per-op cost of one matmul per slot
-dominates, while for a prefill the gathered T x out x R copy costs more than the loop saves
-(``GATHER_MAX_ELEMENTS``; benchmarks/lora_throughput.py ``--ops`` times each way alone).
+matmul: a loop over at most ``max_loras`` slots, never over requests. The alternative, gathering each
+token's A and B and one bmm, is kept behind ``GATHER_MAX_ELEMENTS`` (off: it lost in the engine benchmark;
+benchmarks/lora_throughput.py ``--ops`` times each way).
 """
 
 from __future__ import annotations
@@ -15,10 +14,12 @@ from typing import Optional
 
 import torch
 
-# Gather each token's A/B and bmm up to this many gathered elements (2 MB in float32), else group by slot.
-# Measured (shrink+expand, 8 adapters of rank 16, 768 -> 2304, float32, AVX2): 8 tokens gather 5.6x faster
-# than grouped; 64 tokens grouped 1.26x faster; 256 tokens grouped 2.5x faster.
-GATHER_MAX_ELEMENTS = 1 << 19
+# Gather each token's A/B and bmm up to this many gathered elements, else group by slot. Off (0): in the
+# engine (benchmarks/lora_throughput.py, 100M Qwen2, 8 adapters rank 16, 8 prompts, float32, AVX2) grouped
+# gave 1.5x the output tokens per CPU second of gathering below 2^19 elements, in each of 3 interleaved repeats,
+# although one layer alone under heavy load (8 tokens, 768 -> 2304) had timed gather 5.6x faster (64 tokens:
+# grouped 1.26x, 256: 2.5x). Kept selectable so the two can be measured again on other machines.
+GATHER_MAX_ELEMENTS = 0
 
 # The step's token_slots (held, so its identity cannot be reused) and its groups; see `set_step_slots`.
 _step: Optional[tuple[torch.Tensor, list[tuple[int, Optional[torch.Tensor]]]]] = None
