@@ -235,3 +235,19 @@ def test_torch_ops_match_a_per_token_reference(gather_max: int, monkeypatch: pyt
         assert buf.dtype == torch.float32 and not buf[2].any()
         expand(got, buf, b, slots, 3)
         torch.testing.assert_close(got, want)
+
+
+def test_removing_an_adapter_a_running_request_uses_does_not_fail_it(llm, llama_loras) -> None:
+    """remove_lora frees the engine's copy; a request still running with it reloads it from its path."""
+    lora = llama_loras[0]
+    prompt = list(PROMPTS[0])
+    (want,) = _generate(llm, [prompt], [lora])
+    engine = llm.llm_engine
+    engine.add_request("running-while-removed", {"prompt_token_ids": prompt}, GREEDY, lora_request=lora)
+    outputs = engine.step()  # the prefill ran with the adapter in a slot
+    assert engine.remove_lora(lora.lora_int_id) is True
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = [o for o in outputs if o.finished]
+    assert len(final) == 1 and final[0].outputs[0].finish_reason == "length"
+    assert list(final[0].outputs[0].token_ids) == want

@@ -159,9 +159,10 @@ class LoRAModelManager:
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
+        """Free the adapter's host copy and slot. Its path stays known: a request still running with it
+        (another frontend's, or one already scheduled) reloads it at its next step instead of failing."""
         was = lora_id in self._host or lora_id in self._slot_lru
         self._drop(lora_id)
-        self.known.pop(lora_id, None)
         return was
 
     def list_loras(self) -> set[int]:
