@@ -21,6 +21,7 @@ from vllm_lite.sampling_params import StructuredOutputsParams
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.testing.chi_square import chi_square_homogeneity_pvalue
 from vllm_lite.testing.draft_checkpoints import get_target_and_draft
+from vllm_lite.testing.spec_outputs import assert_same_outputs, token_prompts
 
 K = 3
 # The distribution test fails below this p-value; its draws come from a fixed torch seed, so its outcome is fixed.
@@ -67,24 +68,6 @@ def _total(llm: LLM) -> SpecDecodingStats:
     return llm.llm_engine.engine_core.engine_core.scheduler.spec.total
 
 
-def _prompts(ids: list[list[int]]) -> list[dict[str, list[int]]]:
-    return [{"prompt_token_ids": p} for p in ids]
-
-
-def _assert_same_outputs(a: list[Any], b: list[Any], logprobs: bool = False) -> None:
-    for x, y in zip(a, b, strict=True):
-        for cx, cy in zip(x.outputs, y.outputs, strict=True):
-            assert cx.token_ids == cy.token_ids
-            assert cx.finish_reason == cy.finish_reason
-            if logprobs:
-                assert len(cx.logprobs) == len(cy.logprobs) == len(cx.token_ids)
-                for px, py in zip(cx.logprobs, cy.logprobs):
-                    assert px.keys() == py.keys()
-                    for tok in px:
-                        assert abs(px[tok].logprob - py[tok].logprob) <= 1e-5
-                        assert px[tok].rank == py[tok].rank
-
-
 def test_draft_kv_cache_is_sized_with_the_target_on_the_same_block_ids(spec: LLM) -> None:
     """One block id addresses a block in every target layer's cache and every draft layer's: the budget is split
     by the bytes of both, and all caches have the same number of blocks."""
@@ -99,9 +82,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=T
 
 def test_greedy_tokens_and_logprobs_equal_plain_decoding(base: LLM, spec: LLM) -> None:
     before = (_total(spec).num_draft_tokens, _total(spec).num_accepted_tokens)
-    expected = base.generate(_prompts(PROMPTS), GREEDY, use_tqdm=False)
-    got = spec.generate(_prompts(PROMPTS), GREEDY, use_tqdm=False)
-    _assert_same_outputs(expected, got, logprobs=True)
+    expected = base.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
+    got = spec.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
+    assert_same_outputs(expected, got, logprobs=True, text=False)
     drafted = _total(spec).num_draft_tokens - before[0]
     accepted = _total(spec).num_accepted_tokens - before[1]
     assert 0 < accepted < drafted, "the run must both accept and reject drafts to prove anything"
@@ -112,14 +95,16 @@ def test_prefix_cache_hits_blocks_written_by_draft_steps(base: LLM, spec: LLM) -
     catch-up passes, rejected drafts rewritten) must be right, or its proposals and the counters would drift and,
     worse, a cached rejected token would change the target's continuation."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    first = spec.generate(_prompts(PROMPTS[:1]), params, use_tqdm=False)[0]
+    first = spec.generate(token_prompts(PROMPTS[:1]), params, use_tqdm=False)[0]
     extended = PROMPTS[0] + list(first.outputs[0].token_ids)[:30]
     follow = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1, ignore_eos=True)
     before = _total(spec).num_accepted_tokens
-    got = spec.generate(_prompts([extended]), follow, use_tqdm=False)
+    got = spec.generate(token_prompts([extended]), follow, use_tqdm=False)
     assert got[0].num_cached_tokens >= 48, "the extended prompt should hit the blocks of the first run"
     assert _total(spec).num_accepted_tokens > before
-    _assert_same_outputs(base.generate(_prompts([extended]), follow, use_tqdm=False), got, logprobs=True)
+    assert_same_outputs(
+        base.generate(token_prompts([extended]), follow, use_tqdm=False), got, logprobs=True, text=False
+    )
 
 
 def test_penalised_and_grammar_requests_are_drafted_and_keep_their_outputs(base: LLM, spec: LLM) -> None:
@@ -131,11 +116,11 @@ def test_penalised_and_grammar_requests_are_drafted_and_keep_their_outputs(base:
         SamplingParams(temperature=0.0, max_tokens=20, presence_penalty=-0.4, logprobs=1),
         SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=regex, logprobs=1),
     ]
-    prompts = _prompts(PROMPTS[:3])
+    prompts = token_prompts(PROMPTS[:3])
     before = _total(spec).num_accepted_tokens
     expected = base.generate(prompts, params, use_tqdm=False)
     got = spec.generate(prompts, params, use_tqdm=False)
-    _assert_same_outputs(expected, got, logprobs=True)
+    assert_same_outputs(expected, got, logprobs=True, text=False)
     assert _total(spec).num_accepted_tokens > before
 
 
@@ -149,13 +134,13 @@ def test_forced_preemption_and_chunked_prefill_keep_greedy_outputs(base: LLM, mo
         original = sched._preempt
         sched._preempt = lambda req, swap_out: (preempted.append(req), original(req, swap_out))
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        got = llm.generate(_prompts(PROMPTS), params, use_tqdm=False)
+        got = llm.generate(token_prompts(PROMPTS), params, use_tqdm=False)
         accepted = _total(llm).num_accepted_tokens
     finally:
         llm.shutdown()
     assert preempted, "the small KV cache should have forced a preemption"
     assert accepted > 0
-    _assert_same_outputs(base.generate(_prompts(PROMPTS), params, use_tqdm=False), got)
+    assert_same_outputs(base.generate(token_prompts(PROMPTS), params, use_tqdm=False), got, text=False)
 
 
 def test_target_as_its_own_draft_accepts_everything_and_counts_it(base: LLM, models) -> None:
@@ -164,11 +149,11 @@ def test_target_as_its_own_draft_accepts_everything_and_counts_it(base: LLM, mod
     llm = _llm(models[0], models[0])
     try:
         params = SamplingParams(temperature=0.0, max_tokens=13, logprobs=1, ignore_eos=True)
-        got = llm.generate(_prompts(PROMPTS), params, use_tqdm=False)
+        got = llm.generate(token_prompts(PROMPTS), params, use_tqdm=False)
         total = _total(llm)
     finally:
         llm.shutdown()
-    _assert_same_outputs(base.generate(_prompts(PROMPTS), params, use_tqdm=False), got, logprobs=True)
+    assert_same_outputs(base.generate(token_prompts(PROMPTS), params, use_tqdm=False), got, logprobs=True, text=False)
     n = 3 * len(PROMPTS)
     assert total.counters() == {
         "vllm:spec_decode_num_drafts": n,
@@ -193,7 +178,7 @@ def test_sampled_drafts_keep_the_target_distribution(base: LLM, spec: LLM) -> No
     against 300 seeded runs without. The engine runs in this process: the global torch seed is fixed for the
     speculative runs (fork_rng restores the caller's stream), so the outcome is fixed."""
     n = 300
-    prompt = _prompts([PROMPTS[1]])
+    prompt = token_prompts([PROMPTS[1]])
     with_spec = SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
     without = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, seed=s, ignore_eos=True) for s in range(n)]
     before = _total(spec).num_accepted_tokens
@@ -214,10 +199,10 @@ def test_multiprocess_tensor_parallel_engine_with_a_draft_equals_plain_decoding(
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True)
     llm = _llm(*models, multiprocess=True, tensor_parallel_size=2, device="cpu")
     try:
-        got = llm.generate(_prompts(PROMPTS[:2]), params, use_tqdm=False)
+        got = llm.generate(token_prompts(PROMPTS[:2]), params, use_tqdm=False)
     finally:
         llm.shutdown()
-    expected = base.generate(_prompts(PROMPTS[:2]), params, use_tqdm=False)
+    expected = base.generate(token_prompts(PROMPTS[:2]), params, use_tqdm=False)
     for x, y in zip(expected, got, strict=True):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         for px, py in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):

@@ -27,6 +27,7 @@ from vllm_lite.sampling_params import StructuredOutputsParams
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.chi_square import chi_square_homogeneity_pvalue
+from vllm_lite.testing.spec_outputs import assert_same_outputs, token_prompts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # The distribution test fails below this p-value; every draw is seeded, so its outcome is fixed.
@@ -80,32 +81,13 @@ def _accepted(llm: LLM) -> int:
     return total.num_accepted_tokens
 
 
-def _prompts(ids: list[list[int]]) -> list[dict[str, list[int]]]:
-    return [{"prompt_token_ids": p} for p in ids]
-
-
-def _assert_same_outputs(a: list[Any], b: list[Any], logprobs: bool = False) -> None:
-    for x, y in zip(a, b, strict=True):
-        for cx, cy in zip(x.outputs, y.outputs, strict=True):
-            assert cx.token_ids == cy.token_ids
-            assert cx.text == cy.text
-            assert cx.finish_reason == cy.finish_reason
-            if logprobs:
-                assert len(cx.logprobs) == len(cy.logprobs) == len(cx.token_ids)
-                for px, py in zip(cx.logprobs, cy.logprobs):
-                    assert px.keys() == py.keys()
-                    for tok in px:
-                        assert abs(px[tok].logprob - py[tok].logprob) <= 1e-5
-                        assert px[tok].rank == py[tok].rank
-
-
 # ---------------------------------------------------------------------------------------------- greedy equality
 def test_greedy_tokens_and_logprobs_equal_plain_decoding(base: LLM, spec: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=3, ignore_eos=True)
     before = _accepted(spec)
-    expected = base.generate(_prompts(REPEATING + RANDOM), params, use_tqdm=False)
-    got = spec.generate(_prompts(REPEATING + RANDOM), params, use_tqdm=False)
-    _assert_same_outputs(expected, got, logprobs=True)
+    expected = base.generate(token_prompts(REPEATING + RANDOM), params, use_tqdm=False)
+    got = spec.generate(token_prompts(REPEATING + RANDOM), params, use_tqdm=False)
+    assert_same_outputs(expected, got, logprobs=True)
     assert _accepted(spec) > before, "no draft was accepted: the comparison proves nothing"
 
 
@@ -113,13 +95,13 @@ def test_prefix_cache_hits_on_blocks_written_by_verified_steps(base: LLM, spec: 
     """A prompt that extends an earlier speculative run hits the blocks that run filled (with accepted drafts and
     with rejected ones rewritten): a cached rejected token would change the continuation."""
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    first = spec.generate(_prompts(REPEATING[:1]), params, use_tqdm=False)[0]
+    first = spec.generate(token_prompts(REPEATING[:1]), params, use_tqdm=False)[0]
     extended = REPEATING[0] + list(first.outputs[0].token_ids)
     follow = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    got = spec.generate(_prompts([extended]), follow, use_tqdm=False)[0]
-    expected = base.generate(_prompts([extended]), follow, use_tqdm=False)[0]
+    got = spec.generate(token_prompts([extended]), follow, use_tqdm=False)[0]
+    expected = base.generate(token_prompts([extended]), follow, use_tqdm=False)[0]
     assert got.num_cached_tokens >= 48, "the extended prompt should hit the blocks of the first run"
-    _assert_same_outputs([expected], [got])
+    assert_same_outputs([expected], [got])
 
 
 def test_forced_preemption_keeps_greedy_outputs(base: LLM, spec_small_kv: LLM, monkeypatch) -> None:
@@ -128,11 +110,11 @@ def test_forced_preemption_keeps_greedy_outputs(base: LLM, spec_small_kv: LLM, m
     original = sched._preempt
     monkeypatch.setattr(sched, "_preempt", lambda req, swap_out: (preempted.append(req), original(req, swap_out)))
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    prompts = _prompts(REPEATING + RANDOM[:1])
+    prompts = token_prompts(REPEATING + RANDOM[:1])
     before = _accepted(spec_small_kv)
     got = spec_small_kv.generate(prompts, params, use_tqdm=False)
     expected = base.generate(prompts, params, use_tqdm=False)
-    _assert_same_outputs(expected, got)
+    assert_same_outputs(expected, got)
     assert preempted, "the small KV cache should have forced a preemption"
     assert _accepted(spec_small_kv) > before
 
@@ -149,17 +131,17 @@ def test_multiprocess_engine_speculates_with_the_same_outputs(base: LLM) -> None
     )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, ignore_eos=True)
-        got = llm.generate(_prompts(REPEATING), params, use_tqdm=False)
+        got = llm.generate(token_prompts(REPEATING), params, use_tqdm=False)
     finally:
         llm.shutdown()
-    _assert_same_outputs(base.generate(_prompts(REPEATING), params, use_tqdm=False), got, logprobs=True)
+    assert_same_outputs(base.generate(token_prompts(REPEATING), params, use_tqdm=False), got, logprobs=True)
 
 
 # ---------------------------------------------------------------------------------------------- stop conditions
 def test_stop_conditions_inside_an_accepted_run(base: LLM, spec: LLM) -> None:
     """max_tokens, stop token ids, stop strings and min_tokens cut where plain decoding cuts them."""
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    reference = base.generate(_prompts(REPEATING[:1]), greedy, use_tqdm=False)[0].outputs[0]
+    reference = base.generate(token_prompts(REPEATING[:1]), greedy, use_tqdm=False)[0].outputs[0]
     toks, text = list(reference.token_ids), reference.text
     stop_text = text[len(text) // 2 : len(text) // 2 + 3]
     cases = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 7, 11, 14)] + [
@@ -170,7 +152,7 @@ def test_stop_conditions_inside_an_accepted_run(base: LLM, spec: LLM) -> None:
         ),
         SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[toks[2]], min_tokens=12),
     ]
-    prompts = _prompts(REPEATING[:1] * len(cases))
+    prompts = token_prompts(REPEATING[:1] * len(cases))
     before = _accepted(spec)
     expected = base.generate(prompts, cases, use_tqdm=False)
     got = spec.generate(prompts, cases, use_tqdm=False)
@@ -190,11 +172,11 @@ def test_penalized_requests_are_drafted_and_keep_their_outputs(base: LLM, spec: 
         SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.4, presence_penalty=0.3, logprobs=2),
         SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=-0.5, logprobs=2),  # favours repeats
     ]
-    prompts = _prompts([REPEATING[0]] * 3)
+    prompts = token_prompts([REPEATING[0]] * 3)
     before = _accepted(spec)
     expected = base.generate(prompts, cases, use_tqdm=False)
     got = spec.generate(prompts, cases, use_tqdm=False)
-    _assert_same_outputs(expected, got, logprobs=True)
+    assert_same_outputs(expected, got, logprobs=True)
     assert _accepted(spec) > before
 
 
@@ -210,7 +192,7 @@ def test_grammar_requests_are_drafted_and_keep_their_constraint(base: LLM, spec:
         structured_outputs=StructuredOutputsParams(regex="\\[(1|22|333)(,(1|22|333))*\\]"),
     )
     plain = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    prompts = _prompts(REPEATING[:2] + [RANDOM[0], REPEATING[1]])
+    prompts = token_prompts(REPEATING[:2] + [RANDOM[0], REPEATING[1]])
     params = [plain, plain, constrained, json_like]
     sched = _scheduler(spec)
     constrained_drafts = []
@@ -224,7 +206,7 @@ def test_grammar_requests_are_drafted_and_keep_their_constraint(base: LLM, spec:
         got = spec.generate(prompts, params, use_tqdm=False)
     finally:
         del sched.spec.rollback
-    _assert_same_outputs(expected, got)
+    assert_same_outputs(expected, got)
     assert sum(constrained_drafts) > 0, "no draft of a constrained request was accepted"
 
 
@@ -241,7 +223,7 @@ def test_sampled_token_frequencies_match_plain_decoding(base: LLM, spec: LLM) ->
     """Chi-square homogeneity test at significance 1e-3: the 3rd and 4th sampled tokens of many seeded runs
     with speculation (seeds 0..N-1) against as many without it (seeds N..2N-1, independent draws)."""
     n = 300
-    prompt = _prompts([REPEATING[1]])
+    prompt = token_prompts([REPEATING[1]])
     with_spec = [SamplingParams(temperature=0.8, top_k=4, max_tokens=4, seed=s, ignore_eos=True) for s in range(n)]
     without = [SamplingParams(temperature=0.8, top_k=4, max_tokens=4, seed=n + s, ignore_eos=True) for s in range(n)]
     before = _accepted(spec)
@@ -257,10 +239,10 @@ def test_seeded_requests_replay_exactly_after_preemption(spec: LLM, spec_small_k
     """A seeded row draws once per emitted token even when several land in one step, so a preempted request
     resumes its random stream where its kept outputs left it."""
     params = [SamplingParams(temperature=0.8, top_k=4, max_tokens=40, seed=s, ignore_eos=True) for s in (1, 2, 3, 4)]
-    prompts = _prompts(REPEATING + RANDOM[:1])
+    prompts = token_prompts(REPEATING + RANDOM[:1])
     alone = [spec.generate(p, sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
     crowded = spec_small_kv.generate(prompts, params, use_tqdm=False)
-    _assert_same_outputs(alone, crowded)
+    assert_same_outputs(alone, crowded)
 
 
 # ---------------------------------------------------------------------------------------------- metrics and log
