@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -80,6 +81,7 @@ def main() -> None:
             outs = llm.generate(requests, params, use_tqdm=False)
             dt = time.perf_counter() - t0
             rates[name].append(round(sum(len(o.outputs[0].token_ids) for o in outs) / dt, 2))
+            print(f"{name}: {rates[name][-1]} tok/s ({dt:.1f} s)", file=sys.stderr, flush=True)
             tokens.setdefault(name, [list(o.outputs[0].token_ids) for o in outs])
     set_levers("auto", True)
     llm.shutdown()
