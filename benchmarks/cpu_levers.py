@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the in-process engine (its core's count)")
     args = ap.parse_args()
     model = args.model or get_checkpoint("qwen2", size="100m")
     g = torch.Generator().manual_seed(0)
@@ -69,6 +70,8 @@ def main() -> None:
         "rounds": args.rounds,
     }
     llm = LLM(model=model, dtype="float32", multiprocess=False, max_model_len=512, max_num_seqs=64)
+    torch.set_num_threads(args.threads)  # after LLM(), which applies its own thread policy
+    result["threads"] = args.threads
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(requests[:2], params, use_tqdm=False)  # warm-up

@@ -17,9 +17,15 @@ from vllm_lite.worker.models import cpu_linear
 
 @pytest.fixture(autouse=True)
 def fresh_cache(monkeypatch):
-    """Each test sees its own verification cache (the module's is process-wide)."""
+    """Each test sees its own verification cache (the module's is process-wide), on one torch thread
+    (the measured case; the thread count is restored afterwards)."""
     monkeypatch.setattr(cpu_linear, "_checked", {})
     monkeypatch.setattr(cpu_linear, "_announced", set())
+    monkeypatch.setattr(cpu_linear, "_on", True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _weight(n: int, k: int = 768, seed: int = 0) -> torch.Tensor:
@@ -70,6 +76,10 @@ def test_rule_keeps_f_linear_for_small_batches_narrow_weights_and_other_dtypes(m
     for x, w in cases:
         assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))
         assert cpu_linear.plan(x.numel() // 64, w) == "f_linear"
+    torch.set_num_threads(2)  # more threads than measured (the fixture restores the count)
+    x = torch.randn(32, 64)
+    assert torch.equal(cpu_linear.linear(x, wide), F.linear(x, wide))
+    assert cpu_linear.plan(32, wide) == "f_linear"
     assert calls == []
 
 

@@ -7,8 +7,9 @@ the weight's 768-output slices one after the other (benchmarks/linear.py; benchm
 so the result is bit-identical to `F.linear` -- which keeps float32 greedy tokens equal to Hugging
 Face's, unlike oneDNN's packed float32 weights (faster still, but rounded differently).
 
-The rule, from those measurements: float32 CPU weight with at least MIN_OUT_FEATURES outputs and
-an input of MIN_ROWS..MAX_ROWS rows. Bit-identity is not assumed: the first input of each
+The rule, from those measurements: float32 CPU weight with at least MIN_OUT_FEATURES outputs, an
+input of MIN_ROWS..MAX_ROWS rows, one torch thread (with more, each slice is its own OpenMP region,
+and a shared host's preempted threads make every barrier slow; not measured to win, so not used). Bit-identity is not assumed: the first input of each
 (shape, rows, bias, threads) is run both ways and compared; a mismatch (another BLAS, another CPU)
 keeps that case on `F.linear` for good and logs a warning. The first use of blocks per weight shape
 is logged once. VLLM_LITE_CPU_LINEAR_SLICES=0 turns it off (benchmarks' A/B).
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 BLOCK = 768  # output features per slice: the fastest block size measured for both wide shapes
 MIN_OUT_FEATURES = 4096  # gate_up (6144) and the LM head (32000) of the bench checkpoint; not qkv/o/down
 MIN_ROWS = 16  # below this the slices are no faster (m = 1: 0.8-1.0x)
+MAX_THREADS = 1  # measured at one torch thread (the engine core's count on 2 cores); more: unmeasured
 MAX_ROWS = 128  # measured: 1.03-1.15x at 128 rows, 1.0x at 256, 0.87-1.01x at 512 (prefill chunks)
 
 _lock = threading.Lock()
@@ -47,6 +49,7 @@ def applies(rows: int, weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
         and weight.dim() == 2
         and weight.shape[0] >= MIN_OUT_FEATURES
         and MIN_ROWS <= rows <= MAX_ROWS
+        and torch.get_num_threads() <= MAX_THREADS
     )
 
 
