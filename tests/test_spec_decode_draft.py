@@ -21,7 +21,7 @@ from vllm_lite.sampling_params import StructuredOutputsParams
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.testing.chi_square import chi_square_homogeneity_pvalue
 from vllm_lite.testing.draft_checkpoints import get_target_and_draft
-from vllm_lite.testing.spec_outputs import assert_same_outputs, token_prompts
+from vllm_lite.testing.spec_outputs import assert_same_outputs, token_counts, token_prompts
 
 K = 3
 # The distribution test fails below this p-value; its draws come from a fixed torch seed, so its outcome is fixed.
@@ -164,14 +164,6 @@ def test_target_as_its_own_draft_accepts_everything_and_counts_it(base: LLM, mod
     assert total.mean_acceptance_length == K + 1
 
 
-def _token_counts(outputs: list[Any], position: int) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for out in outputs:
-        tok = out.outputs[0].token_ids[position]
-        counts[tok] = counts.get(tok, 0) + 1
-    return counts
-
-
 def test_sampled_drafts_keep_the_target_distribution(base: LLM, spec: LLM) -> None:
     """Unseeded sampled requests get drafts sampled from the draft's softmax (a real q, accepted with min(1, p/q)).
     Chi-square homogeneity test at significance 1e-3 of the 2nd and 3rd tokens of 300 runs with speculation
@@ -188,7 +180,7 @@ def test_sampled_drafts_keep_the_target_distribution(base: LLM, spec: LLM) -> No
     expected = base.generate(prompt * n, without, use_tqdm=False)
     assert _total(spec).num_accepted_tokens > before, "no sampled draft was accepted"
     for position in (1, 2):
-        pvalue = chi_square_homogeneity_pvalue(_token_counts(got, position), _token_counts(expected, position))
+        pvalue = chi_square_homogeneity_pvalue(token_counts(got, position), token_counts(expected, position))
         assert pvalue > SIGNIFICANCE, f"position {position}: p = {pvalue}"
 
 

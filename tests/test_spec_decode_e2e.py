@@ -27,7 +27,7 @@ from vllm_lite.sampling_params import StructuredOutputsParams
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.chi_square import chi_square_homogeneity_pvalue
-from vllm_lite.testing.spec_outputs import assert_same_outputs, token_prompts
+from vllm_lite.testing.spec_outputs import assert_same_outputs, token_counts, token_prompts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # The distribution test fails below this p-value; every draw is seeded, so its outcome is fixed.
@@ -211,14 +211,6 @@ def test_grammar_requests_are_drafted_and_keep_their_constraint(base: LLM, spec:
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def _token_counts(outputs: list[Any], position: int) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for out in outputs:
-        tok = out.outputs[0].token_ids[position]
-        counts[tok] = counts.get(tok, 0) + 1
-    return counts
-
-
 def test_sampled_token_frequencies_match_plain_decoding(base: LLM, spec: LLM) -> None:
     """Chi-square homogeneity test at significance 1e-3: the 3rd and 4th sampled tokens of many seeded runs
     with speculation (seeds 0..N-1) against as many without it (seeds N..2N-1, independent draws)."""
@@ -231,7 +223,7 @@ def test_sampled_token_frequencies_match_plain_decoding(base: LLM, spec: LLM) ->
     expected = base.generate(prompt * n, without, use_tqdm=False)
     assert _accepted(spec) > before, "no sampled draft was accepted: the test would not exercise verification"
     for position in (2, 3):
-        pvalue = chi_square_homogeneity_pvalue(_token_counts(got, position), _token_counts(expected, position))
+        pvalue = chi_square_homogeneity_pvalue(token_counts(got, position), token_counts(expected, position))
         assert pvalue > SIGNIFICANCE, f"position {position}: p = {pvalue}"
 
 

@@ -26,3 +26,12 @@ def assert_same_outputs(a: list[Any], b: list[Any], logprobs: bool = False, text
                     for tok in px:
                         assert abs(px[tok].logprob - py[tok].logprob) <= LOGPROB_TOL
                         assert px[tok].rank == py[tok].rank
+
+
+def token_counts(outputs: list[Any], position: int) -> dict[int, int]:
+    """How often each token id stands at ``position`` of the first completion, over many sampled runs."""
+    counts: dict[int, int] = {}
+    for out in outputs:
+        tok = out.outputs[0].token_ids[position]
+        counts[tok] = counts.get(tok, 0) + 1
+    return counts
