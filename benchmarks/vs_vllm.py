@@ -77,6 +77,7 @@ def _child_lite(spec: dict) -> dict:
         dtype=spec["dtype"],
         max_model_len=spec["max_model_len"],
         max_num_seqs=max(64, len(prompts)),
+        num_threads=spec.get("lite_num_threads"),
     )
     ready = time.perf_counter() - t0
     computed = _lite_compute_dtype(spec)
@@ -339,6 +340,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-batch", type=int, default=None, help="HF generate batch (default: all prompts at once)")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="python of the vLLM CPU venv")
+    ap.add_argument("--lite-num-threads", type=int, default=None, help="vllm-lite core threads (default: its policy)")
     ap.add_argument("--engines", default="lite,vllm,hf", help="comma-separated subset of lite,vllm,hf")
     ap.add_argument("--repeats", type=int, default=1, help="runs per engine, interleaved; medians reported")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine run before it is killed")
@@ -359,6 +361,7 @@ def main() -> None:
     prompts = make_prompts(args.num_prompts, args.min_input_len, args.max_input_len, cfg["vocab_size"], seed=0)
     threads = core_threads()
     spec = {
+        "lite_num_threads": args.lite_num_threads,
         "model": args.model,
         "dtype": args.dtype,
         "prompts": prompts,

@@ -31,6 +31,7 @@ from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
 MARK = "Zqxjv"  # a word no other test prompt holds
 GOOD_STEPS = 4  # a poisoned request runs this many steps (its prefill and 3 tokens), then fails
 DEADLINE_S = 120.0
+USAGE = {"include_usage": True, "continuous_usage_stats": True}  # every chunk says how many tokens so far
 
 
 class FailingAfterTokens:
@@ -114,7 +115,10 @@ def assert_chunks_then_error_then_done(events: list[str], text_of: Any) -> None:
     chunks = [json.loads(e) for e in events[:-2]]
     assert chunks and all("error" not in c for c in chunks)
     texts = [text_of(c) for c in chunks]
-    assert sum(1 for t in texts if t) >= 2, f"the failure came before tokens were streamed: {texts}"
+    # Tokens, not chunks: under load the server may coalesce several tokens into one chunk. Each
+    # chunk's continuous usage says how many completion tokens had been streamed by then.
+    streamed = max(c["usage"]["completion_tokens"] for c in chunks)
+    assert streamed >= 2 and "".join(texts), f"the failure came before tokens were streamed: {streamed} {texts}"
 
 
 def test_completion_stream_failing_after_tokens_ends_with_error_event_then_done(server: ServerThread) -> None:
@@ -125,7 +129,7 @@ def test_completion_stream_failing_after_tokens_ends_with_error_event_then_done(
         target=lambda: results.update(ok=sse_events(server, "/v1/completions", {**body, "prompt": [5, 6, 7, 8]}))
     )
     healthy.start()
-    events = sse_events(server, "/v1/completions", {**body, "prompt": f"{MARK} says"})
+    events = sse_events(server, "/v1/completions", {**body, "prompt": f"{MARK} says", "stream_options": USAGE})
     healthy.join(DEADLINE_S)
     assert_chunks_then_error_then_done(events, lambda c: c["choices"][0]["text"] if c["choices"] else "")
     # The request beside it finished normally, and the server still serves.
@@ -143,6 +147,7 @@ def test_chat_stream_failing_after_tokens_ends_with_error_event_then_done(server
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": USAGE,
     }
     events = sse_events(server, "/v1/chat/completions", body)
     assert_chunks_then_error_then_done(
