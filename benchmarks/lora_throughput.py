@@ -5,12 +5,18 @@ all submitted at once. The base run has LoRA off; the LoRA run has enable_lora=T
 prompts the 8 adapters round-robin (rank --rank, every q/k/v/o and gate/up/down projection, random weights
 in PEFT's format), so every step batches all 8. Both engines live in this process (multiprocess=False) and
 run interleaved --repeats times after a warm-up each, so load on the machine hits both alike; the ratio is
-taken per repeat and the median is reported. ``--ops gather`` times the gather-then-bmm shrink/expand
-and ``grouped`` the grouped-by-slot one, each forced, beside ``auto`` (what the engine picks per call), in the
-same interleaving. Target (issue 19): LoRA >= 80% of base.
+taken per repeat and the median is reported. ``--ops`` picks the CPU LoRA ways to time in the same
+interleaving: ``auto`` (what the engine runs: ``torch_ops.add_lora``, segments of one slot, two bmm's),
+``grouped`` (one matmul per slot present, shrink then expand) and ``gather`` (each token's A/B gathered, bmm).
+Target (issue 19): LoRA >= 80% of base.
+
+``--micro`` times one projection instead (no engine): the base matmul and each way's delta, plus ``stacked``
+(every slot's A as one [in, S * r] matrix, one matmul, columns masked by each token's slot, one matmul against
+the stacked B: max_loras times the LoRA flops, no grouping), interleaved, median microseconds per call.
 Prints the host (CPU model and capability) and one JSON line.
 
     python benchmarks/lora_throughput.py --num-prompts 32 --output-len 32
+    python benchmarks/lora_throughput.py --micro
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,6 +48,84 @@ def _timed(llm: Any, prompts: list[list[int]], params: Any, loras: Optional[list
     return dt, dc, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+Delta = Callable[[Any, Any, Any, list, list, Any], None]
+
+
+def _per_op(shrink: Callable[..., Any], expand: Callable[..., Any]) -> Delta:
+    """add_lora's signature over a shrink/expand pair (the per-op ways the engine ran before add_lora)."""
+
+    def add(y: Any, x: Any, lora_a: Any, lora_b: list, offsets: list, slots: Any) -> None:
+        buf = shrink(x, lora_a, slots)
+        r = lora_a.shape[1] // len(lora_b)
+        for i, (b, off) in enumerate(zip(lora_b, offsets)):
+            expand(y, buf if len(lora_b) == 1 else buf[:, i * r : (i + 1) * r].contiguous(), b, slots, off)
+
+    return add
+
+
+def _ways() -> dict[str, Delta]:
+    from vllm_lite.lora import torch_ops
+
+    return {
+        "auto": torch_ops.add_lora,
+        "grouped": _per_op(torch_ops.lora_shrink, torch_ops.lora_expand),
+        "gather": _per_op(torch_ops.lora_shrink_gather, torch_ops.lora_expand_gather),
+    }
+
+
+def _time_projection(d_in: int, outs: list[int], t: int, a: argparse.Namespace) -> dict[str, float]:
+    """Median microseconds per call of the base matmul and each way's delta, one [t, d_in] input."""
+    import torch
+
+    from vllm_lite.lora import torch_ops
+
+    g = torch.Generator().manual_seed(a.seed)
+    s, r, n = a.num_adapters, a.rank, len(outs)
+    w = torch.randn(sum(outs), d_in, generator=g) / d_in**0.5
+    lora_a = torch.randn(s, n * r, d_in, generator=g) / d_in**0.5
+    lora_b = [torch.randn(s, o, r, generator=g) / r for o in outs]
+    offsets = [sum(outs[:i]) for i in range(n)]
+    # stacked: columns ordered (sub, slot, rank), so sub i's are one block for its expand
+    a_st = lora_a.view(s, n, r, d_in).permute(3, 1, 0, 2).reshape(d_in, n * s * r).contiguous()
+    b_st = [b.permute(0, 2, 1).reshape(s * r, -1).contiguous() for b in lora_b]
+    x = torch.randn(t, d_in, generator=g)
+    y = torch.zeros(t, sum(outs))
+    slots = (torch.arange(t) % s).to(torch.int32)
+    mask = torch.nn.functional.one_hot(slots.long(), s).float().repeat_interleave(r, 1).repeat(1, n)
+
+    def stacked() -> None:
+        h = (x @ a_st).mul_(mask)
+        for i, (b, off) in enumerate(zip(b_st, offsets)):
+            y.narrow(1, off, b.shape[1]).addmm_(h[:, i * s * r : (i + 1) * s * r], b)
+
+    fns: dict[str, Callable[[], Any]] = {"base": lambda: torch.nn.functional.linear(x, w)}
+    for way, fn in _ways().items():
+        fns[way] = lambda fn=fn: fn(y, x, lora_a, lora_b, offsets, slots)
+    fns["stacked"] = stacked
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    torch_ops.set_step_slots(slots)  # the engine plans once per step; every timed call reuses it
+    try:
+        for _ in range(a.micro_rounds):
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+    finally:
+        torch_ops.set_step_slots(None)
+    return {k: round(statistics.median(v) * 1e6, 1) for k, v in times.items()}
+
+
+def micro(a: argparse.Namespace) -> dict[str, Any]:
+    """One projection of the 100M Qwen2's shapes at several token counts (8 slots round-robin)."""
+    shapes = {"qkv_proj": (768, [768, 256, 256]), "gate_up_proj": (768, [3072, 3072]), "down_proj": (3072, [768])}
+    out: dict[str, Any] = {}
+    for name, (d_in, outs) in shapes.items():
+        for t in a.micro_tokens:
+            out[f"{name}/T={t}"] = _time_projection(d_in, outs, t, a)
+            print(name, t, out[f"{name}/T={t}"], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: the ~100M Qwen2 test checkpoint)")
@@ -57,8 +141,11 @@ def main() -> None:
         nargs="+",
         choices=("auto", "grouped", "gather"),
         default=["auto"],
-        help="shrink/expand ways to time: auto (what the engine runs), or forced grouped-by-slot / gather+bmm",
+        help="CPU LoRA ways to time: auto (what the engine runs), or the per-op grouped-by-slot / gather+bmm",
     )
+    ap.add_argument("--micro", action="store_true", help="time one projection per way instead of the engine")
+    ap.add_argument("--micro-tokens", type=int, nargs="+", default=[8, 32, 256, 2048])
+    ap.add_argument("--micro-rounds", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
 
@@ -71,6 +158,10 @@ def main() -> None:
 
     host = describe_host()
     print(f"host: {host['cpu_model']} ({host['cpu_capability']}), torch threads {host['torch_threads']}", flush=True)
+    if a.micro:
+        res = micro(a)
+        print(json.dumps({"benchmark": "lora_projection_us", **res, "load_avg": os.getloadavg(), "host": host}))
+        return
     model = a.model or get_checkpoint("qwen2", "100m")
     tmp = tempfile.mkdtemp(prefix="lora-bench-")
     loras = [
@@ -90,20 +181,16 @@ def main() -> None:
     prompts = _prompts(a.num_prompts, a.input_len, vocab, a.seed)
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
     mixed = [loras[i % len(loras)] for i in range(len(prompts))]
-    auto = (torch_ops.lora_shrink, torch_ops.lora_expand, torch_ops.GATHER_MAX_ELEMENTS)
-    variants = {
-        "auto": auto,
-        "grouped": (torch_ops.lora_shrink, torch_ops.lora_expand, -1),
-        "gather": (torch_ops.lora_shrink_gather, torch_ops.lora_expand_gather, -1),
-    }
+    variants = _ways()
     chosen = list(dict.fromkeys(a.ops))
 
-    def run_lora(ops: tuple[Any, Any, int]) -> tuple[float, float, int]:
-        torch_ops.lora_shrink, torch_ops.lora_expand, torch_ops.GATHER_MAX_ELEMENTS = ops
+    def run_lora(way: Delta) -> tuple[float, float, int]:
+        auto = torch_ops.add_lora
+        torch_ops.add_lora = way  # ops.add_lora looks it up per call
         try:
             return _timed(lora_llm, prompts, params, mixed)
         finally:
-            torch_ops.lora_shrink, torch_ops.lora_expand, torch_ops.GATHER_MAX_ELEMENTS = auto
+            torch_ops.add_lora = auto
 
     _timed(base, prompts[:4], params, None)  # warm-ups
     for name in chosen:

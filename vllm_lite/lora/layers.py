@@ -1,8 +1,8 @@
 """LoRA-wrapped linear layers: the model's projections after load, each with ``max_loras`` adapter slots.
 
 As vLLM's ``from_layer``: a wrapper takes the place of a loaded projection and computes
-``y = base(x) + expand(shrink(x, A[slot[t]]), B[slot[t]])`` for every token t of the step, batched over
-tokens (``ops``), where ``slot[t]`` comes from the model's shared `LoRAState` (-1: no adapter).
+``y = base(x) + B[slot[t]] @ A[slot[t]] @ x[t]`` for every token t of the step, batched over tokens
+(``ops.add_lora``), where ``slot[t]`` comes from the model's shared `LoRAState` (-1: no adapter).
 
 Slot tensors per layer: ``lora_a`` [max_loras, n_sub * max_rank, in] stacks the A matrices of the fused
 sub-projections (q/k/v, or gate/up) so one shrink serves them all; ``lora_b[i]`` [max_loras, out_i, max_rank]
@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from vllm_lite.lora.ops import lora_expand, lora_shrink
+from vllm_lite.lora.ops import add_lora
 from vllm_lite.worker.models.cpu_prepack import linear
 from vllm_lite.worker.parallel_state import tensor_model_parallel_all_reduce
 
@@ -71,6 +71,7 @@ class LoRALinear(nn.Module):
             "lora_a", torch.zeros((max_loras, len(subs) * max_rank, self.in_local), dtype=dtype, device=device)
         )
         self.lora_b = [torch.zeros((max_loras, s.out_size, max_rank), dtype=dtype, device=device) for s in subs]
+        self._offsets = [s.out_offset for s in subs]
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -104,11 +105,7 @@ class LoRALinear(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def _add_delta(self, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
-        buf = lora_shrink(x, self.lora_a, slots)
-        r = self.max_rank
-        for i, sub in enumerate(self.subs):
-            part = buf if len(self.subs) == 1 else buf[:, i * r : (i + 1) * r].contiguous()
-            lora_expand(y, part, self.lora_b[i], slots, sub.out_offset)
+        add_lora(y, x, self.lora_a, self.lora_b, self._offsets, slots)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         slots = self.state.token_slots

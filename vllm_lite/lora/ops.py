@@ -1,7 +1,9 @@
-"""The LoRA shrink/expand a layer calls: the Triton kernels for CUDA tensors when they import, else torch.
+"""The LoRA delta a layer adds: the Triton kernels for CUDA tensors when they import, else torch.
 
-Both take the same arguments (``triton_ops`` and ``torch_ops`` share one signature), so the choice is per
-call, by the device of the input.
+``add_lora`` is what a layer calls: on CUDA one Triton shrink then one expand per fused sub-projection
+(``triton_ops``), elsewhere ``torch_ops.add_lora`` (segments of one slot each, two bmm's). The choice is
+per call, by the device of the input. ``lora_shrink``/``lora_expand`` (same signature in both modules)
+stay callable on their own for kernels' tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -55,3 +57,26 @@ def lora_expand(
     y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, out_offset: int = 0
 ) -> None:
     _pick("lora_expand", y)(y, buf, lora_b, token_slots, out_offset)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    out_offsets: list[int],
+    token_slots: torch.Tensor,
+) -> None:
+    """In place: y[t, off_i : off_i + out_i] += B_i[slot[t]] @ A_i[slot[t]] @ x[t] per sub-projection i.
+
+    lora_a [S, n_sub * r, in] (sub i's A in rows i*r ... (i+1)*r), lora_b[i] [S, out_i, r]; slot -1: untouched.
+    """
+    mod = _triton_ops() if x.is_cuda else None
+    if mod is None or not hasattr(mod, "lora_shrink"):
+        torch_ops.add_lora(y, x, lora_a, lora_b, out_offsets, token_slots)
+        return
+    buf = mod.lora_shrink(x, lora_a, token_slots)
+    r = lora_a.shape[1] // len(lora_b)
+    for i, (b, off) in enumerate(zip(lora_b, out_offsets)):
+        part = buf if len(lora_b) == 1 else buf[:, i * r : (i + 1) * r].contiguous()
+        mod.lora_expand(y, part, b, token_slots, off)

@@ -1,28 +1,154 @@
-"""Batched LoRA shrink/expand in plain torch (CPU, and any device without the Triton kernels).
+"""Batched LoRA in plain torch (CPU, and any device without the Triton kernels).
 
-Same signatures as ``triton_ops``: every token t of a step carries ``token_slots[t]``, the device slot of
-its adapter (-1: none, adds nothing). Tokens are grouped by slot once per step (``set_step_slots``: every
-layer shares the step's ``token_slots`` tensor), then each slot's tokens go through one
-matmul: a loop over at most ``max_loras`` slots, never over requests. The alternative, gathering each
-token's A and B and one bmm, is kept behind ``GATHER_MAX_ELEMENTS`` (off: it lost in the engine benchmark;
-benchmarks/lora_throughput.py ``--ops`` times each way).
+Every token t of a step carries ``token_slots[t]``, the device slot of its adapter (-1: none, adds nothing).
+What a layer runs is ``add_lora``: the step's tokens with an adapter are laid out once per step
+(``set_step_slots``; every layer shares the step's ``token_slots`` tensor) as ``num_segments`` segments of
+``seg_len`` rows, each segment one slot's tokens (padded), so a projection's whole delta is one ``bmm``
+for the shrink and one per fused sub-projection for the expand, with no loop over slots or requests: the
+CPU counterpart of punica's SGMV. Segments are the slots themselves when their token counts are even enough
+(the slots' weights are then a view, not a copy); otherwise a slot's tokens are split into several
+segments of ``ceil(tokens / slots)`` rows and the segments' weights gathered, so padding never more than
+about doubles the rows whatever the mix.
+
+Measured against the alternatives on this AVX2 host (benchmarks/lora_throughput.py ``--ops``, and
+``--micro`` for one projection): a loop of one matmul per slot (``lora_shrink``/``lora_expand``, kept for
+comparison) pays per-op overhead ~1,000 times a decode step; gathering every token's A/B and one bmm
+(``*_gather``) copies T adapters' weights per projection; a dense matmul against every slot's A stacked,
+its columns masked per token, does max_loras times the LoRA flops (prefill loses to the grouped loop).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
+import numpy as np
 import torch
 
-# Gather each token's A/B and bmm up to this many gathered elements, else group by slot. Off (0): in the
-# engine (benchmarks/lora_throughput.py, 100M Qwen2, 8 adapters rank 16, 8 prompts, float32, AVX2) grouped
-# gave 1.5x the output tokens per CPU second of gathering below 2^19 elements, in each of 3 interleaved repeats,
-# although one layer alone under heavy load (8 tokens, 768 -> 2304) had timed gather 5.6x faster (64 tokens:
-# grouped 1.26x, 256: 2.5x). Kept selectable so the two can be measured again on other machines.
+# Gather each token's A/B and bmm up to this many gathered elements, else group by slot (``lora_shrink`` /
+# ``lora_expand`` only, which ``add_lora`` does not use). Off (0): in the engine it lost to grouping.
 GATHER_MAX_ELEMENTS = 0
 
-# The step's token_slots (held, so its identity cannot be reused) and its groups; see `set_step_slots`.
-_step: Optional[tuple[torch.Tensor, list[tuple[int, Optional[torch.Tensor]]]]] = None
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """One step's tokens with an adapter as equal-length segments of one slot each (see the module doc)."""
+
+    num_segments: int
+    seg_len: int
+    # Segment i uses slot slot_lo + i (weights a view) when seg_slots is None, else slot seg_slots[i].
+    slot_lo: int
+    seg_slots: Optional[torch.Tensor]  # [num_segments] int64
+    rows: Optional[torch.Tensor]  # [num_segments * seg_len] int64: each row's token (pads: 0); None: row = token
+    pad: Optional[torch.Tensor]  # [num_segments, seg_len, 1] bool: pad rows (zeroed after the shrink); None: none
+
+
+def plan_segments(token_slots: Union[torch.Tensor, np.ndarray]) -> Optional[SegmentPlan]:
+    """Lay out a step's tokens by slot (vectorised numpy, once per step); None when no token has an adapter."""
+    if isinstance(token_slots, torch.Tensor):
+        device = token_slots.device
+        slots = token_slots.detach().to("cpu").numpy().astype(np.int64, copy=False)
+    else:
+        device = torch.device("cpu")
+        slots = np.asarray(token_slots, dtype=np.int64)
+    tokens = np.flatnonzero(slots >= 0)
+    n = len(tokens)
+    if n == 0:
+        return None
+    order = np.argsort(slots[tokens], kind="stable")
+    tok_sorted = tokens[order]
+    slot_sorted = slots[tok_sorted]
+    uniq, first, counts = np.unique(slot_sorted, return_index=True, return_counts=True)
+    which = np.repeat(np.arange(len(uniq)), counts)  # index into uniq of each sorted token
+    rank = np.arange(n) - first[which]  # position of each token among its slot's tokens
+    lo, span, longest = int(uniq[0]), int(uniq[-1]) - int(uniq[0]) + 1, int(counts.max())
+    seg_slots: Optional[np.ndarray] = None
+    if span * longest <= 2 * n:  # the slots lo..hi themselves (absent ones are all padding)
+        seg_len, num_segments = longest, span
+        seg, pos = slot_sorted - lo, rank
+    else:  # split each slot's tokens into segments of about n / slots rows
+        seg_len = -(-n // len(uniq))
+        per_slot = -(-counts // seg_len)
+        num_segments = int(per_slot.sum())
+        seg = (np.cumsum(per_slot) - per_slot)[which] + rank // seg_len
+        pos = rank % seg_len
+        seg_slots = np.repeat(uniq, per_slot)
+        if np.array_equal(seg_slots, np.arange(lo, lo + num_segments)):
+            seg_slots = None  # consecutive slots, one segment each: a view again
+    at = seg * seg_len + pos
+    total = num_segments * seg_len
+    rows = np.zeros(total, dtype=np.int64)
+    rows[at] = tok_sorted
+    pad = np.ones(total, dtype=bool)
+    pad[at] = False
+    has_pad = bool(pad.any())
+    identity = not has_pad and total == len(slots) and bool((rows == np.arange(total)).all())
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    return SegmentPlan(
+        num_segments=num_segments,
+        seg_len=seg_len,
+        slot_lo=lo,
+        seg_slots=None if seg_slots is None else dev(seg_slots),
+        rows=None if identity else dev(rows),
+        pad=dev(pad.reshape(num_segments, seg_len, 1)) if has_pad else None,
+    )
+
+
+def _slot_weights(w: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
+    """[num_segments, ...]: each segment's slot of a [max_loras, ...] slot tensor (a view where it can be)."""
+    if plan.seg_slots is None:
+        return w.narrow(0, plan.slot_lo, plan.num_segments)
+    return w.index_select(0, plan.seg_slots)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    out_offsets: list[int],
+    token_slots: torch.Tensor,
+) -> None:
+    """In place: y[t, off_i : off_i + out_i] += B_i[slot[t]] @ A_i[slot[t]] @ x[t] for every sub-projection i.
+
+    x [T, in]; lora_a [S, n_sub * r, in] (sub i's A in rows i*r ... (i+1)*r); lora_b[i] [S, out_i, r] (scaled);
+    tokens with slot -1 are untouched. Two bmm-shaped products per sub-projection, batched over segments.
+    """
+    plan = step_plan(token_slots)
+    if plan is None:
+        return
+    nseg, m = plan.num_segments, plan.seg_len
+    xs = x if plan.rows is None else x.index_select(0, plan.rows)
+    a = _slot_weights(lora_a, plan)
+    buf = torch.bmm(xs.reshape(nseg, m, x.shape[1]).to(a.dtype), a.transpose(1, 2))  # [nseg, m, n_sub * r]
+    if plan.pad is not None:
+        buf.masked_fill_(plan.pad, 0)  # pad rows gathered token 0: their delta must be 0
+    r = lora_a.shape[1] // len(lora_b)
+    for i, (b_all, off) in enumerate(zip(lora_b, out_offsets)):
+        b = _slot_weights(b_all, plan)
+        part = buf if len(lora_b) == 1 else buf[:, :, i * r : (i + 1) * r]
+        delta = torch.bmm(part, b.transpose(1, 2)).view(nseg * m, -1).to(y.dtype)
+        target = y.narrow(1, off, b_all.shape[1])
+        if plan.rows is None:
+            target.add_(delta)
+        else:
+            target.index_add_(0, plan.rows, delta)
+
+
+# The step's token_slots (held, so its identity cannot be reused), its segment plan and its slot groups
+# (the latter built on first use by ``lora_shrink``/``lora_expand``); see `set_step_slots`.
+_step: Optional[tuple[torch.Tensor, Optional[SegmentPlan], list]] = None
+
+
+def step_plan(token_slots: torch.Tensor) -> Optional[SegmentPlan]:
+    """The segment plan of these token_slots: the step's, built once, when they are the step's tensor."""
+    step = _step
+    if step is not None and step[0] is token_slots:
+        return step[1]
+    return plan_segments(token_slots)
 
 
 def _groups(token_slots: torch.Tensor) -> list[tuple[int, Optional[torch.Tensor]]]:
@@ -33,16 +159,18 @@ def _groups(token_slots: torch.Tensor) -> list[tuple[int, Optional[torch.Tensor]
 
 
 def set_step_slots(token_slots: Optional[torch.Tensor]) -> None:
-    """Group this step's tokens once; every layer's call with this same tensor reuses the groups."""
+    """Plan this step's segments once; every layer's call with this same tensor reuses them."""
     global _step
-    _step = None if token_slots is None else (token_slots, _groups(token_slots))
+    _step = None if token_slots is None else (token_slots, plan_segments(token_slots), [])
 
 
 def slot_groups(token_slots: torch.Tensor) -> list[tuple[int, Optional[torch.Tensor]]]:
     """[(slot, indices of its tokens)] for the slots present (indices None: every token is in that slot)."""
     step = _step
     if step is not None and step[0] is token_slots:
-        return step[1]
+        if not step[2]:
+            step[2].append(_groups(token_slots))
+        return step[2][0]
     return _groups(token_slots)
 
 
