@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from vllm_lite.spec_decode.metrics import METRIC_NAMES, SpecDecodingStats
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
-from vllm_lite.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample, rejection_sample_rows
+from vllm_lite.spec_decode.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    greedy_verify,
+    rejection_sample,
+    rejection_sample_rows,
+)
 from vllm_lite.testing.chi_square import chi_square_pvalue
 from vllm_lite.worker.spec_decode_step import penalties_with_drafts
 
@@ -107,8 +112,8 @@ def naive_greedy(drafts: list[int], target: torch.Tensor) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("with_draft_probs", [False, True])
-def test_greedy_rows_emit_exactly_what_greedy_decoding_emits(with_draft_probs) -> None:
+@pytest.mark.parametrize("path", ["point_masses", "draft_probs", "greedy_verify"])
+def test_greedy_rows_emit_exactly_what_greedy_decoding_emits(path) -> None:
     gen = torch.Generator().manual_seed(1)
     b, k, v = 64, 4, 12
     target = random_probs(gen, b, k + 1, v)
@@ -116,8 +121,11 @@ def test_greedy_rows_emit_exactly_what_greedy_decoding_emits(with_draft_probs) -
     agree = torch.rand((b, k), generator=gen) < 0.7
     drafts = torch.where(agree, best, torch.randint(0, v, (b, k), generator=gen))
     num_draft = torch.randint(0, k + 1, (b,), generator=gen)
-    draft_probs = random_probs(gen, b, k, v) if with_draft_probs else None
-    out = rejection_sample(drafts, num_draft, draft_probs, target, torch.ones(b, dtype=torch.bool))
+    if path == "greedy_verify":  # the all-greedy fast path reads logits: any order-preserving map of the probs
+        out = greedy_verify(target.log(), drafts, num_draft)
+    else:
+        draft_probs = random_probs(gen, b, k, v) if path == "draft_probs" else None
+        out = rejection_sample(drafts, num_draft, draft_probs, target, torch.ones(b, dtype=torch.bool))
     for i in range(b):
         expected = naive_greedy(drafts[i, : num_draft[i]].tolist(), target[i])
         row = out.output_token_ids[i].tolist()

@@ -4,9 +4,11 @@ vLLM's `method: "ngram"`. For each request, the last n tokens of its history (pr
 among its earlier tokens, for n from `prompt_lookup_max` down to `prompt_lookup_min`; the most recent earlier
 occurrence of the longest n that matches wins, and the (up to) k tokens that followed it are the proposal.
 
-The search is vectorised over the whole batch with numpy: for every request and every earlier position j it
-computes how many tokens ending at j equal the history's suffix (a loop over the at most `prompt_lookup_max`
-offsets, never over tokens or requests), then picks the longest match, latest first.
+The search is vectorised over the whole batch with numpy (loops over at most `prompt_lookup_max` offsets, never
+over tokens or requests): one [B, W] comparison per token of the shortest n-gram finds the earlier occurrences of
+each request's last `prompt_lookup_min` tokens, only those few are extended towards `prompt_lookup_max`, and the
+longest, latest one wins. A request shorter than `prompt_lookup_min` + 1 tokens costs nothing. At batch 1 on a
+200-token history this is a handful of numpy calls (tens of microseconds), small beside a decode step.
 """
 
 from __future__ import annotations
@@ -74,19 +76,23 @@ class NgramProposer:
         width = int(num_tokens.max()) if b else 0
         if width < self.min_n + 1:  # a match needs n tokens before the suffix's last one
             return NgramProposal(drafts, counts)
-        hist = token_ids[:, :width].astype(np.int64, copy=False)
-        match_len = self._suffix_match_lengths(hist, num_tokens)
-
-        # Longest match (capped at max_n), and its latest end position.
-        best = match_len.max(axis=1)
-        found = best >= self.min_n
-        latest = width - 1 - np.argmax((match_len == best[:, None])[:, ::-1], axis=1)
+        hist = token_ids[:, :width]
+        req, end, length = self._candidates(hist, num_tokens)
+        if len(req) == 0:
+            return NgramProposal(drafts, counts)
+        # Per request: the longest match (capped at max_n), then its latest end position.
+        score = length * width + end
+        best = np.full(b, -1, dtype=np.int64)
+        np.maximum.at(best, req, score)
+        found = best >= 0
+        latest = np.where(found, best % width, 0)
 
         budget = np.full(b, self.k, dtype=np.int64)
         if self.max_model_len is not None:
             budget = np.clip(self.max_model_len - num_tokens, 0, self.k)
-        idx = latest[:, None] + 1 + np.arange(self.k)[None, :]
-        take = found[:, None] & (idx < num_tokens[:, None]) & (np.arange(self.k)[None, :] < budget[:, None])
+        offsets = np.arange(self.k)
+        idx = latest[:, None] + 1 + offsets[None, :]
+        take = found[:, None] & (idx < num_tokens[:, None]) & (offsets[None, :] < budget[:, None])
         gathered = np.take_along_axis(hist, np.minimum(idx, width - 1), axis=1)
         drafts[take] = gathered[take]
         counts[:] = take.sum(axis=1)
@@ -100,23 +106,28 @@ class NgramProposer:
             buf[i, : len(h)] = h
         return self.propose(buf, lens).to_lists()
 
-    def _suffix_match_lengths(self, hist: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
-        """[B, W]: how many tokens ending at position j equal the history's last ones (capped at max_n).
+    def _candidates(self, hist: np.ndarray, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every earlier occurrence of a request's last `min_n` tokens, and how far each match extends back.
 
-        Only j <= num_tokens - 2 count (an occurrence must end before the suffix's last token); others are 0.
-        """
+        Returns (request, end position j, match length capped at max_n) per occurrence, j <= num_tokens - 2 (an
+        occurrence must end before the suffix's last token). One [B, W] comparison per token of the shortest
+        n-gram finds the occurrences (usually few); only those are extended towards max_n."""
         b, width = hist.shape
         rows = np.arange(b)
-        cols = np.arange(width)
-        in_range = cols[None, :] <= num_tokens[:, None] - 2
-        run = in_range.copy()
-        match_len = np.zeros((b, width), dtype=np.int64)
-        for t in range(self.max_n):
-            suffix_tok = hist[rows, np.maximum(num_tokens - 1 - t, 0)]  # [B]; j - t >= 0 implies this index >= 1
-            shifted = np.full((b, width), -1, dtype=np.int64)
-            shifted[:, t:] = hist[:, : width - t]  # shifted[:, j] = hist[:, j - t]
-            run &= (shifted == suffix_tok[:, None]) & (cols[None, :] >= t)
-            if not run.any():
+        last = np.maximum(num_tokens - 1, 0)
+        # ok[:, j] for end positions j in [0, W - 2]: hist[j - t] == hist[last - t] for t < min_n.
+        ok = hist[:, : width - 1] == hist[rows, last][:, None]
+        for t in range(1, self.min_n):
+            ok[:, :t] = False
+            ok[:, t:] &= hist[:, : width - 1 - t] == hist[rows, np.maximum(last - t, 0)][:, None]
+        ok &= np.arange(width - 1)[None, :] <= num_tokens[:, None] - 2
+        req, end = np.nonzero(ok)
+        length = np.full(len(req), self.min_n, dtype=np.int64)
+        alive = np.ones(len(req), dtype=bool)
+        for t in range(self.min_n, self.max_n):  # extend the candidates only; j - t >= 0 implies last - t >= 1
+            alive &= end >= t
+            if not alive.any():
                 break
-            match_len += run
-        return match_len
+            alive &= hist[req, np.maximum(end - t, 0)] == hist[req, np.maximum(last[req] - t, 0)]
+            length += alive
+        return req, end, length

@@ -185,6 +185,38 @@ def rejection_sample_rows(
     return RejectionSamplerOutput(output_token_ids=out, num_accepted=num_accepted)
 
 
+def greedy_verify(
+    target_logits: torch.Tensor, draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor
+) -> RejectionSamplerOutput:
+    """All rows greedy: the argmax of each position, drafts kept while they equal it. No probabilities, no noise
+    and no float copy: the argmax of the (processed) logits is all greedy decoding reads.
+
+    target_logits: float [B, k+1, V]. Same output as `rejection_sample` with every row greedy."""
+    b, k = draft_token_ids.shape
+    if target_logits.dim() != 3 or target_logits.shape[:2] != (b, k + 1):
+        raise ValueError(f"target_logits must be [{b}, {k + 1}, V], got {tuple(target_logits.shape)}.")
+    if num_draft_tokens.shape != (b,):
+        raise ValueError(f"num_draft_tokens must be [{b}], got {tuple(num_draft_tokens.shape)}.")
+    return _keep_matching_prefix(target_logits.argmax(dim=2), draft_token_ids, num_draft_tokens)
+
+
+def _keep_matching_prefix(
+    sampled: torch.Tensor, draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor
+) -> RejectionSamplerOutput:
+    """sampled int64 [B, k+1] (one token per position): keep the drafts while they equal the samples, then the
+    sample at the first mismatch (or the bonus after the last draft)."""
+    b, k = draft_token_ids.shape
+    device = sampled.device
+    num_draft = num_draft_tokens.to(device=device, dtype=torch.int64)
+    valid = torch.arange(k, device=device).unsqueeze(0) < num_draft.unsqueeze(1)
+    drafts = draft_token_ids.to(device=device, dtype=torch.int64)
+    accepted = (sampled[:, :k] == drafts) & valid
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    columns = torch.arange(k + 1, device=device).unsqueeze(0)
+    out = torch.where(columns <= num_accepted.unsqueeze(1), sampled, PLACEHOLDER_TOKEN_ID)
+    return RejectionSamplerOutput(output_token_ids=out, num_accepted=num_accepted)
+
+
 def _match_sample(
     draft_token_ids: torch.Tensor,
     num_draft_tokens: torch.Tensor,
@@ -198,11 +230,10 @@ def _match_sample(
     device = target_probs.device
     num_draft = num_draft_tokens.to(device=device, dtype=torch.int64)
     greedy = is_greedy.to(device=device, dtype=torch.bool)
-    valid = torch.arange(k, device=device).unsqueeze(0) < num_draft.unsqueeze(1)
-    drafts = torch.where(valid, draft_token_ids.to(device=device, dtype=torch.int64), PLACEHOLDER_TOKEN_ID)
     target = target_probs.float()
     sampled = target.argmax(dim=2)  # [B, k+1]; greedy rows keep this
     if not bool(greedy.all()):
+        drafts = draft_token_ids.to(device=device, dtype=torch.int64)
         noise = _exponential((b, k + 1, vocab), device, None)
         sampled = torch.where(greedy.unsqueeze(1), sampled, (target / noise).argmax(dim=2))
         for row, gen in generators.items():  # seeded rows: one [V] draw per emitted token, in order
@@ -214,8 +245,4 @@ def _match_sample(
                 sampled[row, pos] = token
                 if pos < n and token != int(drafts[row, pos]):
                     break
-    accepted = (sampled[:, :k] == drafts) & valid
-    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
-    columns = torch.arange(k + 1, device=device).unsqueeze(0)
-    out = torch.where(columns <= num_accepted.unsqueeze(1), sampled, PLACEHOLDER_TOKEN_ID)
-    return RejectionSamplerOutput(output_token_ids=out, num_accepted=num_accepted)
+    return _keep_matching_prefix(sampled, draft_token_ids, num_draft)

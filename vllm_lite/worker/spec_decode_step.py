@@ -27,7 +27,7 @@ import torch
 
 from vllm_lite.config import VllmConfig
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
-from vllm_lite.spec_decode.rejection_sampler import rejection_sample_rows
+from vllm_lite.spec_decode.rejection_sampler import greedy_verify, rejection_sample_rows
 from vllm_lite.worker.attention.backend import AttentionBackend
 from vllm_lite.worker.draft_model import DraftModel
 from vllm_lite.worker.input_batch import InputBatch
@@ -77,6 +77,16 @@ def penalties_with_drafts(
     base = torch.cat([base_known, base_new], dim=2)
     occurrences = (ids[..., :, None] == seen[..., None, :]).sum(dim=3)  # [S, reps, L+K]
     return ids.reshape(s * reps, length + k), (base + occurrences).reshape(s * reps, length + k).float()
+
+
+def changes_argmax(md: SamplingMetadata) -> bool:
+    """Whether a logits processor (masks, bans, bias, penalties) may move some row's argmax this step."""
+    return not (
+        md.allowed_index is None
+        and md.banned_index is None
+        and md.logit_bias_index is None
+        and md.penalty_token_ids is None
+    )
 
 
 def expand_metadata(
@@ -288,16 +298,13 @@ class SpecDecodeStep:
         s, k = drafts.shape
         device = logits.device
         drafts_t, num_draft_t = torch.from_numpy(drafts).to(device), torch.from_numpy(num_draft).to(device)
-        target, greedy = target_distributions(logits, md, bitmask, k + 1, drafts_t, num_draft_t)
-        out = rejection_sample_rows(
-            drafts_t,
-            num_draft_t,
-            draft_probs,
-            has_draft_probs,
-            target,
-            greedy,
-            md.generators,
-        )
+        if md.all_greedy and bitmask is None and not changes_argmax(md):  # argmax and compare, nothing else
+            out = greedy_verify(logits.view(s, k + 1, -1), drafts_t, num_draft_t)
+        else:
+            target, greedy = target_distributions(logits, md, bitmask, k + 1, drafts_t, num_draft_t)
+            out = rejection_sample_rows(
+                drafts_t, num_draft_t, draft_probs, has_draft_probs, target, greedy, md.generators
+            )
         tokens = out.output_token_ids
         lp = None
         if md.max_num_logprobs is not None:
