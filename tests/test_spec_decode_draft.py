@@ -90,6 +90,29 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(base: LLM, spec: LLM) -
     assert 0 < accepted < drafted, "the run must both accept and reject drafts to prove anything"
 
 
+def test_proposal_lengths_back_off_after_rejected_drafts_and_outputs_stay_plain(base: LLM, spec: LLM) -> None:
+    """Adaptive draft lengths: a request whose drafts were all rejected gets a shorter proposal next (fewer draft
+    passes); proposals never exceed the length asked for; greedy outputs are still plain decoding's."""
+    step = spec.llm_engine.engine_core.engine_core.executor.worker.model_runner.spec_decode
+    asked_and_got: list[tuple[list[int], list[int]]] = []
+    original = step.draft.propose
+
+    def spy(batch, inputs, s_idx, is_driver, lengths=None):  # type: ignore[no-untyped-def]
+        out = original(batch, inputs, s_idx, is_driver, lengths)
+        asked_and_got.append((lengths.tolist(), [len(out[i]) for i in s_idx.tolist()]))
+        return out
+
+    step.draft.propose = spy
+    try:
+        got = spec.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
+    finally:
+        del step.draft.propose
+    assert_same_outputs(base.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False), got, logprobs=True, text=False)
+    assert all(n <= m for asked, got_n in asked_and_got for m, n in zip(asked, got_n))
+    assert any(m < K for asked, _ in asked_and_got for m in asked), "no request backed off after a rejection"
+    assert any(m == K for asked, _ in asked_and_got for m in asked)
+
+
 def test_prefix_cache_hits_blocks_written_by_draft_steps(base: LLM, spec: LLM) -> None:
     """A prompt extending an earlier speculative run hits that run's blocks: the draft's KV in them (written by
     catch-up passes, rejected drafts rewritten) must be right, or its proposals and the counters would drift and,

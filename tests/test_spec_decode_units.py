@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
 from vllm_lite.spec_decode.metrics import METRIC_NAMES, SpecDecodingStats
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
 from vllm_lite.spec_decode.rejection_sampler import (
@@ -87,6 +88,27 @@ def test_ngram_proposal_stops_at_max_model_len() -> None:
     history = [1, 2, 3, 4, 1, 2]
     assert NgramProposer(5, 2, 2, max_model_len=8).propose_lists([history]) == [[3, 4]]
     assert NgramProposer(5, 2, 2, max_model_len=6).propose_lists([history]) == [[]]
+
+
+def test_draft_lengths_halve_after_full_rejections_and_grow_after_full_acceptances() -> None:
+    lengths = AdaptiveDraftLength(6)
+    ids = ["a", "b", "c", "d"]
+    assert lengths.lengths(ids).tolist() == [6, 6, 6, 6]  # unknown requests propose the most
+    # a: all rejected; b: all accepted; c: partly accepted; d: no drafts this step.
+    lengths.observe(ids, np.array([6, 6, 6, 0]), np.array([0, 6, 2, 0]))
+    assert lengths.lengths(ids).tolist() == [3, 6, 6, 6]
+    lengths.observe(ids[:1], np.array([3]), np.array([0]))
+    lengths.observe(ids[:1], np.array([1]), np.array([0]))
+    assert lengths.lengths(ids[:1]).tolist() == [1]  # never below one token
+    lengths.observe(ids[:1], np.array([1]), np.array([1]))
+    lengths.observe(ids[:1], np.array([3]), np.array([3]))
+    assert lengths.lengths(ids[:1]).tolist() == [5]
+    lengths.forget(["a"])
+    assert lengths.lengths(ids[:1]).tolist() == [6]
+    with pytest.raises(ValueError, match="num_accepted"):
+        lengths.observe(["a"], np.array([2]), np.array([3]))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        AdaptiveDraftLength(0)
 
 
 @pytest.mark.parametrize(("k", "lo", "hi"), [(0, 1, 2), (2, 0, 2), (2, 3, 2)])

@@ -186,9 +186,17 @@ class DraftModel:
         return q
 
     @torch.inference_mode()
-    def propose(self, batch: InputBatch, inputs: StepInputs, s_idx: np.ndarray, is_driver: bool) -> list[list[int]]:
+    def propose(
+        self,
+        batch: InputBatch,
+        inputs: StepInputs,
+        s_idx: np.ndarray,
+        is_driver: bool,
+        lengths: Optional[np.ndarray] = None,
+    ) -> list[list[int]]:
         """Catch the draft's KV up with this step and propose for the rows that sampled (aligned with
-        inputs.req_ids; [] for the others). Called after the step's tokens were recorded and rolled back."""
+        inputs.req_ids; [] for the others). Called after the step's tokens were recorded and rolled back.
+        `lengths` (int [len(s_idx)], optional) caps each sampling row's proposal: fewer one-token passes."""
         out: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
         rows = inputs.rows
         sampled = np.zeros(inputs.num_reqs, dtype=bool)
@@ -201,6 +209,10 @@ class DraftModel:
         # Drafts per sampling row: room in its blocks and under max_model_len, and its new token's KV written.
         num_tokens = batch.num_tokens[rows]
         budget = np.minimum(np.minimum(capacity - num_tokens + 1, self.max_model_len - num_tokens), self.k)
+        if lengths is not None:
+            cap = np.full(inputs.num_reqs, self.k, dtype=np.int64)
+            cap[s_idx] = lengths
+            budget = np.minimum(budget, cap)
         budget = np.where(sampled & (ends == num_tokens) & (counts > 0), np.maximum(budget, 0), 0)
         run = np.nonzero(counts)[0]
         if len(run) == 0:

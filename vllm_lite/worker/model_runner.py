@@ -290,6 +290,7 @@ class GPUModelRunner:
         shape = (len(s_idx), drafts.shape[1] + 1)
         token_table = broadcast_from_driver(tokens, shape, torch.int64, self.device).cpu().numpy()
         num_emitted = (token_table >= 0).sum(axis=1)
+        self.spec_decode.observe(req_ids, num_draft, num_emitted - 1)  # next steps' proposal lengths
         for j in range(int(num_emitted.max())):  # one token per row per call, column by column, emitted ones only
             keep = num_emitted > j
             batch.record_sampled(s_rows[keep], token_table[keep, j])

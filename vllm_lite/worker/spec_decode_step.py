@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from vllm_lite.config import VllmConfig
+from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
 from vllm_lite.spec_decode.rejection_sampler import greedy_verify, rejection_sample_rows
 from vllm_lite.worker.attention.backend import AttentionBackend
@@ -185,6 +186,10 @@ class SpecDecodeStep:
         assert sc is not None and sc.num_speculative_tokens is not None
         self.num_spec_tokens = sc.num_speculative_tokens
         self.draft = draft
+        # A draft model's proposal lengths adapt per request (each position costs it a forward pass); n-gram
+        # lookup costs next to nothing per position, and verifying k rows costs about what 2 do at small batch
+        # on CPU (measured on the bundled model), so it always proposes up to k.
+        self.lengths = AdaptiveDraftLength(sc.num_speculative_tokens) if draft is not None else None
         self.proposer: Optional[NgramProposer] = None
         if sc.method == "ngram":
             assert sc.prompt_lookup_min is not None and sc.prompt_lookup_max is not None
@@ -210,8 +215,15 @@ class SpecDecodeStep:
 
     def forget(self, req_ids: set[str]) -> None:
         """Finished or preempted requests: drop what the proposer kept for them."""
+        if self.lengths is not None and req_ids:
+            self.lengths.forget(req_ids)
         if self.draft is not None and req_ids:
             self.draft.forget(req_ids)
+
+    def observe(self, req_ids: list[str], num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
+        """A verified step's outcome per request (from the token table every rank holds): next proposal lengths."""
+        if self.lengths is not None:
+            self.lengths.observe(req_ids, num_draft, num_accepted)
 
     def draft_probs(
         self, req_ids: list[str], drafts: np.ndarray, num_draft: np.ndarray
@@ -322,7 +334,9 @@ class SpecDecodeStep:
 
         The draft model runs even when no row sampled: its KV must catch up with every prefill chunk."""
         if self.draft is not None:
-            return self.draft.propose(batch, inputs, s_idx, is_driver)
+            assert self.lengths is not None
+            lengths = self.lengths.lengths([inputs.req_ids[i] for i in s_idx.tolist()])
+            return self.draft.propose(batch, inputs, s_idx, is_driver, lengths)
         assert self.proposer is not None
         out: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
         if len(s_idx) == 0:
