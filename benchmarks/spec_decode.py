@@ -10,13 +10,17 @@ For each workload: batch-1 milliseconds per output token (median over the prompt
 batch throughput (all prompts at once), without speculation, with n-gram proposals and with a draft model
 (`--draft-model`, default: the target's first `--draft-layers` layers with its embeddings, final norm and LM
 head: same tokenizer, a fraction of the compute), the three timed in turn prompt by prompt (interleaved, so load
-on a shared host hits them alike), plus Hugging Face `generate` at
+on a shared host hits them alike; `--repeats` rounds of it, medians reported), plus Hugging Face `generate` at
 default settings (the baseline) and HF's own prompt-lookup decoding (`prompt_lookup_num_tokens`, the
 like-for-like), both batch 1. Our runs are in-process engines (`multiprocess=False`) so the acceptance counters
 can be read; HF runs in this interpreter after ours at torch's thread count. Prints one JSON line (host included).
 
     python benchmarks/spec_decode.py --num-prompts 4 --max-tokens 64
     python benchmarks/spec_decode.py --no-hf --draft-layers 1 --num-speculative-tokens 3
+    python benchmarks/spec_decode.py --no-hf --num-threads 1 --repeats 3   # a shared, loaded 2-CPU host
+
+On a loaded host, prefer `--num-threads 1`: at 2 threads each small op is an OpenMP region whose barrier waits
+for a preempted thread (a decode step of the bundled model measured 5-10x slower, and erratic, at load ~4).
 """
 
 from __future__ import annotations
@@ -60,10 +64,16 @@ def workloads(
 
 
 def run_ours_interleaved(
-    model: str, prompts: list[list[int]], max_tokens: int, specs: dict[str, dict | None], num_threads: int | None
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    specs: dict[str, dict | None],
+    num_threads: int | None,
+    repeats: int = 1,
 ) -> dict[str, dict]:
     """One in-process engine per configuration, timed in turn on each prompt (batch 1) and then on the whole batch,
-    so load changes on a shared host hit every configuration alike."""
+    `repeats` rounds, so load changes on a shared host hit every configuration alike. Batch-1 ms/token is the
+    median over prompts and rounds, throughput the median over rounds."""
     from vllm_lite import LLM, SamplingParams
 
     engines = {
@@ -81,35 +91,49 @@ def run_ours_interleaved(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     per_tok: dict[str, list[float]] = {name: [] for name in specs}
+    tput: dict[str, list[float]] = {name: [] for name in specs}
     outputs: dict[str, list[list[int]]] = {name: [] for name in specs}
     for llm in engines.values():
         llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
-    for p in prompts:  # batch 1, configurations in turn
-        for name, llm in engines.items():
+    before = {name: _spec_totals(llm) for name, llm in engines.items()}
+    for rnd in range(repeats):
+        for p in prompts:  # batch 1, configurations in turn
+            for name, llm in engines.items():
+                t0 = time.perf_counter()
+                out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+                per_tok[name].append((time.perf_counter() - t0) / len(out.outputs[0].token_ids))
+                if rnd == 0:
+                    outputs[name].append(list(out.outputs[0].token_ids))
+        for name, llm in engines.items():  # the whole batch, configurations in turn
             t0 = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
-            per_tok[name].append((time.perf_counter() - t0) / len(out.outputs[0].token_ids))
-            outputs[name].append(list(out.outputs[0].token_ids))
+            batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            tput[name].append(sum(len(o.outputs[0].token_ids) for o in batch) / (time.perf_counter() - t0))
     results: dict[str, dict] = {}
     for name, llm in engines.items():
-        t0 = time.perf_counter()
-        batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        result = {
+        result: dict[str, Any] = {
             "ms_per_token_batch1": 1e3 * float(np.median(per_tok[name])),
-            "throughput_tok_s": sum(len(o.outputs[0].token_ids) for o in batch) / dt,
+            "throughput_tok_s": float(np.median(tput[name])),
         }
         if specs[name] is not None:
-            total = llm.llm_engine.engine_core.engine_core.scheduler.spec.total
+            drafts, draft_tokens, accepted = np.subtract(_spec_totals(llm), before[name])
             result.update(
-                draft_acceptance_rate=round(total.draft_acceptance_rate, 3),
-                mean_acceptance_length=round(total.mean_acceptance_length, 3),
+                draft_acceptance_rate=round(accepted / max(draft_tokens, 1), 3),
+                mean_acceptance_length=round(1 + accepted / max(drafts, 1), 3),
+                mean_draft_tokens=round(draft_tokens / max(drafts, 1), 3),
             )
         result["outputs"] = outputs[name]
         results[name] = result
     for llm in engines.values():
         llm.shutdown()
     return results
+
+
+def _spec_totals(llm: Any) -> tuple[int, int, int]:
+    """(drafts, draft tokens, accepted tokens) verified so far by this in-process engine (0s without speculation)."""
+    total = llm.llm_engine.engine_core.engine_core.scheduler.spec.total
+    if total is None:
+        return 0, 0, 0
+    return total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens
 
 
 def run_hf(model: str, prompts: list[list[int]], max_tokens: int, lookup: int | None) -> dict:
@@ -164,6 +188,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=None, help="torch threads, ours and HF's (default: policy)")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the prompts and the batch")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -199,11 +224,18 @@ def main() -> None:
         "draft_params_ratio": _param_count(args.draft_model) / _param_count(model),
         "num_threads": args.num_threads or torch.get_num_threads(),
         "host": describe_host(),
+        "repeats": args.repeats,
+        "load_avg_1m_start": os.getloadavg()[0],
     }
     sets = workloads(model, tokenizer, args.num_prompts, args.max_tokens, len(tokenizer), args.seed)
     for name, prompts in sets.items():
         runs = run_ours_interleaved(
-            model, prompts, args.max_tokens, {"plain": None, "ngram": spec, "draft": draft_spec}, args.num_threads
+            model,
+            prompts,
+            args.max_tokens,
+            {"plain": None, "ngram": spec, "draft": draft_spec},
+            args.num_threads,
+            args.repeats,
         )
         plain, fast, drafted = runs["plain"], runs["ngram"], runs["draft"]
         row: dict[str, Any] = {
@@ -224,6 +256,7 @@ def main() -> None:
             row["hf_generate"] = {"ms_per_token_batch1": hf["ms_per_token_batch1"]}
             row["hf_prompt_lookup"] = {"ms_per_token_batch1": hf_lookup["ms_per_token_batch1"]}
         result[name] = row
+    result["load_avg_1m_end"] = os.getloadavg()[0]
     print(json.dumps(result))
 
 
