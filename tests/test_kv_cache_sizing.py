@@ -15,6 +15,7 @@ from vllm_lite.worker import gpu_worker as gpu_worker_mod
 from vllm_lite.worker.gpu_worker import GPUWorker
 from vllm_lite.worker.kv_cache_sizing import (
     GiB,
+    blocks_per_seq,
     describe_kv_cache,
     kv_budget_from_utilization,
     max_concurrency,
@@ -51,6 +52,22 @@ def test_num_blocks_refuses_a_cache_that_cannot_hold_one_max_length_sequence() -
         num_kv_blocks(128 * MiB, MiB, 16, 2048, 8)
 
 
+def test_a_uniform_window_bounds_the_blocks_a_sequence_needs_by_window_plus_one_step() -> None:
+    # W=24, steps of at most 8 tokens, blocks of 4: keys (p-24, p+8) span at most 31 tokens -> 8 blocks + 1 partial.
+    assert blocks_per_seq(4, 256, 24, 8) == 9
+    assert blocks_per_seq(4, 256) == blocks_per_seq(4, 256, None, 8) == 64  # no window: the whole sequence
+    assert blocks_per_seq(4, 20, 24, 8) == 5  # a window longer than the sequence saves nothing
+    assert blocks_per_seq(16, 4096, 4096, 2048) == 256
+    # A budget far below one max_model_len sequence serves a windowed model...
+    assert num_kv_blocks(19 * MiB, MiB, 4, 256, 8, per_seq=9) == 19
+    with pytest.raises(ValueError, match="KV cache too small.*needs 10 blocks"):
+        num_kv_blocks(9 * MiB, MiB, 4, 256, 8, per_seq=9)
+    # ...and the cap on useful blocks follows the window too: 2 sequences x 9 + the null block.
+    assert num_kv_blocks(GiB, MiB, 4, 256, 2, per_seq=9) == 19
+    assert max_concurrency(19, 4, 256, per_seq=9) == pytest.approx(19 / 9)
+    assert "2.11x" in describe_kv_cache(19, MiB, 4, 256, per_seq=9)
+
+
 def test_concurrency_and_log_line() -> None:
     assert max_concurrency(8192, 16, 4096) == 32.0
     line = describe_kv_cache(8192, 2 * MiB, 16, 4096)
@@ -76,7 +93,9 @@ def _fake_cuda_worker(monkeypatch: pytest.MonkeyPatch, cache: CacheConfig, runne
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GiB, 80 * GiB))
     worker = GPUWorker.__new__(GPUWorker)  # no model, no device: only the sizing is under test
     worker.config = SimpleNamespace(
-        cache_config=cache, scheduler_config=SchedulerConfig(max_model_len=256, max_num_seqs=100_000)
+        cache_config=cache,
+        scheduler_config=SchedulerConfig(max_model_len=256, max_num_seqs=100_000),
+        model_config=SimpleNamespace(hf_config={"model_type": "llama", "num_hidden_layers": 2}),  # no window
     )
     worker.device = torch.device("cuda", 0)
     worker.model_runner = runner

@@ -144,6 +144,30 @@ def test_blocks_in_use_per_sequence_stay_within_the_window(monkeypatch) -> None:
     assert_matches_hf(path, prompts, outs)
 
 
+def test_window_saved_kv_admits_sequences_longer_than_the_cache() -> None:
+    """All-windowed Mistral: a cache of 19 blocks (76 tokens) serves two 70- and 40-token prompts at once, exactly.
+
+    Without the window bound, a 256-token max_model_len needs 65 blocks and the engine refuses to start."""
+    path = get_checkpoint("mistral_sw")
+    block_size, budget = 4, 8
+    per_block = 2 * block_size * 3 * 2 * 16 * 4  # K and V, 3 layers x 2 KV heads x 16 dims, float32
+    bound = -(-(TINY_WINDOW - 1 + budget) // block_size) + 1
+    with LLM(
+        model=path,
+        dtype="float32",
+        multiprocess=False,
+        block_size=block_size,
+        max_model_len=256,
+        max_num_batched_tokens=budget,
+        kv_cache_memory_bytes=per_block * (2 * bound + 1),
+    ) as llm:
+        assert llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.num_blocks == 2 * bound + 1
+        prompts = greedy_prompts(llm.get_tokenizer(), (70, 40))
+        outs = _generate(llm, prompts)
+    assert (2 * bound + 1) * block_size < max(len(p) for p in prompts) + NEW_TOKENS  # the cache < one sequence
+    assert_matches_hf(path, prompts, outs)
+
+
 def test_prefix_hit_after_out_of_window_blocks_were_freed_and_evicted(prefix_hits: list[int]) -> None:
     """Freed out-of-window blocks keep their hashes until evicted; hits before and after eviction stay exact."""
     path = get_checkpoint("mistral_sw")

@@ -8,8 +8,14 @@ from typing import Any
 import torch
 
 from vllm_lite.config import VllmConfig
-from vllm_lite.worker.kv_cache_sizing import describe_kv_cache, kv_budget_from_utilization, num_kv_blocks
+from vllm_lite.worker.kv_cache_sizing import (
+    blocks_per_seq,
+    describe_kv_cache,
+    kv_budget_from_utilization,
+    num_kv_blocks,
+)
 from vllm_lite.worker.model_runner import GPUModelRunner
+from vllm_lite.worker.models.sliding_window import uniform_sliding_window
 from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -51,13 +57,22 @@ class GPUWorker:
             budget = self._profiled_cuda_budget()
         else:
             budget = _CPU_DEFAULT_KV_BYTES
-        num_gpu = num_kv_blocks(budget, per_block, cc.block_size, sc.max_model_len, sc.max_num_seqs)
-        logger.info(describe_kv_cache(num_gpu, per_block, cc.block_size, sc.max_model_len))
+        per_seq = self._blocks_per_seq()
+        num_gpu = num_kv_blocks(budget, per_block, cc.block_size, sc.max_model_len, sc.max_num_seqs, per_seq)
+        logger.info(describe_kv_cache(num_gpu, per_block, cc.block_size, sc.max_model_len, per_seq))
         num_cpu = 0
         if cc.preemption_mode == "swap":
-            blocks_per_seq = -(-sc.max_model_len // cc.block_size)
-            num_cpu = min(cc.swap_space_bytes // per_block, blocks_per_seq * sc.max_num_seqs + 1)
+            num_cpu = min(cc.swap_space_bytes // per_block, per_seq * sc.max_num_seqs + 1)
         return int(num_gpu), int(num_cpu)
+
+    def _blocks_per_seq(self) -> int:
+        """Blocks one sequence holds at most: a uniform sliding window bounds it by the window plus one
+        step's tokens (the largest token budget, plus speculative lookahead slots)."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        window = uniform_sliding_window(self.config.model_config.hf_config)
+        spec = getattr(self.config, "speculative_config", None)
+        lookahead = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+        return blocks_per_seq(cc.block_size, sc.max_model_len, window, sc.max_num_batched_tokens + lookahead)
 
     def _profiled_cuda_budget(self) -> int:
         """gpu_memory_utilization of the card, less what is in use after loading the weights, less the

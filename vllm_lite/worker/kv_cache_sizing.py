@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -36,37 +36,65 @@ def kv_budget_from_utilization(
     return budget
 
 
-def num_kv_blocks(
-    budget_bytes: int, bytes_per_block: int, block_size: int, max_model_len: int, max_num_seqs: int
+def blocks_per_seq(
+    block_size: int, max_model_len: int, sliding_window: Optional[int] = None, max_step_tokens: Optional[int] = None
 ) -> int:
-    """Blocks that fit the budget, capped at what can ever be used (every sequence at max length,
-    plus the null block); ValueError when one max_model_len sequence would not fit."""
+    """Blocks one sequence can hold at once.
+
+    Without a window: all of max_model_len. With a uniform sliding window W (every layer windowed, so the
+    KV manager frees blocks wholly behind the window before each step), only the keys a step's queries can
+    see: W - 1 tokens before its first new token plus the step's own `max_step_tokens`, which may start
+    mid-block (+1). That bound is what lets a windowed model serve requests longer than its cache holds.
+    """
+    full = -(-max_model_len // block_size)
+    if sliding_window is None or max_step_tokens is None:
+        return full
+    return min(full, -(-(sliding_window - 1 + max_step_tokens) // block_size) + 1)
+
+
+def num_kv_blocks(
+    budget_bytes: int,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    per_seq: Optional[int] = None,
+) -> int:
+    """Blocks that fit the budget, capped at what can ever be used (every sequence at its most blocks,
+    plus the null block); ValueError when one max_model_len sequence would not fit.
+
+    `per_seq`: blocks one sequence can hold at once (`blocks_per_seq`; default all of max_model_len)."""
     if bytes_per_block <= 0:
         raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block!r}.")
-    blocks_per_seq = -(-max_model_len // block_size)
-    useful = blocks_per_seq * max_num_seqs + 1  # +1: the null block
+    per_seq = blocks_per_seq(block_size, max_model_len) if per_seq is None else per_seq
+    useful = per_seq * max_num_seqs + 1  # +1: the null block
     fit = max(budget_bytes, 0) // bytes_per_block
-    if fit < blocks_per_seq + 1:
-        need = (blocks_per_seq + 1) * bytes_per_block
+    if fit < per_seq + 1:
+        need = (per_seq + 1) * bytes_per_block
         raise ValueError(
             f"KV cache too small: {budget_bytes} bytes hold {fit} blocks of {block_size} tokens, "
-            f"but one max_model_len={max_model_len} sequence needs {blocks_per_seq + 1} blocks "
+            f"but one max_model_len={max_model_len} sequence needs {per_seq + 1} blocks "
             f"({need} bytes). Raise kv_cache_memory_bytes or gpu_memory_utilization, or lower max_model_len."
         )
     return int(min(fit, useful))
 
 
-def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> float:
-    """How many max_model_len sequences the cache holds at once (tokens per block x blocks / max_model_len)."""
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int, per_seq: Optional[int] = None) -> float:
+    """How many max_model_len sequences the cache holds at once: its tokens / max_model_len, or under a
+    sliding window (`per_seq` below a full sequence's blocks) its blocks / the blocks one sequence holds."""
+    if per_seq is not None and per_seq < -(-max_model_len // block_size):
+        return num_blocks / per_seq
     return block_size * num_blocks / max_model_len
 
 
-def describe_kv_cache(num_blocks: int, bytes_per_block: int, block_size: int, max_model_len: int) -> str:
+def describe_kv_cache(
+    num_blocks: int, bytes_per_block: int, block_size: int, max_model_len: int, per_seq: Optional[int] = None
+) -> str:
     """The one log line that reports the cache size."""
     return (
         f"KV cache: {num_blocks} blocks of {block_size} tokens ({num_blocks * bytes_per_block / GiB:.2f} GiB); "
         f"maximum concurrency at max_model_len={max_model_len}: "
-        f"{max_concurrency(num_blocks, block_size, max_model_len):.2f}x"
+        f"{max_concurrency(num_blocks, block_size, max_model_len, per_seq):.2f}x"
     )
 
 
