@@ -113,6 +113,75 @@ def test_proposal_lengths_back_off_after_rejected_drafts_and_outputs_stay_plain(
     assert any(m == K for asked, _ in asked_and_got for m in asked)
 
 
+def test_backed_off_requests_skip_draft_passes_then_catch_up_through_preemption() -> None:
+    """A weak draft (the undamped target's first layer: ~3% accepted): requests back off to no drafts, so the
+    draft skips their passes and its KV falls behind; after PROBE_INTERVAL plain steps each probes again, its
+    catch-up pass starting where its draft KV ends (also after a forced preemption). Greedy tokens and logprobs
+    equal plain decoding of that target."""
+    target, draft = get_target_and_draft("llama", damping=1.0)
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=1, ignore_eos=True)
+    plain = _llm(target)
+    try:
+        expected = plain.generate(token_prompts(PROMPTS), params, use_tqdm=False)
+    finally:
+        plain.shutdown()
+    llm = _llm(target, draft, kv_cache_memory_bytes=12 * BLOCK_BYTES, max_num_batched_tokens=24)
+    try:
+        engine = llm.llm_engine.engine_core.engine_core
+        step = engine.executor.worker.model_runner.spec_decode
+        preempted: list[Any] = []
+        original_preempt = engine.scheduler._preempt
+        engine.scheduler._preempt = lambda req, swap_out: (preempted.append(req), original_preempt(req, swap_out))
+        caught_up: list[int] = []  # tokens in each catch-up pass that started behind the target
+        original_propose = step.draft.propose
+
+        def spy(batch, inputs, s_idx, is_driver, lengths=None):  # type: ignore[no-untyped-def]
+            behind = {r: n for r, n in step.draft._behind.items() if r in inputs.req_ids}
+            out = original_propose(batch, inputs, s_idx, is_driver, lengths)
+            caught_up.extend(
+                int(batch.num_tokens[batch.req_id_to_row[r]]) - n
+                for r, n in behind.items()
+                if r not in step.draft._behind
+            )
+            return out
+
+        step.draft.propose = spy
+        got = llm.generate(token_prompts(PROMPTS), params, use_tqdm=False)
+        total = _total(llm)
+    finally:
+        llm.shutdown()
+    assert_same_outputs(expected, got, logprobs=True, text=False)
+    assert preempted, "the small KV cache should have forced a preemption"
+    assert caught_up and max(caught_up) > K + 1, "no request caught up over the passes it skipped"
+    assert total.num_drafts < len(PROMPTS) * 40 // 4, "backed-off requests should mostly decode without drafts"
+
+
+def test_target_as_its_own_draft_still_accepts_everything_after_skipped_passes(base: LLM, models) -> None:
+    """Proposal lengths forced to 0 on alternate 4-step windows (as a backed-off request's are): the draft skips
+    those passes and must catch up over every token it missed, or its KV (the target's own weights here) would
+    lack them and some proposal would be rejected."""
+    llm = _llm(models[0], models[0])
+    try:
+        step = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.spec_decode
+        real = step.lengths.for_step
+        calls = [0]
+
+        def windows(req_ids):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            lengths = real(req_ids)
+            return lengths * 0 if (calls[0] // 4) % 2 else lengths
+
+        step.lengths.for_step = windows
+        params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=1, ignore_eos=True)
+        got = llm.generate(token_prompts(PROMPTS), params, use_tqdm=False)
+        total = _total(llm)
+    finally:
+        llm.shutdown()
+    assert_same_outputs(base.generate(token_prompts(PROMPTS), params, use_tqdm=False), got, logprobs=True, text=False)
+    assert calls[0] >= 8, "the run should span skipped and drafted windows"
+    assert 0 < total.num_accepted_tokens == total.num_draft_tokens
+
+
 def test_prefix_cache_hits_blocks_written_by_draft_steps(base: LLM, spec: LLM) -> None:
     """A prompt extending an earlier speculative run hits that run's blocks: the draft's KV in them (written by
     catch-up passes, rejected drafts rewritten) must be right, or its proposals and the counters would drift and,

@@ -91,20 +91,25 @@ def test_ngram_proposal_stops_at_max_model_len() -> None:
 
 
 def test_draft_lengths_halve_after_full_rejections_and_grow_after_full_acceptances() -> None:
-    lengths = AdaptiveDraftLength(6)
+    lengths = AdaptiveDraftLength(6, probe_interval=3)
     ids = ["a", "b", "c", "d"]
     assert lengths.lengths(ids).tolist() == [6, 6, 6, 6]  # unknown requests propose the most
     # a: all rejected; b: all accepted; c: partly accepted; d: no drafts this step.
     lengths.observe(ids, np.array([6, 6, 6, 0]), np.array([0, 6, 2, 0]))
     assert lengths.lengths(ids).tolist() == [3, 6, 6, 6]
     lengths.observe(ids[:1], np.array([3]), np.array([0]))
+    assert lengths.lengths(ids[:1]).tolist() == [1]
     lengths.observe(ids[:1], np.array([1]), np.array([0]))
-    assert lengths.lengths(ids[:1]).tolist() == [1]  # never below one token
+    # Backed off to none: plain steps, then one probe token after probe_interval of its steps.
+    assert [lengths.for_step(ids[:2]).tolist() for _ in range(3)] == [[0, 6], [0, 6], [1, 6]]
     lengths.observe(ids[:1], np.array([1]), np.array([1]))
     lengths.observe(ids[:1], np.array([3]), np.array([3]))
     assert lengths.lengths(ids[:1]).tolist() == [5]
+    lengths.observe(ids[:1], np.array([5]), np.array([0]))
+    lengths.observe(ids[:1], np.array([2]), np.array([0]))
+    lengths.observe(ids[:1], np.array([1]), np.array([0]))
     lengths.forget(["a"])
-    assert lengths.lengths(ids[:1]).tolist() == [6]
+    assert lengths.for_step(ids[:1]).tolist() == [6]  # forgotten: neither backed off nor counting
     with pytest.raises(ValueError, match="num_accepted"):
         lengths.observe(["a"], np.array([2]), np.array([3]))
     with pytest.raises(ValueError, match="num_speculative_tokens"):

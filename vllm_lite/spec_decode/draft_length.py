@@ -1,17 +1,18 @@
 """Adaptive draft length: how many tokens to propose for each request next step, from how its drafts fared.
 
 Why: a draft position costs proposal work (a draft model's forward pass per position) and verification rows,
-and pays only when accepted. A request whose drafts keep failing (a weak draft model, text that lookup cannot
-predict) backs off to fewer proposed tokens; one whose drafts are accepted whole grows back to
-`num_speculative_tokens`. The rule, per verified draft of n tokens with a accepted:
+and pays only when accepted. A request whose drafts keep failing (a weak draft model, text it cannot predict)
+backs off to fewer proposed tokens, down to none: it then decodes as plain steps and probes with one token every
+`PROBE_INTERVAL` of its steps; one whose drafts are accepted whole grows back to `num_speculative_tokens`. The
+rule, per verified draft of n tokens with a accepted:
 
 - a == n (all accepted): next length min(k, current + 2);
-- a == 0 (all rejected): next length max(1, current // 2);
+- a == 0 (all rejected): next length current // 2 (from 1: none, until the next probe);
 - otherwise unchanged.
 
 Exactness does not depend on it: the rejection sampler keeps the target distribution (and greedy equality) for
-any proposal, of any length. The lengths are computed from the verified token table, which every tensor-parallel
-rank holds, so every rank runs the same draft passes.
+any proposal, of any length. The lengths are computed from the verified token table and the step's requests,
+which every tensor-parallel rank holds, so every rank runs the same draft passes.
 """
 
 from __future__ import annotations
@@ -20,20 +21,36 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+PROBE_INTERVAL = 8  # steps a backed-off request decodes without drafts before it proposes one token again
+
 
 class AdaptiveDraftLength:
-    """Per-request proposal lengths in [1, num_speculative_tokens], keyed by request id (unknown: the maximum)."""
+    """Per-request proposal lengths in [0, num_speculative_tokens], keyed by request id (unknown: the maximum)."""
 
-    def __init__(self, num_speculative_tokens: int) -> None:
+    def __init__(self, num_speculative_tokens: int, probe_interval: int = PROBE_INTERVAL) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens!r}.")
+        if probe_interval < 1:
+            raise ValueError(f"probe_interval must be >= 1, got {probe_interval!r}.")
         self.k = num_speculative_tokens
+        self.probe_interval = probe_interval
         self._length: dict[str, int] = {}
+        self._idle: dict[str, int] = {}  # backed-off requests: steps decoded since their last probe
 
     def lengths(self, req_ids: Sequence[str]) -> np.ndarray:
-        """int64 [len(req_ids)]: how many tokens to propose for each request."""
+        """int64 [len(req_ids)]: how many tokens to propose for each request (0: none)."""
         get = self._length.get
         return np.fromiter((get(r, self.k) for r in req_ids), dtype=np.int64, count=len(req_ids))
+
+    def for_step(self, req_ids: Sequence[str]) -> np.ndarray:
+        """`lengths` for requests that just decoded a token, counting a step for each backed-off one: after
+        `probe_interval` such steps it proposes one token again."""
+        for r in (r for r in req_ids if r in self._idle):  # backed-off requests only
+            self._idle[r] += 1
+            if self._idle[r] >= self.probe_interval:
+                del self._idle[r]
+                self._length[r] = 1
+        return self.lengths(req_ids)
 
     def observe(self, req_ids: Sequence[str], num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
         """One verified step: request i ran num_draft[i] drafts and the first num_accepted[i] held."""
@@ -45,13 +62,16 @@ class AdaptiveDraftLength:
             raise ValueError(f"need 0 <= num_accepted <= num_draft, got {accepted!r} and {drafts!r}.")
         current = self.lengths(req_ids)
         grown = np.minimum(self.k, current + 2)
-        shrunk = np.maximum(1, current // 2)
-        new = np.where(accepted == drafts, grown, np.where(accepted == 0, shrunk, current))
+        new = np.where(accepted == drafts, grown, np.where(accepted == 0, current // 2, current))
         changed = np.nonzero((drafts > 0) & (new != current))[0]
         for i in changed.tolist():  # only requests whose length moved
-            self._length[req_ids[i]] = int(new[i])
+            rid, n = req_ids[i], int(new[i])
+            self._length[rid] = n
+            if n == 0:
+                self._idle[rid] = 0
 
     def forget(self, req_ids: Iterable[str]) -> None:
-        """Finished requests: drop their lengths."""
+        """Finished (or re-added) requests: drop their lengths."""
         for r in req_ids:
             self._length.pop(r, None)
+            self._idle.pop(r, None)

@@ -16,6 +16,11 @@ A draft token whose KV a later step needs is rewritten by that step's pass 1, so
 overwritten, never read. Positions past a request's allocated blocks or max_model_len are never written: the
 row then proposes fewer tokens.
 
+A request backed off to proposal length 0 (`spec_decode/draft_length.py`) skips these passes; `_behind` keeps
+where its draft KV ends, and its next pass (a probe, or after preemption) starts there. A prefix-cache block
+filled meanwhile holds no draft KV for another request that hits it: that request's proposals are poorer there,
+never wrong (verification decides what is emitted).
+
 Greedy rows and seeded rows propose the draft's argmax (a point mass: the rejection sampler's coupling path keeps a
 seeded row's one-draw-per-token stream, so replay after preemption stays exact). Other random rows sample from
 the draft's softmax(logits / temperature) and keep that distribution q for the rejection sampler.
@@ -129,6 +134,9 @@ class DraftModel:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # Sampled proposals' q, by request, until verified or re-proposed (rank 0 only).
         self._proposals: dict[str, DraftProposal] = {}
+        # Requests whose catch-up passes were skipped (proposal length 0): how many leading tokens the draft's KV
+        # holds; their next pass starts there. Others start at the target's computed count.
+        self._behind: dict[str, int] = {}
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_block(self) -> int:
@@ -157,7 +165,14 @@ class DraftModel:
 
     # ------------------------------------------------------------------ proposals
     def forget(self, req_ids: set[str] | list[str]) -> None:
-        """Drop stored proposals of finished (or preempted) requests."""
+        """Drop what is kept for finished requests. (A request re-added after preemption keeps its `_behind`:
+        catching up from there is right whether its KV was recomputed or swapped back in.)"""
+        for r in req_ids:
+            self._proposals.pop(r, None)
+            self._behind.pop(r, None)
+
+    def _drop_proposals(self, req_ids: list[str]) -> None:
+        """The rows just verified (or skipped): their stored proposals are spent."""
         for r in req_ids:
             self._proposals.pop(r, None)
 
@@ -196,13 +211,18 @@ class DraftModel:
     ) -> list[list[int]]:
         """Catch the draft's KV up with this step and propose for the rows that sampled (aligned with
         inputs.req_ids; [] for the others). Called after the step's tokens were recorded and rolled back.
-        `lengths` (int [len(s_idx)], optional) caps each sampling row's proposal: fewer one-token passes."""
+        `lengths` (int [len(s_idx)], optional) caps each sampling row's proposal: fewer one-token passes; a row
+        with length 0 skips even its catch-up pass (a backed-off request decodes at plain cost) and catches up over
+        every token it missed at its next proposal."""
         out: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
         rows = inputs.rows
         sampled = np.zeros(inputs.num_reqs, dtype=bool)
         sampled[s_idx] = True
         capacity = batch.num_blocks[rows] * self.block_size
         starts = inputs.num_computed.astype(np.int64)
+        if self._behind:  # the draft's KV of these requests ends earlier than the target's
+            held = np.fromiter((self._behind.get(r, -1) for r in inputs.req_ids), dtype=np.int64, count=len(rows))
+            starts = np.where(held >= 0, np.minimum(held, starts), starts)
         ends = np.where(sampled, batch.num_tokens[rows], batch.num_computed_tokens[rows])
         ends = np.minimum(ends, capacity)
         counts = np.maximum(ends - starts, 0)
@@ -213,9 +233,17 @@ class DraftModel:
             cap = np.full(inputs.num_reqs, self.k, dtype=np.int64)
             cap[s_idx] = lengths
             budget = np.minimum(budget, cap)
+            skip = np.nonzero(sampled & (cap == 0))[0]
+            counts[skip] = 0
+            for i in skip.tolist():  # backed-off rows: remember where their draft KV ends
+                self._behind[inputs.req_ids[i]] = int(starts[i])
         budget = np.where(sampled & (ends == num_tokens) & (counts > 0), np.maximum(budget, 0), 0)
         run = np.nonzero(counts)[0]
+        if self._behind:
+            for i in run.tolist():  # caught up by this pass
+                self._behind.pop(inputs.req_ids[i], None)
         if len(run) == 0:
+            self._drop_proposals([inputs.req_ids[i] for i in s_idx.tolist()])
             return out
         tok_rows = np.repeat(rows[run], counts[run])
         tok_pos = starts[run][np.repeat(np.arange(len(run)), counts[run])] + (
@@ -232,7 +260,7 @@ class DraftModel:
         )
         hidden = self._forward(first)
         prop = np.nonzero(budget[run] > 0)[0]  # indices into run
-        self.forget([inputs.req_ids[i] for i in s_idx.tolist()])
+        self._drop_proposals([inputs.req_ids[i] for i in s_idx.tolist()])
         if len(prop) == 0:
             return out
         last = torch.from_numpy(first.query_start_loc[1:][prop] - 1).to(self.device)

@@ -335,7 +335,7 @@ class SpecDecodeStep:
         The draft model runs even when no row sampled: its KV must catch up with every prefill chunk."""
         if self.draft is not None:
             assert self.lengths is not None
-            lengths = self.lengths.lengths([inputs.req_ids[i] for i in s_idx.tolist()])
+            lengths = self.lengths.for_step([inputs.req_ids[i] for i in s_idx.tolist()])
             return self.draft.propose(batch, inputs, s_idx, is_driver, lengths)
         assert self.proposer is not None
         out: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
