@@ -102,12 +102,15 @@ def test_draft_lengths_halve_after_full_rejections_and_grow_after_full_acceptanc
     lengths.observe(ids[:1], np.array([1]), np.array([0]))
     # Backed off to none: plain steps, then one probe token after probe_interval of its steps.
     assert [lengths.for_step(ids[:2]).tolist() for _ in range(3)] == [[0, 6], [0, 6], [1, 6]]
-    lengths.observe(ids[:1], np.array([1]), np.array([1]))
+    lengths.observe(ids[:1], np.array([1]), np.array([0]))  # a failed probe: the next one comes twice as late
+    assert [int(lengths.for_step(ids[:1])[0]) for _ in range(6)] == [0, 0, 0, 0, 0, 1]
+    lengths.observe(ids[:1], np.array([1]), np.array([1]))  # a probe that holds: growing again
     lengths.observe(ids[:1], np.array([3]), np.array([3]))
     assert lengths.lengths(ids[:1]).tolist() == [5]
     lengths.observe(ids[:1], np.array([5]), np.array([0]))
     lengths.observe(ids[:1], np.array([2]), np.array([0]))
-    lengths.observe(ids[:1], np.array([1]), np.array([0]))
+    lengths.observe(ids[:1], np.array([1]), np.array([0]))  # not a probe: the first interval again
+    assert [int(lengths.for_step(ids[:1])[0]) for _ in range(3)] == [0, 0, 1]
     lengths.forget(["a"])
     assert lengths.for_step(ids[:1]).tolist() == [6]  # forgotten: neither backed off nor counting
     with pytest.raises(ValueError, match="num_accepted"):

@@ -2,9 +2,10 @@
 
 Why: a draft position costs proposal work (a draft model's forward pass per position) and verification rows,
 and pays only when accepted. A request whose drafts keep failing (a weak draft model, text it cannot predict)
-backs off to fewer proposed tokens, down to none: it then decodes as plain steps and probes with one token every
-`PROBE_INTERVAL` of its steps; one whose drafts are accepted whole grows back to `num_speculative_tokens`. The
-rule, per verified draft of n tokens with a accepted:
+backs off to fewer proposed tokens, down to none: it then decodes as plain steps and probes with one token after
+`PROBE_INTERVAL` of its steps, an interval that doubles (up to `MAX_PROBE_INTERVAL`) with each failed probe and
+resets when a draft token is accepted; one whose drafts are accepted whole grows back to `num_speculative_tokens`.
+The rule, per verified draft of n tokens with a accepted:
 
 - a == n (all accepted): next length min(k, current + 2);
 - a == 0 (all rejected): next length current // 2 (from 1: none, until the next probe);
@@ -22,6 +23,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 PROBE_INTERVAL = 8  # steps a backed-off request decodes without drafts before it proposes one token again
+MAX_PROBE_INTERVAL = 64  # the interval doubles with each failed probe, up to this
 
 
 class AdaptiveDraftLength:
@@ -36,6 +38,8 @@ class AdaptiveDraftLength:
         self.probe_interval = probe_interval
         self._length: dict[str, int] = {}
         self._idle: dict[str, int] = {}  # backed-off requests: steps decoded since their last probe
+        self._interval: dict[str, int] = {}  # requests whose probes failed: their current probe interval
+        self._probing: set[str] = set()  # requests proposing one probe token this step
 
     def lengths(self, req_ids: Sequence[str]) -> np.ndarray:
         """int64 [len(req_ids)]: how many tokens to propose for each request (0: none)."""
@@ -43,13 +47,14 @@ class AdaptiveDraftLength:
         return np.fromiter((get(r, self.k) for r in req_ids), dtype=np.int64, count=len(req_ids))
 
     def for_step(self, req_ids: Sequence[str]) -> np.ndarray:
-        """`lengths` for requests that just decoded a token, counting a step for each backed-off one: after
-        `probe_interval` such steps it proposes one token again."""
+        """`lengths` for requests that just decoded a token, counting a step for each backed-off one: after its
+        probe interval (`probe_interval`, doubled per failed probe) it proposes one token again."""
         for r in (r for r in req_ids if r in self._idle):  # backed-off requests only
             self._idle[r] += 1
-            if self._idle[r] >= self.probe_interval:
+            if self._idle[r] >= self._interval.get(r, self.probe_interval):
                 del self._idle[r]
                 self._length[r] = 1
+                self._probing.add(r)
         return self.lengths(req_ids)
 
     def observe(self, req_ids: Sequence[str], num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
@@ -67,11 +72,20 @@ class AdaptiveDraftLength:
         for i in changed.tolist():  # only requests whose length moved
             rid, n = req_ids[i], int(new[i])
             self._length[rid] = n
-            if n == 0:
+            if n == 0:  # backed off: probe later, twice as late when this was a failed probe
+                if rid in self._probing:
+                    self._interval[rid] = min(MAX_PROBE_INTERVAL, 2 * self._interval.get(rid, self.probe_interval))
                 self._idle[rid] = 0
+        if self._probing or self._interval:
+            for i in np.nonzero(drafts > 0)[0].tolist():
+                self._probing.discard(req_ids[i])
+                if accepted[i] > 0:  # a draft token held: probes (if it backs off again) start over
+                    self._interval.pop(req_ids[i], None)
 
     def forget(self, req_ids: Iterable[str]) -> None:
         """Finished (or re-added) requests: drop their lengths."""
         for r in req_ids:
             self._length.pop(r, None)
             self._idle.pop(r, None)
+            self._interval.pop(r, None)
+            self._probing.discard(r)
