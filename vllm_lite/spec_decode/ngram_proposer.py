@@ -87,13 +87,13 @@ class NgramProposer:
         found = best >= 0
         latest = np.where(found, best % width, 0)
 
-        budget = np.full(b, self.k, dtype=np.int64)
+        # Tokens after the match: up to k, within the history, and not past max_model_len.
+        limit = np.minimum(num_tokens, latest + 1 + self.k)
         if self.max_model_len is not None:
-            budget = np.clip(self.max_model_len - num_tokens, 0, self.k)
-        offsets = np.arange(self.k)
-        idx = latest[:, None] + 1 + offsets[None, :]
-        take = found[:, None] & (idx < num_tokens[:, None]) & (offsets[None, :] < budget[:, None])
-        gathered = np.take_along_axis(hist, np.minimum(idx, width - 1), axis=1)
+            limit = np.minimum(limit, latest + 1 + np.maximum(self.max_model_len - num_tokens, 0))
+        idx = latest[:, None] + 1 + np.arange(self.k)[None, :]
+        take = found[:, None] & (idx < limit[:, None])
+        gathered = hist[np.arange(b)[:, None], np.minimum(idx, width - 1)]
         drafts[take] = gathered[take]
         counts[:] = take.sum(axis=1)
         return NgramProposal(drafts, counts)
@@ -118,10 +118,12 @@ class NgramProposer:
         # ok[:, j] for end positions j in [0, W - 2]: hist[j - t] == hist[last - t] for t < min_n.
         ok = hist[:, : width - 1] == hist[rows, last][:, None]
         for t in range(1, self.min_n):
-            ok[:, :t] = False
             ok[:, t:] &= hist[:, : width - 1 - t] == hist[rows, np.maximum(last - t, 0)][:, None]
-        ok &= np.arange(width - 1)[None, :] <= num_tokens[:, None] - 2
         req, end = np.nonzero(ok)
+        # A whole min_n-gram ends at j >= min_n - 1, before the suffix's last token (stale columns past a
+        # request's history are dropped here, on the few candidates rather than the [B, W] mask).
+        keep = (end >= self.min_n - 1) & (end <= num_tokens[req] - 2)
+        req, end = req[keep], end[keep]
         length = np.full(len(req), self.min_n, dtype=np.int64)
         alive = np.ones(len(req), dtype=bool)
         for t in range(self.min_n, self.max_n):  # extend the candidates only; j - t >= 0 implies last - t >= 1
