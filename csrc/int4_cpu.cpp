@@ -9,11 +9,14 @@
 // so it builds on every host the other kernels build on.
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cstdint>
+
+#include "int4_small_m.h"
 
 namespace vllm_lite {
 namespace {
@@ -130,11 +133,80 @@ void int4_dequant_nk(at::Tensor& out, const at::Tensor& qweight, const at::Tenso
   }
 }
 
+template <typename S, typename O>
+void small_m_typed(const at::Tensor& xp, const at::Tensor& qweight, const at::Tensor& zeros, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  int4::small_m_matmul<S, O>(xp.data_ptr<float>(), qweight.data_ptr<int32_t>(), zeros.data_ptr<uint8_t>(),
+                             scales.data_ptr<S>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                             out.data_ptr<O>(), xp.size(0), qweight.size(0), xp.size(1), zeros.size(1));
+}
+
+template <typename O>
+void small_m_scales(const at::Tensor& xp, const at::Tensor& qweight, const at::Tensor& zeros, const at::Tensor& scales,
+                    const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  switch (scales.scalar_type()) {
+    case at::kHalf:
+      return small_m_typed<c10::Half, O>(xp, qweight, zeros, scales, bias, out);
+    case at::kBFloat16:
+      return small_m_typed<c10::BFloat16, O>(xp, qweight, zeros, scales, bias, out);
+    case at::kFloat:
+      return small_m_typed<float, O>(xp, qweight, zeros, scales, bias, out);
+    default:
+      TORCH_CHECK(false, "int4_linear_small_m: scales must be float16, bfloat16 or float32, got ",
+                  scales.scalar_type());
+  }
+}
+
+// y = x W^T (+ bias) straight from the packed weight (int4_small_m.h), for the few-row forwards of decode.
+// x [M, K] float32 or bfloat16 (y in x's dtype); plain groups only (act-order layers dequantize instead).
+at::Tensor int4_linear_small_m(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& zeros,
+                               const at::Tensor& scales, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2 && qweight.is_contiguous(),
+              "int4_linear_small_m: qweight must be a contiguous [N, K/8] int32 tensor");
+  const int64_t n = qweight.size(0), k = qweight.size(1) * 8;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "int4_linear_small_m: x must be [M, ", k, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "int4_linear_small_m: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.dim() == 2 && zeros.size(0) == n && zeros.is_contiguous(),
+              "int4_linear_small_m: zeros must be a contiguous [N, G] uint8 tensor");
+  const int64_t groups = zeros.size(1);
+  TORCH_CHECK(groups > 0 && scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups &&
+                  scales.is_contiguous(),
+              "int4_linear_small_m: scales must be a contiguous [N, G] tensor");
+  TORCH_CHECK(k % groups == 0 && (k / groups) % 8 == 0,
+              "int4_linear_small_m: plain groups must be whole words (K/G a multiple of 8)");
+  c10::optional<at::Tensor> bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "int4_linear_small_m: bias must be [", n, "]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0);
+  at::Tensor xp = at::empty({m, k}, xc.options().dtype(at::kFloat));
+  if (xc.scalar_type() == at::kFloat) {
+    int4::permute_x<float>(xc.data_ptr<float>(), m, k, xp.data_ptr<float>());
+  } else {
+    int4::permute_x<c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), m, k, xp.data_ptr<float>());
+  }
+  at::Tensor out = at::empty({m, n}, xc.options());
+  if (m == 0 || n == 0) return out;
+  if (out.scalar_type() == at::kFloat) {
+    small_m_scales<float>(xp, qweight, zeros, scales, bias_f, out);
+  } else {
+    small_m_scales<c10::BFloat16>(xp, qweight, zeros, scales, bias_f, out);
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace vllm_lite
 
 TORCH_LIBRARY_FRAGMENT(vllm_lite, m) {
   m.def("int4_dequant_nk(Tensor(a!) out, Tensor qweight, Tensor zeros, Tensor scales, Tensor? g_idx) -> ()");
+  m.def("int4_linear_small_m(Tensor x, Tensor qweight, Tensor zeros, Tensor scales, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) { m.impl("int4_dequant_nk", &vllm_lite::int4_dequant_nk); }
+TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
+  m.impl("int4_dequant_nk", &vllm_lite::int4_dequant_nk);
+  m.impl("int4_linear_small_m", &vllm_lite::int4_linear_small_m);
+}

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from vllm_lite.engine_args import EngineArgs
 from vllm_lite.quantization import dequantize_awq, dequantize_gptq
-from vllm_lite.quantization.int4_linear import dequantize_nk, quantized_weight_bytes
+from vllm_lite.quantization.int4_linear import SMALL_M_MAX, dequantize_nk, quantized_weight_bytes
 from vllm_lite.quantization.packing import AWQ_ORDER, pack_cols, pack_rows, unpack_cols, unpack_rows
 from vllm_lite.testing.checkpoints import CACHE_VERSION, cached_build, get_checkpoint
 from vllm_lite.testing.quantize import dequantize_checkpoint_tensors, quantize_checkpoint
@@ -186,13 +186,16 @@ def test_loaded_int4_layers_dequantize_to_the_reference_bit_for_bit(case):
     ref = dequantize_checkpoint_tensors(path)
     layers = _int4_layers(model)
     assert len(layers) == 4 * 3  # qkv, o, gate_up, down in each of 3 layers
-    x = torch.randn(3, next(iter(layers.values())).in_features)
+    # Past SMALL_M_MAX rows the forward is F.linear over exactly that weight; at decode sizes the direct
+    # kernel sums the same weights in another order (tests/test_int4_cpu_kernel.py bounds it).
+    x = torch.randn(SMALL_M_MAX + 1, next(iter(layers.values())).in_features)
     for name, layer in layers.items():
         want = _reference(ref, name)
         got = dequantize_nk(layer, torch.float32)
         assert torch.equal(got, want), name
-        if layer.in_features == x.shape[1]:  # the forward is F.linear over exactly that weight
+        if layer.in_features == x.shape[1]:
             assert torch.equal(layer(x), F.linear(x, want, layer.bias)), name
+            torch.testing.assert_close(layer(x[:3]), F.linear(x[:3], want, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["awq-g32", "gptq-g32-actorder-asym", "gptq-g32-sym"])

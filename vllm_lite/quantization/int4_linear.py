@@ -7,10 +7,13 @@ it slices float weights. After loading, `process_weights_after_loading` picks th
 
 * CUDA with the Triton kernels importable: the checkpoint layout stays, `awq_gemm` / `gptq_gemm` run.
 * Otherwise (CPU): the weight is repacked once to [N, K/8] int32 (packed along K, in order) with zeros
-  [N, G] uint8 and scales [N, G] in the checkpoint's dtype, and each forward dequantizes it into one
-  buffer shared by all layers (in the compute dtype, [N, K] as F.linear takes it) then calls F.linear.
-  The dequantized values equal `dequantize_awq` / `dequantize_gptq` bit for bit, so a float32 int4
-  model computes exactly what the same model with the dequantized weights in float32 computes.
+  [N, G] uint8 and scales [N, G] in the checkpoint's dtype. A forward of more than SMALL_M_MAX rows
+  (prefill) dequantizes it into one buffer shared by all layers (in the compute dtype, [N, K] as F.linear
+  takes it) then calls F.linear: the dequantized values equal `dequantize_awq` / `dequantize_gptq` bit for
+  bit, so it computes exactly what the same model with the dequantized weights in float32 computes. A
+  forward of at most SMALL_M_MAX rows (decode) runs csrc's direct kernel (`int4_linear_small_m`), which
+  multiplies the packed nibbles into x without writing the weight out: the same weight values, summed in
+  another order (close to, not bit-equal with, F.linear). Act-order layers (a real g_idx) always dequantize.
 """
 
 from __future__ import annotations
@@ -246,6 +249,9 @@ class Int4LinearMethod:
         """y = x W^T (+ bias) with W from the int4 weight."""
         if layer.triton is not None:
             return self._apply_triton(layer, x, bias)
+        y = small_m_linear(layer, x, bias)
+        if y is not None:
+            return y
         w = dequantize_nk(layer, x.dtype)
         return F.linear(x, w, bias)
 
@@ -328,12 +334,47 @@ def _buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 # torch.ops.vllm_lite.int4_dequant_nk (csrc/int4_cpu.cpp) once the worker has loaded the CPU kernels.
 _NATIVE: list[Optional[Callable[..., None]]] = [None]
+# torch.ops.vllm_lite.int4_linear_small_m, registered alongside it (None: small forwards dequantize too).
+_SMALL_M: list[Optional[Callable[..., torch.Tensor]]] = [None]
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+# Forwards of at most this many rows run the direct kernel, larger ones dequantize + F.linear. Measured
+# (benchmarks/int4.py --layers-only, the bench Qwen2's four layer shapes, 1 thread, AVX2 Zen 3): the direct
+# kernel is 3-12x faster than dequantize + F.linear at m=1, 1.7-4x at m=8, and about even at m=16
+# (its cost grows with m, dequantization's hardly does).
+SMALL_M_MAX = 8
 
 
 def set_native_dequantize(op: Optional[Callable[..., None]]) -> None:
-    """Use `op(out, qweight_nk, zeros_ng, scales_ng, g_idx)` for CPU dequantization (None: the torch ops)."""
+    """Use `op(out, qweight_nk, zeros_ng, scales_ng, g_idx)` for CPU dequantization (None: the torch ops),
+    and with it the library's direct small-m kernel when that library has one."""
     _NATIVE[0] = op
+    small = None
+    if op is not None:
+        try:
+            small = torch.ops.vllm_lite.int4_linear_small_m
+        except (AttributeError, RuntimeError):  # a library built from sources without the kernel
+            small = None
+    _SMALL_M[0] = small
+
+
+def small_m_linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """x W^T (+ bias) by the direct kernel when x has at most SMALL_M_MAX rows and the layer suits it (CPU,
+    plain groups, float32/bfloat16); None: dequantize instead."""
+    op = _SMALL_M[0]
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if (
+        op is None
+        or rows == 0
+        or rows > SMALL_M_MAX
+        or layer.g_idx_k is not None
+        or x.device.type != "cpu"
+        or x.dtype not in _NATIVE_DTYPES
+    ):
+        return None
+    y = op(x.reshape(rows, k), layer.qweight_nk, layer.zeros_ng, layer.scales_ng, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def dequantize_nk(
