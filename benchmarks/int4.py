@@ -8,6 +8,12 @@ default). Every engine runs in this process (`multiprocess=False`) at the engine
 the variants run interleaved, --rounds times, and the best round of each is reported, so the ratios come
 from the same run. Also reported: resident bytes of the linear layers' weights (int4: bits per weight).
 Prints one JSON line with the host's CPU model and capability (and GPU when --device cuda).
+
+On CPU, int4 forwards of at most SMALL_M_MAX rows (batch-1 decode) run csrc's direct kernel; the variant
+`int4-dequant:DTYPE` sets SMALL_M_MAX to 0 for its engine so every forward dequantizes + F.linear, as
+before the kernel existed. The per-layer table (also alone with --layers-only) times, for each layer shape
+of the model and each row count in --layer-rows, interleaved: the direct kernel, dequantize + F.linear, and
+F.linear over float32 and bfloat16 copies of the weight; it is how SMALL_M_MAX was chosen.
 """
 
 from __future__ import annotations
@@ -49,59 +55,101 @@ def weight_bytes(model_dir: str, dtype: torch.dtype, device: str) -> dict[str, f
     return {"linear_weight_mb": round(held / 2**20, 1), "bits_per_weight": round(8 * held / weights, 3)}
 
 
-def _int4_linear(x: torch.Tensor, layer: torch.nn.Module, native: bool) -> torch.Tensor:
+def _int4_dequant_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     from vllm_lite.quantization.int4_linear import dequantize_nk
 
-    return torch.nn.functional.linear(x, dequantize_nk(layer, torch.float32, native=native))
+    return torch.nn.functional.linear(x, dequantize_nk(layer, x.dtype))
 
 
-def layer_timings(model_dir: str, rows: tuple[int, ...] = (1, 64), reps: int = 5) -> dict[str, Any]:
-    """ms per call of each int4 layer shape of the model, the paths interleaved in one loop: int4 with the native
-    dequantization, int4 with the torch-ops one, and F.linear over float32 and bfloat16 copies of the weight."""
+def layer_timings(model_dir: str, rows: tuple[int, ...] = (1, 4, 16), reps: int = 20) -> dict[str, Any]:
+    """Median ms per call of each int4 layer shape of the model, the paths interleaved in one loop: the direct
+    int4 kernel, int4 dequantize + F.linear (native dequantization), and F.linear over float32 and bfloat16
+    copies of the weight; plus the direct kernel's speed-up over the other two."""
     import statistics
 
     import torch.nn.functional as F
 
     from vllm_lite.engine_args import EngineArgs
+    from vllm_lite.quantization import int4_linear
     from vllm_lite.quantization.int4_linear import dequantize_nk
     from vllm_lite.worker.model_loader import load_model, load_native_int4
 
     mc = EngineArgs(model=model_dir, device="cpu", dtype="float32").create_engine_config().model_config
     model = load_model(mc, torch.device("cpu"))
     native = load_native_int4()
+    direct = int4_linear._SMALL_M[0]
     layers = {}
     for name, m in model.named_modules():
         if getattr(m, "quant_method", None) is not None:
             layers.setdefault(name.rsplit(".", 1)[1], m)  # one layer per shape (layer 0's)
-    out: dict[str, Any] = {"native_kernel": native}
+    out: dict[str, Any] = {"native_kernel": native, "direct_kernel": direct is not None}
     for short, layer in layers.items():
         w32 = dequantize_nk(layer, torch.float32).clone()
         w16 = w32.to(torch.bfloat16)
+        act_order = layer.g_idx_k is not None
         for m in rows:
             x = torch.randn(m, layer.in_features)
             xb = x.to(torch.bfloat16)
-            paths = {
-                "int4_native_f32": functools.partial(_int4_linear, x, layer, True),
-                "int4_torchops_f32": functools.partial(_int4_linear, x, layer, False),
-                "float32": functools.partial(F.linear, x, w32),
-                "bfloat16": functools.partial(F.linear, xb, w16),
-            }
+            paths = {"int4_dequant_f32": functools.partial(_int4_dequant_linear, x, layer)}
+            if direct is not None and not act_order:
+                paths["int4_direct_f32"] = functools.partial(
+                    direct, x, layer.qweight_nk, layer.zeros_ng, layer.scales_ng, None
+                )
+            paths["float32"] = functools.partial(F.linear, x, w32)
+            paths["bfloat16"] = functools.partial(F.linear, xb, w16)
+            for fn in paths.values():  # warm-up (buffers, thread pool)
+                fn()
             times: dict[str, list[float]] = {k: [] for k in paths}
             for _ in range(reps):
                 for k, fn in paths.items():
                     t = time.perf_counter()
                     fn()
                     times[k].append(1000 * (time.perf_counter() - t))
-            key = f"{short}[{layer.out_features}x{layer.in_features}] m={m}"
-            out[key] = {k: round(statistics.median(v), 3) for k, v in times.items()}
+            row: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in times.items()}
+            if "int4_direct_f32" in row:
+                for other in ("int4_dequant_f32", "float32"):
+                    row[f"direct_speedup_vs_{other}"] = round(row[other] / row["int4_direct_f32"], 2)
+            out[f"{short}[{layer.out_features}x{layer.in_features}] m={m}"] = row
     return out
 
 
-def run_variant(model: str, dtype: str, device: str, prompts: list[list[int]], out_len: int, b1_len: int) -> dict:
+def run_variant(
+    model: str,
+    dtype: str,
+    device: str,
+    prompts: list[list[int]],
+    out_len: int,
+    b1_len: int,
+    direct: bool = True,
+    num_threads: int | None = None,
+) -> dict:
+    """One engine in this process; direct=False: int4 forwards never take the direct kernel (SMALL_M_MAX=0)."""
+    from vllm_lite.quantization import int4_linear
+
+    saved = int4_linear.SMALL_M_MAX
+    if not direct:
+        int4_linear.SMALL_M_MAX = 0
+    try:
+        return _run_variant(model, dtype, device, prompts, out_len, b1_len, num_threads)
+    finally:
+        int4_linear.SMALL_M_MAX = saved
+
+
+def _run_variant(
+    model: str, dtype: str, device: str, prompts: list[list[int]], out_len: int, b1_len: int, num_threads: int | None
+) -> dict:
     from vllm_lite import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype=dtype, device=device, multiprocess=False, max_model_len=512, max_num_seqs=64)
+    llm = LLM(
+        model=model,
+        dtype=dtype,
+        device=device,
+        multiprocess=False,
+        max_model_len=512,
+        max_num_seqs=64,
+        num_threads=num_threads,
+    )
     startup = time.perf_counter() - t0
     try:
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -141,8 +189,20 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--batch1-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", default="int4:float32,bfloat16,float32", help="comma list of dtype or int4:dtype")
+    ap.add_argument(
+        "--variants",
+        default="int4:float32,int4-dequant:float32,bfloat16,float32",
+        help="comma list of DTYPE, int4:DTYPE (direct kernel for small forwards) or int4-dequant:DTYPE (never)",
+    )
     ap.add_argument("--layers-only", action="store_true", help="only the per-layer timings (CPU)")
+    ap.add_argument("--layer-rows", default="1,4,16", help="row counts (m) of the per-layer timings")
+    ap.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads for the engines and the layer timings (default: the engine core's policy); "
+        "1 on a loaded shared host, where every 2-thread OpenMP region waits on its barrier",
+    )
     args = ap.parse_args()
 
     from vllm_lite.platform import describe_host
@@ -165,6 +225,9 @@ def main() -> None:
             quantize_checkpoint(base, quant, args.method, args.group_size, args.desc_act)
     with open(os.path.join(base, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
+    layer_rows = tuple(int(r) for r in args.layer_rows.split(","))
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
     if args.layers_only:
         print(
             json.dumps(
@@ -173,11 +236,13 @@ def main() -> None:
                     "host": host,
                     "load_avg": os.getloadavg()[0],
                     "torch_threads": torch.get_num_threads(),
-                    "layers": layer_timings(quant),
+                    "layers": layer_timings(quant, layer_rows),
+                    "load_avg_end": os.getloadavg()[0],
                 }
             )
         )
         return
+    load_start = os.getloadavg()[0]
     prompts = make_prompts(args.num_prompts, 32, 256, vocab, seed=0)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     best: dict[str, dict[str, Any]] = {}
@@ -186,7 +251,14 @@ def main() -> None:
             is_int4 = v.startswith("int4")
             dtype = v.split(":", 1)[1] if is_int4 else v
             r = run_variant(
-                quant if is_int4 else base, dtype, args.device, prompts, args.output_len, args.batch1_tokens
+                quant if is_int4 else base,
+                dtype,
+                args.device,
+                prompts,
+                args.output_len,
+                args.batch1_tokens,
+                direct=not v.startswith("int4-dequant"),
+                num_threads=args.num_threads,
             )
             b = best.setdefault(v, dict(r))
             b["tokens_per_s"] = max(b["tokens_per_s"], r["tokens_per_s"])
@@ -208,12 +280,14 @@ def main() -> None:
         "output_len": args.output_len,
         "rounds": args.rounds,
         "torch_threads": torch.get_num_threads(),
+        "load_avg_start": load_start,
         "load_avg": os.getloadavg()[0],
         "variants": best,
     }
     if args.device == "cpu":
-        result["layers"] = layer_timings(quant)
-    int4 = next((v for v in variants if v.startswith("int4")), None)
+        result["layers"] = layer_timings(quant, layer_rows)
+    result["load_avg_end"] = os.getloadavg()[0]
+    int4 = next((v for v in variants if v.startswith("int4:")), None)
     if int4:
         for v in variants:
             if v != int4:

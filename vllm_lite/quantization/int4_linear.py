@@ -339,10 +339,10 @@ _SMALL_M: list[Optional[Callable[..., torch.Tensor]]] = [None]
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 # Forwards of at most this many rows run the direct kernel, larger ones dequantize + F.linear. Measured
-# (benchmarks/int4.py --layers-only, the bench Qwen2's four layer shapes, 1 thread, AVX2 Zen 3): the direct
-# kernel is 3-12x faster than dequantize + F.linear at m=1, 1.7-4x at m=8, and about even at m=16
-# (its cost grows with m, dequantization's hardly does).
-SMALL_M_MAX = 8
+# (benchmarks/int4.py --layers-only --num-threads 1, the bench Qwen2's four layer shapes, AVX2 Zen 3, load ~2.3):
+# the direct kernel is 5-7x faster than dequantize + F.linear at m=1, 2.2-3x at m=8, 1.25-1.7x at m=16 and
+# about even at m=24 (its cost grows linearly with m past ~4 rows; dequantization's is fixed).
+SMALL_M_MAX = 16
 
 
 def set_native_dequantize(op: Optional[Callable[..., None]]) -> None:
