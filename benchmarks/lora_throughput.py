@@ -7,7 +7,9 @@ in PEFT's format), so every step batches all 8. Both engines live in this proces
 run interleaved --repeats times after a warm-up each, so load on the machine hits both alike; the ratio is
 taken per repeat and the median is reported. ``--ops`` picks the CPU LoRA ways to time in the same
 interleaving: ``auto`` (what the engine runs: ``torch_ops.add_lora``, segments of one slot, two bmm's),
-``grouped`` (one matmul per slot present, shrink then expand) and ``gather`` (each token's A/B gathered, bmm).
+``grouped`` (one matmul per slot present, shrink then expand), ``gather`` (each token's A/B gathered, bmm), and
+``none`` (no delta at all: what the wrappers and per-step slot planning cost by themselves; wrong tokens).
+``--num-threads`` pins both engines' torch threads (1 is steadier on a shared host).
 Target (issue 19): LoRA >= 80% of base.
 
 ``--micro`` times one projection instead (no engine): the base matmul and each way's delta, plus ``stacked``
@@ -70,6 +72,7 @@ def _ways() -> dict[str, Delta]:
         "auto": torch_ops.add_lora,
         "grouped": _per_op(torch_ops.lora_shrink, torch_ops.lora_expand),
         "gather": _per_op(torch_ops.lora_shrink_gather, torch_ops.lora_expand_gather),
+        "none": lambda *args: None,
     }
 
 
@@ -139,15 +142,21 @@ def main() -> None:
     ap.add_argument(
         "--ops",
         nargs="+",
-        choices=("auto", "grouped", "gather"),
+        choices=("auto", "grouped", "gather", "none"),
         default=["auto"],
-        help="CPU LoRA ways to time: auto (what the engine runs), or the per-op grouped-by-slot / gather+bmm",
+        help="CPU LoRA ways to time: auto (what the engine runs), the per-op grouped-by-slot / gather+bmm, or none",
     )
+    ap.add_argument("--num-threads", type=int, default=None, help="torch threads of both engines (default: policy)")
     ap.add_argument("--micro", action="store_true", help="time one projection per way instead of the engine")
     ap.add_argument("--micro-tokens", type=int, nargs="+", default=[8, 32, 256, 2048])
     ap.add_argument("--micro-rounds", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+
+    import torch
+
+    if a.num_threads is not None:  # both engines run in this process (multiprocess=False): its threads are theirs
+        torch.set_num_threads(a.num_threads)
 
     from vllm_lite import LLM, SamplingParams
     from vllm_lite.lora import torch_ops
@@ -227,6 +236,7 @@ def main() -> None:
         "num_adapters": a.num_adapters,
         "rank": a.rank,
         "repeats": a.repeats,
+        "torch_threads": torch.get_num_threads(),
         "output_tok_per_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
         "median_output_tok_per_s": {k: round(statistics.median(v), 1) for k, v in runs.items()},
         "output_tok_per_cpu_s": {k: [round(x, 1) for x in v] for k, v in cpu_runs.items()},
