@@ -49,6 +49,9 @@ class ModelConfig:
     # "generate" or "pooling" (vLLM's --runner, "auto" resolved); a pooling model's resolved pooler settings.
     runner_type: str = "generate"
     pooler_config: Optional[PoolerConfig] = None
+    # vLLM's --convert, resolved: "none", or how a generative checkpoint became this pooling model (architecture
+    # is then the converted one, e.g. Qwen2ForCausalLM -> Qwen2Model for "embed").
+    convert_type: str = "none"
     # vLLM's `quantization` (the method, resolved against the checkpoint) and the format's settings.
     quantization: Optional[str] = None
     quant_config: Optional[QuantizationConfig] = None

@@ -31,7 +31,14 @@ from vllm_lite.device_layout import engine_device, verify_cuda_device_count
 from vllm_lite.dtype_policy import STR_DTYPES as _STR_DTYPES
 from vllm_lite.dtype_policy import resolve_dtype
 from vllm_lite.platform import resolve_device
-from vllm_lite.pooling_config import RUNNERS, PoolerConfig, resolve_pooler_config, resolve_runner
+from vllm_lite.pooling_config import (
+    CONVERTS,
+    RUNNERS,
+    PoolerConfig,
+    resolve_convert,
+    resolve_pooler_config,
+    resolve_runner,
+)
 from vllm_lite.quantization.quant_config import resolve_quantization
 
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -277,6 +284,16 @@ class EngineArgs:
             "choices": RUNNERS,
         },
     )
+    convert: str = field(
+        default="auto",
+        metadata={
+            "help": "Serve a generative (*ForCausalLM) checkpoint as a pooling model, as vLLM: embed (last token, "
+            "normalized), classify (the checkpoint's `score` head over the last token), reward (every token's "
+            "hidden state); none: no conversion; auto: embed for generative architectures under runner=pooling. "
+            "Implies runner=pooling; an error with runner=generate.",
+            "choices": CONVERTS,
+        },
+    )
     pooler_config: Optional[PoolerConfig] = field(
         default=None,
         metadata={
@@ -412,7 +429,8 @@ class EngineArgs:
         max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched!r}.")
-        runner_type = resolve_runner(self.runner, archs, model_dir)
+        runner_type = resolve_runner(self.runner, archs, model_dir, self.convert)
+        convert_type, archs = resolve_convert(self.convert, runner_type, archs)
         pooler_config = None
         if runner_type == "pooling":
             pooler_config = resolve_pooler_config(PoolerConfig.from_value(self.pooler_config), archs, model_dir)
@@ -444,6 +462,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             runner_type=runner_type,
             pooler_config=pooler_config,
+            convert_type=convert_type,
             quantization=quant_config.quant_method if quant_config else None,
             quant_config=quant_config,
         )

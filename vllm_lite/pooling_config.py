@@ -17,6 +17,11 @@ from typing import Any, Optional, Sequence
 from vllm_lite.config_values import config_fields
 
 RUNNERS = ("auto", "generate", "pooling")
+# vLLM's --convert: serve a generative (*ForCausalLM) checkpoint as a pooling model of this kind.
+CONVERTS = ("auto", "none", "embed", "classify", "reward")
+# convert -> the architecture suffix a converted *ForCausalLM becomes (its class: the decoder with no LM head,
+# plus a `score` head for classify).
+_CONVERTED_SUFFIX = {"embed": "Model", "classify": "ForSequenceClassification", "reward": "ForRewardModel"}
 POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
 # sentence-transformers' pooling modes -> ours (max / weighted modes have no counterpart: refused).
 _ST_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
@@ -93,15 +98,62 @@ def is_pooling_architecture(archs: Sequence[str]) -> bool:
     return False
 
 
-def resolve_runner(runner: str, archs: Sequence[str], model_dir: str) -> str:
-    """'generate' or 'pooling' for `runner` ('auto' decides from the architecture and the ST files)."""
+def is_reward_architecture(archs: Sequence[str]) -> bool:
+    return any(a.endswith(("ForRewardModel", "ForRewardModeling")) for a in archs)
+
+
+def resolve_runner(runner: str, archs: Sequence[str], model_dir: str, convert: str = "auto") -> str:
+    """'generate' or 'pooling' for `runner` ('auto' decides from `convert`, the architecture and the ST files)."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}.")
+    if convert not in CONVERTS:
+        raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}.")
+    if runner == "generate" and convert not in ("auto", "none"):
+        raise ValueError(
+            f"convert={convert!r} turns a model into a pooling model; it cannot be used with runner='generate' "
+            "(use runner='pooling' or 'auto')."
+        )
     if runner != "auto":
         return runner
+    if convert in _CONVERTED_SUFFIX:
+        return "pooling"
     if is_pooling_architecture(archs) or read_sentence_transformers_modules(model_dir):
         return "pooling"
     return "generate"
+
+
+def resolve_convert(convert: str, runner_type: str, archs: Sequence[str]) -> tuple[str, list[str]]:
+    """vLLM's convert type for a resolved runner, and the architectures the model is built as.
+
+    'auto' on the pooling runner converts a generative architecture to 'embed' ('classify' / 'reward' when its
+    name says so) and leaves native pooling architectures as they are ('none'). A converted `XForCausalLM` is
+    built as `XModel` (embed), `XForSequenceClassification` (classify: a `score` head, whose weights the
+    checkpoint must hold) or `XForRewardModel` (reward: every token's hidden state, as vLLM's ALL pooling).
+    """
+    if convert not in CONVERTS:
+        raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}.")
+    if runner_type != "pooling":
+        return "none", list(archs)
+    native = is_pooling_architecture(archs)
+    if convert == "auto":
+        if native:
+            return "none", list(archs)
+        convert = "embed"
+    if convert == "none":
+        if not native:
+            raise ValueError(
+                f"convert='none': {archs[0]} is a generative architecture, not a pooling model; pass convert='embed', "
+                "'classify' or 'reward' (or convert='auto') to serve it with runner='pooling'."
+            )
+        return "none", list(archs)
+    if native:
+        if convert == "classify" and not is_classifier_architecture(archs):
+            raise ValueError(f"convert='classify': {archs[0]} has no classification head to classify with.")
+        return convert, list(archs)
+    generative = [a for a in archs if a.endswith("ForCausalLM")]
+    if not generative:
+        raise ValueError(f"convert={convert!r} converts *ForCausalLM architectures; got {', '.join(archs)}.")
+    return convert, [a[: -len("ForCausalLM")] + _CONVERTED_SUFFIX[convert] for a in generative]
 
 
 def read_sentence_transformers_modules(model_dir: str) -> list[dict[str, Any]]:
@@ -172,6 +224,8 @@ def resolve_pooler_config(user: Optional[PoolerConfig], archs: Sequence[str], mo
         normalize=not is_classifier_architecture(archs),
         activation=True,
     )
+    if is_reward_architecture(archs):  # vLLM's reward default: every token's hidden state, as it is
+        default = PoolerConfig(pooling_type="ALL", normalize=False, activation=False)
     resolved = read_sentence_transformers_pooler(model_dir).merged_over(default)
     if user is not None:
         resolved = user.merged_over(resolved)

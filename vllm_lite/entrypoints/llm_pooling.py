@@ -22,7 +22,7 @@ from vllm_lite.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from vllm_lite.pooling_config import is_classifier_architecture
+from vllm_lite.pooling_config import is_classifier_architecture, is_reward_architecture
 from vllm_lite.pooling_params import PoolingParams
 
 # (prompts, params per prompt, use_tqdm) -> finished outputs in prompt order (LLM._run).
@@ -98,8 +98,10 @@ def classify(
 def classify_tokens(
     run: RunFn, model_config: Any, prompts: list[Any], params: list[PoolingParams], use_tqdm: bool
 ) -> list[PoolingRequestOutput]:
-    """`LLM.reward`: the classification head over every token (vLLM's token_classify), one [tokens, labels] each."""
-    if not is_classifier_architecture([model_config.architecture]):
+    """`LLM.reward`: the classification head over every token (vLLM's token_classify), one [tokens, labels] each;
+    a model converted with convert='reward' has no head and returns every token's hidden state, as vLLM's."""
+    archs = [model_config.architecture]
+    if not is_classifier_architecture(archs) and not is_reward_architecture(archs):
         raise ValueError(
             f"LLM.reward() needs a model with a classification head (*ForSequenceClassification); "
             f"{model_config.architecture} has none."

@@ -129,6 +129,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     files = safetensors_files(model_config.model)  # fail on a bad dir before building anything
     hf_config = _hf_config(model_config)
     archs = getattr(hf_config, "architectures", None) or [model_config.architecture]
+    if model_config.convert_type != "none":  # --convert: built as the converted architecture (e.g. Qwen2Model)
+        archs = [model_config.architecture]
     cls = get_model_class(archs)
     with torch.device("meta"), skip_param_init(), quantized_linears(model_config.quant_config):
         model = cls(hf_config)

@@ -70,6 +70,17 @@ def _classifier(base: type) -> type:
     return Classifier
 
 
+def converted(base: type, name: str, how: str) -> type:
+    """vLLM's --convert for a *ForCausalLM class: `base` as its bare decoder ("bare") or with a `score` head
+    ("classifier"), named `name`. Built once per name."""
+    if name not in _CONVERTED:
+        cls = _bare(base) if how == "bare" else _classifier(base)
+        cls.__name__ = cls.__qualname__ = name
+        _CONVERTED[name] = cls
+    return _CONVERTED[name]
+
+
+_CONVERTED: dict[str, type] = {}
 LlamaModel = _bare(LlamaForCausalLM)
 MistralModel = _bare(MistralForCausalLM)
 Qwen2Model = _bare(Qwen2ForCausalLM)

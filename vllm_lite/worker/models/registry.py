@@ -44,7 +44,25 @@ def get_model_class(architecture: str | Sequence[str]) -> type[nn.Module]:
         if name in _MODELS:
             module, cls = _MODELS[name]
             return getattr(importlib.import_module(f"vllm_lite.worker.models.{module}"), cls)
+        converted = _converted_class(name)
+        if converted is not None:
+            return converted
     raise ValueError(
         f"Unsupported model architecture {names if len(names) != 1 else names[0]!r}; "
         f"supported architectures: {', '.join(supported_architectures())}."
     )
+
+
+# --convert: a pooling architecture name built from a supported *ForCausalLM (suffix -> how).
+_CONVERSIONS = {"ForSequenceClassification": "classifier", "ForRewardModel": "bare", "Model": "bare"}
+
+
+def _converted_class(name: str) -> type[nn.Module] | None:
+    """`XModel` / `XForRewardModel` / `XForSequenceClassification` from our `XForCausalLM` (None if no such base)."""
+    for suffix, how in _CONVERSIONS.items():
+        base = name[: -len(suffix)] + "ForCausalLM"
+        if name.endswith(suffix) and base in _MODELS:
+            from vllm_lite.worker.models import decoder_pooling
+
+            return decoder_pooling.converted(get_model_class(base), name, how)
+    return None
