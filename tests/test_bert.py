@@ -212,3 +212,16 @@ def test_cuda_half_precision_varlen_attention_equals_the_padded_path() -> None:
     got = encoder_attention(q, k, v, batch, 0.125).float()
     want = encoder_attention(q.float(), k.float(), v.float(), batch, 0.125)  # float32: the padded path
     torch.testing.assert_close(got, want, atol=3e-2, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda_devices(2))])
+def test_tensor_parallel_2_embeddings_equal_sentence_transformers_pooling(embed_dir: str, device: str) -> None:
+    """TP=2 (two worker processes; gloo on CPU): BERT's sharded attention and MLP, summed by the row-parallel
+    all-reduce, pool to HF's mean + Normalize embedding of the whole model."""
+    kw = dict(_ENGINE, multiprocess=True, tensor_parallel_size=2, device=device, kv_cache_memory_bytes=1 << 21)
+    with LLM(model=embed_dir, **kw) as llm:
+        assert llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
+        outs = llm.embed(PROMPTS, use_tqdm=False)
+    for o in outs:
+        want = F.normalize(_hf(embed_dir, o.prompt_token_ids).mean(0), dim=-1)
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding).cpu(), want, atol=ATOL, rtol=0)
