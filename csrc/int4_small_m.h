@@ -7,8 +7,9 @@
 //
 // Layout (int4_cpu.cpp's CPU layout): qweight [N, K/8] int32 with nibble j of word c = input k = 8c + j,
 // zeros [N, G] uint8, scales [N, G], plain groups of K/G inputs (act-order g_idx layers dequantize instead).
-// Each weight is formed in registers as float(q - z) * s, the value dequantization stores in float32, so
-// only the summation order differs from dequantize + F.linear (results are close, not bit-identical).
+// Each weight is formed in registers as float(q - z) * s, the value dequantization stores in float32 (one
+// row: the group's sum of x (q - z), exact integers times x, is scaled once), so only the summation order
+// differs from dequantize + F.linear: close, not bit-identical (tests/test_int4_cpu_kernel.py bounds it).
 //
 // The AVX2 + FMA path (also what AVX-512 hosts run) loads 8 words (64 inputs) as one vector; shifting it
 // right by 4t and masking gives, in lane l, input 8l + t, so x is pre-transposed per 64-input block
