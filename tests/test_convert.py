@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ from vllm_lite.testing.checkpoints import get_checkpoint
 
 PROMPTS = ["The for statement iterates over a sequence.", "a", "Exceptions are raised by the raise statement."]
 ATOL = 1e-5
-_ENGINE = dict(dtype="float32", kv_cache_memory_bytes=1 << 21, max_model_len=256, multiprocess=False)
+_CORE = dict(dtype="float32", kv_cache_memory_bytes=1 << 21, max_model_len=256)
+_ENGINE = dict(_CORE, multiprocess=False)
 
 
 def _hf_last_hidden(model_dir: str, ids_list: list[list[int]]) -> list[torch.Tensor]:
@@ -83,6 +85,29 @@ def test_convert_classify_equals_hf_sequence_classification_logits(causal_lm_wit
             logits = hf(input_ids=torch.tensor([o.prompt_token_ids])).logits[0]
         assert o.outputs.num_classes == 3
         torch.testing.assert_close(torch.tensor(o.outputs.probs), logits.softmax(-1), atol=ATOL, rtol=0)
+
+
+def test_a_frontend_attached_to_a_converted_core_classifies_as_it_does(causal_lm_with_score: str, tmp_path) -> None:
+    """The core's READY reports convert_type, so an attached frontend builds the same converted model config."""
+    from vllm_lite.core.engine_core_proc import CoreProcOptions, EngineCoreProc
+    from vllm_lite.endpoints import CoreAddresses
+
+    address = f"ipc://{tmp_path}/core"
+    args = EngineArgs(
+        model=causal_lm_with_score, convert="classify", device="cpu", num_threads=torch.get_num_threads(), **_CORE
+    )
+    proc = EngineCoreProc(args.create_engine_config(), CoreAddresses.from_base(address), CoreProcOptions())
+    thread = threading.Thread(target=proc.run_busy_loop, daemon=True)
+    thread.start()
+    try:
+        with LLM(engine_address=address) as llm:
+            mc = llm.llm_engine.vllm_config.model_config
+            assert (mc.architecture, mc.convert_type) == ("Qwen2ForSequenceClassification", "classify")
+            out = llm.classify(PROMPTS[0], use_tqdm=False)[0]
+    finally:
+        proc.request_shutdown()
+        thread.join(30)
+    assert out.outputs.num_classes == 3
 
 
 def test_convert_reward_returns_every_tokens_hidden_state() -> None:

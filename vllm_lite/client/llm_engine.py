@@ -242,6 +242,7 @@ def attached_frontend_config(client: Any) -> VllmConfig:
         max_logprobs=int(facts.get("max_logprobs", 20)),  # the core's request rules, applied here first
         generation_config=str(facts.get("generation_config", "auto")),
         runner=str(facts.get("runner_type", "auto")),
+        convert=str(facts.get("convert_type", "auto")),
         pooler_config=facts.get("pooler_config"),
         device="cpu",
         # The core's LoRA limits: this frontend refuses what the core would (enable_lora off when None).

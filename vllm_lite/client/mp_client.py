@@ -186,6 +186,7 @@ class MPClientBase(EngineCoreClient):
             "max_logprobs": reply.max_logprobs,
             "generation_config": reply.generation_config,
             "runner_type": reply.runner_type,
+            "convert_type": reply.convert_type,
             "pooler_config": reply.pooler_config,
             "lora_config": reply.lora_config,
         }

@@ -59,6 +59,7 @@ class EngineCore:
             "max_logprobs": mc.max_logprobs,
             "generation_config": mc.generation_config,
             "runner_type": mc.runner_type,
+            "convert_type": mc.convert_type,
             "pooler_config": dataclasses.asdict(mc.pooler_config) if mc.pooler_config is not None else None,
             # LoRAConfig's fields (None: LoRA off), so an attached frontend checks adapters as this core will.
             "lora_config": dataclasses.asdict(lc) if (lc := vllm_config.lora_config) is not None else None,

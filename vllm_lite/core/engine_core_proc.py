@@ -325,6 +325,7 @@ class EngineCoreProc:
             max_logprobs=int(facts.get("max_logprobs", 20)),
             generation_config=str(facts.get("generation_config", "auto")),
             runner_type=str(facts.get("runner_type", "generate")),
+            convert_type=str(facts.get("convert_type", "auto")),
             pooler_config=facts.get("pooler_config"),
             lora_config=facts.get("lora_config"),
             core_pid=os.getpid(),

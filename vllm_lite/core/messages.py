@@ -189,6 +189,7 @@ class HandshakeReply(msgspec.Struct, omit_defaults=True):
     # pooling requests as the core will run them.
     runner_type: str = "generate"
     pooler_config: Optional[dict[str, Any]] = None
+    convert_type: str = "auto"  # --convert as resolved ("none", "embed", ...): the frontend builds the same model
     # LoRAConfig's fields when the core serves LoRA adapters (--enable-lora), else None.
     lora_config: Optional[dict[str, Any]] = None
     # The core process, for a frontend on the same host to watch (vllm_lite.process_watch): its pid,
