@@ -2,7 +2,10 @@
 
 Same checkpoint, same texts, same run: a sentence-transformers BERT (default: all-MiniLM-L6-v2's shape, 6 layers x
 384 hidden, random weights, mean pooling + Normalize; or `--model DIR`). Texts are spans of Python's pydoc text,
-lengths uniform in words (fixed seed). Each side is warmed up, then timed over all texts including tokenization (best of `--repeats`).
+lengths uniform in words (fixed seed). Each side is warmed up, then timed over all texts including tokenization:
+`--repeats` rounds, each timing every side once in turn (interleaved, so a shared host's load changes hit all sides
+alike); the fastest pass per side and each round's ratio (with their median) are reported, with the load average
+at start and end.
 sentence-transformers runs `encode` at its defaults (batch 32, its own length sorting); HF runs AutoModel over
 padded batches of `--hf-batch` in input order, mean-pools by the mask and normalises. Both run here at torch's
 default threads; the engine core at its thread policy (recorded, and declared where they differ).
@@ -59,76 +62,87 @@ def make_texts(n: int, min_words: int, max_words: int, seed: int) -> list[str]:
     return texts
 
 
-def best_of(repeats: int, run: Any) -> tuple[float, Any]:
-    """The shortest of `repeats` timed calls of run() (a shared host's noise only ever adds time), and its result."""
-    best, result = float("inf"), None
-    for _ in range(repeats):
+class Side:
+    """One contender: `run()` embeds every text once (tokenization included) and returns the vectors; `threads`:
+    torch threads this process uses while it runs; the timed passes of all sides are interleaved."""
+
+    def __init__(self, name: str, run: Any, threads: int, close: Any = None) -> None:
+        self.name, self.run, self.threads, self.close = name, run, threads, close
+        self.times: list[float] = []
+        self.vectors: Optional[torch.Tensor] = None
+
+    def timed(self) -> None:
+        torch.set_num_threads(self.threads)
         t0 = time.perf_counter()
-        out = run()
-        dt = time.perf_counter() - t0
-        if dt < best:
-            best, result = dt, out
-    return best, result
+        out = self.run()
+        self.times.append(time.perf_counter() - t0)
+        if self.vectors is None:
+            self.vectors = out
 
 
-def run_ours(
-    model: str, texts: list[str], dtype: str, multiprocess: bool, num_threads: Optional[int], repeats: int
-) -> dict:
+def side_ours(model: str, texts: list[str], dtype: str, multiprocess: bool, num_threads: Optional[int]) -> tuple:
+    """(our side, startup seconds, prompt tokens)."""
     from vllm_lite import LLM
 
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype=dtype, multiprocess=multiprocess, max_model_len=512, num_threads=num_threads)
     ready = time.perf_counter() - t0
-    try:
-        llm.embed(texts[:8], use_tqdm=False)  # warm-up
-        dt, outs = best_of(repeats, lambda: llm.embed(texts, use_tqdm=False))
-    finally:
-        llm.shutdown()
+    outs = llm.embed(texts, use_tqdm=False)  # warm-up over the whole set (one untimed pass)
     tokens = sum(len(o.prompt_token_ids) for o in outs)
-    vectors = torch.tensor([o.outputs.embedding for o in outs])
-    return {"elapsed_s": dt, "tokens": tokens, "startup_s": ready, "vectors": vectors}
+
+    def run() -> torch.Tensor:
+        return torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+
+    return Side("vllm_lite", run, torch.get_num_threads(), llm.shutdown), ready, tokens
 
 
-def run_sentence_transformers(model: str, texts: list[str], repeats: int) -> dict:
+def side_sentence_transformers(model: str, texts: list[str], threads: int) -> Side | str:
+    """sentence-transformers' encode at its defaults, or why it is absent."""
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError as e:
-        return {"absent": f"sentence-transformers is not installed ({e}); pip install sentence-transformers"}
-    import sentence_transformers
+        return f"sentence-transformers is not installed ({e}); pip install sentence-transformers"
 
     st = SentenceTransformer(model, device="cpu")
     st.encode(texts[:8])  # warm-up
-    dt, vectors = best_of(repeats, lambda: st.encode(texts, convert_to_tensor=True))
-    return {"elapsed_s": dt, "vectors": vectors.float().cpu(), "version": sentence_transformers.__version__}
+    return Side("sentence_transformers", lambda: st.encode(texts, convert_to_tensor=True).float().cpu(), threads)
 
 
-def run_hf(model: str, texts: list[str], batch: int, repeats: int) -> dict:
+def side_hf(model: str, texts: list[str], batch: int, threads: int) -> Side:
     import torch.nn.functional as F
     from transformers import AutoModel, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
     hf = AutoModel.from_pretrained(model, dtype=torch.float32).eval()
 
+    @torch.no_grad()
     def embed(chunk: list[str]) -> torch.Tensor:
         enc = tok(chunk, padding=True, return_tensors="pt")
         hidden = hf(**enc).last_hidden_state
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         return F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
-    with torch.no_grad():
-        embed(texts[:8])  # warm-up
-        dt, vectors = best_of(
-            repeats, lambda: torch.cat([embed(texts[i : i + batch]) for i in range(0, len(texts), batch)])
-        )
-    return {"elapsed_s": dt, "vectors": vectors}
+    embed(texts[:8])  # warm-up
+    return Side(
+        "hf_automodel", lambda: torch.cat([embed(texts[i : i + batch]) for i in range(0, len(texts), batch)]), threads
+    )
 
 
-def rates(res: dict, n: int, tokens: int) -> dict[str, Any]:
+def rates(side: Side, n: int, tokens: int) -> dict[str, Any]:
+    """The fastest pass (a shared host's noise only ever adds time) and every pass."""
+    best = min(side.times)
     return {
-        "prompts_per_s": round(n / res["elapsed_s"], 1),
-        "tokens_per_s": round(tokens / res["elapsed_s"], 1),
-        "elapsed_s": round(res["elapsed_s"], 3),
+        "prompts_per_s": round(n / best, 1),
+        "tokens_per_s": round(tokens / best, 1),
+        "elapsed_s": round(best, 3),
+        "passes_s": [round(t, 3) for t in side.times],
     }
+
+
+def round_ratios(base: Side, ours: Side) -> dict[str, Any]:
+    """Per interleaved round, the baseline's time over ours (both measured under the same load), and the median."""
+    ratios = sorted(b / o for b, o in zip(base.times, ours.times))
+    return {"per_round": [round(r, 2) for r in ratios], "median": round(ratios[len(ratios) // 2], 2)}
 
 
 def main() -> None:
@@ -139,7 +153,7 @@ def main() -> None:
     ap.add_argument("--max-words", type=int, default=96)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--hf-batch", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3, help="timed passes per side; the fastest is reported")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (one timed pass per side each)")
     ap.add_argument("--inprocess", action="store_true", help="run the engine core in this process")
     ap.add_argument("--num-threads", type=int, default=None, help="engine-core torch threads (default: its policy)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out the HF AutoModel baseline (saves time)")
@@ -149,19 +163,27 @@ def main() -> None:
     default_threads = torch.get_num_threads()  # the LLM frontend sets its own process to one thread
     model = args.model or minilm_checkpoint()
     texts = make_texts(args.num_prompts, args.min_words, args.max_words, seed=0)
-    ours = run_ours(model, texts, args.dtype, not args.inprocess, args.num_threads, args.repeats)
-    n, tokens = len(texts), ours["tokens"]
-    core_threads = engine_core_threads(args.num_threads) if not args.inprocess else torch.get_num_threads()
-    torch.set_num_threads(default_threads)  # the baselines at torch's default
-    here_threads = default_threads
+    load_start = os.getloadavg()
+    ours, startup_s, tokens = side_ours(model, texts, args.dtype, not args.inprocess, args.num_threads)
+    n = len(texts)
+    core_threads = engine_core_threads(args.num_threads) if not args.inprocess else ours.threads
+    here_threads = default_threads  # the baselines at torch's default
     declared = {"threads": "baselines at torch's default in this process; the engine core at its policy"}
-    st = run_sentence_transformers(model, texts, args.repeats)
-    hf = None if args.skip_hf else run_hf(model, texts, args.hf_batch, args.repeats)
+    st = side_sentence_transformers(model, texts, here_threads)
+    hf = None if args.skip_hf else side_hf(model, texts, args.hf_batch, here_threads)
+    sides = [ours] + [x for x in (st, hf) if isinstance(x, Side)]
+    try:
+        for _ in range(args.repeats):  # interleaved: each round times every side once, under the same load
+            for side in sides:
+                side.timed()
+    finally:
+        ours.close()
+    torch.set_num_threads(default_threads)
     engine_cfg = RunConfig("vllm_lite", args.dtype, warmup=True, threads=core_threads)
     baselines = []
     if hf is not None:
         baselines.append(RunConfig("hf_automodel", "float32", True, here_threads, args.hf_batch, dict(declared)))
-    if "absent" not in st:
+    if isinstance(st, Side):
         baselines.append(RunConfig("sentence_transformers", "float32", True, here_threads, 32, dict(declared)))
     for b in baselines:  # declare only what differs
         if b.threads == core_threads:
@@ -169,30 +191,31 @@ def main() -> None:
         if b.dtype != args.dtype:
             b.declared["dtype"] = "baselines run float32"
     check_fair(engine_cfg, baselines)
+    assert ours.vectors is not None
     out: dict[str, Any] = {
         "benchmark": "embedding_throughput",
         "host": host_description(),
+        "load_avg_start": [round(x, 2) for x in load_start],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "model": os.path.basename(model.rstrip("/")),
         "dtype": args.dtype,
         "num_prompts": n,
         "repeats": args.repeats,
         "prompt_tokens": tokens,
-        "vllm_lite": dict(rates(ours, n, tokens), startup_s=round(ours["startup_s"], 2)),
+        "vllm_lite": dict(rates(ours, n, tokens), startup_s=round(startup_s, 2)),
         "configs": [engine_cfg.as_json()] + [b.as_json() for b in baselines],
     }
-    if "absent" in st:
-        out["sentence_transformers"] = {"absent": st["absent"]}
-    else:
-        out["sentence_transformers"] = dict(
-            rates(st, n, tokens),
-            version=st["version"],
-            max_abs_diff=float((ours["vectors"] - st["vectors"]).abs().max()),
-        )
-        out["speedup_vs_sentence_transformers"] = round(st["elapsed_s"] / ours["elapsed_s"], 2)
-    if hf is not None:
-        diff = float((ours["vectors"] - hf["vectors"]).abs().max())
-        out["hf_automodel"] = dict(rates(hf, n, tokens), max_abs_diff=diff)
-        out["speedup_vs_hf_automodel"] = round(hf["elapsed_s"] / ours["elapsed_s"], 2)
+    for base, key in ((st, "sentence_transformers"), (hf, "hf_automodel")):
+        if isinstance(base, str):
+            out[key] = {"absent": base}
+        elif isinstance(base, Side):
+            out[key] = dict(rates(base, n, tokens), max_abs_diff=float((ours.vectors - base.vectors).abs().max()))
+            out[f"speedup_vs_{key}"] = round(min(base.times) / min(ours.times), 2)
+            out[f"round_speedups_vs_{key}"] = round_ratios(base, ours)
+    if isinstance(st, Side):
+        import sentence_transformers
+
+        out["sentence_transformers"]["version"] = sentence_transformers.__version__
     print(json.dumps(out))
 
 
