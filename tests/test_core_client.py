@@ -101,6 +101,7 @@ def test_sync_client_handshake_gives_model_facts(sync_client):
         "generation_config": "auto",  # the core's request rules (defaults of the fake)
         "runner_type": "generate",
         "pooler_config": None,
+        "convert_type": "auto",  # --convert: the fake core reports none, so the frontend resolves it itself
         "lora_config": None,  # LoRA off in the fake core
     }
     assert sync_client.client_index == 0
