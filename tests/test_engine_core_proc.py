@@ -315,17 +315,36 @@ def test_core_thread_policy_uses_configured_threads_or_all_cores_but_one_on_cpu(
     cfg = fake_config()
     try:
         cfg.device_config.num_threads = 1
-        assert set_core_thread_policy(cfg) == 1 and torch.get_num_threads() == 1
+        assert set_core_thread_policy(cfg) == (1, None) and torch.get_num_threads() == 1  # explicit: fixed
         cfg.device_config.num_threads = None
-        n = set_core_thread_policy(cfg)
+        n, adaptive = set_core_thread_policy(cfg)
         assert (
             n == max(1, len(os.sched_getaffinity(0)) - 1) and torch.get_num_threads() == n
-        )  # one core left for frontends
+        )  # one core left for frontends at start
+        assert adaptive is not None and adaptive.current == n and adaptive.cores == len(os.sched_getaffinity(0))
+        cfg.parallel_config.tensor_parallel_size = 2  # ranks in other processes: the count stays
+        assert set_core_thread_policy(cfg)[1] is None
+        cfg.parallel_config.tensor_parallel_size = 1
         cfg.device_config.num_threads = 0
         with pytest.raises(ValueError, match="num_threads"):
             set_core_thread_policy(cfg)
     finally:
         torch.set_num_threads(1)
+
+
+def test_busy_loop_asks_the_thread_adapter_after_steps_and_keeps_its_count(core):
+    class Recorder:
+        calls = 0
+
+        def maybe_update(self) -> int:
+            Recorder.calls += 1
+            return 3
+
+    core.proc._adaptive_threads = Recorder()
+    a = core.frontend()
+    a.send(EngineCoreRequestType.ADD, request("t", [1, 2], max_tokens=4))
+    assert len(a.collect({"t"})["t"]) == 4
+    assert Recorder.calls >= 4 and core.proc.num_threads == 3  # once per step
 
 
 # ---------------------------------------------------------------------------------------------------- real process

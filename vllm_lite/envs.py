@@ -60,6 +60,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Run wide float32 CPU linears (>= 4096 outputs, 16-128 rows) over 768-output weight slices, "
         "bit-identical to F.linear and faster with MKL on AVX2 hosts (default on; 0 turns it off).",
     ),
+    "VLLM_LITE_ADAPTIVE_THREADS": (
+        _flag("VLLM_LITE_ADAPTIVE_THREADS", True),
+        "On CPU, let the engine core change its torch thread count between steps by what other processes "
+        "use (default on; 0 keeps the start-up count: all cores but one). An explicit num_threads is fixed.",
+    ),
     "VLLM_LITE_PREPACK": (
         _flag("VLLM_LITE_PREPACK", True),
         "Prepack bfloat16 linear weights for oneDNN on CPU at load (default on; 0 turns it off).",

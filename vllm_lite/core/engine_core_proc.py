@@ -66,6 +66,7 @@ from vllm_lite.core.messages import (
     UtilityRequest,
 )
 from vllm_lite.core.shutdown import Phase, ShutdownState
+from vllm_lite.core.thread_policy import AdaptiveThreads, usable_cpus
 from vllm_lite.endpoints import CoreAddresses
 from vllm_lite.log_limiter import LogLimiter
 
@@ -100,30 +101,29 @@ class CoreProcOptions:
     max_message_bytes: Optional[int] = None
 
 
-def set_core_thread_policy(vllm_config: VllmConfig) -> int:
-    """Set torch intra-op threads for the engine core process and return the number.
+def set_core_thread_policy(vllm_config: VllmConfig) -> tuple[int, Optional[AdaptiveThreads]]:
+    """Set torch intra-op threads for the engine core process: the number, and the adapter that moves it.
 
-    DeviceConfig.num_threads wins. Otherwise, on CPU the core takes every core
-    it may run on but one, which stays free for the frontend(s): measured here,
-    OpenMP threads that must share a core with a busy process run decode-sized
-    matmuls 2-20x slower than one thread that has its core alone (on 2 cores,
-    1 thread gave 150 output tok/s where 2 gave 41 on the throughput benchmark).
-    With an accelerator the CPU does little math, so 1 thread.
+    DeviceConfig.num_threads wins and stays. Otherwise, on CPU the core starts on every core it may
+    run on but one (left for the frontends) and, with one model process (no tensor parallel ranks), follows
+    what other processes use between steps (core/thread_policy.py): OpenMP threads that must share a core
+    with a busy process run decode-sized matmuls 2-20x slower than one with a core to itself, while a
+    second thread on an idle core is worth ~15%. With an accelerator the CPU does little math, so 1 thread.
     """
     n = vllm_config.device_config.num_threads
+    adaptive = None
     if n is not None:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_threads must be a positive integer, got {n!r}.")
     elif vllm_config.device_config.device.type == "cpu":
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cores = os.cpu_count() or 1
-        n = max(1, cores - 1)
+        cpus = usable_cpus()
+        n = max(1, len(cpus) - 1)
+        if envs.VLLM_LITE_ADAPTIVE_THREADS and vllm_config.parallel_config.tensor_parallel_size == 1:
+            adaptive = AdaptiveThreads(cpus, n, torch.set_num_threads)
     else:
         n = 1
     torch.set_num_threads(n)
-    return n
+    return n, adaptive
 
 
 class EngineCoreProc:
@@ -137,7 +137,7 @@ class EngineCoreProc:
     ) -> None:
         self.options = options or CoreProcOptions()
         self.addresses = addresses
-        self.num_threads = set_core_thread_policy(vllm_config)
+        self.num_threads, self._adaptive_threads = set_core_thread_policy(vllm_config)
         self._model_path = vllm_config.model_config.model
         self._tokenizer = vllm_config.model_config.tokenizer
         # Other nodes' tensor-parallel ranks prove the same token as frontends (worker/rendezvous_gate.py).
@@ -229,6 +229,8 @@ class EngineCoreProc:
                     break
                 if self.engine_core.has_unfinished_requests() and not self._batch_open():
                     self._route_outputs(self.engine_core.step())
+                    if self._adaptive_threads is not None:
+                        self.num_threads = self._adaptive_threads.maybe_update()
         except BaseException:  # noqa: BLE001 -- any failure here kills the engine, loudly
             logger.error("Fatal error in the engine core busy loop:\n%s", traceback.format_exc())
             self._close(dead=True)

@@ -1,0 +1,94 @@
+"""The engine core's CPU thread policy: what others use, from /proc/stat and our own CPU time, sets the count."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_lite.core.thread_policy import AdaptiveThreads, CpuSample, decide, others_cores, read_host_busy_s
+
+PROC_STAT = """cpu  900 0 300 5000 100 0 0 0 0 0
+cpu0 100 0 50 2000 40 5 5 0 0 0
+cpu1 200 0 100 1000 60 0 0 10 0 0
+cpu2 600 0 150 2000 0 0 0 0 0 0
+intr 12345
+"""
+
+
+def test_busy_seconds_count_only_our_cores_and_leave_out_idle_and_iowait(tmp_path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(PROC_STAT)
+    tck = __import__("os").sysconf("SC_CLK_TCK")
+    # cpu0: 100+50+5+5 busy ticks; cpu1: 200+100+10 (steal counts: the core was not ours to use).
+    assert read_host_busy_s(frozenset({0, 1}), str(stat)) == pytest.approx((160 + 310) / tck)
+    assert read_host_busy_s(frozenset({2}), str(stat)) == pytest.approx(750 / tck)
+    assert read_host_busy_s(frozenset({7}), str(stat)) is None  # none of ours listed
+    assert read_host_busy_s(frozenset({0}), str(tmp_path / "missing")) is None
+
+
+def test_others_are_host_busy_less_our_own_time_per_wall_second() -> None:
+    before = CpuSample(wall_s=10.0, host_busy_s=100.0, own_s=40.0)
+    after = CpuSample(wall_s=12.0, host_busy_s=103.0, own_s=42.0)  # 3 s busy in 2 s, 2 of them ours
+    assert others_cores(before, after) == pytest.approx(0.5)
+    assert others_cores(before, CpuSample(12.0, 102.0, 42.5)) == 0.0  # accounting skew never goes negative
+    assert others_cores(before, before) == 0.0
+
+
+@pytest.mark.parametrize(
+    "current,others,cores,expected",
+    [
+        (1, 0.05, 2, 2),  # the frontend sleeps: take the second core
+        (1, 0.3, 2, 1),  # others use a third of it: not worth the barrier waits
+        (2, 0.3, 2, 2),  # ...but not enough to give it back (hysteresis)
+        (2, 0.5, 2, 1),  # a busy neighbour: back to one thread at once
+        (2, 1.8, 2, 1),  # never below one
+        (15, 1.0, 16, 15),  # one core's worth of frontends on a 16-core host
+        (15, 0.1, 16, 16),
+        (16, 3.0, 16, 13),
+    ],
+)
+def test_decide_gives_one_thread_per_core_others_leave_free_with_hysteresis(current, others, cores, expected) -> None:
+    assert decide(current, others, cores) == expected
+
+
+class FakeHost:
+    """Samples at chosen moments: `others` cores busy besides us, `ours` cores of our own CPU time."""
+
+    def __init__(self) -> None:
+        self.t, self.busy, self.own = 0.0, 0.0, 0.0
+
+    def advance(self, dt: float, others: float, ours: float) -> float:
+        self.t += dt
+        self.busy += dt * (others + ours)
+        self.own += dt * ours
+        return self.t
+
+    def sample(self) -> CpuSample:
+        return CpuSample(self.t, self.busy, self.own)
+
+
+def test_adapter_goes_up_after_two_quiet_intervals_and_down_at_once_when_others_get_busy() -> None:
+    host, applied = FakeHost(), []
+    policy = AdaptiveThreads(frozenset({0, 1}), 1, applied.append, sample=host.sample, interval_s=0.5)
+    assert policy.maybe_update(host.advance(0.2, 0.0, 0.2)) == 1 and applied == []  # too soon to sample
+    assert policy.maybe_update(host.advance(0.4, 0.0, 0.6)) == 1  # one quiet interval is not enough
+    assert policy.maybe_update(host.advance(0.6, 0.05, 0.6)) == 2 and applied == [2]
+    assert policy.maybe_update(host.advance(0.6, 0.3, 1.4)) == 2  # between the bounds: stays
+    assert policy.maybe_update(host.advance(0.6, 0.9, 1.1)) == 1 and applied == [2, 1]
+    # A quiet interval then a busy one: the pending rise is forgotten.
+    assert policy.maybe_update(host.advance(0.6, 0.0, 0.6)) == 1
+    assert policy.maybe_update(host.advance(0.6, 0.8, 0.6)) == 1
+    assert policy.maybe_update(host.advance(0.6, 0.0, 0.6)) == 1 and applied == [2, 1]
+    assert policy.changes == 2
+
+
+def test_a_window_spanning_a_long_idle_spell_decides_nothing() -> None:
+    host, applied = FakeHost(), []
+    policy = AdaptiveThreads(frozenset({0, 1}), 2, applied.append, sample=host.sample, interval_s=0.5)
+    assert policy.maybe_update(host.advance(60.0, 1.5, 0.0)) == 2  # the core slept for a minute
+    assert applied == []
+    assert policy.maybe_update(host.advance(0.5, 1.5, 0.5)) == 1 and applied == [1]  # now it measures
+
+
+def test_no_readable_counters_keep_the_start_count() -> None:
+    policy = AdaptiveThreads(frozenset({0, 1}), 1, lambda n: pytest.fail("must not change"), sample=lambda: None)
+    assert policy.maybe_update(100.0) == 1

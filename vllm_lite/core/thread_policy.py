@@ -1,0 +1,158 @@
+"""How many torch threads the engine core computes with on a CPU, from what the host's other processes use.
+
+Why measured, not counted: OpenMP threads that must share a core with a busy process wait on each other at
+every barrier, so decode-sized matmuls run 2-20x slower than one thread with a core to itself (PROFILE.md);
+yet on an idle 2-core host two threads gave 113 against 99 output tok/s. Whether the second core is free
+depends on the moment: an offline `LLM.generate` frontend sleeps on its socket while the core works, an HTTP
+frontend streams, and other programs come and go. So between steps, at most every `interval_s`, the core
+reads the CPU time of the cores it may run on (/proc/stat) and its own (os.times); the difference is what
+others use. It takes a core back for a thread only after two samples in a row found others using at most
+`up_below` of one, and gives one up as soon as they use more than `down_above` (hysteresis: no flapping).
+An explicit `num_threads` fixes the count; so does $VLLM_LITE_ADAPTIVE_THREADS=0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Cumulative CPU seconds at one moment: busy on our cores (every process), and this process's own."""
+
+    wall_s: float
+    host_busy_s: float
+    own_s: float
+
+
+def read_host_busy_s(cpus: frozenset[int], proc_stat: str = "/proc/stat") -> Optional[float]:
+    """Busy CPU seconds so far on `cpus` (all but idle and iowait), from /proc/stat; None where unreadable."""
+    try:
+        with open(proc_stat) as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    busy = 0
+    seen = 0
+    for line in lines:
+        if not line.startswith("cpu") or line.startswith("cpu "):
+            continue
+        name, *fields = line.split()
+        if int(name[3:]) not in cpus:
+            continue
+        ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+        busy += sum(ticks) - ticks[3] - ticks[4]
+        seen += 1
+    return busy / _CLK_TCK if seen else None
+
+
+def take_sample(cpus: frozenset[int]) -> Optional[CpuSample]:
+    busy = read_host_busy_s(cpus)
+    if busy is None:
+        return None
+    t = os.times()
+    return CpuSample(time.monotonic(), busy, t.user + t.system)
+
+
+def others_cores(before: CpuSample, after: CpuSample) -> float:
+    """Cores' worth of CPU that processes other than this one used between two samples."""
+    wall = after.wall_s - before.wall_s
+    if wall <= 0:
+        return 0.0
+    others = (after.host_busy_s - before.host_busy_s) - (after.own_s - before.own_s)
+    return max(0.0, others / wall)
+
+
+def decide(current: int, others: float, cores: int, up_below: float = 0.2, down_above: float = 0.45) -> int:
+    """Threads for the next interval given the cores others use: one per core they leave free.
+
+    A thread is added only while others leave its core all but `up_below` free, and dropped as soon as they
+    take more than `down_above` of a core we compute on. Between the two bounds, the count stays."""
+    free = cores - others
+    want_up = min(cores, max(1, int(free + up_below)))
+    want_down = min(cores, max(1, int(free + down_above)))
+    if want_down < current:
+        return want_down
+    if want_up > current:
+        return want_up
+    return current
+
+
+class AdaptiveThreads:
+    """Re-decides the core's thread count between steps (`maybe_update`), cheaply: a clock read per call."""
+
+    def __init__(
+        self,
+        cpus: frozenset[int],
+        start: int,
+        set_threads: Callable[[int], None],
+        sample: Optional[Callable[[], Optional[CpuSample]]] = None,
+        interval_s: float = 0.5,
+        log_every_s: float = 30.0,
+    ) -> None:
+        self.cpus = cpus
+        self.cores = len(cpus)
+        self.current = start
+        self.interval_s = interval_s
+        self.log_every_s = log_every_s
+        self._set = set_threads
+        self._sample = sample or (lambda: take_sample(cpus))
+        self._last = self._sample()
+        self._pending_up = 0  # consecutive samples that asked for more threads
+        self._last_log = -float("inf")
+        self.changes = 0
+
+    def maybe_update(self, now: Optional[float] = None) -> int:
+        """After a step: if an interval has passed, sample, decide and apply; returns the count in use."""
+        now = time.monotonic() if now is None else now
+        if self._last is None or now - self._last.wall_s < self.interval_s:
+            return self.current
+        sample = self._sample()
+        if sample is None:
+            return self.current
+        before, self._last = self._last, sample
+        if sample.wall_s - before.wall_s > 20 * self.interval_s:
+            self._pending_up = 0  # the core sat idle: this window says little about now
+            return self.current
+        others = others_cores(before, sample)
+        target = decide(self.current, others, self.cores)
+        if target > self.current:
+            self._pending_up += 1
+            if self._pending_up < 2:
+                return self.current
+        self._pending_up = 0
+        if target != self.current:
+            self._apply(target, others, sample.wall_s)
+        return self.current
+
+    def _apply(self, n: int, others: float, now: float) -> None:
+        old, self.current = self.current, n
+        self._set(n)
+        self.changes += 1
+        level = logging.INFO if now - self._last_log >= self.log_every_s else logging.DEBUG
+        if level == logging.INFO:
+            self._last_log = now
+        logger.log(
+            level,
+            "engine core CPU threads %d -> %d (other processes use %.2f of %d cores)",
+            old,
+            n,
+            others,
+            self.cores,
+        )
+
+
+def usable_cpus() -> frozenset[int]:
+    """The cores this process may run on."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return frozenset(range(os.cpu_count() or 1))
