@@ -66,7 +66,7 @@ class FakeHost:
         return CpuSample(self.t, self.busy, self.own)
 
 
-def test_adapter_goes_up_after_two_quiet_intervals_and_down_at_once_when_others_get_busy() -> None:
+def test_adapter_goes_up_after_two_quiet_intervals_of_time_and_down_at_once_when_others_get_busy() -> None:
     host, applied = FakeHost(), []
     policy = AdaptiveThreads(frozenset({0, 1}), 1, applied.append, sample=host.sample, interval_s=0.5)
     assert policy.maybe_update(host.advance(0.2, 0.0, 0.2)) == 1 and applied == []  # too soon to sample
@@ -79,6 +79,8 @@ def test_adapter_goes_up_after_two_quiet_intervals_and_down_at_once_when_others_
     assert policy.maybe_update(host.advance(0.6, 0.8, 0.6)) == 1
     assert policy.maybe_update(host.advance(0.6, 0.0, 0.6)) == 1 and applied == [2, 1]
     assert policy.changes == 2
+    # One step longer than two intervals (a big prefill) is quiet time enough on its own.
+    assert policy.maybe_update(host.advance(1.2, 0.0, 1.0)) == 2 and applied == [2, 1, 2]
 
 
 def test_a_window_spanning_a_long_idle_spell_decides_nothing() -> None:

@@ -6,8 +6,8 @@ yet on an idle 2-core host two threads gave 113 against 99 output tok/s. Whether
 depends on the moment: an offline `LLM.generate` frontend sleeps on its socket while the core works, an HTTP
 frontend streams, and other programs come and go. So between steps, at most every `interval_s`, the core
 reads the CPU time of the cores it may run on (/proc/stat) and its own (os.times); the difference is what
-others use. It takes a core back for a thread only after two samples in a row found others using at most
-`up_below` of one, and gives one up as soon as they use more than `down_above` (hysteresis: no flapping).
+others use. It takes a core back for a thread only after others used at most `up_below` of one for two
+intervals' worth of wall time in a row (one long prefill step can be enough), and gives one up as soon as they use more than `down_above` (hysteresis: no flapping).
 An explicit `num_threads` fixes the count; so does $VLLM_LITE_ADAPTIVE_THREADS=0.
 """
 
@@ -106,7 +106,7 @@ class AdaptiveThreads:
         self._set = set_threads
         self._sample = sample or (lambda: take_sample(cpus))
         self._last = self._sample()
-        self._pending_up = 0  # consecutive samples that asked for more threads
+        self._quiet_s = 0.0  # wall time of consecutive samples that asked for more threads
         self._last_log = -float("inf")
         self.changes = 0
 
@@ -119,16 +119,17 @@ class AdaptiveThreads:
         if sample is None:
             return self.current
         before, self._last = self._last, sample
-        if sample.wall_s - before.wall_s > 20 * self.interval_s:
-            self._pending_up = 0  # the core sat idle: this window says little about now
+        window = sample.wall_s - before.wall_s
+        if window > 20 * self.interval_s:
+            self._quiet_s = 0.0  # the core sat idle: this window says little about now
             return self.current
         others = others_cores(before, sample)
         target = decide(self.current, others, self.cores)
         if target > self.current:
-            self._pending_up += 1
-            if self._pending_up < 2:
+            self._quiet_s += window
+            if self._quiet_s < 2 * self.interval_s:
                 return self.current
-        self._pending_up = 0
+        self._quiet_s = 0.0
         if target != self.current:
             self._apply(target, others, sample.wall_s)
         return self.current
