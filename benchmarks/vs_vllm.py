@@ -58,7 +58,8 @@ def matmul_params(cfg: dict) -> int:
 
 
 def core_threads() -> int:
-    """The engine core's torch threads under vllm-lite's policy: all usable cores but one."""
+    """The engine core's starting torch threads under vllm-lite's policy: all usable cores but one (it then
+    follows what other processes use, core/thread_policy.py)."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
@@ -403,14 +404,15 @@ def main() -> None:
         "repeats": args.repeats,
         "host": host,
         "load_avg_at_end": os.getloadavg(),
-        "engine_core_threads": threads,
+        "engine_core_threads": args.lite_num_threads or f"adaptive from {threads} (core/thread_policy.py)",
         "matmul_tflops": limit,
     }
     for e in engines:
         if e == "vllm" and not have_vllm:
             result["vllm"] = f"absent (no {args.vllm_python})"
             continue
-        result[e] = summarise(runs[e], flops, limit, threads)
+        # The hardware limit: every usable core (the adaptive core and HF may use them all).
+        result[e] = summarise(runs[e], flops, limit, len(os.sched_getaffinity(0)))
     lite = result.get("lite", {})
     for other in ("vllm", "hf"):
         o = result.get(other)

@@ -243,7 +243,8 @@ class EngineArgs:
     num_threads: Optional[int] = field(
         default=None,
         metadata={
-            "help": "Torch threads per engine core (default: all cores but one on CPU, shared out under data parallel)."
+            "help": "Torch threads per engine core, fixed (default on CPU: start on all cores but one and follow what "
+            "other processes use between steps; shared out and fixed under data parallel)."
         },
     )
     structured_outputs_config: Optional[StructuredOutputsConfig] = field(
