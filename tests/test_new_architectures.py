@@ -108,6 +108,19 @@ def test_which_layers_are_windowed_follows_transformers() -> None:
     assert uniform_sliding_window({"model_type": "llama", "num_hidden_layers": 2}) is None
 
 
+def _windowed_llm(path: str, block_size: int, budget: int, **extra) -> LLM:
+    """An in-process float32 engine with small blocks and steps, so a 256-token max_model_len spans many windows."""
+    return LLM(
+        model=path,
+        dtype="float32",
+        multiprocess=False,
+        block_size=block_size,
+        max_model_len=256,
+        max_num_batched_tokens=budget,
+        **extra,
+    )
+
+
 def test_blocks_in_use_per_sequence_stay_within_the_window(monkeypatch) -> None:
     """All-windowed Mistral: blocks behind the window go back to the pool while the sequence grows."""
     from vllm_lite.core.sched.scheduler import Scheduler
@@ -125,15 +138,7 @@ def test_blocks_in_use_per_sequence_stay_within_the_window(monkeypatch) -> None:
         return out
 
     monkeypatch.setattr(Scheduler, "schedule", recording)
-    with LLM(
-        model=path,
-        dtype="float32",
-        multiprocess=False,
-        block_size=block_size,
-        max_model_len=256,
-        max_num_batched_tokens=budget,
-        enable_prefix_caching=True,
-    ) as llm:
+    with _windowed_llm(path, block_size, budget, enable_prefix_caching=True) as llm:
         prompts = greedy_prompts(llm.get_tokenizer(), (70, 40))
         outs = _generate(llm, prompts)
         assert llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.sliding_window == TINY_WINDOW
@@ -152,15 +157,7 @@ def test_window_saved_kv_admits_sequences_longer_than_the_cache() -> None:
     block_size, budget = 4, 8
     per_block = 2 * block_size * 3 * 2 * 16 * 4  # K and V, 3 layers x 2 KV heads x 16 dims, float32
     bound = -(-(TINY_WINDOW - 1 + budget) // block_size) + 1
-    with LLM(
-        model=path,
-        dtype="float32",
-        multiprocess=False,
-        block_size=block_size,
-        max_model_len=256,
-        max_num_batched_tokens=budget,
-        kv_cache_memory_bytes=per_block * (2 * bound + 1),
-    ) as llm:
+    with _windowed_llm(path, block_size, budget, kv_cache_memory_bytes=per_block * (2 * bound + 1)) as llm:
         assert llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.num_blocks == 2 * bound + 1
         prompts = greedy_prompts(llm.get_tokenizer(), (70, 40))
         outs = _generate(llm, prompts)
