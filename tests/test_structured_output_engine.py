@@ -206,15 +206,24 @@ def test_preemption_by_recompute_keeps_each_matcher_in_sync(tokenizer: Any, monk
     long_regex = r"[a-z]{12}-[0-9]{6}"
     params = [constrained(StructuredOutputsParams(regex=long_regex), max_tokens=60) for _ in range(6)]
     prompts = [tokenizer.encode(f"{PROMPT} {i}", add_special_tokens=False) for i in range(6)]
-    kw = {"block_size": 4, "enable_prefix_caching": False, "max_num_batched_tokens": 32}
+    block_size = 4
+    kw = {"block_size": block_size, "enable_prefix_caching": False, "max_num_batched_tokens": 32}
     roomy = tiny_engine_core(**kw)
     try:
         reference = _run_all(roomy, params, prompts)
         per_block = roomy.executor.worker.model_runner.kv_cache_bytes_per_block()
     finally:
         roomy.shutdown()
+    # Sized from the reference run, so the premise holds whatever tokens this device's float rounding picks:
+    # the largest request fits alone, but all six (admitted together: short prompts, max_num_seqs 16) need
+    # twice the cache before any of them can finish.
+    needs = [-(-(len(p) + len(out)) // block_size) for p, out in zip(prompts, reference)]
+    num_blocks = max(max(needs) + 1, -(-sum(needs) // 2))
+    assert num_blocks < sum(needs) - max(needs), f"outputs too short to squeeze: {needs}"
     preempted = record_preemptions(monkeypatch)
-    squeezed_core = tiny_engine_core(kv_cache_memory_bytes=per_block * 20, **kw)
+    squeezed_core = tiny_engine_core(
+        kv_cache_memory_bytes=per_block * num_blocks, max_model_len=block_size * (max(needs) + 1), **kw
+    )
     try:
         squeezed = _run_all(squeezed_core, params, prompts)
         assert_no_leak(squeezed_core)
