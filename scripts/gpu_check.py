@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform as pyplatform
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ PARTS = ("triton", "hf", "suite", "bench", "kernels")
 HD32 = "llama-hd32"  # a Llama with head_dim 32 (the tiny ones have 16), built here
 FLOAT32_LOGPROB_TOL = 1e-4
 NEW_TOKENS = 24
+MULTI_GPU_SKIP = re.compile(r"needs \d+ CUDA devices, \d+ visible")
 
 
 def _env() -> dict[str, str]:
@@ -131,7 +133,30 @@ def part_suite(args: argparse.Namespace) -> dict[str, Any]:
         args.suite_timeout,
     )
     res["skip_reasons"] = sorted({s["reason"] for s in res.get("skips", [])})
+    junit = os.path.join(args.out, "suite.xml")
+    if os.path.exists(junit):
+        res["native_cuda_kernel_cases"] = _native_kernel_cases(junit)
+    if args.device == "cuda":
+        # On one GPU the only acceptable skips are the multi-GPU ones, and every compiled-kernel case must run.
+        unexpected = [r for r in res["skip_reasons"] if not MULTI_GPU_SKIP.match(r)]
+        native = res.get("native_cuda_kernel_cases", {})
+        if unexpected or native.get("skipped") or not native.get("passed"):
+            res["status"] = "fail" if res["status"] == "pass" else res["status"]
+            res["note"] = f"unexpected skips: {unexpected}; native CUDA kernel cases: {native}"
     return res
+
+
+def _native_kernel_cases(junit: str) -> dict[str, int]:
+    """How the compiled-on-CUDA Triton kernel cases (test_compiled_*cuda*) ended: they must all run on a GPU."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = case.get("name") or ""
+        if not (name.startswith("test_compiled") and "cuda" in name):
+            continue
+        tags = {child.tag for child in case}
+        key = "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
+        counts[key] += 1
+    return counts
 
 
 def part_bench(args: argparse.Namespace) -> dict[str, Any]:

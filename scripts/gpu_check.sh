@@ -12,7 +12,8 @@
 #
 # No network: HF_HUB_OFFLINE=1, checkpoints are built locally. Where msgspec/pyzmq/fastapi/uvicorn are
 # missing (the GPU image), wheels are installed from .whl/ (fetch them on a machine with the package
-# index: `bash ../shared/gpu/wheels.sh` from the project root) into a private folder on PYTHONPATH.
+# index: `bash scripts/gpu_wheels.sh`) into a private folder on PYTHONPATH. Where the `vllm-lite` console
+# script is not installed, the source tree is installed editable (no dependencies, no network).
 # The package itself is used from this source tree. Options go on to scripts/gpu_check.py (--help).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -21,22 +22,27 @@ py=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 
-need_wheels() { ! "$py" -c "import msgspec, zmq, fastapi, uvicorn, httpx" >/dev/null 2>&1; }
+need_wheels() { ! "$py" -c "import msgspec, zmq, fastapi, uvicorn, httpx, openai, xgrammar, llguidance" >/dev/null 2>&1; }
 if need_wheels; then
   shopt -s nullglob
   wheels=(.whl/*.whl)
   if ((${#wheels[@]} == 0)); then
     echo "gpu_check: msgspec/pyzmq/fastapi/uvicorn are missing and .whl/ holds no wheels;" >&2
-    echo "           fetch them where the package index is reachable: bash ../shared/gpu/wheels.sh" >&2
+    echo "           fetch them where the package index is reachable: bash scripts/gpu_wheels.sh" >&2
     exit 2
   fi
   site=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}"
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   if need_wheels; then
-    echo "gpu_check: the wheels in .whl/ did not provide msgspec/pyzmq/fastapi/uvicorn/httpx" >&2
+    echo "gpu_check: the wheels in .whl/ did not provide msgspec/pyzmq/fastapi/uvicorn/httpx/openai/xgrammar/llguidance" >&2
     exit 2
   fi
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# The suite checks the console script's entry point: install the tree editable when it is missing.
+if ! "$py" -c "from importlib.metadata import entry_points as e; assert any(x.name == 'vllm-lite' for x in e(group='console_scripts'))" >/dev/null 2>&1; then
+  "$py" -m pip install -q --no-deps --no-index --no-build-isolation -e "$root" ||
+    echo "gpu_check: could not install the vllm-lite console script; tests/test_cli.py will say so" >&2
+fi
 exec "$py" scripts/gpu_check.py "$@"

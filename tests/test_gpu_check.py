@@ -1,0 +1,77 @@
+"""scripts/gpu_check.py's verdicts on a suite run: only multi-GPU skips are acceptable on one GPU, and every
+compiled-on-CUDA kernel case must have run (a junit file written here stands in for a real run)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check() -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_check_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _junit(path: Path, cases: list[tuple[str, str, str]]) -> None:
+    """cases: (name, outcome, skip reason) with outcome passed/failed/skipped."""
+    rows = []
+    for name, outcome, reason in cases:
+        inner = {
+            "passed": "",
+            "failed": '<failure message="boom">x</failure>',
+            "skipped": f'<skipped message="{reason}"/>',
+        }
+        rows.append(f'<testcase classname="tests.test_x" name="{name}">{inner[outcome]}</testcase>')
+    path.write_text(f'<testsuites><testsuite name="pytest">{"".join(rows)}</testsuite></testsuites>')
+
+
+def _suite(gpu_check: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cases, device: str = "cuda") -> dict:
+    def fake_pytest(args, junit, log, timeout_s):
+        _junit(Path(junit), cases)
+        return {"status": "pass", **gpu_check._junit_summary(junit)}
+
+    monkeypatch.setattr(gpu_check, "_pytest", fake_pytest)
+    args = argparse.Namespace(out=str(tmp_path), suite_workers=0, suite_args=[], suite_timeout=1.0, device=device)
+    return gpu_check.part_suite(args)
+
+
+MULTI = "needs 2 CUDA devices, 1 visible"
+
+
+def test_multi_gpu_skips_and_all_native_kernel_cases_run_pass(gpu_check, tmp_path, monkeypatch) -> None:
+    cases = [("test_compiled_kernel_on_cuda_matches_reference[a]", "passed", ""), ("test_tp", "skipped", MULTI)]
+    res = _suite(gpu_check, tmp_path, monkeypatch, cases)
+    assert res["status"] == "pass", res
+    assert res["native_cuda_kernel_cases"] == {"passed": 1, "failed": 0, "skipped": 0}
+    assert res["skip_reasons"] == [MULTI]
+
+
+@pytest.mark.parametrize(
+    "cases",
+    [
+        [("test_compiled_kernel_on_cuda_matches_reference[a]", "passed", ""), ("test_y", "skipped", "needs CUDA")],
+        [("test_compiled_kernel_on_cuda_matches_reference[a]", "skipped", "triton missing")],
+        [("test_other", "passed", "")],  # no compiled kernel case ran at all
+    ],
+    ids=["a-non-gpu-skip", "a-native-case-skipped", "no-native-case"],
+)
+def test_other_skips_or_missing_native_kernel_cases_fail_on_cuda(gpu_check, tmp_path, monkeypatch, cases) -> None:
+    res = _suite(gpu_check, tmp_path, monkeypatch, cases)
+    assert res["status"] == "fail" and "note" in res, res
+
+
+def test_on_cpu_the_skips_are_only_listed(gpu_check, tmp_path, monkeypatch) -> None:
+    cases = [("test_compiled_kernel_on_cuda_matches_reference[a]", "skipped", "needs CUDA")]
+    res = _suite(gpu_check, tmp_path, monkeypatch, cases, device="cpu")
+    assert res["status"] == "pass" and res["skip_reasons"] == ["needs CUDA"]
+    assert os.path.exists(tmp_path / "suite.xml")
