@@ -89,6 +89,9 @@ def _grouping_for(token_slots: torch.Tensor, num_slots: int) -> SlotGrouping:
 
 
 if HAS_TRITON:
+    # The BGMV kernel's loop over K takes a different form under the interpreter (the SGMV kernel gets
+    # INTERPRET as a parameter). A global constexpr: Triton picks its interpreter for the whole process at import.
+    _INTERPRET = tl.constexpr(bool(envs.TRITON_INTERPRET))
 
     @triton.jit
     def _dot_tile(a, w, acc, W_F32: tl.constexpr, INTERPRET: tl.constexpr):
@@ -100,6 +103,44 @@ if HAS_TRITON:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, w)
+        return acc
+
+    @triton.jit
+    def _sgmv_k_tile(
+        acc, in_ptr, w_base, tokens, row_ok, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
+        W_F32: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """acc += in[tokens, k0:k0 + BLOCK_K] @ w[slot, offs_n, k0:k0 + BLOCK_K]^T (one K tile, inlined)."""
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_in
+        a = tl.load(
+            in_ptr + tokens[:, None] * stride_in_t + offs_k[None, :] * stride_in_k,
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_base + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k,
+            mask=k_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        return _dot_tile(a, w, acc, W_F32, INTERPRET)
+
+    @triton.jit
+    def _bgmv_k_tile(
+        acc, in_ptr, w_base, t, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """acc += w[slot, offs_n, k0:k0 + BLOCK_K] @ in[t, k0:k0 + BLOCK_K] (one K tile, inlined)."""
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_in
+        w = tl.load(
+            w_base + offs_n[:, None] * stride_w_n + offs_k[None, :] * stride_w_k,
+            mask=n_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        a = tl.load(in_ptr + t * stride_in_t + offs_k * stride_in_k, mask=k_ok, other=0.0)
+        a = a.to(w.dtype).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         return acc
 
     @triton.jit
@@ -145,20 +186,22 @@ if HAS_TRITON:
         n_ok = offs_n < n_out
         w_base = w_ptr + slot.to(tl.int64) * stride_w_s
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(pid_k * BLOCK_K, k_in, BLOCK_K * SPLIT_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k_in
-            a = tl.load(
-                in_ptr + tokens[:, None] * stride_in_t + offs_k[None, :] * stride_in_k,
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                w_base + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k,
-                mask=k_ok[:, None] & n_ok[None, :],
-                other=0.0,
-            )
-            acc = _dot_tile(a, w, acc, W_F32, INTERPRET)
+        if INTERPRET:
+            # Triton 3.6's interpreter keeps scalars as 1-element arrays that range() cannot take as a
+            # bound; a while loop only needs their truth value. Compiled, the for loop stays (scf.for).
+            k0 = pid_k * BLOCK_K
+            while k0 < k_in:
+                acc = _sgmv_k_tile(
+                    acc, in_ptr, w_base, tokens, row_ok, offs_n, n_ok, k0, k_in,
+                    stride_in_t, stride_in_k, stride_w_n, stride_w_k, W_F32, INTERPRET, BLOCK_K,
+                )  # fmt: skip
+                k0 += BLOCK_K * SPLIT_K
+        else:
+            for k0 in range(pid_k * BLOCK_K, k_in, BLOCK_K * SPLIT_K):
+                acc = _sgmv_k_tile(
+                    acc, in_ptr, w_base, tokens, row_ok, offs_n, n_ok, k0, k_in,
+                    stride_in_t, stride_in_k, stride_w_n, stride_w_k, W_F32, INTERPRET, BLOCK_K,
+                )  # fmt: skip
         out = out_ptr + tokens[:, None] * stride_out_t + offs_n[None, :] * stride_out_n
         mask = row_ok[:, None] & n_ok[None, :]
         if ACCUMULATE:
@@ -201,17 +244,21 @@ if HAS_TRITON:
         n_ok = offs_n < n_out
         w_base = w_ptr + slot * stride_w_s
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(pid_k * BLOCK_K, k_in, BLOCK_K * SPLIT_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k_in
-            w = tl.load(
-                w_base + offs_n[:, None] * stride_w_n + offs_k[None, :] * stride_w_k,
-                mask=n_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            a = tl.load(in_ptr + t * stride_in_t + offs_k * stride_in_k, mask=k_ok, other=0.0)
-            a = a.to(w.dtype).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        if _INTERPRET:
+            # As in _sgmv_kernel: a while loop under the interpreter, the for loop (scf.for) compiled.
+            k0 = pid_k * BLOCK_K
+            while k0 < k_in:
+                acc = _bgmv_k_tile(
+                    acc, in_ptr, w_base, t, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
+                    BLOCK_K,
+                )  # fmt: skip
+                k0 += BLOCK_K * SPLIT_K
+        else:
+            for k0 in range(pid_k * BLOCK_K, k_in, BLOCK_K * SPLIT_K):
+                acc = _bgmv_k_tile(
+                    acc, in_ptr, w_base, t, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
+                    BLOCK_K,
+                )  # fmt: skip
         out = out_ptr + t * stride_out_t + offs_n * stride_out_n
         if ACCUMULATE:
             prev = tl.load(out, mask=n_ok, other=0.0).to(tl.float32)

@@ -46,6 +46,77 @@ MAX_SPLIT_K = 16
 if HAS_TRITON:
 
     @triton.jit
+    def _int4_k_tile(
+        acc, x_rows, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, k0, K, N, group_size, m_ok, offs_n, n_ok, pid_n,
+        word_n, shift_n, stride_xk, stride_qw, stride_qz, stride_s,
+        AWQ: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_G_IDX: tl.constexpr,
+        ONE_GROUP_PER_TILE: tl.constexpr, X_F32: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, WIDE_LOAD: tl.constexpr,
+    ):  # fmt: skip
+        """acc += x[:, k0:k0 + BLOCK_K] @ dequant(W)[k0:k0 + BLOCK_K, offs_n] (one K tile, inlined)."""
+        PACK: tl.constexpr = 32 // BITS
+        MASK: tl.constexpr = (1 << BITS) - 1
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        tile_ok = k_ok[:, None] & n_ok[None, :]
+        a = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if AWQ:
+            if WIDE_LOAD:
+                # Each word once ([BK, BN/8], vectorisable), repeated 8 times along N in registers.
+                offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+                words = tl.load(
+                    qweight_ptr + offs_k.to(tl.int64)[:, None] * stride_qw + offs_w[None, :],
+                    mask=k_ok[:, None] & (offs_w < N // 8)[None, :],
+                    other=0,
+                )
+                words = tl.reshape(tl.broadcast_to(words[:, :, None], (BLOCK_K, BLOCK_N // 8, 8)), (BLOCK_K, BLOCK_N))
+            else:
+                words = tl.load(
+                    qweight_ptr + offs_k.to(tl.int64)[:, None] * stride_qw + word_n[None, :], mask=tile_ok, other=0
+                )
+            q = (words >> shift_n[None, :]) & MASK
+        else:
+            if WIDE_LOAD:
+                # Each word once ([BK/PACK, BN]), repeated PACK times along K in registers.
+                rows = (k0 // PACK + tl.arange(0, BLOCK_K // PACK)).to(tl.int64)
+                words = tl.load(
+                    qweight_ptr + rows[:, None] * stride_qw + offs_n[None, :],
+                    mask=(rows < K // PACK)[:, None] & n_ok[None, :],
+                    other=0,
+                )
+                words = tl.reshape(
+                    tl.broadcast_to(words[:, None, :], (BLOCK_K // PACK, PACK, BLOCK_N)), (BLOCK_K, BLOCK_N)
+                )
+            else:
+                rows = (offs_k // PACK).to(tl.int64)
+                words = tl.load(qweight_ptr + rows[:, None] * stride_qw + offs_n[None, :], mask=tile_ok, other=0)
+            q = (words >> ((offs_k % PACK) * BITS)[:, None]) & MASK
+        if ONE_GROUP_PER_TILE:
+            # The tile lies in one group: one row of zeros and scales, broadcast over the tile.
+            g = k0 // group_size
+            zw = tl.load(qzeros_ptr + g * stride_qz + word_n, mask=n_ok, other=0)
+            z = ((zw >> shift_n) & MASK) + ZERO_OFFSET
+            s = tl.load(scales_ptr + g * stride_s + offs_n, mask=n_ok, other=0.0)
+            w = ((q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]).to(s.dtype)
+        else:
+            if HAS_G_IDX:
+                g = tl.load(g_idx_ptr + offs_k, mask=k_ok, other=0)
+            else:
+                g = offs_k // group_size
+            zw = tl.load(qzeros_ptr + g[:, None] * stride_qz + word_n[None, :], mask=tile_ok, other=0)
+            z = ((zw >> shift_n[None, :]) & MASK) + ZERO_OFFSET
+            s = tl.load(scales_ptr + g[:, None] * stride_s + offs_n[None, :], mask=tile_ok, other=0.0)
+            w = ((q - z).to(tl.float32) * s.to(tl.float32)).to(s.dtype)
+        w = w.to(a.dtype)
+        if X_F32:
+            acc += tl.dot(a, w, input_precision="ieee")
+        elif INTERPRET:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+        return acc
+
+    @triton.jit
     def _int4_gemm_kernel(
         x_ptr,
         qweight_ptr,
@@ -81,7 +152,6 @@ if HAS_TRITON:
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         PACK: tl.constexpr = 32 // BITS
-        MASK: tl.constexpr = (1 << BITS) - 1
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = offs_m < M
@@ -94,67 +164,24 @@ if HAS_TRITON:
             shift_n = (offs_n % PACK) * BITS
         x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            tile_ok = k_ok[:, None] & n_ok[None, :]
-            a = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if AWQ:
-                if WIDE_LOAD:
-                    # Each word once ([BK, BN/8], vectorisable), repeated 8 times along N in registers.
-                    offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-                    words = tl.load(
-                        qweight_ptr + offs_k.to(tl.int64)[:, None] * stride_qw + offs_w[None, :],
-                        mask=k_ok[:, None] & (offs_w < N // 8)[None, :],
-                        other=0,
-                    )
-                    words = tl.reshape(
-                        tl.broadcast_to(words[:, :, None], (BLOCK_K, BLOCK_N // 8, 8)), (BLOCK_K, BLOCK_N)
-                    )
-                else:
-                    words = tl.load(
-                        qweight_ptr + offs_k.to(tl.int64)[:, None] * stride_qw + word_n[None, :], mask=tile_ok, other=0
-                    )
-                q = (words >> shift_n[None, :]) & MASK
-            else:
-                if WIDE_LOAD:
-                    # Each word once ([BK/PACK, BN]), repeated PACK times along K in registers.
-                    rows = (k0 // PACK + tl.arange(0, BLOCK_K // PACK)).to(tl.int64)
-                    words = tl.load(
-                        qweight_ptr + rows[:, None] * stride_qw + offs_n[None, :],
-                        mask=(rows < K // PACK)[:, None] & n_ok[None, :],
-                        other=0,
-                    )
-                    words = tl.reshape(
-                        tl.broadcast_to(words[:, None, :], (BLOCK_K // PACK, PACK, BLOCK_N)), (BLOCK_K, BLOCK_N)
-                    )
-                else:
-                    rows = (offs_k // PACK).to(tl.int64)
-                    words = tl.load(qweight_ptr + rows[:, None] * stride_qw + offs_n[None, :], mask=tile_ok, other=0)
-                q = (words >> ((offs_k % PACK) * BITS)[:, None]) & MASK
-            if ONE_GROUP_PER_TILE:
-                # The tile lies in one group: one row of zeros and scales, broadcast over the tile.
-                g = k0 // group_size
-                zw = tl.load(qzeros_ptr + g * stride_qz + word_n, mask=n_ok, other=0)
-                z = ((zw >> shift_n) & MASK) + ZERO_OFFSET
-                s = tl.load(scales_ptr + g * stride_s + offs_n, mask=n_ok, other=0.0)
-                w = ((q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]).to(s.dtype)
-            else:
-                if HAS_G_IDX:
-                    g = tl.load(g_idx_ptr + offs_k, mask=k_ok, other=0)
-                else:
-                    g = offs_k // group_size
-                zw = tl.load(qzeros_ptr + g[:, None] * stride_qz + word_n[None, :], mask=tile_ok, other=0)
-                z = ((zw >> shift_n[None, :]) & MASK) + ZERO_OFFSET
-                s = tl.load(scales_ptr + g[:, None] * stride_s + offs_n[None, :], mask=tile_ok, other=0.0)
-                w = ((q - z).to(tl.float32) * s.to(tl.float32)).to(s.dtype)
-            w = w.to(a.dtype)
-            if X_F32:
-                acc += tl.dot(a, w, input_precision="ieee")
-            elif INTERPRET:
-                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(a, w)
+        if INTERPRET:
+            # Triton 3.6's interpreter keeps scalars as 1-element arrays that range() cannot take as a
+            # bound; a while loop only needs their truth value. Compiled, the for loop stays (scf.for).
+            k0 = pid_k * BLOCK_K
+            while k0 < K:
+                acc = _int4_k_tile(
+                    acc, x_rows, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, k0, K, N, group_size, m_ok, offs_n,
+                    n_ok, pid_n, word_n, shift_n, stride_xk, stride_qw, stride_qz, stride_s, AWQ, BITS, ZERO_OFFSET,
+                    HAS_G_IDX, ONE_GROUP_PER_TILE, X_F32, INTERPRET, BLOCK_N, BLOCK_K, WIDE_LOAD,
+                )  # fmt: skip
+                k0 += BLOCK_K * SPLIT_K
+        else:
+            for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+                acc = _int4_k_tile(
+                    acc, x_rows, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, k0, K, N, group_size, m_ok, offs_n,
+                    n_ok, pid_n, word_n, shift_n, stride_xk, stride_qw, stride_qz, stride_s, AWQ, BITS, ZERO_OFFSET,
+                    HAS_G_IDX, ONE_GROUP_PER_TILE, X_F32, INTERPRET, BLOCK_N, BLOCK_K, WIDE_LOAD,
+                )  # fmt: skip
         out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K > 1:

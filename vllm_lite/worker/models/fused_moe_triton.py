@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_lite import envs
+
 try:
     import triton
     import triton.language as tl
@@ -53,6 +55,31 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 
 if HAS_TRITON:
+    # The kernel's loop over K takes a different form under the interpreter (see _expert_gemm). A global
+    # constexpr rather than a parameter: Triton picks its interpreter for the whole process at import anyway.
+    _INTERPRET = tl.constexpr(bool(envs.TRITON_INTERPRET))
+
+    @triton.jit
+    def _expert_k_tile(
+        acc, a_ptr, w_ptr, rows, row_ok, expert, offs_n, n_ok, k0, k_in,
+        stride_am, stride_we, stride_wn, stride_wk, IEEE: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """acc += a[rows, k0:k0 + BLOCK_K] @ w[expert, offs_n, k0:k0 + BLOCK_K]^T (one K tile, inlined)."""
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_in
+        a = tl.load(
+            a_ptr + rows[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+            mask=k_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+        return acc
 
     @triton.jit
     def _expert_gemm(
@@ -90,21 +117,22 @@ if HAS_TRITON:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_out
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k_in, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k_in
-            a = tl.load(
-                a_ptr + rows[:, None] * stride_am + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            w = tl.load(
-                w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                mask=k_ok[:, None] & n_ok[None, :],
-                other=0.0,
-            )
-            if IEEE:
-                acc += tl.dot(a, w, input_precision="ieee")
-            else:
-                acc += tl.dot(a, w)
+        if _INTERPRET:
+            # Triton 3.6's interpreter keeps scalars as 1-element arrays that range() cannot take as a
+            # bound; a while loop only needs their truth value. Compiled, the for loop stays (scf.for).
+            k0 = 0
+            while k0 < k_in:
+                acc = _expert_k_tile(
+                    acc, a_ptr, w_ptr, rows, row_ok, expert, offs_n, n_ok, k0, k_in,
+                    stride_am, stride_we, stride_wn, stride_wk, IEEE, BLOCK_K,
+                )  # fmt: skip
+                k0 += BLOCK_K
+        else:
+            for k0 in range(0, k_in, BLOCK_K):
+                acc = _expert_k_tile(
+                    acc, a_ptr, w_ptr, rows, row_ok, expert, offs_n, n_ok, k0, k_in,
+                    stride_am, stride_we, stride_wn, stride_wk, IEEE, BLOCK_K,
+                )  # fmt: skip
         if SCALE:
             acc = acc * tl.load(pair_weight_ptr + pairs, mask=row_ok, other=0.0)[:, None]
         tl.store(
