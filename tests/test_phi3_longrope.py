@@ -3,7 +3,9 @@
 The tiny build's original_max_position_embeddings is 32. transformers' Phi-3 rotates a sequence of at most 32
 tokens with the short factors and a longer one with the long factors, and its generate() drops the KV cache and
 recomputes the whole sequence at the step the sequence first grows past 32. So the oracle is generate() itself
-(not the model stepped with its cache, which keeps the short-rotated keys): one engine with a small
+(not the model stepped with its cache, which keeps the short-rotated keys), or where the installed generate() does
+not recompute there (transformers 5.17: it feeds only the newest token, see hf_oracle), hf_greedy, which steps
+the model and recomputes at the switch as generate() is meant to (checked against generate() where it does): one engine with a small
 max_num_batched_tokens (long prompts run in chunks) and prefix caching on must give its tokens exactly and its
 chosen-token logprobs within 1e-4 for a prompt that stays under 32, one whose decode crosses it, one longer than
 it, and a long prompt that shares a prefix with an earlier short request.
@@ -11,17 +13,15 @@ it, and a long prompt that shares a prefix with an earlier short request.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-import torch
 
 from vllm_lite import LLM
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.hf_match import as_greedy_run, generate_greedy, hf_model_eager, record_preemptions
-from vllm_lite.testing.hf_oracle import PROMPT_TEXT, GreedyRun
+from vllm_lite.testing.hf_oracle import PROMPT_TEXT, hf_generate_greedy
 
 ORIGINAL_MAX = 32  # the phi3_longrope build's original_max_position_embeddings
 NEW_TOKENS = 12
@@ -53,22 +53,9 @@ def text_ids(llm: LLM) -> list[int]:
     return llm.get_tokenizer()(PROMPT_TEXT, add_special_tokens=False)["input_ids"]
 
 
-@torch.no_grad()
-def hf_generate_greedy(path: str, prompt: Sequence[int], n: int) -> GreedyRun:
-    """transformers' generate() (greedy, EOS ignored): its tokens and each chosen token's logprob."""
-    model = hf_model_eager(path)
-    config = copy.deepcopy(model.generation_config)
-    config.update(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=n, min_new_tokens=n)
-    config.update(output_logits=True, return_dict_in_generate=True)
-    out = model.generate(torch.tensor([list(prompt)]), generation_config=config)
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens)]
-    return GreedyRun(tokens, logprobs)
-
-
 def assert_equals_hf_generate(path: str, prompts: Sequence[Sequence[int]], outs: Sequence[Any]) -> None:
     for prompt, out in zip(prompts, outs):
-        ours, hf = as_greedy_run(out), hf_generate_greedy(path, prompt, NEW_TOKENS)
+        ours, hf = as_greedy_run(out), hf_generate_greedy(hf_model_eager(path), prompt, NEW_TOKENS)
         assert ours.tokens == hf.tokens, f"prompt of {len(prompt)} tokens"
         err = max(abs(a - b) for a, b in zip(ours.logprobs, hf.logprobs))
         assert err < TOL, f"prompt of {len(prompt)} tokens: logprob error {err}"
@@ -120,6 +107,29 @@ def test_prompt_logprobs_come_once_across_the_recompute(llm: LLM, text_ids: list
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     assert len(prompt) + 8 > ORIGINAL_MAX and len(out.outputs[0].token_ids) == 8
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+
+
+def test_the_stand_in_oracle_recomputes_at_the_switch_as_generate_does(
+    path: str, text_ids: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hf_greedy stands in for generate() where the installed transformers' does not recompute at the switch: it
+    gives generate()'s result where generate() does, and not the model's stepped with its cache throughout."""
+    from vllm_lite.testing.hf_oracle import generate_recomputes_at_rope_switch, hf_greedy
+    from vllm_lite.worker.models import rope_regime
+
+    model, prompt = hf_model_eager(path), text_ids[1:27]
+    stand_in = hf_greedy(model, prompt, NEW_TOKENS)
+    if generate_recomputes_at_rope_switch():
+        hf = hf_generate_greedy(model, prompt, NEW_TOKENS)
+        assert stand_in.tokens == hf.tokens
+        assert max(abs(a - b) for a, b in zip(stand_in.logprobs, hf.logprobs)) < TOL
+    monkeypatch.setattr(rope_regime, "rope_recompute_at", lambda config: None)
+    stepped = hf_greedy(model, prompt, NEW_TOKENS)  # keeps the short-rotated keys past the switch
+    assert stepped.tokens[:6] == stand_in.tokens[:6]  # the same up to the switch
+    assert (
+        stepped.tokens != stand_in.tokens
+        or max(abs(a - b) for a, b in zip(stepped.logprobs[6:], stand_in.logprobs[6:])) > 1e-3
+    )
 
 
 def test_factor_lists_of_the_wrong_length_are_refused() -> None:

@@ -7,6 +7,15 @@ transformers' Phi-3 rotates with the short factors while a sequence has at most
 original_max_position_embeddings tokens and with the long factors past it, and its generate() drops the KV
 cache and recomputes the whole sequence at the step the sequence first grows past it
 (Phi3ForCausalLM.prepare_inputs_for_generation). Other models never switch: the answer is None.
+
+Which generate() we follow: the one that recomputes (transformers 5.24), whatever transformers is installed.
+transformers 5.17's generate() drops the cache at the switch too, but then feeds only the newest token (its
+next_sequence_length stays 1), at position 0 with nothing before it, and drops the one-token cache again every
+later step, so from the switch on each token is predicted from the previous token alone. That is a bug, not a
+regime: following it would make the engine forget the request. So the engine always recomputes the whole
+sequence, and the test oracle (vllm_lite/testing/hf_oracle.py) checks the installed generate() by a feature test
+(generate_recomputes_at_rope_switch) and, where it does not recompute, steps the model itself with the same
+recompute (hf_greedy) instead of calling it.
 """
 
 from __future__ import annotations
