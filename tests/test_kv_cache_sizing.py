@@ -85,6 +85,9 @@ class _FakeRunner:
         self.profiled += 1
         return self.peak
 
+    def cuda_graph_reserve_bytes(self, peak_activation_bytes: int) -> int:
+        return 0  # no CUDA graphs (their reserve: tests/test_cuda_graphs.py)
+
 
 def _fake_cuda_worker(monkeypatch: pytest.MonkeyPatch, cache: CacheConfig, runner: _FakeRunner) -> GPUWorker:
     """A worker on a pretend 80 GiB card with 20 GiB in use (torch.cuda's memory calls patched)."""

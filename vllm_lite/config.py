@@ -220,8 +220,22 @@ class CompilationConfig:
 
     mode: int = 0
     backend: str = "inductor"
+    # CUDA graphs of decode batches (worker/cuda_graphs.py), vLLM's names: the batch sizes to capture (None:
+    # 1, 2, 4, 8, 16, ... in steps of 8) and the largest (None: min(max_num_seqs, 256)). enforce_eager: none.
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    max_cudagraph_capture_size: Optional[int] = None
 
     def __post_init__(self) -> None:
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            if not isinstance(sizes, (list, tuple)) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes
+            ):
+                raise ValueError(f"compilation_config.cudagraph_capture_sizes must be positive ints, got {sizes!r}.")
+            self.cudagraph_capture_sizes = sorted(set(sizes))
+        cap = self.max_cudagraph_capture_size
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"compilation_config.max_cudagraph_capture_size must be an int >= 0, got {cap!r}.")
         if isinstance(self.mode, str):
             name = self.mode.strip().upper()
             if name not in COMPILATION_MODES and not name.isdigit():
@@ -247,7 +261,8 @@ class CompilationConfig:
             return cls(mode=value)
         if isinstance(value, str) and value.strip().isdigit():
             return cls(mode=int(value))
-        fields = dict(config_fields(value, "compilation_config", ("mode", "level", "backend")))
+        known = ("mode", "level", "backend", "cudagraph_capture_sizes", "max_cudagraph_capture_size")
+        fields = dict(config_fields(value, "compilation_config", known))
         if "level" in fields:
             level = fields.pop("level")
             if "mode" in fields and fields["mode"] != level:

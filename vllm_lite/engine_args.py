@@ -7,6 +7,7 @@ subcommand; ``create_engine_config`` validates and builds the ``VllmConfig`` the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -140,8 +141,9 @@ class EngineArgs:
         metadata={
             "help": "torch.compile of the model forward, as vLLM spells it: a mode (-O3) or JSON ('{\"mode\": 3}', "
             '\'{"level": 3}\', \'{"mode": "VLLM_COMPILE", "backend": "inductor"}\'). 0 (default): eager; '
-            "1-3: each decoder layer's norms and MLP compiled with inductor (slower start-up). Python: an int, a "
-            "dict or a CompilationConfig.",
+            "1-3: each decoder layer's norms and MLP compiled with inductor (slower start-up). On CUDA, decode "
+            "batches run as CUDA graphs; their sizes as vLLM: '{\"cudagraph_capture_sizes\": [1, 2, 4, 8]}' or "
+            "'{\"max_cudagraph_capture_size\": 64}'. Python: an int, a dict or a CompilationConfig.",
             "type": parse_compilation_config,
             "metavar": "MODE|JSON",
             "aliases": ("-O",),
@@ -389,7 +391,7 @@ class EngineArgs:
         compilation_config = CompilationConfig.from_value(self.compilation_config)
         if self.enforce_eager and compilation_config.mode:
             _note_once(f"enforce_eager=True: compilation_config mode {compilation_config.mode} is ignored; eager.")
-            compilation_config = CompilationConfig(mode=0, backend=compilation_config.backend)
+            compilation_config = dataclasses.replace(compilation_config, mode=0)
         dtype = resolve_dtype(self.dtype, hf.get("torch_dtype") or hf.get("dtype"), device)
         max_pos = hf.get("max_position_embeddings") or hf.get("n_positions") or 2048  # n_positions: GPT-2
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -83,19 +83,23 @@ class GPUWorker:
         peak = self.model_runner.profile_run()
         torch.cuda.empty_cache()
         utilization = self.config.cache_config.gpu_memory_utilization
-        budget = kv_budget_from_utilization(total, utilization, total - free, peak)
+        graphs = self.model_runner.cuda_graph_reserve_bytes(peak)  # captured after the KV cache: held back now
+        budget = kv_budget_from_utilization(total, utilization, total - free, peak + graphs)
         logger.debug(
-            "memory on %s: %.2f GiB total x %.2f, %.2f GiB in use after loading, %.2f GiB peak activations",
+            "memory on %s: %.2f GiB total x %.2f, %.2f GiB in use after loading, %.2f GiB peak activations, "
+            "%.2f GiB for CUDA graphs",
             self.device,
             total / (1 << 30),
             utilization,
             (total - free) / (1 << 30),
             peak / (1 << 30),
+            graphs / (1 << 30),
         )
         return budget
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_gpu_blocks, num_cpu_blocks)
+        self.model_runner.capture_cuda_graphs()  # decode graphs bind the cache's tensors (none off CUDA)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

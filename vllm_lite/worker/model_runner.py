@@ -22,6 +22,12 @@ from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.worker.attention.backend import AttentionBackend
 from vllm_lite.worker.attention.layer import Attention
 from vllm_lite.worker.compile import maybe_compile
+from vllm_lite.worker.cuda_graphs import (
+    CudaDecodeGraphs,
+    estimate_graph_bytes,
+    graphs_blocked_reason,
+    resolve_capture_sizes,
+)
 from vllm_lite.worker.forward_context import set_forward_context
 from vllm_lite.worker.input_batch import InputBatch
 from vllm_lite.worker.kv_cache_sizing import measure_peak_allocated
@@ -76,6 +82,9 @@ class GPUModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
+        self.cudagraph_sizes = self._cudagraph_sizes()  # [] : every step eager (always so off CUDA)
+        self.cuda_graphs: Optional[CudaDecodeGraphs] = None  # set by capture_cuda_graphs once the KV cache exists
+        self.cuda_graph_reserved: Optional[int] = None  # what the KV budget left for them (profiled CUDA budgets)
         # Reused host buffers for step inputs (no per-step allocation of large arrays).
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
 
@@ -88,6 +97,9 @@ class GPUModelRunner:
 
     def initialize_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate one [2, blocks, block_size, kv_heads, head_size] tensor per layer and bind it."""
+        if self.cuda_graphs is not None:  # captured over the old tensors: recapture after this
+            self.cuda_graphs.release()
+            self.cuda_graphs = None
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = (2, num_gpu_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
@@ -111,6 +123,56 @@ class GPUModelRunner:
             caches, swaps = self.spec_decode.draft.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
             self.kv_caches += caches
             self.swap_caches += swaps
+
+    # ------------------------------------------------------------------ CUDA graphs (cuda_graphs.py)
+    def _cudagraph_sizes(self) -> list[int]:
+        """The decode batch sizes to capture; [] where graphs are off (CPU, enforce_eager, anything unusual)."""
+        cfg = self.config
+        reason = graphs_blocked_reason(
+            device=self.device,
+            enforce_eager=cfg.model_config.enforce_eager,
+            backend_name=self.backend.name,
+            tp_size=self.tp_size,
+            lora=self.lora_manager is not None,
+            spec_decode=self.spec_decode is not None,
+            pooling=self.pooler is not None,
+            token_types=self.takes_token_types,
+            has_kv_cache=bool(self.attn_layers),
+        )
+        cc = cfg.compilation_config
+        sizes = resolve_capture_sizes(self.max_num_reqs, cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size)
+        if reason is not None or not sizes:
+            if self.device.type == "cuda":
+                logger.info("CUDA graphs off: %s; every step runs eager", reason or "no capture sizes")
+            return []
+        return sizes
+
+    def cuda_graph_reserve_bytes(self, peak_activation_bytes: int) -> int:
+        """Bytes the KV budget leaves for the graphs (0 without them), from the profiling pass's peak."""
+        profile_tokens = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
+        self.cuda_graph_reserved = estimate_graph_bytes(peak_activation_bytes, profile_tokens, self.cudagraph_sizes)
+        return self.cuda_graph_reserved
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs over the bound KV cache; a failure logs a WARNING and leaves the runner eager."""
+        if not self.cudagraph_sizes or not self.kv_caches:
+            return
+        graphs = CudaDecodeGraphs(
+            self.model,
+            self.backend,
+            self.device,
+            self.cudagraph_sizes,
+            self.block_size,
+            self.max_blocks_per_req,
+            self.max_model_len,
+        )
+        try:
+            graphs.capture()
+        except Exception as e:
+            logger.warning("CUDA graph capture failed, running eager: %s: %s", type(e).__name__, e)
+            return
+        self.cuda_graphs = graphs
+        logger.info(graphs.describe(self.cuda_graph_reserved))
 
     # ------------------------------------------------------------------ profiling
     @torch.inference_mode()
@@ -235,6 +297,10 @@ class GPUModelRunner:
 
     def _run_model(self, inputs: StepInputs, so: Optional[SchedulerOutput] = None) -> torch.Tensor:
         """Hidden states [T, hidden] of every scheduled token (with token types where the model takes them)."""
+        if self.cuda_graphs is not None and so is not None:  # a decode step that fits replays its graph
+            hidden = self.cuda_graphs.run(inputs, bool(so.scheduled_spec_decode_tokens))
+            if hidden is not None:
+                return hidden
         input_ids, positions, md = inputs.to_device(self.device)
         extra: dict[str, torch.Tensor] = {}
         if self.takes_token_types and (bounds := step_token_type_boundaries(so, inputs.req_ids)) is not None:
