@@ -35,8 +35,11 @@ def test_a_frontend_silent_exactly_as_long_as_the_timeout_is_not_yet_silent() ->
     reg = ClientRegistry()
     a, _ = reg.hello(b"a", hello())
     seen = reg._last_seen[b"a"]
-    assert reg.silent(5.0, now=seen + 5.0) == []
-    assert reg.silent(5.0, now=seen + 5.5) == [(a, 5.5)]
+    # Expectations in the registry's own float arithmetic: (seen + 5.0) - seen need not be 5.0 on a clock
+    # with fractional seconds (10.000000000000014 for 10.0 was seen), so the timeout is that exact silence.
+    now = seen + 5.0
+    assert reg.silent(now - seen, now=now) == []
+    assert reg.silent(now - seen, now=seen + 5.5) == [(a, (seen + 5.5) - seen)]
 
 
 def test_the_log_says_which_frontend_came_back_and_what_a_stranger_sent(caplog) -> None:
@@ -68,7 +71,8 @@ def test_a_frontend_taken_back_is_watched_for_silence_again() -> None:
     reg.drop(a)
     back = reg.lookup(b"a", "HEARTBEAT")
     since = reg._last_seen[b"a"]
-    assert reg.silent(5.0, now=since + 10.0) == [(back, 10.0)]
+    now = since + 10.0
+    assert reg.silent(5.0, now=now) == [(back, now - since)]  # the registry's float arithmetic, not exactly 10.0
 
 
 def test_releasing_an_unknown_or_already_released_request_is_harmless() -> None:
