@@ -404,7 +404,7 @@ def test_a_failed_capture_warns_and_runs_eager(caplog, monkeypatch) -> None:
     runner = _runner()
     runner.cudagraph_sizes = [1, 2]  # as on CUDA
 
-    def boom(self, warmup_runs: int = 2) -> None:
+    def boom(self, warmup_runs: int = 1) -> None:
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(CudaDecodeGraphs, "capture", boom)

@@ -265,7 +265,7 @@ class CudaDecodeGraphs:
             return self.model(self.input_ids[:bucket], self.positions[:bucket])
 
     @torch.inference_mode()
-    def capture(self, warmup_runs: int = 2) -> None:
+    def capture(self, warmup_runs: int = 1) -> None:
         """Capture every size, largest first (the pool grows once; smaller graphs reuse it). Raises on failure
         (the caller logs it and runs eager); graphs captured before the failure are dropped."""
         torch.cuda.synchronize(self.device)
