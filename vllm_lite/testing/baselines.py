@@ -43,8 +43,9 @@ def hf_generate_left_padded(hf: Any, prompts: list[list[int]], new_tokens: int, 
     import torch
 
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = getattr(hf, "device", None)  # the model's device (CUDA for benchmarks/gpu.py)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     out = hf.generate(
         input_ids=ids,
         attention_mask=mask,

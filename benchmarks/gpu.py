@@ -1,0 +1,766 @@
+"""CUDA speed (issue #14): vllm-lite against Hugging Face `generate` on random-weight checkpoints built here.
+
+Per shape (llama architecture, vocab 8000; "qwen2-100m" is the CI bench shape):
+  llama-1b     TinyLlama shape: 22 layers, hidden 2048, intermediate 5632, 32/4 heads
+  qwen2-100m   the ~100M Qwen2 shape of benchmarks/throughput.py (vllm_lite.testing.checkpoints, "100m")
+  llama-8b-8l  llama-8b cut to 8 layers: hidden 4096, intermediate 14336, 32/8 heads
+  llama-8b     the full 32 layers
+  tiny         a toy shape for the CPU smoke run
+a "full" run measures, all in this one invocation:
+  - vllm-lite output tok/s: 256 prompts of 128-512 random token ids (seeded), 128 new tokens each, ignore_eos,
+    temperature 0, the multiprocess engine (LLM(...) default), after a warm-up on other prompts;
+  - HF generate output tok/s on the same prompts, in its own interpreter, at its defaults (DynamicCache, its
+    default attention), left-padded batches of --hf-batch (all 256 at once by default), warmed up;
+  - batch-1 decode ms/token: one 128-token prompt, 128 new tokens, time per output token after the first;
+  - time to ready: LLM(...) construction plus the first one-token request;
+  - GPU-busy fraction during decode at batch 256 (and at batch 1) from torch.profiler: union of the CUDA
+    kernel/copy intervals over the wall time of a window of decode steps. The engine core runs in another
+    process in multiprocess mode, so this is measured on an in-process engine (LLM(multiprocess=False)) in a
+    fresh interpreter;
+  - per decode step: the measured step time (same in-process engine, unprofiled window) against a roofline,
+    max(bytes moved / copy bandwidth, FLOPs / matmul rate): bytes = matmul weights + every sequence's K/V,
+    FLOPs = 2 x weights x batch + attention; both rates measured at the start of this run (a device-to-device
+    copy counted as read + write, an 8192^3 bf16 matmul).
+A "batch1" run (default for llama-8b) measures only time to ready and batch-1 ms/token, with its roofline.
+
+    python benchmarks/gpu.py                                   # llama-1b full + llama-8b batch-1 (<= 150 s on an H100)
+    python benchmarks/gpu.py --shapes llama-8b-8l,qwen2-100m   # other shapes (NAME or NAME:batch1)
+    python benchmarks/gpu.py --compare-eager                   # also enforce_eager=True: both figures, same tokens?
+    python benchmarks/gpu.py --device cpu --smoke              # seconds, on CPU (float32)
+
+Prints ONE JSON line on stdout (progress on stderr), also when a part fails: each failure is recorded in
+its shape's "errors" (and the exit status is 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+# The engine core and this script's workers are fresh interpreters: they import vllm_lite from this tree too.
+_pp = os.environ.get("PYTHONPATH", "")
+if REPO not in _pp.split(os.pathsep):
+    os.environ["PYTHONPATH"] = REPO + (os.pathsep + _pp if _pp else "")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[gpu.py {time.perf_counter() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random token-id prompts, lengths uniform in [lo, hi] (benchmarks/throughput.py's rule)."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(lo, hi + 1, size=num)
+    return [rng.integers(10, vocab - 10, size=int(n)).tolist() for n in lens]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _err(part: str, exc: BaseException) -> str:
+    log(f"{part} FAILED:\n{traceback.format_exc()}")
+    text = f"{part}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, subprocess.CalledProcessError):
+        text += " (the worker's traceback is in stderr above)"
+    return text[:2000]
+
+
+# ------------------------------------------------------------------------------------------ vllm-lite
+
+
+def llm_kwargs(s: dict[str, Any], enforce_eager: bool) -> dict[str, Any]:
+    """LLM(...) arguments of every engine this script starts; enforce_eager only where EngineArgs has it."""
+    from vllm_lite.engine_args import EngineArgs
+
+    kw: dict[str, Any] = dict(
+        dtype=s["dtype"],
+        device=s["device"],
+        max_model_len=s["max_model_len"],
+        max_num_seqs=s["max_num_seqs"],
+        disable_log_stats=True,
+    )
+    if s["max_num_batched_tokens"] is not None:
+        kw["max_num_batched_tokens"] = s["max_num_batched_tokens"]
+    if enforce_eager:
+        if "enforce_eager" not in EngineArgs.__dataclass_fields__:
+            raise TypeError("LLM has no enforce_eager argument yet")
+        kw["enforce_eager"] = True
+    kw.update(s["llm_kwargs"])
+    return kw
+
+
+def start_llm(model: str, s: dict[str, Any], enforce_eager: bool, multiprocess: bool, warm: list[list[int]]):
+    """LLM(...) timed to ready (construction plus a first one-token request), then warmed up on `warm`."""
+    from vllm_lite import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, multiprocess=multiprocess, **llm_kwargs(s, enforce_eager))
+    init_s = time.perf_counter() - t0
+    llm.generate([{"prompt_token_ids": warm[0][:16]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    ready_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": warm[0]}], params, use_tqdm=False)
+    facts = {
+        "llm_init_s": round(init_s, 2),
+        "time_to_ready_s": round(ready_s, 2),
+        "warmup_s": round(time.perf_counter() - t0, 2),
+    }
+    try:
+        sc = llm.llm_engine.vllm_config.scheduler_config
+        cc = llm.llm_engine.vllm_config.cache_config
+        facts["engine"] = {
+            "max_num_seqs": sc.max_num_seqs,
+            "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "max_model_len": sc.max_model_len,
+            "block_size": cc.block_size,
+            "num_gpu_blocks": cc.num_gpu_blocks,
+        }
+    except AttributeError:
+        pass
+    return llm, facts
+
+
+def run_workload(llm, prompts: list[list[int]], out_len: int) -> dict[str, Any]:
+    from vllm_lite import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    n_out = sum(len(t) for t in tokens)
+    return {
+        "tokens_per_s": round(n_out / dt, 1),
+        "elapsed_s": round(dt, 3),
+        "output_tokens": n_out,
+        "expected_output_tokens": len(prompts) * out_len,
+        "tokens": tokens,
+    }
+
+
+def run_batch1(llm, prompts: list[list[int]], out_len: int) -> dict[str, Any]:
+    """One request at a time (a fresh prompt each, no prefix-cache hit): decode ms per output token after the
+    first, time to first token; the median over the prompts."""
+    from vllm_lite import RequestOutputKind, SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    per_tok, ttfts, tokens = [], [], []
+    for i, prompt in enumerate(prompts):
+        t0 = time.perf_counter()
+        engine.add_request(f"b1-{i}-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
+        first, toks = None, []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                toks.extend(out.outputs[0].token_ids)
+                if first is None and toks:
+                    first = time.perf_counter()
+        end = time.perf_counter()
+        if first is None or len(toks) < 2:
+            raise RuntimeError(f"batch-1 request produced {len(toks)} tokens")
+        ttfts.append(first - t0)
+        per_tok.append((end - first) / (len(toks) - 1))
+        tokens.append(toks)
+    return {
+        "ms_per_token": round(1e3 * float(np.median(per_tok)), 3),
+        "ms_per_token_each": [round(1e3 * x, 3) for x in per_tok],
+        "ttft_ms": round(1e3 * float(np.median(ttfts)), 2),
+        "tokens": tokens,
+    }
+
+
+def engine_run(
+    model: str, s: dict[str, Any], enforce_eager: bool, workload: Optional[list[list[int]]], b1: list[list[int]]
+) -> dict[str, Any]:
+    """The multiprocess engine: ready time, the workload (when given), batch 1."""
+    warm = make_prompts(8, s["input_len"][0], s["input_len"][1], s["vocab"], s["seed"] + 2)
+    llm, res = start_llm(model, s, enforce_eager, multiprocess=True, warm=warm)
+    try:
+        if workload is not None:
+            log(f"  workload: {len(workload)} prompts x {s['output_len']} tokens")
+            res["workload"] = run_workload(llm, workload, s["output_len"])
+        log(f"  batch 1: {len(b1)} x {s['batch1_output_len']} tokens")
+        res["batch1"] = run_batch1(llm, b1, s["batch1_output_len"])
+    finally:
+        llm.shutdown()
+    return res
+
+
+# ------------------------------------------------------------------------------ profile worker (in-process)
+
+
+def _decode_window(engine, state: dict[str, Any], steps: int, device: str, activities=None) -> dict[str, Any]:
+    """`steps` engine steps, timed (and profiled when activities is given); batch and context before each."""
+    batches, contexts = [], []
+    prof = None
+    _sync(device)
+    if activities is not None:
+        prof = torch.profiler.profile(activities=activities)
+        prof.__enter__()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        live = [r for r in state["gen"] if r not in state["done"]]
+        batches.append(len(live))
+        contexts.append(sum(state["lens"][r] + state["gen"][r] for r in live))
+        _engine_step(engine, state)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    out: dict[str, Any] = {"wall_s": wall, "batch": float(np.mean(batches)), "sum_context": float(np.mean(contexts))}
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        out["profile"] = _profile_facts(prof, wall, steps, device)
+    return out
+
+
+def _warm_profiler(device: str) -> None:
+    """Start torch.profiler once outside the measured windows: its first start (CUPTI on CUDA) is slow."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
+    with profile(activities=acts):
+        torch.ones(16, device=device).add_(1).sum().item()
+    _sync(device)
+
+
+def _engine_step(engine, state: dict[str, Any]) -> None:
+    for o in engine.step():
+        state["gen"][o.request_id] += len(o.outputs[0].token_ids)
+        if o.finished:
+            state["done"].add(o.request_id)
+
+
+def _profile_facts(prof, wall_s: float, steps: int, device: str) -> dict[str, Any]:
+    from torch.autograd import DeviceType
+
+    from vllm_lite.testing.gpu_bench import busy_fraction
+
+    cuda = device.startswith("cuda")
+    want = DeviceType.CUDA if cuda else DeviceType.CPU
+    events = [e for e in prof.events() if e.device_type == want]
+    intervals = [(e.time_range.start, e.time_range.end) for e in events]  # microseconds
+    facts: dict[str, Any] = {
+        "busy_fraction": round(busy_fraction(intervals, wall_s * 1e6), 4),
+        "busy_source": "CUDA kernels and copies" if cuda else "CPU operators (no GPU)",
+        "device_events": len(events),
+        "profiled_step_ms": round(1e3 * wall_s / steps, 4),
+    }
+    if cuda:
+        kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]
+        facts["kernels_per_step"] = round(len(kernels) / steps, 1)
+        facts["kernel_time_fraction"] = round(sum(e.time_range.elapsed_us() for e in kernels) / (wall_s * 1e6), 4)
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            acc = by_name.setdefault(e.name[:100], [0, 0.0])
+            acc[0] += 1
+            acc[1] += e.time_range.elapsed_us()
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+        facts["top_kernels"] = [
+            {"name": n, "per_step": round(c / steps, 1), "us_per_step": round(t / steps, 1)} for n, (c, t) in top
+        ]
+    return facts
+
+
+def _measure_decode(engine, prompts: list[list[int]], out_len: int, steps: int, device: str, tag: str) -> dict:
+    """Add `prompts`, step until every one has its first token (prefills done), then an unprofiled and a
+    profiled window of decode steps; abort the rest."""
+    from torch.profiler import ProfilerActivity
+
+    from vllm_lite import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    state: dict[str, Any] = {"gen": {}, "lens": {}, "done": set()}
+    for i, p in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        state["gen"][rid], state["lens"][rid] = 0, len(p)
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    prefill_steps = 0
+    while min(state["gen"].values()) == 0 and engine.has_unfinished_requests():
+        _engine_step(engine, state)
+        prefill_steps += 1
+    k = min(steps, (out_len - max(state["gen"].values()) - 1) // 2)
+    if k < 1:
+        raise RuntimeError(f"{tag}: no decode steps left to measure after {prefill_steps} prefill steps")
+    timed = _decode_window(engine, state, k, device)
+    acts = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
+    profiled = _decode_window(engine, state, k, device, acts)
+    if device.startswith("cuda") and profiled["profile"]["device_events"] == 0:  # some builds need CPU too
+        profiled = _decode_window(engine, state, k, device, [ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    engine.abort_request([r for r in state["gen"] if r not in state["done"]])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {
+        "prefill_steps": prefill_steps,
+        "steps": k,
+        "batch": timed["batch"],
+        "sum_context": timed["sum_context"],
+        "step_ms": round(1e3 * timed["wall_s"] / k, 4),
+        **profiled["profile"],
+    }
+
+
+def profile_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    s = spec["settings"]
+    lo, hi = s["input_len"]
+    prompts = make_prompts(s["num_prompts"], lo, hi, s["vocab"], s["seed"])
+    b1 = make_prompts(1, s["batch1_input_len"], s["batch1_input_len"], s["vocab"], s["seed"] + 3)
+    warm = make_prompts(8, lo, hi, s["vocab"], s["seed"] + 2)
+    llm, _ = start_llm(spec["model"], s, spec["enforce_eager"], multiprocess=False, warm=warm)
+    engine = llm.llm_engine
+    res = {"engine": "in-process (LLM(multiprocess=False)), fresh interpreter"}
+    _warm_profiler(s["device"])
+    try:
+        res["batch_n"] = _measure_decode(engine, prompts, s["output_len"], s["profile_steps"], s["device"], "bn")
+        res["batch_1"] = _measure_decode(engine, b1, s["batch1_output_len"], s["profile_steps"], s["device"], "b1")
+    finally:
+        llm.shutdown()
+    return res
+
+
+# ------------------------------------------------------------------------------------------ HF worker
+
+
+def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """HF generate at its defaults on the workload, each batch size of spec["batches"] after a warm-up there."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_lite.testing.baselines import hf_generate_left_padded
+
+    s = spec["settings"]
+    device = s["device"]
+    dtype = getattr(torch, s["dtype"])
+    prompts = make_prompts(s["num_prompts"], s["input_len"][0], s["input_len"][1], s["vocab"], s["seed"])
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).to(device).eval()
+    load_s = time.perf_counter() - t0
+    per_batch = {}
+    with torch.no_grad():
+        for batch in spec["batches"]:
+            hf_generate_left_padded(hf, prompts[:batch], 2)  # warm-up at this batch shape
+            _sync(device)
+            t0 = time.perf_counter()
+            n_out = 0
+            for i in range(0, len(prompts), batch):
+                n_out += hf_generate_left_padded(hf, prompts[i : i + batch], s["output_len"])
+            _sync(device)
+            per_batch[batch] = n_out / (time.perf_counter() - t0)
+    best = max(per_batch, key=per_batch.__getitem__)
+    return {
+        "tokens_per_s": round(per_batch[best], 1),
+        "best_batch": best,
+        "tokens_per_s_by_batch": {str(b): round(v, 1) for b, v in per_batch.items()},
+        "load_s": round(load_s, 2),
+        "attn_implementation": getattr(hf.config, "_attn_implementation", None),
+        "threads": torch.get_num_threads(),
+        "settings": "generate() defaults (DynamicCache), greedy, left-padded batches, warmed up",
+    }
+
+
+def run_workers(jobs: dict[str, dict[str, Any]], timeout_s: float, parallel: bool) -> dict[str, Any]:
+    """Each job's JSON (or the exception it raised), one after the other, or side by side when parallel."""
+
+    def one(kind: str):
+        try:
+            return run_worker(kind, jobs[kind], timeout_s)
+        except Exception as e:  # noqa: BLE001 - handed back to the caller, which records it
+            return e
+
+    if not parallel:
+        return {kind: one(kind) for kind in jobs}
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {kind: pool.submit(one, kind) for kind in jobs}
+        return {kind: f.result() for kind, f in futures.items()}
+
+
+def run_worker(kind: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    from vllm_lite.testing.baselines import run_json_subprocess
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        return run_json_subprocess([os.path.abspath(__file__), "--worker", kind, f.name], timeout_s=timeout_s)
+    finally:
+        os.unlink(f.name)
+
+
+# ------------------------------------------------------------------------------------------ one shape
+
+
+def _first_difference(a: list[list[int]], b: list[list[int]]) -> Optional[dict[str, int]]:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            j = next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            return {"sequence": i, "token": j}
+    return None
+
+
+def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], workdir: str, entry: dict) -> None:
+    from vllm_lite.testing.gpu_bench import (
+        build_random_checkpoint,
+        config_facts,
+        decode_step_cost,
+        roofline,
+        shape_vocab,
+    )
+
+    errors = entry["errors"]
+    device = s["device"]
+    dtype = getattr(torch, s["dtype"])
+    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+    path = os.path.join(workdir, name)
+    if os.path.isfile(os.path.join(path, ".complete")):
+        entry["build"] = {"reused": path}
+    else:
+        log(f"{name}: building the random-weight checkpoint on {device}")
+        shutil.rmtree(path, ignore_errors=True)
+        entry["build"] = build_random_checkpoint(
+            name, path, torch.device(device), dtype, seed=s["seed"], tokenizer_cache=s["_tokenizers"]
+        )
+        open(os.path.join(path, ".complete"), "w").close()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        log(f"{name}: built in {entry['build']['build_s']} s ({entry['build']['checkpoint_bytes'] / 1e9:.2f} GB)")
+    with open(os.path.join(path, "config.json")) as f:
+        facts = config_facts(json.load(f))
+    entry["config"] = facts
+    entry["params_b"] = round(facts["matmul_params"] / 1e9, 3)
+    s = dict(s, vocab=shape_vocab(name))
+    s.pop("_tokenizers", None)
+    lo, hi = s["input_len"]
+    full = mode == "full"
+    workload = make_prompts(s["num_prompts"], lo, hi, s["vocab"], s["seed"]) if full else None
+    b1 = make_prompts(s["batch1_iters"], s["batch1_input_len"], s["batch1_input_len"], s["vocab"], s["seed"] + 3)
+    bw = probes.get("copy", {}).get("bytes_per_s")
+    rate = probes.get("matmul", {}).get("flops_per_s")
+
+    def step_roofline(batch: float, sum_context: float, measured_ms: float) -> dict[str, Any]:
+        cost = decode_step_cost(facts, batch, sum_context, dtype_bytes)
+        out = {"batch": round(batch, 2), "mean_context": round(sum_context / max(batch, 1e-9), 1)}
+        if bw and rate:
+            out.update(roofline(cost, measured_ms, bw, rate))
+        else:
+            out["measured_ms"] = round(measured_ms, 4)
+            out["note"] = "no roofline: the probes failed"
+        return out
+
+    runs = {}
+    for eager in [s["enforce_eager"]] + ([not s["enforce_eager"]] if full and s["compare_eager"] else []):
+        label = "eager" if eager else "graphs"
+        try:
+            log(f"{name}: vllm-lite, multiprocess engine, enforce_eager={eager}")
+            runs[label] = engine_run(path, s, eager, workload, b1)
+        except Exception as e:  # noqa: BLE001 - every part is recorded, the rest go on
+            errors.append(_err(f"vllm_lite(enforce_eager={eager})", e))
+    main = runs.get("eager" if s["enforce_eager"] else "graphs")
+    if main is not None:
+        entry["time_to_ready_s"] = main["time_to_ready_s"]
+        entry["llm_init_s"] = main["llm_init_s"]
+        entry["warmup_s"] = main["warmup_s"]
+        entry["engine"] = main.get("engine")
+        b = main["batch1"]
+        entry["batch1_ms_per_token"] = b["ms_per_token"]
+        entry["batch1_ms_per_token_each"] = b["ms_per_token_each"]
+        entry["batch1_ttft_ms"] = b["ttft_ms"]
+        mean_ctx = s["batch1_input_len"] + s["batch1_output_len"] / 2
+        entry["batch1_decode_step"] = step_roofline(1, mean_ctx, b["ms_per_token"])
+        if full:
+            w = main["workload"]
+            entry["vllm_lite_tokens_per_s"] = w["tokens_per_s"]
+            entry["vllm_lite_elapsed_s"] = w["elapsed_s"]
+            entry["output_tokens"] = w["output_tokens"]
+            if w["output_tokens"] != w["expected_output_tokens"]:
+                errors.append(f"vllm_lite: {w['output_tokens']} output tokens, expected {w['expected_output_tokens']}")
+    if len(runs) == 2:
+        cmp: dict[str, Any] = {}
+        for label, r in runs.items():
+            cmp[label] = {
+                "tokens_per_s": r["workload"]["tokens_per_s"],
+                "batch1_ms_per_token": r["batch1"]["ms_per_token"],
+                "time_to_ready_s": r["time_to_ready_s"],
+            }
+        g, e = runs["graphs"], runs["eager"]
+        gw, ew = g["workload"]["tokens"], e["workload"]["tokens"]
+        cmp["greedy_identical_workload"] = gw == ew
+        cmp["workload_sequences_differing"] = sum(x != y for x, y in zip(gw, ew))
+        cmp["first_difference_workload"] = _first_difference(gw, ew)
+        cmp["greedy_identical_batch1"] = g["batch1"]["tokens"] == e["batch1"]["tokens"]
+        cmp["first_difference_batch1"] = _first_difference(g["batch1"]["tokens"], e["batch1"]["tokens"])
+        entry["compare_eager"] = cmp
+    if not full:
+        return
+
+    jobs: dict[str, dict[str, Any]] = {"profile": {"model": path, "settings": s, "enforce_eager": s["enforce_eager"]}}
+    if s["skip_hf"]:
+        entry["hf_skipped"] = "--skip-hf"
+    elif name == "llama-8b" and not s["hf_8b"]:
+        entry["hf_skipped"] = "full llama-8b: HF generate not run, it would not fit the time budget (--hf-8b runs it)"
+    else:
+        jobs["hf"] = {"model": path, "settings": s, "batches": s["hf_batch"]}
+    log(
+        f"{name}: decode profile (in-process engine) and HF generate (batches {s['hf_batch']}), each in its own "
+        "interpreter" + (", side by side (--smoke: not measurements)" if s["smoke"] else ", one after the other")
+    )
+    results = run_workers(jobs, s["worker_timeout_s"], parallel=s["smoke"])
+
+    try:
+        prof = results["profile"]
+        if isinstance(prof, BaseException):
+            raise prof
+        bn, b1p = prof["batch_n"], prof["batch_1"]
+        entry["gpu_busy_fraction"] = bn["busy_fraction"]
+        entry["gpu_busy_fraction_batch1"] = b1p["busy_fraction"]
+        entry["gpu_busy_source"] = f"torch.profiler: {bn['busy_source']}, {prof['engine']}"
+        step = step_roofline(bn["batch"], bn["sum_context"], bn["step_ms"])
+        step.update({k: v for k, v in bn.items() if k not in ("batch", "sum_context", "step_ms")})
+        entry["decode_step"] = step
+        step1 = step_roofline(b1p["batch"], b1p["sum_context"], b1p["step_ms"])
+        step1.update({k: v for k, v in b1p.items() if k not in ("batch", "sum_context", "step_ms")})
+        entry["decode_step_batch1_inprocess"] = step1
+    except Exception as e:  # noqa: BLE001
+        errors.append(_err("profile", e))
+
+    if "hf" in results:
+        try:
+            hf = results["hf"]
+            if isinstance(hf, BaseException):
+                raise hf
+            entry["hf_tokens_per_s"] = hf["tokens_per_s"]
+            entry["hf"] = {k: v for k, v in hf.items() if k != "tokens_per_s"}
+            if "vllm_lite_tokens_per_s" in entry:
+                entry["ratio_vs_hf"] = round(entry["vllm_lite_tokens_per_s"] / hf["tokens_per_s"], 2)
+        except Exception as e:  # noqa: BLE001
+            errors.append(_err("hf", e))
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_shapes(text: str) -> list[tuple[str, str]]:
+    from vllm_lite.testing.gpu_bench import SHAPES
+
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, mode = item.partition(":")
+        mode = mode or "full"
+        if name not in SHAPES or mode not in ("full", "batch1"):
+            raise SystemExit(f"--shapes: {item!r}: expected NAME or NAME:batch1, NAME one of {sorted(SHAPES)}")
+        out.append((name, mode))
+    return out
+
+
+def settings_from(args: argparse.Namespace) -> dict[str, Any]:
+    cuda = args.device.startswith("cuda")
+    if args.smoke:
+        d = dict(
+            shapes="tiny",
+            num_prompts=8,
+            input_len=(8, 24),
+            output_len=8,
+            batch1_input_len=8,
+            batch1_output_len=8,
+            batch1_iters=1,
+            profile_steps=2,
+            max_model_len=128,
+            hf_batch="8",
+            matmul_n=256,
+            copy_mib=16,
+            probe_reps=3,
+        )
+    else:
+        d = dict(
+            shapes="llama-1b,llama-8b:batch1",
+            num_prompts=256,
+            input_len=(128, 512),
+            output_len=128,
+            batch1_input_len=128,
+            batch1_output_len=128,
+            batch1_iters=2,
+            profile_steps=10,
+            max_model_len=1024,
+            hf_batch="256",
+            matmul_n=8192 if cuda else 1024,
+            copy_mib=1024 if cuda else 256,
+            probe_reps=20 if cuda else 3,
+        )
+        if args.quick:
+            d.update(shapes="llama-1b", num_prompts=64, output_len=64, batch1_output_len=64, profile_steps=5)
+            d["hf_batch"] = "64"
+    for key in ("shapes", "num_prompts", "output_len", "batch1_iters", "profile_steps", "hf_batch"):
+        if getattr(args, key) is not None:
+            d[key] = getattr(args, key)
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if not cuda and dtype == "float16":
+        raise SystemExit("float16 on CPU is not supported by this benchmark: use float32 or bfloat16")
+    d.update(
+        device=args.device,
+        dtype=dtype,
+        seed=args.seed,
+        max_num_seqs=max(int(d["num_prompts"]), 1),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        compare_eager=args.compare_eager,
+        llm_kwargs=json.loads(args.llm_kwargs) if args.llm_kwargs else {},
+        skip_hf=args.skip_hf,
+        hf_8b=args.hf_8b,
+        multiprocess=True,
+        smoke=args.smoke,
+        worker_timeout_s=args.worker_timeout,
+    )
+    d["hf_batch"] = [int(b) for b in str(d["hf_batch"]).split(",") if b.strip()]
+    d["input_len"] = list(d["input_len"])
+    return d
+
+
+def environment(device: str) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+    }
+    for mod in ("triton", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent is a fact to record
+            env[mod] = None
+    try:
+        env["commit"] = subprocess.run(
+            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except Exception:  # noqa: BLE001
+        env["commit"] = None
+    if device.startswith("cuda"):
+        env["device"] = torch.cuda.get_device_name(torch.device(device))
+        props = torch.cuda.get_device_properties(torch.device(device))
+        env["device_memory_gib"] = round(props.total_memory / (1 << 30), 1)
+    else:
+        env["device"] = f"cpu ({platform.processor() or platform.machine()})"
+    return env
+
+
+def run_probes(s: dict[str, Any]) -> dict[str, Any]:
+    from vllm_lite.testing.gpu_bench import copy_bandwidth, matmul_rate
+
+    device = torch.device(s["device"])
+    dtype = getattr(torch, s["dtype"])
+    copy = copy_bandwidth(device, s["copy_mib"] << 20, s["probe_reps"])
+    mm = matmul_rate(device, dtype, s["matmul_n"], s["probe_reps"])
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "copy": copy,
+        "matmul": mm,
+        "copy_gb_per_s": round(copy["bytes_per_s"] / 1e9, 1),
+        "matmul_tflops": round(mm["flops_per_s"] / 1e12, 2),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
+    ap.add_argument("--shapes", default=None, help="NAME[:batch1],... (default llama-1b,llama-8b:batch1)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape, tiny workload (the CPU smoke test)")
+    ap.add_argument("--quick", action="store_true", help="llama-1b only, 64 prompts, 64 new tokens")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--batch1-iters", type=int, default=None, help="batch-1 requests (median reported)")
+    ap.add_argument("--profile-steps", type=int, default=None, help="decode steps per timed/profiled window")
+    ap.add_argument("--hf-batch", default=None, help="HF batch sizes, comma-separated; the best is reported")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine default unless given")
+    ap.add_argument("--enforce-eager", action="store_true", help="LLM(enforce_eager=True): no CUDA graphs")
+    ap.add_argument(
+        "--compare-eager", action="store_true", help="full shapes run with and without enforce_eager; same tokens?"
+    )
+    ap.add_argument("--llm-kwargs", default=None, help="extra LLM(...) arguments as JSON, e.g. '{\"seed\": 1}'")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-8b", action="store_true", help="run HF generate on the full llama-8b shape too")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=None, help="checkpoint folder, kept and reused (default: a temp dir)")
+    ap.add_argument("--worker-timeout", type=float, default=400.0, help="seconds for each worker interpreter")
+    ap.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)  # internal: KIND SPEC_FILE
+    args = ap.parse_args()
+    if args.worker is not None:
+        kind, spec_file = args.worker
+        with open(spec_file) as f:
+            spec = json.load(f)
+        out = profile_worker(spec) if kind == "profile" else hf_worker(spec)
+        print(json.dumps(out), flush=True)
+        return 0
+
+    s = settings_from(args)
+    shapes = parse_shapes(s["shapes"])
+    result: dict[str, Any] = {"benchmark": "gpu", "errors": []}
+    workdir = args.workdir or tempfile.mkdtemp(prefix="vllm_lite_gpu_bench-")
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        result.update(environment(s["device"]))
+        result["settings"] = {
+            **{k: v for k, v in s.items() if not k.startswith("_")},
+            "workload": f"{s['num_prompts']} prompts of {s['input_len'][0]}-{s['input_len'][1]} random token ids "
+            f"(seed {s['seed']}), {s['output_len']} new tokens each, ignore_eos, temperature 0",
+            "batch1": f"{s['batch1_iters']} requests of {s['batch1_input_len']} tokens, {s['batch1_output_len']} new "
+            "tokens each, ms per output token after the first (median)",
+            "time_to_ready": "LLM(...) construction plus the first one-token request",
+            "roofline": "per decode step: max(bytes moved / copy bandwidth, FLOPs / matmul rate); bytes = matmul "
+            "weights + K/V read; copy bandwidth counts read + write",
+        }
+        log(f"device {result['device']}; shapes {shapes}")
+        try:
+            result["probes"] = run_probes(s)
+            log(
+                f"probes: copy {result['probes']['copy_gb_per_s']} GB/s, matmul {result['probes']['matmul_tflops']} TFLOP/s"
+            )
+        except Exception as e:  # noqa: BLE001
+            result["probes"] = {}
+            result["errors"].append(_err("probes", e))
+        s["_tokenizers"] = {}
+        result["shapes"] = {}
+        for name, mode in shapes:
+            entry: dict[str, Any] = {"mode": mode, "errors": []}
+            result["shapes"][name] = entry
+            t0 = time.perf_counter()
+            try:
+                run_shape(name, mode, s, result["probes"], workdir, entry)
+            except Exception as e:  # noqa: BLE001
+                entry["errors"].append(_err(name, e))
+            entry["seconds"] = round(time.perf_counter() - t0, 1)
+            if not args.workdir:
+                shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
+            log(f"{name}: done in {entry['seconds']} s, {len(entry['errors'])} errors")
+    except Exception as e:  # noqa: BLE001
+        result["errors"].append(_err("main", e))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        result["elapsed_s"] = round(time.perf_counter() - T0, 1)
+        print(json.dumps(result), flush=True)
+    failed = result["errors"] or any(e["errors"] for e in result.get("shapes", {}).values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
