@@ -12,6 +12,7 @@ over the persistent buffers. The same padded check runs through the Triton kerne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -155,6 +156,11 @@ def test_compilation_config_takes_vllms_cudagraph_options() -> None:
     cc = CompilationConfig.from_value('{"cudagraph_capture_sizes": [8, 1, 2, 2], "max_cudagraph_capture_size": 64}')
     assert cc.cudagraph_capture_sizes == [1, 2, 8] and cc.max_cudagraph_capture_size == 64
     assert CompilationConfig().cudagraph_capture_sizes is None
+    from vllm_lite.config import decode_vllm_config, encode_vllm_config
+    from vllm_lite.testing.fake_core import fake_config
+
+    wired = dataclasses.replace(fake_config(), compilation_config=cc)  # to engine-core / TP processes
+    assert decode_vllm_config(encode_vllm_config(wired)).compilation_config == cc
     for bad in ({"cudagraph_capture_sizes": [0]}, {"cudagraph_capture_sizes": "8"}, {"max_cudagraph_capture_size": -1}):
         with pytest.raises(ValueError, match="cudagraph"):
             CompilationConfig.from_value(bad)
