@@ -23,6 +23,10 @@
 
 #include <ATen/Parallel.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -52,34 +56,38 @@ std::vector<WorkItem> plan_items(const at::Tensor& block_table, const at::Tensor
                                  int64_t window) {
   const int64_t num_reqs = seq_lens.size(0);
   const int64_t max_blocks = block_table.size(1);
+  // The caller checked dims, dtypes, contiguity and that these arrays hold num_reqs (+ 1) entries, so the
+  // reads below stay inside them; every value that later indexes memory is checked here, before any kernel.
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(qsl[0] >= 0, "query_start_loc[0] must be >= 0, got ", qsl[0]);
-  TORCH_CHECK_VALUE(qsl[num_reqs] <= num_tokens, "query_start_loc[-1] = ", qsl[num_reqs],
-                    " exceeds the number of query rows ", num_tokens);
+  TORCH_CHECK_VALUE(qsl[0] >= 0, msg("query_start_loc[0] must be >= 0, got ", qsl[0]));
+  TORCH_CHECK_VALUE(qsl[num_reqs] <= num_tokens, msg("query_start_loc[-1] = ", qsl[num_reqs],
+                                                     " exceeds the number of query rows ", num_tokens));
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < num_reqs; ++b) {
-    const int64_t q_len = qsl[b + 1] - qsl[b];
+    const int64_t q_len = static_cast<int64_t>(qsl[b + 1]) - qsl[b];
     const int64_t s_len = sl[b];
-    TORCH_CHECK_VALUE(q_len >= 0, "query_start_loc must be non-decreasing (request ", b, ")");
-    TORCH_CHECK_VALUE(s_len >= q_len, "seq_lens[", b, "] = ", s_len, " is shorter than its query length ",
-                      q_len);
+    TORCH_CHECK_VALUE(q_len >= 0, msg("query_start_loc must be non-decreasing (request ", b, ")"));
+    TORCH_CHECK_VALUE(s_len >= q_len, msg("seq_lens[", b, "] = ", s_len, " is shorter than its query length ",
+                                          q_len));
     if (q_len == 0) continue;
     const int64_t need = (s_len + block_size - 1) / block_size;
-    TORCH_CHECK_VALUE(need <= max_blocks, "seq_lens[", b, "] = ", s_len, " needs ", need,
-                      " blocks but block_table has ", max_blocks, " columns");
-    const int64_t first = window > 0 ? std::max<int64_t>(0, s_len - q_len - window + 1) / block_size : 0;
+    TORCH_CHECK_VALUE(need <= max_blocks, msg("seq_lens[", b, "] = ", s_len, " needs ", need,
+                                              " blocks but block_table has ", max_blocks, " columns"));
+    const int64_t ctx = s_len - q_len;
+    // A window wider than the context reaches key 0 (window <= ctx here, so nothing below overflows).
+    const int64_t win = window > ctx + q_len ? 0 : window;
+    const int64_t first = win > 0 ? std::max<int64_t>(0, ctx - win + 1) / block_size : 0;
     for (int64_t j = first; j < need; ++j) {
       const int32_t blk = bt[b * max_blocks + j];
-      TORCH_CHECK_VALUE(blk >= 0 && blk < num_blocks, "block_table[", b, ", ", j, "] = ", blk,
-                        " is outside the cache's ", num_blocks, " blocks");
+      TORCH_CHECK_VALUE(blk >= 0 && blk < num_blocks, msg("block_table[", b, ", ", j, "] = ", blk,
+                                                          " is outside the cache's ", num_blocks, " blocks"));
     }
-    const int64_t ctx = s_len - q_len;
     for (int64_t s = 0; s < q_len; s += tokens_per_item) {
       const int64_t e = std::min(q_len, s + tokens_per_item);
       items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(s), static_cast<int32_t>(e),
-                       (e - s) * (window > 0 ? std::min<int64_t>(ctx + e, window + e - s) : ctx + e)});
+                       (e - s) * (win > 0 ? std::min<int64_t>(ctx + e, win + e - s) : ctx + e)});
     }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -175,7 +183,7 @@ Impl parse_impl(c10::string_view name) {
     TORCH_CHECK_VALUE(kHaveAvx512, "impl='avx512' is not built here: this CPU (or compiler target) lacks AVX-512");
     return Impl::kAvx512;
   }
-  TORCH_CHECK_VALUE(false, "impl must be one of auto, portable, avx2, avx512; got '", std::string(name), "'");
+  TORCH_CHECK_VALUE(false, msg("impl must be one of auto, portable, avx2, avx512; got '", name, "'"));
   return Impl::kAuto;
 }
 
@@ -218,7 +226,7 @@ void key_loop_avx2(const ItemView<T>& it, int64_t D, Scratch& s) {
     case 96: return attn::key_loop_avx2<T, 12>(it, s);
     case 128: return attn::key_loop_avx2<T, 16>(it, s);
     case 256: return attn::key_loop_avx2<T, 32>(it, s);
-    default: TORCH_CHECK(false, "no AVX2 key loop for head size ", D);
+    default: return key_loop_generic<T>(it, D, s);  // unreachable: resolve_impl checked avx2_head_size
   }
 }
 #endif
@@ -231,7 +239,7 @@ void key_loop_avx512(const ItemView<T>& it, int64_t D, Scratch& s) {
     case 64: return attn::key_loop_avx512<T, 4>(it, s);
     case 128: return attn::key_loop_avx512<T, 8>(it, s);
     case 256: return attn::key_loop_avx512<T, 16>(it, s);
-    default: TORCH_CHECK(false, "no AVX-512 key loop for head size ", D);
+    default: return key_loop_generic<T>(it, D, s);  // unreachable: resolve_impl checked avx512_head_size
   }
 }
 #endif
@@ -280,11 +288,20 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t tok_stride = num_kv_heads * head_size;
   const int64_t blk_stride = block_size * tok_stride;
   const int64_t D = head_size;
-  const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_work));
+  const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_work)));
+  // Per-thread scratch is allocated here, not inside the parallel region: nothing in the region may throw
+  // (an exception leaving an OpenMP region ends the process), and an allocation failure must raise.
+  std::vector<Scratch> scratch;
+  scratch.reserve(num_threads);
+  for (int i = 0; i < num_threads; ++i) scratch.emplace_back(max_rows, D);
 
 #pragma omp parallel num_threads(num_threads)
   {
-    Scratch s(max_rows, D);
+#ifdef _OPENMP
+    Scratch& s = scratch[omp_get_thread_num()];
+#else
+    Scratch& s = scratch[0];
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < num_work; ++w) {
       const WorkItem& item = items[w / num_kv_heads];
@@ -330,7 +347,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
                      double logits_soft_cap, c10::string_view impl) {
-  const Impl chosen = resolve_impl(parse_impl(impl), query.size(2), logits_soft_cap > 0.0);
+  // Every check runs before any tensor's data is read and before the parallel region, in this order: device,
+  // dims, dtypes, layout, shapes (metadata only), then the index values (plan_items), then the kernel.
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&out, "out"}, {&query, "query"},
                          {&kv_cache, "kv_cache"}, {&block_table, "block_table"}, {&seq_lens, "seq_lens"},
                          {&query_start_loc, "query_start_loc"}}) {
@@ -345,41 +363,43 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   check_dtype(block_table, at::kInt, "block_table");
   check_dtype(seq_lens, at::kInt, "seq_lens");
   check_dtype(query_start_loc, at::kInt, "query_start_loc");
+  TORCH_CHECK_TYPE(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+                   msg("paged_attention supports float32 and bfloat16, got ", query.scalar_type()));
+  TORCH_CHECK_TYPE(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+                   msg("query, out and kv_cache must share a dtype, got ", query.scalar_type(), ", ",
+                       out.scalar_type(), " and ", kv_cache.scalar_type()));
   check_contiguous(kv_cache, "kv_cache");
   check_contiguous(block_table, "block_table");
   check_contiguous(seq_lens, "seq_lens");
   check_contiguous(query_start_loc, "query_start_loc");
-  TORCH_CHECK_TYPE(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-                   "query, out and kv_cache must share a dtype, got ", query.scalar_type(), ", ",
-                   out.scalar_type(), " and ", kv_cache.scalar_type());
-  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out shape ", out.sizes(), " must equal query shape ",
-                    query.sizes());
-  TORCH_CHECK_VALUE(query.stride(2) == 1 && out.stride(2) == 1,
-                    "query and out must be contiguous along head_size");
-  TORCH_CHECK_VALUE(kv_cache.size(0) == 2, "kv_cache.size(0) must be 2 (keys, values), got ", kv_cache.size(0));
-  TORCH_CHECK_VALUE(kv_cache.size(4) == query.size(2), "kv_cache head_size ", kv_cache.size(4),
-                    " != query head_size ", query.size(2));
-  TORCH_CHECK_VALUE(kv_cache.size(3) > 0 && query.size(1) % kv_cache.size(3) == 0, "num_heads ", query.size(1),
-                    " must be a multiple of num_kv_heads ", kv_cache.size(3));
-  TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1, "query_start_loc must have num_reqs + 1 = ",
-                    seq_lens.size(0) + 1, " entries, got ", query_start_loc.size(0));
-  TORCH_CHECK_VALUE(block_table.size(0) >= seq_lens.size(0), "block_table has ", block_table.size(0),
-                    " rows for ", seq_lens.size(0), " requests");
-  TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0 = none), got ", sliding_window);
-  TORCH_CHECK_VALUE(logits_soft_cap >= 0.0, "logits_soft_cap must be >= 0 (0 = none), got ", logits_soft_cap);
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes(),
+                    msg("out shape ", out.sizes(), " must equal query shape ", query.sizes()));
+  TORCH_CHECK_VALUE(query.stride(2) == 1 && out.stride(2) == 1, "query and out must be contiguous along head_size");
+  TORCH_CHECK_VALUE(kv_cache.size(0) == 2, msg("kv_cache.size(0) must be 2 (keys, values), got ", kv_cache.size(0)));
+  TORCH_CHECK_VALUE(query.size(2) > 0 && kv_cache.size(4) == query.size(2),
+                    msg("kv_cache head_size ", kv_cache.size(4), " != query head_size ", query.size(2),
+                        " (both must be > 0)"));
+  TORCH_CHECK_VALUE(kv_cache.size(3) > 0 && query.size(1) > 0 && query.size(1) % kv_cache.size(3) == 0,
+                    msg("num_heads ", query.size(1), " must be a positive multiple of num_kv_heads ",
+                        kv_cache.size(3)));
+  TORCH_CHECK_VALUE(kv_cache.size(2) > 0, msg("kv_cache block_size must be > 0, got ", kv_cache.size(2)));
+  TORCH_CHECK_VALUE(query_start_loc.size(0) == seq_lens.size(0) + 1,
+                    msg("query_start_loc must have num_reqs + 1 = ", seq_lens.size(0) + 1, " entries, got ",
+                        query_start_loc.size(0)));
+  TORCH_CHECK_VALUE(block_table.size(0) >= seq_lens.size(0),
+                    msg("block_table has ", block_table.size(0), " rows for ", seq_lens.size(0), " requests"));
+  TORCH_CHECK_VALUE(sliding_window >= 0, msg("sliding_window must be >= 0 (0 = none), got ", sliding_window));
+  TORCH_CHECK_VALUE(logits_soft_cap >= 0.0,
+                    msg("logits_soft_cap must be >= 0 (0 = none), got ", logits_soft_cap));
+  const Impl chosen = resolve_impl(parse_impl(impl), query.size(2), logits_soft_cap > 0.0);
   const float s = static_cast<float>(scale);
   const float cap = static_cast<float>(logits_soft_cap);
-  switch (query.scalar_type()) {
-    case at::kFloat:
-      attention_kernel<float>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s, sliding_window, cap,
-                              chosen);
-      break;
-    case at::kBFloat16:
-      attention_kernel<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s, sliding_window, cap,
-                              chosen);
-      break;
-    default:
-      TORCH_CHECK_TYPE(false, "paged_attention supports float32 and bfloat16, got ", query.scalar_type());
+  if (query.scalar_type() == at::kFloat) {
+    attention_kernel<float>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s, sliding_window, cap,
+                            chosen);
+  } else {
+    attention_kernel<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, query_start_loc, s,
+                                    sliding_window, cap, chosen);
   }
 }
 

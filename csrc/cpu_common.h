@@ -1,4 +1,4 @@
-// Small helpers shared by the CPU kernels: dtype conversion, a vectorisable exp, input checks.
+// Small helpers shared by the CPU kernels: dtype conversion, a vectorisable exp, error messages, input checks.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -6,7 +6,10 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
+#include <type_traits>
 
 namespace vllm_lite {
 
@@ -45,20 +48,63 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// Error messages. Every check in these kernels builds its message with msg() and hands TORCH_CHECK* that one
+// std::string, never the values themselves: c10::str would stream them through a std::ostringstream compiled
+// into this library, and on a host whose $CXX links its own libstdc++ into the library (the H100 image's
+// /opt/gcc/bin/g++: the .so had no libstdc++.so NEEDED entry) streaming an integer there crashed the process
+// with SIGSEGV instead of raising (strings and dtype names streamed fine). msg() formats integers with
+// std::to_string and shapes by hand, so a bad input raises on every toolchain. Only plain data goes in:
+// strings, integers, doubles, dtypes, devices, shapes.
+namespace detail {
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, c10::string_view v) { s.append(v.data(), v.size()); }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>, int> = 0>
+inline void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+inline void append(std::string& s, double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  s += buf;
+}
+inline void append(std::string& s, c10::ScalarType v) { s += c10::toString(v); }
+inline void append(std::string& s, const c10::Device& v) { s += v.str(); }  // formatted inside libc10
+inline void append(std::string& s, c10::IntArrayRef v) {
+  s += '[';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += ']';
+}
+}  // namespace detail
+
+template <typename... Args>
+std::string msg(const Args&... args) {
+  std::string s;
+  (detail::append(s, args), ...);
+  return s;
+}
+
+// Input checks read only a tensor's metadata (device, dtype, dims, strides), never its data, so they are safe
+// to run in any order before a kernel touches memory; callers run them before any data access and before any
+// parallel region (an exception leaving an OpenMP region terminates the process).
 inline void check_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), msg(name, " must be a CPU tensor, got device ", t.device()));
 }
 
 inline void check_dtype(const at::Tensor& t, c10::ScalarType want, const char* name) {
-  TORCH_CHECK_TYPE(t.scalar_type() == want, name, " must have dtype ", want, ", got ", t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == want, msg(name, " must have dtype ", want, ", got ", t.scalar_type()));
 }
 
 inline void check_dim(const at::Tensor& t, int64_t dim, const char* name) {
-  TORCH_CHECK_VALUE(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.dim() == dim, msg(name, " must have ", dim, " dimensions, got shape ", t.sizes()));
 }
 
 inline void check_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (got strides ", t.strides(), ")");
+  TORCH_CHECK_VALUE(t.is_contiguous(), msg(name, " must be contiguous (got strides ", t.strides(), ")"));
 }
 
 }  // namespace vllm_lite

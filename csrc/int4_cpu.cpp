@@ -14,8 +14,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 
+#include "cpu_common.h"
 #include "int4_small_m.h"
 
 namespace vllm_lite {
@@ -96,40 +98,71 @@ void dispatch_scales(const at::Tensor& qweight, const at::Tensor& zeros, const a
     case at::kFloat:
       return dispatch_groups<float, O>(qweight, zeros, scales, g_idx, out);
     default:
-      TORCH_CHECK(false, "int4_dequant_nk: scales must be float16, bfloat16 or float32, got ", scales.scalar_type());
+      TORCH_CHECK(false, msg("int4_dequant_nk: scales must be float16, bfloat16 or float32, got ",
+                             scales.scalar_type()));
   }
+}
+
+bool scales_dtype_ok(const at::Tensor& scales) {
+  const auto t = scales.scalar_type();
+  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat;
+}
+
+// Metadata checks shared by both ops, in the order device, dtype, dims, layout, shape; no data is read.
+// Returns K (inputs). `op` prefixes the messages.
+int64_t check_packed_weight(const char* op, const at::Tensor& qweight, const at::Tensor& zeros,
+                            const at::Tensor& scales) {
+  check_cpu(qweight, "qweight");
+  check_cpu(zeros, "zeros");
+  check_cpu(scales, "scales");
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2 && qweight.is_contiguous(),
+              msg(op, ": qweight must be a contiguous [N, K/8] int32 tensor, got ", qweight.scalar_type(), " ",
+                  qweight.sizes()));
+  const int64_t n = qweight.size(0), k = qweight.size(1) * 8;
+  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.dim() == 2 && zeros.size(0) == n && zeros.is_contiguous(),
+              msg(op, ": zeros must be a contiguous [N, G] uint8 tensor with N = ", n, ", got ", zeros.scalar_type(),
+                  " ", zeros.sizes()));
+  const int64_t groups = zeros.size(1);
+  TORCH_CHECK(scales_dtype_ok(scales),
+              msg(op, ": scales must be float16, bfloat16 or float32, got ", scales.scalar_type()));
+  TORCH_CHECK(groups > 0 && scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups &&
+                  scales.is_contiguous(),
+              msg(op, ": scales must be a contiguous [N, G] tensor with [N, G] = [", n, ", ", groups, "] (G > 0), got ",
+                  scales.sizes()));
+  return k;
 }
 
 void int4_dequant_nk(at::Tensor& out, const at::Tensor& qweight, const at::Tensor& zeros, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& g_idx) {
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2 && qweight.is_contiguous(),
-              "int4_dequant_nk: qweight must be a contiguous [N, K/8] int32 tensor");
-  const int64_t n = qweight.size(0), k = qweight.size(1) * 8;
-  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.dim() == 2 && zeros.size(0) == n && zeros.is_contiguous(),
-              "int4_dequant_nk: zeros must be a contiguous [N, G] uint8 tensor");
-  const int64_t groups = zeros.size(1);
-  TORCH_CHECK(groups > 0 && scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups &&
-                  scales.is_contiguous(),
-              "int4_dequant_nk: scales must be a contiguous [N, G] tensor");
+  // Every check runs before any data is read and before the parallel loops (whose bodies cannot throw).
+  check_cpu(out, "out");
+  if (g_idx.has_value()) check_cpu(*g_idx, "g_idx");
+  const int64_t k = check_packed_weight("int4_dequant_nk", qweight, zeros, scales);
+  const int64_t n = qweight.size(0), groups = zeros.size(1);
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              msg("int4_dequant_nk: out must be float32 or bfloat16, got ", out.scalar_type()));
   TORCH_CHECK(out.dim() == 2 && out.size(0) == n && out.size(1) == k && out.is_contiguous(),
-              "int4_dequant_nk: out must be a contiguous [N, K] tensor");
+              msg("int4_dequant_nk: out must be a contiguous [N, K] = [", n, ", ", k, "] tensor, got ", out.sizes()));
   if (g_idx.has_value()) {
     TORCH_CHECK(g_idx->scalar_type() == at::kLong && g_idx->dim() == 1 && g_idx->size(0) == k &&
                     g_idx->is_contiguous(),
-                "int4_dequant_nk: g_idx must be a contiguous [K] int64 tensor");
-    TORCH_CHECK(k == 0 || (g_idx->min().item<int64_t>() >= 0 && g_idx->max().item<int64_t>() < groups),
-                "int4_dequant_nk: g_idx values must lie in [0, G)");
+                msg("int4_dequant_nk: g_idx must be a contiguous [K] = [", k, "] int64 tensor, got ",
+                    g_idx->scalar_type(), " ", g_idx->sizes()));
+    if (k > 0) {
+      const int64_t* gi = g_idx->data_ptr<int64_t>();  // a checked CPU int64 [K] tensor
+      const auto [lo, hi] = std::minmax_element(gi, gi + k);
+      TORCH_CHECK(*lo >= 0 && *hi < groups,
+                  msg("int4_dequant_nk: g_idx values must lie in [0, G = ", groups, "), got [", *lo, ", ", *hi, "]"));
+    }
   } else {
     TORCH_CHECK(k % groups == 0 && (k / groups) % 8 == 0,
-                "int4_dequant_nk: plain groups must be whole words (K/G a multiple of 8)");
+                msg("int4_dequant_nk: plain groups must be whole words (K/G a multiple of 8), got K = ", k,
+                    ", G = ", groups));
   }
-  switch (out.scalar_type()) {
-    case at::kFloat:
-      return dispatch_scales<float>(qweight, zeros, scales, g_idx, out);
-    case at::kBFloat16:
-      return dispatch_scales<c10::BFloat16>(qweight, zeros, scales, g_idx, out);
-    default:
-      TORCH_CHECK(false, "int4_dequant_nk: out must be float32 or bfloat16, got ", out.scalar_type());
+  if (out.scalar_type() == at::kFloat) {
+    dispatch_scales<float>(qweight, zeros, scales, g_idx, out);
+  } else {
+    dispatch_scales<c10::BFloat16>(qweight, zeros, scales, g_idx, out);
   }
 }
 
@@ -152,8 +185,8 @@ void small_m_scales(const at::Tensor& xp, const at::Tensor& qweight, const at::T
     case at::kFloat:
       return small_m_typed<float, O>(xp, qweight, zeros, scales, bias, out);
     default:
-      TORCH_CHECK(false, "int4_linear_small_m: scales must be float16, bfloat16 or float32, got ",
-                  scales.scalar_type());
+      TORCH_CHECK(false, msg("int4_linear_small_m: scales must be float16, bfloat16 or float32, got ",
+                             scales.scalar_type()));
   }
 }
 
@@ -161,35 +194,34 @@ void small_m_scales(const at::Tensor& xp, const at::Tensor& qweight, const at::T
 // x [M, K] float32 or bfloat16 (y in x's dtype); plain groups only (act-order layers dequantize instead).
 at::Tensor int4_linear_small_m(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& zeros,
                                const at::Tensor& scales, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2 && qweight.is_contiguous(),
-              "int4_linear_small_m: qweight must be a contiguous [N, K/8] int32 tensor");
-  const int64_t n = qweight.size(0), k = qweight.size(1) * 8;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "int4_linear_small_m: x must be [M, ", k, "], got ", x.sizes());
+  // Every check runs before any data is read and before the parallel loop (whose body cannot throw).
+  check_cpu(x, "x");
+  if (bias.has_value()) check_cpu(*bias, "bias");
+  const int64_t k = check_packed_weight("int4_linear_small_m", qweight, zeros, scales);
+  const int64_t n = qweight.size(0), groups = zeros.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "int4_linear_small_m: x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.dim() == 2 && zeros.size(0) == n && zeros.is_contiguous(),
-              "int4_linear_small_m: zeros must be a contiguous [N, G] uint8 tensor");
-  const int64_t groups = zeros.size(1);
-  TORCH_CHECK(groups > 0 && scales.dim() == 2 && scales.size(0) == n && scales.size(1) == groups &&
-                  scales.is_contiguous(),
-              "int4_linear_small_m: scales must be a contiguous [N, G] tensor");
-  TORCH_CHECK(k % groups == 0 && (k / groups) % 8 == 0,
-              "int4_linear_small_m: plain groups must be whole words (K/G a multiple of 8)");
+              msg("int4_linear_small_m: x must be float32 or bfloat16, got ", x.scalar_type()));
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, msg("int4_linear_small_m: x must be [M, ", k, "], got ", x.sizes()));
+  // K = 0 would make the group size 0 (a division by zero in the kernel): refused, as are partial words.
+  TORCH_CHECK(k > 0 && k % groups == 0 && (k / groups) % 8 == 0,
+              msg("int4_linear_small_m: plain groups must be whole words (K > 0, K/G a multiple of 8), got K = ", k,
+                  ", G = ", groups));
   c10::optional<at::Tensor> bias_f;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "int4_linear_small_m: bias must be [", n, "]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n,
+                msg("int4_linear_small_m: bias must be [", n, "], got ", bias->sizes()));
     bias_f = bias->to(at::kFloat).contiguous();
   }
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0);
+  at::Tensor out = at::empty({m, n}, xc.options());
+  if (m == 0 || n == 0) return out;
   at::Tensor xp = at::empty({m, k}, xc.options().dtype(at::kFloat));
   if (xc.scalar_type() == at::kFloat) {
     int4::permute_x<float>(xc.data_ptr<float>(), m, k, xp.data_ptr<float>());
   } else {
     int4::permute_x<c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), m, k, xp.data_ptr<float>());
   }
-  at::Tensor out = at::empty({m, n}, xc.options());
-  if (m == 0 || n == 0) return out;
   if (out.scalar_type() == at::kFloat) {
     small_m_scales<float>(xp, qweight, zeros, scales, bias_f, out);
   } else {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -163,27 +164,92 @@ def test_swap_blocks_moves_blocks_between_caches_of_different_sizes(backend):
 
 
 def test_bad_inputs_raise_clear_errors(backend):
+    """Each bad input raises (it does not crash the process) with a message naming the argument and its value:
+    the numbers in these messages are formatted by csrc's msg(), the path that crashed (SIGSEGV) on the H100
+    image while it went through c10::str. The zero-size cases divided by zero before they were checked."""
     query, cache, md = make_case([3], [10], 4, 2, 32, 16, torch.float32)
     ops = torch.ops.vllm_lite
     out = torch.empty_like(query)
-    with pytest.raises(TypeError, match="block_table"):
+    num_blocks = cache.shape[1]
+    with pytest.raises(TypeError, match="block_table must have dtype Int, got Long"):
         ops.paged_attention(out, query, cache, md.block_table.long(), md.seq_lens, md.query_start_loc, 1.0)
-    with pytest.raises(ValueError, match="num_kv_heads"):
+    with pytest.raises(ValueError, match="num_heads 3 must be a positive multiple of num_kv_heads 2"):
         ops.paged_attention(out[:, :3], query[:, :3], cache, md.block_table, md.seq_lens, md.query_start_loc, 1.0)
-    with pytest.raises(ValueError, match="seq_lens"):
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 2 is shorter than its query length 3"):
         ops.paged_attention(
             out, query, cache, md.block_table, torch.tensor([2], dtype=torch.int32), md.query_start_loc, 1.0
         )
     bad_table = md.block_table.clone()
     bad_table[0, 0] = 99
-    with pytest.raises(ValueError, match="block_table"):
+    with pytest.raises(ValueError, match=rf"block_table\[0, 0\] = 99 is outside the cache's {num_blocks} blocks"):
         ops.paged_attention(out, query, cache, bad_table, md.seq_lens, md.query_start_loc, 1.0)
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(TypeError, match="query, out and kv_cache must share a dtype, got BFloat16, Float and Float"):
         ops.paged_attention(out, query.bfloat16(), cache, md.block_table, md.seq_lens, md.query_start_loc, 1.0)
-    with pytest.raises(ValueError, match="slot_mapping"):
-        backend.write_kv(query[:, :2], query[:, :2], cache, torch.tensor([0, 1, cache.shape[1] * 16]))
-    with pytest.raises(ValueError, match="src_to_dst"):
-        backend.copy_blocks([cache], torch.tensor([[0, cache.shape[1]]]))
+    # Shapes the kernel once read before checking: a 2-D query (its size(2)), no heads, empty blocks.
+    with pytest.raises(ValueError, match=r"query must have 3 dimensions, got shape \[3, 32\]"):
+        ops.paged_attention(out[:, 0], query[:, 0], cache, md.block_table, md.seq_lens, md.query_start_loc, 1.0)
+    with pytest.raises(ValueError, match="num_heads 0 must be a positive multiple"):
+        ops.paged_attention(out[:, :0], query[:, :0], cache, md.block_table, md.seq_lens, md.query_start_loc, 1.0)
+    with pytest.raises(ValueError, match="block_size must be > 0, got 0"):
+        ops.paged_attention(out, query, cache[:, :, :0], md.block_table, md.seq_lens, md.query_start_loc, 1.0)
+    slots = cache.shape[1] * 16
+    with pytest.raises(ValueError, match=rf"slot_mapping\[2\] = {slots} is outside the cache's {slots} slots"):
+        backend.write_kv(query[:, :2], query[:, :2], cache, torch.tensor([0, 1, slots]))
+    with pytest.raises(ValueError, match=rf"src_to_dst\[0\] = {num_blocks} is outside cache 0's {num_blocks} blocks"):
+        backend.copy_blocks([cache], torch.tensor([[0, num_blocks]]))
+    with pytest.raises(ValueError, match=r"src_to_dst\[0, 1\] = 99 is outside dst's"):
+        ops.swap_blocks(cache, cache.clone(), torch.tensor([[0, 99]]))
+
+
+# TORCH_CHECK*(cond, msg) with one message argument: a string literal or msg(...). More arguments would go
+# through c10::str's std::ostringstream inside the library, which crashed on the H100 image (see cpu_common.h).
+_CHECK_CALL = re.compile(r"\bTORCH_CHECK\w*\s*\(")
+
+
+def _top_level_args(text: str, start: int) -> list[str]:
+    """The comma-separated arguments of the call whose '(' is at text[start - 1]."""
+    args, depth, cur, i, quote = [], 0, [], start, None
+    while True:
+        c = text[i]
+        if quote:
+            cur.append(c)
+            if c == "\\":
+                cur.append(text[i + 1])
+                i += 1
+            elif c == quote:
+                quote = None
+        elif c in "\"'":
+            quote = c
+            cur.append(c)
+        elif c in "([{":
+            depth += 1
+            cur.append(c)
+        elif c in ")]}":
+            if depth == 0:
+                args.append("".join(cur).strip())
+                return args
+            depth -= 1
+            cur.append(c)
+        elif c == "," and depth == 0:
+            args.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(c)
+        i += 1
+
+
+def test_native_error_messages_never_stream_values_through_c10_str():
+    sources = [p for p in cpu_kernels.source_files() if p.suffix in (".cpp", ".h")]
+    checked = 0
+    for path in sources:
+        text = path.read_text()
+        for m in _CHECK_CALL.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            args = _top_level_args(text, m.end())
+            assert len(args) == 2, f"{path.name}:{line}: pass the message as one msg(...) or literal, got {args}"
+            assert args[1].startswith('"') or args[1].startswith("msg("), f"{path.name}:{line}: {args[1]}"
+            checked += 1
+    assert checked > 40  # the scan found the checks
 
 
 def test_selector_prefers_native_cpu_and_honours_forced_names(backend, monkeypatch):

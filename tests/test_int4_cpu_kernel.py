@@ -139,14 +139,27 @@ def test_bfloat16_activations_come_back_bfloat16_and_close(models):
 
 
 def test_bad_inputs_are_refused_naming_the_argument(op):
+    """Refused with the argument and its value in the message (formatted by csrc's msg(): the path that crashed
+    the process on the H100 image while it went through c10::str), never a crash: K = 0 divided by zero."""
     q = pack_cols(torch.zeros(8, 64, dtype=torch.int32))
     z = torch.zeros(8, 2, dtype=torch.uint8)
     s = torch.ones(8, 2, dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="x must be"):
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 64\], got \[1, 32\]"):
         op(torch.zeros(1, 32), q, z, s, None)
-    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16, got Double"):
         op(torch.zeros(1, 64, dtype=torch.float64), q, z, s, None)
-    with pytest.raises(RuntimeError, match="zeros must be"):
+    with pytest.raises(RuntimeError, match=r"zeros must be a contiguous \[N, G\] uint8 tensor with N = 8, got Int"):
         op(torch.zeros(1, 64), q, z.to(torch.int32), s, None)
-    with pytest.raises(RuntimeError, match="bias must be"):
+    with pytest.raises(RuntimeError, match=r"bias must be \[8\], got \[3\]"):
         op(torch.zeros(1, 64), q, z, s, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="scales must be float16, bfloat16 or float32, got Int"):
+        op(torch.zeros(1, 64), q, z, s.to(torch.int32), None)
+    with pytest.raises(RuntimeError, match="K > 0"):
+        op(torch.zeros(1, 0), torch.zeros(8, 0, dtype=torch.int32), z, s, None)
+    dequant = torch.ops.vllm_lite.int4_dequant_nk
+    g_idx = torch.zeros(64, dtype=torch.int64)
+    g_idx[5] = 2
+    with pytest.raises(RuntimeError, match=r"g_idx values must lie in \[0, G = 2\), got \[0, 2\]"):
+        dequant(torch.empty(8, 64), q, z, s, g_idx)
+    with pytest.raises(RuntimeError, match=r"out must be a contiguous \[N, K\] = \[8, 64\] tensor, got \[8, 32\]"):
+        dequant(torch.empty(8, 32), q, z, s, None)
