@@ -184,13 +184,17 @@ def test_llm_takes_enforce_eager_and_cpu_never_captures() -> None:
 
     for eager in (True, False):
         with LLM(
-            model=get_checkpoint("llama"), dtype="float32", max_model_len=64, multiprocess=False, enforce_eager=eager
+            model=get_checkpoint("llama"),
+            device="cpu",
+            dtype="float32",
+            max_model_len=64,
+            multiprocess=False,
+            enforce_eager=eager,
         ) as llm:
             assert llm.llm_engine.vllm_config.model_config.enforce_eager is eager
             runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
-            if runner.device.type == "cpu":
-                assert runner.cudagraph_sizes == [] and runner.cuda_graphs is None
-                assert runner.cuda_graph_reserve_bytes(1 << 30) == 0
+            assert runner.cudagraph_sizes == [] and runner.cuda_graphs is None
+            assert runner.cuda_graph_reserve_bytes(1 << 30) == 0
 
 
 # ---------------------------------------------------------------------------------------------- CPU runner
@@ -528,6 +532,34 @@ def test_capture_sizes_option_on_cuda() -> None:
         assert runner.cuda_graph_reserved is not None and runner.cuda_graph_reserved > 0
         out = _greedy_tokens(llm, CUDA_PROMPTS[:6], 8)  # 6 rows: past the largest graph, eager
         assert all(len(t) == 8 for t in out)
+
+
+@needs_cuda
+def test_a_real_capture_failure_on_cuda_leaves_a_working_eager_engine(caplog) -> None:
+    """A host sync inside the forward (what MoE's bincount does) breaks capture: WARNING, then eager, same tokens."""
+    with _cuda_llm(True, "float32") as llm:
+        eager = _greedy_tokens(llm, CUDA_PROMPTS[:4], 8)
+    with _cuda_llm(False, "float32") as llm:
+        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        runner.cuda_graphs.release()
+        runner.cuda_graphs = None
+        real_forward = runner.model.forward
+
+        def syncing_forward(input_ids, positions):
+            out = real_forward(input_ids, positions)
+            _ = float(out.float().sum().item())  # a host read: not allowed while capturing
+            return out
+
+        runner.model.forward = syncing_forward
+        with caplog.at_level(logging.WARNING, logger="vllm_lite.worker.model_runner"):
+            runner.capture_cuda_graphs()
+        del runner.model.forward
+        assert runner.cuda_graphs is None
+        assert any("CUDA graph capture failed" in r.getMessage() for r in caplog.records)
+        assert _greedy_tokens(llm, CUDA_PROMPTS[:4], 8) == eager
+        runner.capture_cuda_graphs()  # and a later capture still works
+        assert runner.cuda_graphs is not None
+        assert _greedy_tokens(llm, CUDA_PROMPTS[:4], 8) == eager
 
 
 if __name__ == "__main__":
