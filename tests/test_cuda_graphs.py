@@ -152,6 +152,24 @@ def test_the_worker_holds_the_graph_reserve_back_from_the_kv_budget(monkeypatch)
     assert runner.cuda_graph_reserved == reserve  # logged next to the measured figure after capture
 
 
+def test_the_worker_captures_after_binding_the_kv_cache() -> None:
+    from vllm_lite.worker.gpu_worker import GPUWorker
+
+    calls: list[tuple] = []
+
+    class Runner:
+        def initialize_kv_cache(self, gpu: int, cpu: int) -> None:
+            calls.append(("kv", gpu, cpu))
+
+        def capture_cuda_graphs(self) -> None:
+            calls.append(("capture",))
+
+    worker = GPUWorker.__new__(GPUWorker)
+    worker.model_runner = Runner()
+    worker.initialize_cache(10, 2)
+    assert calls == [("kv", 10, 2), ("capture",)]
+
+
 def test_compilation_config_takes_vllms_cudagraph_options() -> None:
     cc = CompilationConfig.from_value('{"cudagraph_capture_sizes": [8, 1, 2, 2], "max_cudagraph_capture_size": 64}')
     assert cc.cudagraph_capture_sizes == [1, 2, 8] and cc.max_cudagraph_capture_size == 64
