@@ -508,17 +508,27 @@ def _greedy_tokens(llm, prompts: list[list[int]], max_tokens: int = 24) -> list[
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-CUDA_PROMPTS = [[(7 * i + j) % 1900 + 3 for j in range(1 + (5 * i) % 37)] for i in range(11)]
+CUDA_PROMPTS = [[(7 * i + j) % 1900 + 3 for j in range(1 + (5 * i) % 37)] for i in range(16)]
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_greedy_tokens_identical_with_and_without_cuda_graphs(dtype: str, caplog) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "num_prompts"),
+    [
+        ("bfloat16", 16),  # the batch fills bucket 16: graph and eager run the same shapes
+        ("float32", 11),  # 5 padding rows
+        # bfloat16 with padding: the GEMMs run 16 rows instead of 11; identical unless cuBLAS's kernel for 16 rows
+        # sums in another order than for 11 and a bf16 rounding flips a near-tied greedy pick (not a graph bug).
+        ("bfloat16", 11),
+    ],
+)
+def test_greedy_tokens_identical_with_and_without_cuda_graphs(dtype: str, num_prompts: int, caplog) -> None:
+    prompts = CUDA_PROMPTS[:num_prompts]
     with _cuda_llm(True, dtype) as llm:
         runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
         assert runner.cuda_graphs is None
-        eager = _greedy_tokens(llm, CUDA_PROMPTS)
-        eager_single = _greedy_tokens(llm, CUDA_PROMPTS[:1])
+        eager = _greedy_tokens(llm, prompts)
+        eager_single = _greedy_tokens(llm, prompts[:1])
     with caplog.at_level(logging.INFO, logger="vllm_lite.worker.model_runner"):
         llm = _cuda_llm(False, dtype)
     with llm:
@@ -537,9 +547,9 @@ def test_greedy_tokens_identical_with_and_without_cuda_graphs(dtype: str, caplog
             return out
 
         graphs.run = counting_run  # type: ignore[method-assign]
-        assert _greedy_tokens(llm, CUDA_PROMPTS) == eager
-        assert _greedy_tokens(llm, CUDA_PROMPTS[:1]) == eager_single
-    assert len(replays) >= 20 and 1 in replays and max(replays) == len(CUDA_PROMPTS)
+        assert _greedy_tokens(llm, prompts) == eager
+        assert _greedy_tokens(llm, prompts[:1]) == eager_single
+    assert len(replays) >= 20 and 1 in replays and max(replays) == num_prompts
 
 
 @needs_cuda
