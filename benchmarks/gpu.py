@@ -44,7 +44,6 @@ import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,7 +135,6 @@ def start_llm(model: str, s: dict[str, Any], enforce_eager: bool, multiprocess: 
             "max_num_batched_tokens": sc.max_num_batched_tokens,
             "max_model_len": sc.max_model_len,
             "block_size": cc.block_size,
-            "num_gpu_blocks": cc.num_gpu_blocks,
         }
     except AttributeError:
         pass
@@ -300,7 +298,7 @@ def _measure_decode(engine, prompts: list[list[int]], out_len: int, steps: int, 
     while min(state["gen"].values()) == 0 and engine.has_unfinished_requests():
         _engine_step(engine, state)
         prefill_steps += 1
-    k = min(steps, (out_len - max(state["gen"].values()) - 1) // 2)
+    k = min(steps, (out_len - max(state["gen"].values()) - 1) // 3)  # timed, profiled, maybe profiled again
     if k < 1:
         raise RuntimeError(f"{tag}: no decode steps left to measure after {prefill_steps} prefill steps")
     timed = _decode_window(engine, state, k, device)
@@ -378,22 +376,6 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_workers(jobs: dict[str, dict[str, Any]], timeout_s: float, parallel: bool) -> dict[str, Any]:
-    """Each job's JSON (or the exception it raised), one after the other, or side by side when parallel."""
-
-    def one(kind: str):
-        try:
-            return run_worker(kind, jobs[kind], timeout_s)
-        except Exception as e:  # noqa: BLE001 - handed back to the caller, which records it
-            return e
-
-    if not parallel:
-        return {kind: one(kind) for kind in jobs}
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        futures = {kind: pool.submit(one, kind) for kind in jobs}
-        return {kind: f.result() for kind, f in futures.items()}
-
-
 def run_worker(kind: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     from vllm_lite.testing.baselines import run_json_subprocess
 
@@ -451,6 +433,9 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
     lo, hi = s["input_len"]
     full = mode == "full"
     workload = make_prompts(s["num_prompts"], lo, hi, s["vocab"], s["seed"]) if full else None
+    if not full:  # a batch-1-only shape (the full llama-8b): one request, to fit the time budget
+        s["batch1_iters"] = s["batch1_iters_batch1_shapes"]
+    entry["batch1_requests"] = s["batch1_iters"]
     b1 = make_prompts(s["batch1_iters"], s["batch1_input_len"], s["batch1_input_len"], s["vocab"], s["seed"] + 3)
     bw = probes.get("copy", {}).get("bytes_per_s")
     rate = probes.get("matmul", {}).get("flops_per_s")
@@ -470,7 +455,9 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
         label = "eager" if eager else "graphs"
         try:
             log(f"{name}: vllm-lite, multiprocess engine, enforce_eager={eager}")
+            t0 = time.perf_counter()
             runs[label] = engine_run(path, s, eager, workload, b1)
+            entry.setdefault("part_seconds", {})[f"vllm_lite_{label}"] = round(time.perf_counter() - t0, 1)
         except Exception as e:  # noqa: BLE001 - every part is recorded, the rest go on
             errors.append(_err(f"vllm_lite(enforce_eager={eager})", e))
     main = runs.get("eager" if s["enforce_eager"] else "graphs")
@@ -518,11 +505,15 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
         entry["hf_skipped"] = "full llama-8b: HF generate not run, it would not fit the time budget (--hf-8b runs it)"
     else:
         jobs["hf"] = {"model": path, "settings": s, "batches": s["hf_batch"]}
-    log(
-        f"{name}: decode profile (in-process engine) and HF generate (batches {s['hf_batch']}), each in its own "
-        "interpreter" + (", side by side (--smoke: not measurements)" if s["smoke"] else ", one after the other")
-    )
-    results = run_workers(jobs, s["worker_timeout_s"], parallel=s["smoke"])
+    results: dict[str, Any] = {}
+    for kind, spec in jobs.items():  # one after the other: each has the device to itself
+        log(f"{name}: {'decode profile, in-process engine' if kind == 'profile' else 'HF generate'}, own interpreter")
+        t0 = time.perf_counter()
+        try:
+            results[kind] = run_worker(kind, spec, s["worker_timeout_s"])
+        except Exception as e:  # noqa: BLE001 - recorded below with the part's name
+            results[kind] = e
+        entry.setdefault("part_seconds", {})[kind] = round(time.perf_counter() - t0, 1)
 
     try:
         prof = results["profile"]
@@ -581,6 +572,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
             batch1_input_len=8,
             batch1_output_len=8,
             batch1_iters=1,
+            batch1_iters_batch1_shapes=1,
             profile_steps=2,
             max_model_len=128,
             hf_batch="8",
@@ -597,6 +589,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
             batch1_input_len=128,
             batch1_output_len=128,
             batch1_iters=2,
+            batch1_iters_batch1_shapes=1,
             profile_steps=10,
             max_model_len=1024,
             hf_batch="256",
@@ -610,6 +603,8 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("shapes", "num_prompts", "output_len", "batch1_iters", "profile_steps", "hf_batch"):
         if getattr(args, key) is not None:
             d[key] = getattr(args, key)
+    if args.batch1_iters is not None:
+        d["batch1_iters_batch1_shapes"] = args.batch1_iters
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     if not cuda and dtype == "float16":
         raise SystemExit("float16 on CPU is not supported by this benchmark: use float32 or bfloat16")
@@ -625,7 +620,6 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
         skip_hf=args.skip_hf,
         hf_8b=args.hf_8b,
         multiprocess=True,
-        smoke=args.smoke,
         worker_timeout_s=args.worker_timeout,
     )
     d["hf_batch"] = [int(b) for b in str(d["hf_batch"]).split(",") if b.strip()]

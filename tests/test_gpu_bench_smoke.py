@@ -62,6 +62,7 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and x > 0
 
 
+@pytest.mark.slow  # four interpreters (script, engine core, profile worker, HF worker): ~20 s
 def test_smoke_run_prints_every_figure(tmp_path):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
