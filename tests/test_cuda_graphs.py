@@ -445,6 +445,96 @@ def test_a_failed_capture_warns_and_runs_eager(caplog, monkeypatch) -> None:
     assert len(out.sampled_token_ids[0]) == 1
 
 
+class _FakeCudaApi:
+    """torch.cuda's graph API stood in on CPU, to run CudaDecodeGraphs.capture's control flow without a GPU."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.events: list[tuple] = []
+        self.free = iter([10 << 30, 9 << 30])  # before and after: 1 GiB used by the graphs
+        api = self
+
+        class Stream:
+            def wait_stream(self, other) -> None:
+                api.events.append(("wait",))
+
+        class Graph:
+            def replay(self) -> None:
+                api.events.append(("replay",))
+
+        class Capture:
+            def __init__(self, graph, pool=None) -> None:
+                assert pool == "pool"
+                self.graph = graph
+
+            def __enter__(self) -> None:
+                api.events.append(("capture-begin",))
+
+            def __exit__(self, *exc) -> None:
+                api.events.append(("capture-end",))
+
+        class SideStream:
+            def __init__(self, stream) -> None:
+                pass
+
+            def __enter__(self) -> None:
+                api.events.append(("side",))
+
+            def __exit__(self, *exc) -> None:
+                api.events.append(("main",))
+
+        for name, value in {
+            "synchronize": lambda device=None: None,
+            "empty_cache": lambda: None,
+            "mem_get_info": lambda device=None: (next(self.free), 80 << 30),
+            "graph_pool_handle": lambda: "pool",
+            "Stream": lambda device=None: Stream(),
+            "current_stream": lambda device=None: Stream(),
+            "stream": SideStream,
+            "CUDAGraph": Graph,
+            "graph": Capture,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_capture_control_flow_with_a_stand_in_cuda_api(monkeypatch) -> None:
+    """Largest size first, a warm-up on the side stream before each capture, outputs kept, memory measured."""
+    runner = _runner()
+    api = _FakeCudaApi(monkeypatch)
+    g = CudaDecodeGraphs(
+        runner.model, runner.backend, runner.device, [1, 2, 4], BLOCK_SIZE, BLOCKS_PER_REQ, runner.max_model_len
+    )
+    forwards: list[int] = []
+    real_forward = g._forward
+    g._forward = lambda bucket: (forwards.append(bucket), real_forward(bucket))[1]  # type: ignore[method-assign]
+    g.capture()
+    assert forwards == [4, 4, 2, 2, 1, 1]  # warm-up then capture, largest first
+    assert api.events.count(("capture-begin",)) == 3 and api.events.count(("side",)) == 3
+    assert sorted(g.graphs) == [1, 2, 4] and g.pool == "pool"
+    assert {b: tuple(o.shape) for b, o in g.outputs.items()} == {b: (b, 64) for b in (1, 2, 4)}
+    assert g.capture_bytes == 1 << 30 and "captured 3 decode batch sizes [1, 2, 4]" in g.describe()
+    # The warm-ups and captures ran on padding rows only: no real block of the cache changed.
+    assert all(torch.count_nonzero(c[:, NULL_BLOCK + 1 :]) == 0 for c in runner.kv_caches)
+
+
+def test_a_capture_that_raises_drops_every_graph(monkeypatch) -> None:
+    runner = _runner()
+    _FakeCudaApi(monkeypatch)
+    g = CudaDecodeGraphs(
+        runner.model, runner.backend, runner.device, [1, 2, 4], BLOCK_SIZE, BLOCKS_PER_REQ, runner.max_model_len
+    )
+    real_forward = g._forward
+
+    def forward(bucket: int):
+        if bucket == 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real_forward(bucket)
+
+    g._forward = forward  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="capturing"):
+        g.capture()
+    assert g.graphs == {} and g.outputs == {} and g.pool is None
+
+
 def test_reallocating_the_kv_cache_drops_graphs_bound_to_the_old_one() -> None:
     runner = _runner()
     runner.cuda_graphs = _stand_in_graphs(runner, [1], [])
