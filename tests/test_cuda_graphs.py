@@ -489,6 +489,7 @@ class _FakeCudaApi:
             "graph_pool_handle": lambda: "pool",
             "Stream": lambda device=None: Stream(),
             "current_stream": lambda device=None: Stream(),
+            "set_stream": lambda stream: self.events.append(("set_stream",)),
             "stream": SideStream,
             "CUDAGraph": Graph,
             "graph": Capture,
@@ -518,7 +519,7 @@ def test_capture_control_flow_with_a_stand_in_cuda_api(monkeypatch) -> None:
 
 def test_a_capture_that_raises_drops_every_graph(monkeypatch) -> None:
     runner = _runner()
-    _FakeCudaApi(monkeypatch)
+    api = _FakeCudaApi(monkeypatch)
     g = CudaDecodeGraphs(
         runner.model, runner.backend, runner.device, [1, 2, 4], BLOCK_SIZE, BLOCKS_PER_REQ, runner.max_model_len
     )
@@ -533,6 +534,7 @@ def test_a_capture_that_raises_drops_every_graph(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="capturing"):
         g.capture()
     assert g.graphs == {} and g.outputs == {} and g.pool is None
+    assert api.events[-1] == ("set_stream",)  # the stream current before the capture is current again
 
 
 def test_reallocating_the_kv_cache_drops_graphs_bound_to_the_old_one() -> None:

@@ -272,6 +272,7 @@ class CudaDecodeGraphs:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
+        main = torch.cuda.current_stream(self.device)
         try:
             for bucket in reversed(self.sizes):
                 # Warm-up on a side stream, as PyTorch's docs show: Triton compiles, lazy inits and the
@@ -288,6 +289,8 @@ class CudaDecodeGraphs:
                 self.graphs[bucket], self.outputs[bucket] = graph, out
             torch.cuda.synchronize(self.device)
         except BaseException:
+            # torch.cuda.graph's __exit__ leaves its capture stream current when capture_end raises.
+            torch.cuda.set_stream(main)
             self.release()
             raise
         self.capture_seconds = time.perf_counter() - t0
