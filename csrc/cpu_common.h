@@ -49,12 +49,14 @@ inline float fast_exp(float x) {
 }
 
 // Error messages. Every check in these kernels builds its message with msg() and hands TORCH_CHECK* that one
-// std::string, never the values themselves: c10::str would stream them through a std::ostringstream compiled
-// into this library, and on a host whose $CXX links its own libstdc++ into the library (the H100 image's
-// /opt/gcc/bin/g++: the .so had no libstdc++.so NEEDED entry) streaming an integer there crashed the process
-// with SIGSEGV instead of raising (strings and dtype names streamed fine). msg() formats integers with
-// std::to_string and shapes by hand, so a bad input raises on every toolchain. Only plain data goes in:
-// strings, integers, doubles, dtypes, devices, shapes.
+// std::string (or a literal), never the values themselves (tests/test_cpu_kernels.py scans for this). c10::str
+// would stream them through a std::ostringstream compiled into this library, and where $CXX links libstdc++
+// statically into it (the H100 image's CXX=/opt/gcc/bin/g++, a wrapper of Ubuntu's g++ 13.3: the .so has no
+// libstdc++.so.6 NEEDED entry and defines std::locale itself, while torch uses the shared libstdc++) streaming an
+// integer or a shape there crashed the process with SIGSEGV instead of raising; strings and dtype names streamed
+// fine, and the same sources built with /usr/bin/g++ raised. msg() formats integers with std::to_string and
+// shapes by hand, so a bad input raises on every toolchain. Only plain data goes in: strings, integers,
+// doubles, dtypes, devices, shapes.
 namespace detail {
 inline void append(std::string& s, const char* v) { s += v; }
 inline void append(std::string& s, const std::string& v) { s += v; }
