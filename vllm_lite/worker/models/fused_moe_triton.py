@@ -37,7 +37,11 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     device = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: CUDA's bincount reads the largest id back to the host (a sync that also
+    # breaks CUDA-graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat.long(), torch.ones_like(flat, dtype=torch.int64)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
