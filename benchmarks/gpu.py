@@ -11,7 +11,8 @@ a "full" run measures, all in this one invocation:
     temperature 0, the multiprocess engine (LLM(...) default), after a warm-up on other prompts;
   - HF generate output tok/s on the same prompts, in its own interpreter, at its defaults (DynamicCache, its
     default attention), left-padded batches of --hf-batch (all 256 at once by default), warmed up;
-  - batch-1 decode ms/token: one 128-token prompt, 128 new tokens, time per output token after the first;
+  - batch-1 decode ms/token: a 128-token prompt, 128 new tokens, time per output token after the first (median
+    of 2 requests with different prompts; 1 on batch-1-only shapes);
   - time to ready: LLM(...) construction plus the first one-token request;
   - GPU-busy fraction during decode at batch 256 (and at batch 1) from torch.profiler: union of the CUDA
     kernel/copy intervals over the wall time of a window of decode steps. The engine core runs in another
@@ -29,7 +30,8 @@ A "batch1" run (default for llama-8b) measures only time to ready and batch-1 ms
     python benchmarks/gpu.py --device cpu --smoke              # seconds, on CPU (float32)
 
 Prints ONE JSON line on stdout (progress on stderr), also when a part fails: each failure is recorded in
-its shape's "errors" (and the exit status is 1).
+its shape's "errors" (and the exit status is 1); past --time-limit (330 s) the run stops and prints what it has.
+"part_seconds" and "build" in each shape say where the time went.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,6 +62,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 T0 = time.perf_counter()
+
+
+class TimeLimit(BaseException):
+    """--time-limit reached: not an Exception, so no part swallows it; the run stops and prints what it has."""
+
+
+def _on_alarm(signum, frame) -> None:
+    raise TimeLimit("--time-limit reached")
 
 
 def log(msg: str) -> None:
@@ -701,6 +712,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="checkpoint folder, kept and reused (default: a temp dir)")
     ap.add_argument("--worker-timeout", type=float, default=400.0, help="seconds for each worker interpreter")
+    ap.add_argument(
+        "--time-limit",
+        type=int,
+        default=330,
+        help="seconds for the whole run (0: none); past it the run stops, kills its workers and prints the JSON "
+        "it has, so a hang still reports inside a 7-minute device call",
+    )
     ap.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)  # internal: KIND SPEC_FILE
     args = ap.parse_args()
     if args.worker is not None:
@@ -739,21 +757,33 @@ def main() -> int:
             result["errors"].append(_err("probes", e))
         s["_tokenizers"] = {}
         result["shapes"] = {}
-        for name, mode in shapes:
+        if args.time_limit > 0 and hasattr(signal, "SIGALRM"):
+            signal.signal(signal.SIGALRM, _on_alarm)
+            signal.alarm(args.time_limit)
+        for i, (name, mode) in enumerate(shapes):
             entry: dict[str, Any] = {"mode": mode, "errors": []}
             result["shapes"][name] = entry
             t0 = time.perf_counter()
             try:
                 run_shape(name, mode, s, result["probes"], workdir, entry)
+            except TimeLimit:
+                log(f"--time-limit {args.time_limit} s reached during {name}")
+                entry["errors"].append(f"--time-limit {args.time_limit} s reached during this shape")
+                for later, _ in shapes[i + 1 :]:
+                    result["shapes"][later] = {"errors": [f"not run: --time-limit {args.time_limit} s reached"]}
+                break
             except Exception as e:  # noqa: BLE001
                 entry["errors"].append(_err(name, e))
-            entry["seconds"] = round(time.perf_counter() - t0, 1)
+            finally:
+                entry["seconds"] = round(time.perf_counter() - t0, 1)
             if not args.workdir:
                 shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
             log(f"{name}: done in {entry['seconds']} s, {len(entry['errors'])} errors")
     except Exception as e:  # noqa: BLE001
         result["errors"].append(_err("main", e))
     finally:
+        if hasattr(signal, "SIGALRM"):
+            signal.alarm(0)
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
         result["elapsed_s"] = round(time.perf_counter() - T0, 1)
