@@ -144,6 +144,7 @@ def test_the_worker_holds_the_graph_reserve_back_from_the_kv_budget(monkeypatch)
         model_config=SimpleNamespace(hf_config={"model_type": "llama", "num_hidden_layers": 2}),
     )
     worker.device = torch.device("cuda", 0)
+    worker._free_at_start = 80 * gib  # this instance took the 20 GiB in use
     worker.model_runner = runner = Runner()
     reserve = estimate_graph_bytes(2 * gib, 8192, [1, 2, 4, 8])
     assert reserve == 2 * gib * 8 // 8192 + 4 * PER_GRAPH_BYTES

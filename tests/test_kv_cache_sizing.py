@@ -31,6 +31,16 @@ def test_budget_is_utilization_of_total_less_in_use_and_peak_activations() -> No
     assert kv_budget_from_utilization(40 * GiB, 0.5, 4 * GiB, 0) == 16 * GiB
 
 
+def test_budget_is_per_instance_but_never_past_what_the_card_has_free() -> None:
+    # Another process holds 50 GiB of the 80: an instance at 0.3 (24 GiB) that took 2 GiB still gets
+    # 24 - 2 - 1 = 21 GiB (vLLM: a per-instance share), since 28 GiB is free ...
+    assert kv_budget_from_utilization(80 * GiB, 0.3, 2 * GiB, 1 * GiB, free_bytes=28 * GiB) == 21 * GiB
+    # ... but only what is free, less the activation peak, when the card has less left than its share.
+    assert kv_budget_from_utilization(80 * GiB, 0.9, 2 * GiB, 1 * GiB, free_bytes=10 * GiB) == 9 * GiB
+    with pytest.raises(ValueError, match="0.50 GiB of the card is free"):
+        kv_budget_from_utilization(80 * GiB, 0.9, 2 * GiB, 1 * GiB, free_bytes=GiB // 2)
+
+
 def test_budget_with_nothing_left_names_the_figures() -> None:
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.3.*24.00 GiB is in use.*2.00 GiB of activations"):
         kv_budget_from_utilization(80 * GiB, 0.3, 24 * GiB, 2 * GiB)
@@ -101,6 +111,7 @@ def _fake_cuda_worker(monkeypatch: pytest.MonkeyPatch, cache: CacheConfig, runne
         model_config=SimpleNamespace(hf_config={"model_type": "llama", "num_hidden_layers": 2}),  # no window
     )
     worker.device = torch.device("cuda", 0)
+    worker._free_at_start = 80 * GiB  # the card was empty when this instance started: it took the 20 GiB in use
     worker.model_runner = runner
     return worker
 

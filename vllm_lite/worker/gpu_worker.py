@@ -40,8 +40,12 @@ class GPUWorker:
         self.config = vllm_config
         self.device = indexed_device(vllm_config.device_config.device)
         vllm_config.device_config.device = self.device
+        self._free_at_start = 0
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # Before the weights load: what this instance takes is measured from here (vLLM's per-instance
+            # gpu_memory_utilization; other processes on the card are not charged to it).
+            self._free_at_start = torch.cuda.mem_get_info(self.device)[0]
         torch.manual_seed(vllm_config.model_config.seed)
         self.model_runner = GPUModelRunner(vllm_config, self.device)
 
@@ -84,14 +88,15 @@ class GPUWorker:
         torch.cuda.empty_cache()
         utilization = self.config.cache_config.gpu_memory_utilization
         graphs = self.model_runner.cuda_graph_reserve_bytes(peak)  # captured after the KV cache: held back now
-        budget = kv_budget_from_utilization(total, utilization, total - free, peak + graphs)
+        own = max(0, self._free_at_start - free)  # this process's weights and buffers
+        budget = kv_budget_from_utilization(total, utilization, own, peak + graphs, free_bytes=free)
         logger.debug(
-            "memory on %s: %.2f GiB total x %.2f, %.2f GiB in use after loading, %.2f GiB peak activations, "
-            "%.2f GiB for CUDA graphs",
+            "memory on %s: %.2f GiB total x %.2f, %.2f GiB taken by this instance after loading, %.2f GiB peak "
+            "activations, %.2f GiB for CUDA graphs",
             self.device,
             total / (1 << 30),
             utilization,
-            (total - free) / (1 << 30),
+            own / (1 << 30),
             peak / (1 << 30),
             graphs / (1 << 30),
         )

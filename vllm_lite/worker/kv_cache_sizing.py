@@ -18,19 +18,31 @@ GiB = 1 << 30
 
 
 def kv_budget_from_utilization(
-    total_bytes: int, gpu_memory_utilization: float, in_use_bytes: int, peak_activation_bytes: int
+    total_bytes: int,
+    gpu_memory_utilization: float,
+    in_use_bytes: int,
+    peak_activation_bytes: int,
+    free_bytes: Optional[int] = None,
 ) -> int:
-    """Bytes left for the KV cache; ValueError (with the figures) when nothing is left."""
+    """Bytes left for the KV cache; ValueError (with the figures) when nothing is left.
+
+    As in vLLM, gpu_memory_utilization is this instance's share of the card: ``in_use_bytes`` is what this
+    process took (weights, buffers), not what other processes on the same GPU hold. ``free_bytes`` (the card's
+    free memory now) also bounds the budget, so an instance never plans more than the card still has.
+    """
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}.")
     allowed = int(total_bytes * gpu_memory_utilization)
     budget = allowed - in_use_bytes - peak_activation_bytes
+    if free_bytes is not None:
+        budget = min(budget, free_bytes - peak_activation_bytes)
     if budget <= 0:
+        free = "" if free_bytes is None else f", {free_bytes / GiB:.2f} GiB of the card is free"
         raise ValueError(
             f"No memory left for the KV cache: gpu_memory_utilization={gpu_memory_utilization} of "
             f"{total_bytes / GiB:.2f} GiB allows {allowed / GiB:.2f} GiB, but {in_use_bytes / GiB:.2f} GiB "
             f"is in use after loading the weights and the profiling pass peaked at "
-            f"{peak_activation_bytes / GiB:.2f} GiB of activations. Raise gpu_memory_utilization, "
+            f"{peak_activation_bytes / GiB:.2f} GiB of activations{free}. Raise gpu_memory_utilization, "
             "lower max_num_batched_tokens or max_num_seqs, or use a smaller model."
         )
     return budget
