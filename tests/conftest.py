@@ -20,6 +20,9 @@ import torch  # noqa: E402
 from vllm_lite.testing.checkpoints import build_checkpoint, get_checkpoint  # noqa: E402
 from vllm_lite.testing.wheel import build_wheel  # noqa: E402
 
+# $VLLM_LITE_TEST_FAILURE_LOG: each failure's report appended as it happens (scripts/gpu_check.py sets it).
+pytest_plugins = ["vllm_lite.testing.failure_log"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _quiet_threads() -> Iterator[None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -75,3 +76,38 @@ def test_on_cpu_the_skips_are_only_listed(gpu_check, tmp_path, monkeypatch) -> N
     res = _suite(gpu_check, tmp_path, monkeypatch, cases, device="cpu")
     assert res["status"] == "pass" and res["skip_reasons"] == ["needs CUDA"]
     assert os.path.exists(tmp_path / "suite.xml")
+
+
+def test_a_cut_short_run_reports_the_failures_logged_so_far(gpu_check, tmp_path) -> None:
+    log = tmp_path / "suite.log.failures"
+    log.write_text(
+        "=== tests/test_a.py::test_x (call)\nAssertionError: first\n=== tests/test_b.py::test_y (setup)\nboom\n"
+    )
+    found = gpu_check._failures_so_far(str(log))
+    assert [f["test"] for f in found] == ["tests/test_a.py::test_x (call)", "tests/test_b.py::test_y (setup)"]
+    assert found[0]["text"] == "AssertionError: first" and found[1]["text"] == "boom"
+    assert gpu_check._failures_so_far(str(tmp_path / "absent")) == []
+
+
+def test_overlap_runs_the_benchmark_alone_first_then_the_suite_beside_the_rest(
+    gpu_check, tmp_path, monkeypatch
+) -> None:
+    events: list[str] = []
+
+    def part(name: str):
+        def run(args):
+            events.append(f"{name}:start")
+            if name == "suite":
+                assert events[:2] == ["bench:start", "bench:end"], events  # the benchmark had the machine alone
+            events.append(f"{name}:end")
+            return {"status": "pass"}
+
+        return run
+
+    monkeypatch.setattr(gpu_check, "RUNNERS", {n: part(n) for n in gpu_check.PARTS})
+    rc = gpu_check.main(["--device", "cpu", "--overlap", "--out", str(tmp_path), "--parts", "suite,hf,bench"])
+    assert rc == 0
+    assert events[:2] == ["bench:start", "bench:end"]
+    assert sorted(events[2:]) == ["hf:end", "hf:start", "suite:end", "suite:start"]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(summary["parts"]) == {"bench", "suite", "hf"} and summary["ok"] is True

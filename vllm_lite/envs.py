@@ -104,6 +104,15 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _str("VLLM_LITE_TEST_CACHE", None),
         "Where tests and benchmarks cache the checkpoints they build (default ~/.cache/vllm_lite_test).",
     ),
+    "VLLM_LITE_TEST_FAILURE_LOG": (
+        _str("VLLM_LITE_TEST_FAILURE_LOG", None),
+        "A file the test suite appends each failure's report to as it happens (scripts/gpu_check.py sets it, "
+        "so a run cut short by a device lease still says why its tests failed).",
+    ),
+    "PYTEST_XDIST_WORKER": (
+        _str("PYTEST_XDIST_WORKER", None),
+        "pytest-xdist's own: set in its worker processes (the failure log is written by the controller only).",
+    ),
     "HF_HUB_OFFLINE": (
         _flag("HF_HUB_OFFLINE", False),
         "Hugging Face's own switch: never reach the hub (the test suite sets it).",
