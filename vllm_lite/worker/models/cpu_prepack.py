@@ -9,6 +9,13 @@ alone: its packed kernel rounds differently, and float32 is our exactness path.
 Whether oneDNN's bf16 reorder runs on this CPU is the platform module's probe (AVX2-only CPUs
 refuse it at run time although torch reports oneDNN available); where it does not, nothing is
 packed, `linear` stays plain F.linear, and one log line says so.
+
+Decode rows (1-2 of them, SMALL_M_MAX) go through vllm-lite's own AVX512-BF16 kernel instead
+(csrc/bf16_small_m.cpp) where it is built: it streams a second copy of each weight laid out
+[N/4, K/32, 4, 32] and measured 1.3-1.5x oneDNN's packed GEMV on a 2-core Zen 4 (PROFILE.md,
+"Zen 4"). Its sums run in another order, so an output may differ from oneDNN's in the last bf16
+bit; float32 never takes it. The copy costs the weights' size again in memory;
+$VLLM_LITE_CPU_BF16_SMALL_M=0 turns it off.
 """
 
 from __future__ import annotations
@@ -25,6 +32,31 @@ from vllm_lite.worker.models import cpu_linear
 logger = logging.getLogger(__name__)
 
 _ATTR = "packed_weight"
+_SMALL_ATTR = "small_m_weight"  # [N/4, K/32, 4, 32] copy for bf16_linear_small_m
+SMALL_M_MAX = 2  # rows: measured 1.3-1.55x oneDNN at 1-2 rows, ~1.0x at 4, 0.7-0.9x at 6-8 (PROFILE.md)
+_GROUP, _CHUNK = 4, 32  # the kernel's layout: 4 output rows interleaved in 32-wide slices of K
+
+
+def small_m_kernel_available() -> bool:
+    """vllm-lite's AVX512-BF16 decode kernel is built and loaded here (and not turned off)."""
+    if not envs.VLLM_LITE_CPU_BF16_SMALL_M:
+        return False
+    from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+
+    if not load_cpu_ops():
+        return False
+    fn = getattr(torch.ops.vllm_lite, "bf16_small_m_available", None)
+    return bool(fn is not None and fn())
+
+
+def _small_m_op(x: torch.Tensor, blocked: torch.Tensor, n: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.vllm_lite.bf16_linear_small_m(x, blocked, n, bias)
+
+
+def block_weight(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/4, K/32, 4, 32]: each group of 4 output rows' 32-wide K slices, one after another."""
+    n, k = w.shape
+    return w.detach().reshape(n // _GROUP, _GROUP, k // _CHUNK, _CHUNK).permute(0, 2, 1, 3).contiguous()
 
 
 def maybe_prepack(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int = 64) -> int:
@@ -46,6 +78,7 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
         logger.info("weight prepacking unavailable (%s); using plain F.linear", support.reason)
         return 0
     head = getattr(model, "lm_head", None)
+    small_m = small_m_kernel_available()
     n = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
@@ -61,11 +94,17 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
             logger.warning("weight prepacking stopped after %d weights (%s); the rest use plain F.linear", n, e)
             break
         setattr(module, _ATTR, packed)
+        if small_m and w.shape[0] % _GROUP == 0 and w.shape[1] % _CHUNK == 0:
+            setattr(module, _SMALL_ATTR, block_weight(w))
         if is_linear:
             module.weight.data = torch.empty((0, w.shape[1]), dtype=w.dtype)
         n += 1
     if n:
-        logger.info("prepacked %d bfloat16 linear weights for oneDNN", n)
+        logger.info(
+            "prepacked %d bfloat16 linear weights for oneDNN%s",
+            n,
+            f"; decode rows (<= {SMALL_M_MAX}) use the AVX512-BF16 kernel" if small_m else "",
+        )
     return n
 
 
@@ -80,4 +119,9 @@ def linear(x: torch.Tensor, module: nn.Module, bias: Optional[torch.Tensor]) -> 
     if x.dim() != 2:
         shape = x.shape
         return linear(x.reshape(-1, shape[-1]), module, bias).view(*shape[:-1], -1)
+    if x.shape[0] <= SMALL_M_MAX and x.dtype == torch.bfloat16:
+        blocked = getattr(module, _SMALL_ATTR, None)
+        if blocked is not None:
+            n_out = blocked.shape[0] * _GROUP
+            return _small_m_op(x, blocked, n_out, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -1,0 +1,135 @@
+"""The AVX512-BF16 decode kernel (csrc/bf16_small_m.cpp) and its use by cpu_prepack.linear.
+
+Where the kernel is built (AVX512-BF16 CPUs), its outputs are checked against a float64 reference:
+each within the error F.linear's own bfloat16 output has there (one final rounding), for 1-8 rows,
+with and without bias, and equal at 1 and 2 threads. Everywhere: bad inputs raise before any data is
+read, and prepacking keeps no second weight copy where the kernel is absent or turned off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_lite.engine_args import EngineArgs
+from vllm_lite.testing.checkpoints import get_checkpoint
+from vllm_lite.worker.model_loader import load_model
+from vllm_lite.worker.models import cpu_prepack
+
+CPU = torch.device("cpu")
+needs_kernel = pytest.mark.skipif(
+    not cpu_prepack.small_m_kernel_available(), reason="bf16 small-m kernel not built here (needs AVX512-BF16)"
+)
+
+
+def _op(x, w, bias=None):
+    return torch.ops.vllm_lite.bf16_linear_small_m(x, cpu_prepack.block_weight(w), w.shape[0], bias)
+
+
+def _bound(x, w, bias):
+    """float64 reference and an error bound: one bf16 ulp of the result plus float32 summation slack."""
+    ref = x.double() @ w.double().t() + (bias.double() if bias is not None else 0)
+    terms = x.double().abs() @ w.double().abs().t()
+    return ref, ref.abs() * 2.0**-7 + terms * 2.0**-18
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_reference_within_one_bf16_rounding(rows, with_bias) -> None:
+    g = torch.Generator().manual_seed(rows)
+    n, k = 1284, 800  # N a multiple of 4 (not of 16), K of 32 (not of 64)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    got = _op(x, w, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    ref, ulp = _bound(x, w, bias)
+    assert ((got.double() - ref).abs() <= ulp).all()
+    # and as close as oneDNN's/F.linear's own result is, element for element within one ulp of it
+    assert ((got.double() - F.linear(x, w, bias).double()).abs() <= ulp).all()
+
+
+@needs_kernel
+def test_kernel_result_does_not_depend_on_thread_count() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 768, generator=g).bfloat16()
+    w = (torch.randn(6144, 768, generator=g) * 0.05).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _op(x, w)
+        torch.set_num_threads(2)
+        two = _op(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "x_shape, w_shape, n, match",
+    [
+        ((9, 64), (4, 2, 4, 32), 16, "at most 8 rows"),
+        ((1, 64), (4, 2, 4, 32), 15, "multiple of 4"),
+        ((1, 48), (4, 2, 4, 32), 16, "multiple of 4 and K of 32"),
+        ((1, 64), (4, 1, 4, 32), 16, "weight_blocked must be"),
+    ],
+)
+def test_kernel_refuses_bad_shapes(x_shape, w_shape, n, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        torch.ops.vllm_lite.bf16_linear_small_m(
+            torch.zeros(x_shape, dtype=torch.bfloat16), torch.zeros(w_shape, dtype=torch.bfloat16), n, None
+        )
+    with pytest.raises(TypeError, match="x must have dtype"):
+        torch.ops.vllm_lite.bf16_linear_small_m(
+            torch.zeros(1, 64), torch.zeros(4, 2, 4, 32, dtype=torch.bfloat16), 16, None
+        )
+
+
+def _bf16_model() -> torch.nn.Module:
+    cfg = EngineArgs(model=get_checkpoint("qwen2"), dtype="bfloat16", device="cpu").create_engine_config()
+    return load_model(cfg.model_config, CPU)
+
+
+def _copies(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if getattr(m, "small_m_weight", None) is not None}
+
+
+@needs_kernel
+def test_prepacked_model_runs_decode_rows_through_the_kernel(monkeypatch) -> None:
+    model = _bf16_model()
+    weights = {name: m.weight.detach().clone() for name, m in model.named_modules() if hasattr(m, "supports_prepack")}
+    assert cpu_prepack.prepack_linear_weights(model) > 0
+    copies = _copies(model)
+    assert (
+        copies
+        and "model.embed_tokens" in copies
+        and any(  # the tied LM head is the embedding
+            name.endswith("qkv_proj") for name in copies
+        )
+    )
+    calls = []
+    real = torch.ops.vllm_lite.bf16_linear_small_m
+    monkeypatch.setattr(cpu_prepack, "_small_m_op", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    g = torch.Generator().manual_seed(1)
+    for name, module in copies.items():
+        if name not in weights:
+            continue
+        w = weights[name]
+        bias = getattr(module, "bias", None)
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, w.shape[1], generator=g).bfloat16()
+            got = cpu_prepack.linear(x, module, bias)
+            _, ulp = _bound(x, w, bias)
+            assert ((got.double() - F.linear(x, w, bias).double()).abs() <= ulp).all(), name
+    assert calls and set(calls) == {1, 2}  # 3 rows go to oneDNN
+
+
+def test_no_second_copy_when_turned_off_or_not_built(monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_LITE_CPU_BF16_SMALL_M", "0")
+    assert not cpu_prepack.small_m_kernel_available()
+    model = _bf16_model()
+    cpu_prepack.prepack_linear_weights(model)
+    assert _copies(model) == {}
