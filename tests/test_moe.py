@@ -269,5 +269,7 @@ def test_qwen3_moe_dense_and_sparse_layers_follow_the_config() -> None:
     assert [is_sparse_layer(config, i) for i in range(4)] == [False, True, False, True]
 
 
-def test_mixtral_multiprocess_matches_hf() -> None:
-    assert_multiprocess_matches_hf(get_checkpoint("mixtral"), (17, 48), NEW_TOKENS)
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_multiprocess_matches_hf(arch: str) -> None:
+    """The engine core in its own process (the msgpack wire) gives the same exact tokens through the fused MoE."""
+    assert_multiprocess_matches_hf(get_checkpoint(arch), (17, 48), NEW_TOKENS)

@@ -201,9 +201,10 @@ def test_prefix_hit_after_out_of_window_blocks_were_freed_and_evicted(prefix_hit
     assert_matches_hf(path, [branch], evicted_outs)
 
 
-def test_gemma2_multiprocess_matches_hf() -> None:
-    """The engine core in its own process gives the same exact tokens for the mixed-window model."""
-    assert_multiprocess_matches_hf(get_checkpoint("gemma2"), (40, 70), NEW_TOKENS)
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "gpt2"])
+def test_multiprocess_matches_hf(arch: str) -> None:
+    """The engine core in its own process gives the same exact tokens (gemma2: the mixed-window model)."""
+    assert_multiprocess_matches_hf(get_checkpoint(arch), (40, 70), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
