@@ -335,6 +335,10 @@ def test_core_thread_policy_uses_configured_threads_or_all_cores_but_one_on_cpu(
 def test_busy_loop_asks_the_thread_adapter_after_steps_and_keeps_its_count(core):
     class Recorder:
         calls = 0
+        before = 0
+
+        def before_step(self) -> None:
+            Recorder.before += 1
 
         def maybe_update(self) -> int:
             Recorder.calls += 1
@@ -345,6 +349,7 @@ def test_busy_loop_asks_the_thread_adapter_after_steps_and_keeps_its_count(core)
     a.send(EngineCoreRequestType.ADD, request("t", [1, 2], max_tokens=4))
     assert len(a.collect({"t"})["t"]) == 4
     assert Recorder.calls >= 4 and core.proc.num_threads == 3  # once per step
+    assert Recorder.before == Recorder.calls  # and told before each step (an idle spell ends there)
 
 
 # ---------------------------------------------------------------------------------------------------- real process

@@ -94,3 +94,36 @@ def test_a_window_spanning_a_long_idle_spell_decides_nothing() -> None:
 def test_no_readable_counters_keep_the_start_count() -> None:
     policy = AdaptiveThreads(frozenset({0, 1}), 1, lambda n: pytest.fail("must not change"), sample=lambda: None)
     assert policy.maybe_update(100.0) == 1
+
+
+def test_a_burst_after_a_short_idle_spell_is_not_charged_for_what_others_did_meanwhile() -> None:
+    """The embedding benchmark's pattern: the core idles ~8 s (under the 20-interval reset) while the frontend
+    process runs another engine on both cores, then works again on an idle host. It must keep its 2 threads.
+    (min_own_cores=0: the step hook alone, not the own-CPU check, must do it.)"""
+    host, applied = FakeHost(), []
+    policy = AdaptiveThreads(
+        frozenset({0, 1}), 2, applied.append, sample=host.sample, interval_s=0.5, min_own_cores=0.0
+    )
+    assert policy.maybe_update(host.advance(0.6, 0.0, 2.0)) == 2  # busy, alone
+    host.advance(8.0, 1.85, 0.0)  # idle; others use 1.85 cores
+    policy.before_step(host.t)  # the busy period starts: a fresh window
+    assert policy.maybe_update(host.advance(0.6, 0.05, 1.95)) == 2
+    assert policy.maybe_update(host.advance(0.6, 0.05, 1.95)) == 2 and applied == []
+
+
+def test_without_the_step_hook_a_window_the_core_mostly_slept_through_decides_nothing() -> None:
+    host, applied = FakeHost(), []
+    policy = AdaptiveThreads(frozenset({0, 1}), 2, applied.append, sample=host.sample, interval_s=0.5)
+    host.advance(8.0, 1.85, 0.0)  # idle while others work; no before_step (another caller)
+    assert policy.maybe_update(host.advance(0.4, 0.0, 2.0)) == 2 and applied == []  # own 0.8 s of 8.4: dropped
+    assert policy.maybe_update(host.advance(0.6, 0.05, 1.95)) == 2 and applied == []  # measured afresh: quiet
+    # A neighbour that is busy while the core works still takes a thread away at once.
+    assert policy.maybe_update(host.advance(0.6, 0.9, 1.1)) == 1 and applied == [1]
+
+
+def test_before_step_right_after_a_step_keeps_the_window_running() -> None:
+    host, applied = FakeHost(), []
+    policy = AdaptiveThreads(frozenset({0, 1}), 2, applied.append, sample=host.sample, interval_s=0.5)
+    assert policy.maybe_update(host.advance(0.3, 0.9, 1.1)) == 2  # too soon to sample
+    policy.before_step(host.advance(0.01, 0.9, 0.0))  # back to back steps: no fresh window
+    assert policy.maybe_update(host.advance(0.3, 0.9, 1.1)) == 1 and applied == [1]  # busy others count in full

@@ -228,6 +228,8 @@ class EngineCoreProc:
                         self._abort_all("the engine core shut down before the request finished")
                     break
                 if self.engine_core.has_unfinished_requests() and not self._batch_open():
+                    if self._adaptive_threads is not None:  # after an idle spell: measure from here
+                        self._adaptive_threads.before_step()
                     self._route_outputs(self.engine_core.step())
                     if self._adaptive_threads is not None:
                         self.num_threads = self._adaptive_threads.maybe_update()

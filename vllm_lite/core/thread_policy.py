@@ -8,6 +8,11 @@ frontend streams, and other programs come and go. So between steps, at most ever
 reads the CPU time of the cores it may run on (/proc/stat) and its own (os.times); the difference is what
 others use. It takes a core back for a thread only after others used at most `up_below` of one for two
 intervals' worth of wall time in a row (one long prefill step can be enough), and gives one up as soon as they use more than `down_above` (hysteresis: no flapping).
+Only windows in which the core itself computed count: when it wakes after an idle spell longer than an interval
+(`before_step`), or a window holds less than `min_own_cores` of its own CPU time per wall second (the core slept
+through most of it), that window is dropped and a fresh sample starts the busy period. Otherwise a bursty client
+that works while the core waits (a benchmark running another engine between passes, a frontend tokenizing the
+next batch) would be charged to the next step and take the core's threads away just as work arrives.
 An explicit `num_threads` fixes the count; so does $VLLM_LITE_ADAPTIVE_THREADS=0.
 """
 
@@ -97,22 +102,37 @@ class AdaptiveThreads:
         sample: Optional[Callable[[], Optional[CpuSample]]] = None,
         interval_s: float = 0.5,
         log_every_s: float = 30.0,
+        min_own_cores: float = 0.25,
     ) -> None:
         self.cpus = cpus
         self.cores = len(cpus)
         self.current = start
         self.interval_s = interval_s
         self.log_every_s = log_every_s
+        self.min_own_cores = min_own_cores
         self._set = set_threads
         self._sample = sample or (lambda: take_sample(cpus))
         self._last = self._sample()
         self._quiet_s = 0.0  # wall time of consecutive samples that asked for more threads
         self._last_log = -float("inf")
+        self._last_step_end = self._last.wall_s if self._last is not None else time.monotonic()
         self.changes = 0
+
+    def before_step(self, now: Optional[float] = None) -> None:
+        """Before a step: after an idle spell longer than an interval, start a fresh window here, so what
+        others did while the core waited is not charged to the busy period that starts now."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_step_end <= self.interval_s:
+            return
+        sample = self._sample()
+        if sample is not None:
+            self._last = sample
+        self._quiet_s = 0.0
 
     def maybe_update(self, now: Optional[float] = None) -> int:
         """After a step: if an interval has passed, sample, decide and apply; returns the count in use."""
         now = time.monotonic() if now is None else now
+        self._last_step_end = now
         if self._last is None or now - self._last.wall_s < self.interval_s:
             return self.current
         sample = self._sample()
@@ -120,8 +140,9 @@ class AdaptiveThreads:
             return self.current
         before, self._last = self._last, sample
         window = sample.wall_s - before.wall_s
-        if window > 20 * self.interval_s:
-            self._quiet_s = 0.0  # the core sat idle: this window says little about now
+        own = sample.own_s - before.own_s
+        if window > 20 * self.interval_s or own < self.min_own_cores * window:
+            self._quiet_s = 0.0  # the core sat idle through most of it: says little about now; measure afresh
             return self.current
         others = others_cores(before, sample)
         target = decide(self.current, others, self.cores)
