@@ -70,6 +70,7 @@ def run_ours_interleaved(
     specs: dict[str, dict | None],
     num_threads: int | None,
     repeats: int = 1,
+    dtype: str = "auto",
 ) -> dict[str, dict]:
     """One in-process engine per configuration, timed in turn on each prompt (batch 1) and then on the whole batch,
     `repeats` rounds, so load changes on a shared host hit every configuration alike. Batch-1 ms/token is the
@@ -79,7 +80,7 @@ def run_ours_interleaved(
     engines = {
         name: LLM(
             model=model,
-            dtype="float32",
+            dtype=dtype,
             multiprocess=False,
             max_model_len=512,
             speculative_config=spec,
@@ -136,10 +137,12 @@ def _spec_totals(llm: Any) -> tuple[int, int, int]:
     return total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens
 
 
-def run_hf(model: str, prompts: list[list[int]], max_tokens: int, lookup: int | None) -> dict:
+def run_hf(
+    model: str, prompts: list[list[int]], max_tokens: int, lookup: int | None, dtype: torch.dtype = torch.float32
+) -> dict:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype).eval()
     kw: dict[str, Any] = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
     if lookup is not None:
         kw["prompt_lookup_num_tokens"] = lookup
@@ -189,14 +192,27 @@ def main() -> None:
         "(measures what the draft passes cost at that size; the n-gram rows then run on it too)",
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
+    ap.add_argument("--no-draft", action="store_true", help="skip the draft-model configuration")
+    ap.add_argument(
+        "--ngram-k",
+        default="",
+        help="comma-separated further n-gram num_speculative_tokens, each its own engine timed in the same "
+        "interleaved rounds (rows ngram_k<k>), e.g. 2,3,4",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="engine dtype (auto: the dtype policy, bfloat16 on a CPU with AVX-512 BF16); HF runs in the same",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=None, help="torch threads, ours and HF's (default: policy)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the prompts and the batch")
     args = ap.parse_args()
 
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from vllm_lite.default_model import resolve_model
+    from vllm_lite.dtype_policy import resolve_dtype
     from vllm_lite.platform import describe_host
 
     model = resolve_model(args.model)
@@ -208,54 +224,67 @@ def main() -> None:
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_min": args.prompt_lookup_min,
-        "prompt_lookup_max": args.prompt_lookup_max,
-    }
-    if args.draft_model is None:
-        from vllm_lite.testing.draft_checkpoints import get_layer_skip_draft
+    cfg = AutoConfig.from_pretrained(model)
+    config_dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    dtype = resolve_dtype(args.dtype, None if config_dtype is None else str(config_dtype), torch.device("cpu"))
 
-        args.draft_model = get_layer_skip_draft(model, args.draft_layers)
-    draft_spec = {"model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
+    def ngram(k: int) -> dict:
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": args.prompt_lookup_min,
+            "prompt_lookup_max": args.prompt_lookup_max,
+        }
+
+    spec = ngram(args.num_speculative_tokens)
+    specs: dict[str, dict | None] = {"plain": None, "ngram": spec}
+    for k in (int(x) for x in args.ngram_k.split(",") if x.strip()):
+        specs[f"ngram_k{k}"] = ngram(k)
+    draft_spec = None
+    if not args.no_draft:
+        if args.draft_model is None:
+            from vllm_lite.testing.draft_checkpoints import get_layer_skip_draft
+
+            args.draft_model = get_layer_skip_draft(model, args.draft_layers)
+        draft_spec = {"model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
+        specs["draft"] = draft_spec
     result: dict[str, Any] = {
         "model": model,
+        "dtype": str(dtype).replace("torch.", ""),
         "max_tokens": args.max_tokens,
         "speculative_config": spec,
         "draft_speculative_config": draft_spec,
-        "draft_params_ratio": _param_count(args.draft_model) / _param_count(model),
         "num_threads": args.num_threads or torch.get_num_threads(),
         "host": describe_host(),
         "repeats": args.repeats,
         "load_avg_1m_start": os.getloadavg()[0],
     }
+    if draft_spec is not None:
+        result["draft_params_ratio"] = _param_count(args.draft_model) / _param_count(model)
     sets = workloads(model, tokenizer, args.num_prompts, args.max_tokens, len(tokenizer), args.seed)
     for name, prompts in sets.items():
         runs = run_ours_interleaved(
-            model,
-            prompts,
-            args.max_tokens,
-            {"plain": None, "ngram": spec, "draft": draft_spec},
-            args.num_threads,
-            args.repeats,
+            model, prompts, args.max_tokens, specs, args.num_threads, args.repeats, dtype=args.dtype
         )
-        plain, fast, drafted = runs["plain"], runs["ngram"], runs["draft"]
+        plain = runs["plain"]
         row: dict[str, Any] = {
             "num_prompts": len(prompts),
             "mean_prompt_tokens": float(np.mean([len(p) for p in prompts])),
             "no_spec": {k: v for k, v in plain.items() if k != "outputs"},
-            "ngram_spec": {k: v for k, v in fast.items() if k != "outputs"},
-            "speedup_batch1": plain["ms_per_token_batch1"] / fast["ms_per_token_batch1"],
-            "speedup_throughput": fast["throughput_tok_s"] / plain["throughput_tok_s"],
-            "draft_spec": {k: v for k, v in drafted.items() if k != "outputs"},
-            "draft_speedup_batch1": plain["ms_per_token_batch1"] / drafted["ms_per_token_batch1"],
-            "draft_speedup_throughput": drafted["throughput_tok_s"] / plain["throughput_tok_s"],
-            "greedy_outputs_equal": plain["outputs"] == fast["outputs"] == drafted["outputs"],
         }
+        for cfg, run in runs.items():
+            if cfg == "plain":
+                continue
+            key = {"ngram": "ngram_spec", "draft": "draft_spec"}.get(cfg, cfg)
+            prefix = {"ngram": "", "draft": "draft_"}.get(cfg, cfg + "_")
+            row[key] = {k: v for k, v in run.items() if k != "outputs"}
+            row[prefix + "speedup_batch1"] = plain["ms_per_token_batch1"] / run["ms_per_token_batch1"]
+            row[prefix + "speedup_throughput"] = run["throughput_tok_s"] / plain["throughput_tok_s"]
+        # Exact in float32; in bfloat16 a verified step's rows may round differently from a decode step's.
+        row["greedy_outputs_equal"] = all(run["outputs"] == plain["outputs"] for run in runs.values())
         if not args.no_hf:
-            hf = run_hf(model, prompts, args.max_tokens, None)
-            hf_lookup = run_hf(model, prompts, args.max_tokens, args.num_speculative_tokens)
+            hf = run_hf(model, prompts, args.max_tokens, None, dtype)
+            hf_lookup = run_hf(model, prompts, args.max_tokens, args.num_speculative_tokens, dtype)
             row["hf_generate"] = {"ms_per_token_batch1": hf["ms_per_token_batch1"]}
             row["hf_prompt_lookup"] = {"ms_per_token_batch1": hf_lookup["ms_per_token_batch1"]}
         result[name] = row

@@ -48,9 +48,33 @@ def naive_ngram(history: list[int], k: int, min_n: int, max_n: int, max_model_le
     max_model_len=st.one_of(st.none(), st.integers(1, 36)),
 )
 def test_ngram_matches_naive_reference(histories, k, min_n, extra_n, max_model_len) -> None:
-    proposer = NgramProposer(k, min_n, min_n + extra_n, max_model_len)
     expected = [naive_ngram(h, k, min_n, min_n + extra_n, max_model_len) for h in histories]
-    assert proposer.propose_lists(histories) == expected
+    for row_search_max_batch in (0, 64):  # the vectorised [B, W] search, then the per-request substring search
+        proposer = NgramProposer(k, min_n, min_n + extra_n, max_model_len)
+        proposer.row_search_max_batch = row_search_max_batch
+        assert proposer.propose_lists(histories) == expected
+
+
+# Token ids whose int64 bytes overlap when shifted (256 = 00 01 00.., 65536 = 00 00 01 ..): a byte search over the
+# history finds matches that straddle tokens, which the per-request search must skip.
+@settings(max_examples=150, deadline=None)
+@given(
+    histories=st.lists(st.lists(st.sampled_from([0, 1, 256, 257, 65536, 2**32]), max_size=30), min_size=1, max_size=4),
+    k=st.integers(1, 4),
+    min_n=st.integers(1, 3),
+    extra_n=st.integers(0, 2),
+)
+def test_ngram_row_search_ignores_matches_that_straddle_tokens(histories, k, min_n, extra_n) -> None:
+    proposer = NgramProposer(k, min_n, min_n + extra_n)
+    assert proposer.row_search_max_batch >= len(histories)  # this batch takes the per-request search
+    assert proposer.propose_lists(histories) == [naive_ngram(h, k, min_n, min_n + extra_n, None) for h in histories]
+
+
+def test_ngram_row_search_straddling_byte_match() -> None:
+    # [1, 0]'s 16 bytes (01, 15 zeros) occur at byte offset 1 of [256, 0, 512]: not a token match.
+    assert NgramProposer(2, 2, 2).propose_lists([[256, 0, 512, 7, 1, 0]]) == [[]]
+    # ... and the search goes on before it to the real, earlier occurrence.
+    assert NgramProposer(2, 2, 2).propose_lists([[1, 0, 9, 256, 0, 512, 7, 1, 0]]) == [[9, 256]]
 
 
 def test_ngram_reads_only_each_rows_history_in_a_persistent_buffer() -> None:
@@ -60,10 +84,13 @@ def test_ngram_reads_only_each_rows_history_in_a_persistent_buffer() -> None:
     buf = rng.integers(0, 3, size=(len(histories), 40)).astype(np.int32)  # junk everywhere
     for i, h in enumerate(histories):
         buf[i, : len(h)] = h
-    proposal = NgramProposer(4, 1, 3).propose(buf, np.array([len(h) for h in histories]))
-    assert proposal.to_lists() == [naive_ngram(h, 4, 1, 3, None) for h in histories]
-    assert proposal.draft_token_ids.shape == (5, 4)
-    assert (proposal.draft_token_ids[np.arange(4)[None, :] >= proposal.num_draft_tokens[:, None]] == -1).all()
+    for row_search_max_batch in (0, 64):
+        proposer = NgramProposer(4, 1, 3)
+        proposer.row_search_max_batch = row_search_max_batch
+        proposal = proposer.propose(buf, np.array([len(h) for h in histories]))
+        assert proposal.to_lists() == [naive_ngram(h, 4, 1, 3, None) for h in histories]
+        assert proposal.draft_token_ids.shape == (5, 4)
+        assert (proposal.draft_token_ids[np.arange(4)[None, :] >= proposal.num_draft_tokens[:, None]] == -1).all()
 
 
 @pytest.mark.parametrize(
