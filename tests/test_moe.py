@@ -92,6 +92,30 @@ def test_fused_moe_equals_the_per_token_reference(renormalize: bool) -> None:
     torch.testing.assert_close(out.double(), _naive_moe(x, logits, w1, w3, w2, K, renormalize), atol=1e-5, rtol=1e-5)
 
 
+def _transformers_order_moe(x, w13, w2, weights, ids):
+    """transformers' loop: expert by expert in ascending id, each adding its weighted rows with index_add_."""
+    out = torch.zeros_like(x)
+    inter = w2.shape[-1]
+    for e in range(w13.shape[0]):
+        tok, slot = torch.where(ids == e)
+        h = F.linear(x[tok], w13[e])
+        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e])
+        out.index_add_(0, tok, (y * weights[tok, slot, None]).to(x.dtype))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_grouped_experts_sum_in_transformers_order_bit_for_bit(dtype: torch.dtype, k: int) -> None:
+    """With k > 2 the order of a token's k adds changes float sums: ours must be transformers' (ascending expert)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 32, generator=g).to(dtype)
+    w13 = torch.randn(8, 2 * 24, 32, generator=g).to(dtype)
+    w2 = torch.randn(8, 32, 24, generator=g).to(dtype)
+    weights, ids = route(torch.randn(37, 8, generator=g), k, renormalize=False)
+    assert torch.equal(grouped_experts(x, w13, w2, weights, ids), _transformers_order_moe(x, w13, w2, weights, ids))
+
+
 def test_routing_renormalises_only_when_asked() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     w, ids = route(logits, 2, renormalize=True)

@@ -64,30 +64,38 @@ def grouped_experts(
 ) -> torch.Tensor:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = ids[t, k]; out [T, H] in x's dtype.
 
-    Pairs sorted by expert; each expert with tokens does one [n, H] x [H, 2I] and one [n, I] x [I, H] matmul.
+    Pairs sorted by expert; each expert with tokens does one [n, H] x [H, 2I] and one [n, I] x [I, H] matmul
+    into its rows of one [T*k, H] buffer. The k weighted contributions of a token are then summed in
+    ascending expert id, the order transformers' per-expert `index_add_` gives (so float32 stays exact),
+    as k whole-tensor adds rather than a scatter per expert (which cost more than the matmuls at decode).
     """
     t, k = topk_ids.shape
-    out = torch.zeros_like(x)
     if t == 0:
-        return out
+        return torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    token_of_pair = order // k  # row of x for each sorted pair
-    pair_weights = topk_weights.reshape(-1)[order]
+    xs = x.index_select(0, order // k)  # every pair's input row, grouped by expert
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync per layer
     inter = w2.shape[-1]
+    ys = torch.empty(t * k, x.shape[-1], dtype=x.dtype, device=x.device)
     start = 0
     for expert, n in enumerate(counts):
         if n == 0:
             continue
-        rows = token_of_pair[start : start + n]
-        h = F.linear(x.index_select(0, rows), w13[expert])
+        h = F.linear(xs[start : start + n], w13[expert])
         h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, w2[expert])
-        # The product in float32 when the weights are (Mixtral), cast back after, as transformers does.
-        y = (y * pair_weights[start : start + n, None]).to(x.dtype)
-        out.index_add_(0, rows, y)
+        ys[start : start + n] = F.linear(h, w2[expert])
         start += n
+    pair_out = torch.empty_like(ys)
+    pair_out[order] = ys  # back to pair order (token t's j-th choice at t*k + j)
+    # Each token's choices by ascending expert id; the product in float32 when the weights are (Mixtral),
+    # cast back after, as transformers does.
+    by_expert = torch.argsort(topk_ids, dim=-1)
+    contrib = pair_out.view(t, k, -1).gather(1, by_expert[:, :, None].expand(-1, -1, x.shape[-1]))
+    w = topk_weights.gather(1, by_expert)
+    out = (contrib[:, 0] * w[:, 0, None]).to(x.dtype)
+    for j in range(1, k):  # k is the routing's top-k (2-8): a loop over choices, not tokens
+        out = out + (contrib[:, j] * w[:, j, None]).to(x.dtype)
     return out
 
 
