@@ -225,3 +225,48 @@ def test_tensor_parallel_2_embeddings_equal_sentence_transformers_pooling(embed_
     for o in outs:
         want = F.normalize(_hf(embed_dir, o.prompt_token_ids).mean(0), dim=-1)
         torch.testing.assert_close(torch.tensor(o.outputs.embedding).cpu(), want, atol=ATOL, rtol=0)
+
+
+def test_float32_cpu_linears_run_packed_with_gelu_and_residual_fused(monkeypatch) -> None:
+    """The encoder's float32 CPU linears go through oneDNN-packed weights (faster at prefill sizes), with GELU
+    (exact and tanh) and the residual add in the same call; results equal the plain ops within float32 rounding.
+    $VLLM_LITE_CPU_ENCODER_PACK=0 leaves them plain."""
+    from vllm_lite.worker.models.bert import linear_act, linear_add, pack_cpu_float32_linears
+    from vllm_lite.worker.models.layers import get_activation
+    from vllm_lite.worker.models.parallel_linear import ColumnParallelLinear, RowParallelLinear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ColumnParallelLinear(64, 256, True), RowParallelLinear(256, 64, True))
+    up, down = model[0], model[1]
+    w_up, w_down = up.weight.detach().clone(), down.weight.detach().clone()
+    x, residual = torch.randn(37, 64), torch.randn(37, 64)
+    monkeypatch.setenv("VLLM_LITE_CPU_ENCODER_PACK", "0")
+    assert pack_cpu_float32_linears(model) == 0 and getattr(up, "packed_weight", None) is None
+    monkeypatch.setenv("VLLM_LITE_CPU_ENCODER_PACK", "1")
+    assert pack_cpu_float32_linears(model) == 2
+    assert up.weight.numel() == 0  # the plain copy is dropped: only the packed one is read
+    for name in ("gelu", "gelu_new", "relu"):
+        act = get_activation(name)
+        want = act(F.linear(x, w_up, up.bias))
+        torch.testing.assert_close(linear_act(up, act, name, x), want, atol=1e-5, rtol=1e-5)
+    h = torch.randn(37, 256)
+    want = F.linear(h, w_down, down.bias) + residual
+    torch.testing.assert_close(linear_add(down, h, residual), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_loaded_encoder_runs_packed_and_equals_hf_either_way(embed_dir: str, monkeypatch) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embed_dir)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    want = [_hf(embed_dir, p) for p in prompts]
+    for flag in ("1", "0"):
+        monkeypatch.setenv("VLLM_LITE_CPU_ENCODER_PACK", flag)
+        model = _our_model(embed_dir)
+        packed = getattr(model.model.layer[0].intermediate, "packed_weight", None) is not None
+        assert packed == (flag == "1" and torch.backends.mkldnn.is_available())
+        hidden = _run_packed(model, prompts)
+        for w, got in zip(want, hidden.split([len(p) for p in prompts])):
+            torch.testing.assert_close(got, w, atol=ATOL, rtol=0)
