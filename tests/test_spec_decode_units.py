@@ -191,6 +191,25 @@ def test_greedy_rows_emit_exactly_what_greedy_decoding_emits(path) -> None:
         assert int(out.num_accepted[i]) == len(expected) - 1
 
 
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_prefix_kept_on_the_host_equals_the_torch_ops(k) -> None:
+    """CPU verification keeps the accepted prefix in numpy; the torch version (other devices) must agree."""
+    from vllm_lite.spec_decode.rejection_sampler import _keep_matching_prefix_host, _keep_matching_prefix_torch
+
+    gen = torch.Generator().manual_seed(3)
+    b, v = 200, 3  # a small vocabulary: many drafts agree, whole rows accepted too
+    sampled = torch.randint(0, v, (b, k + 1), generator=gen)
+    drafts = torch.randint(0, v, (b, k), generator=gen)
+    num_draft = torch.randint(0, k + 1, (b,), generator=gen)
+    host = _keep_matching_prefix_host(sampled, drafts, num_draft)
+    ref = _keep_matching_prefix_torch(sampled, drafts, num_draft)
+    assert host.output_token_ids.dtype == ref.output_token_ids.dtype == torch.int64
+    assert torch.equal(host.output_token_ids, ref.output_token_ids)
+    assert torch.equal(host.num_accepted, ref.num_accepted)
+    if k:
+        assert 0 < int((ref.num_accepted == num_draft).sum()) < b  # both whole and partial acceptances occurred
+
+
 def test_greedy_rows_do_not_depend_on_random_rows_beside_them() -> None:
     gen = torch.Generator().manual_seed(2)
     b, k, v = 16, 3, 10

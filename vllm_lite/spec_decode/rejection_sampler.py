@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -205,6 +206,15 @@ def _keep_matching_prefix(
 ) -> RejectionSamplerOutput:
     """sampled int64 [B, k+1] (one token per position): keep the drafts while they equal the samples, then the
     sample at the first mismatch (or the bonus after the last draft)."""
+    if sampled.device.type == "cpu":  # a handful of numpy calls: several times cheaper than torch ops at small batch
+        return _keep_matching_prefix_host(sampled, draft_token_ids, num_draft_tokens)
+    return _keep_matching_prefix_torch(sampled, draft_token_ids, num_draft_tokens)
+
+
+def _keep_matching_prefix_torch(
+    sampled: torch.Tensor, draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor
+) -> RejectionSamplerOutput:
+    """`_keep_matching_prefix` in torch ops, on the samples' device."""
     b, k = draft_token_ids.shape
     device = sampled.device
     num_draft = num_draft_tokens.to(device=device, dtype=torch.int64)
@@ -215,6 +225,22 @@ def _keep_matching_prefix(
     columns = torch.arange(k + 1, device=device).unsqueeze(0)
     out = torch.where(columns <= num_accepted.unsqueeze(1), sampled, PLACEHOLDER_TOKEN_ID)
     return RejectionSamplerOutput(output_token_ids=out, num_accepted=num_accepted)
+
+
+def _keep_matching_prefix_host(
+    sampled: torch.Tensor, draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor
+) -> RejectionSamplerOutput:
+    """`_keep_matching_prefix` for CPU tensors, in numpy (the same result)."""
+    k = draft_token_ids.shape[1]
+    samples = sampled.numpy()
+    drafts = draft_token_ids.cpu().numpy()
+    num_draft = num_draft_tokens.cpu().numpy()
+    accepted = (samples[:, :k] == drafts) & (np.arange(k)[None, :] < num_draft[:, None])
+    num_accepted = accepted.cumprod(axis=1).sum(axis=1, dtype=np.int64)  # length of the accepted prefix
+    out = np.where(np.arange(k + 1)[None, :] <= num_accepted[:, None], samples, PLACEHOLDER_TOKEN_ID)
+    return RejectionSamplerOutput(
+        output_token_ids=torch.from_numpy(out.astype(np.int64, copy=False)), num_accepted=torch.from_numpy(num_accepted)
+    )
 
 
 def _match_sample(
