@@ -45,6 +45,9 @@ class LLMEngine:
             self.tokenizer = get_tokenizer(mc.tokenizer)
             client = client or make_client(vllm_config, multiprocess=multiprocess_mode, asyncio_mode=False)
         self.engine_core = client
+        # Offline frontends answer every step that gave a stop-string request a token before the core steps
+        # again (StopVerdict), so a stopped request leaves the batch at the same step every run (issue 15).
+        self._stop_verdicts = bool(getattr(client, "supports_stop_verdicts", False))
         try:
             self.processor = Processor(mc, self.tokenizer, lora_config=vllm_config.lora_config)
             self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
@@ -160,6 +163,8 @@ class LLMEngine:
         request_id = request.request_id
         if request_id in getattr(self.output_processor, "request_states", {}):
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is still running")
+        if self._stop_verdicts and request.sampling_params is not None and request.sampling_params.stop:
+            request.await_stop_verdict = True  # n > 1: every child carries it
         if request.sampling_params is None or request.sampling_params.num_samples == 1:  # pooling, or one sample
             self.output_processor.add_request(request, prompt_text)
             return [request]
@@ -181,7 +186,9 @@ class LLMEngine:
         """One engine step's worth of outputs (blocks until the core sends some)."""
         outputs = self.engine_core.get_output()
         processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
-        if processed.reqs_to_abort:
+        if outputs.stop_verdict_step:  # the core waits for this answer (aborts included) before it steps again
+            self.engine_core.send_stop_verdict(outputs.stop_verdict_step, processed.reqs_to_abort)
+        elif processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 

@@ -53,6 +53,7 @@ from vllm_lite.core.messages import (
     EngineCoreRequestType,
     HandshakeReply,
     HelloRequest,
+    StopVerdict,
     UtilityOutput,
     UtilityRequest,
 )
@@ -267,6 +268,10 @@ class MPClientBase(EngineCoreClient):
     def _abort_frames(self, request_ids: list[str]) -> list[Any]:
         ids = self.namespace.ids(request_ids) if self.namespace is not None else list(request_ids)
         return self._frames(EngineCoreRequestType.ABORT, ids)
+
+    def _stop_verdict_frames(self, step: int, stopped: list[str]) -> list[Any]:
+        ids = self.namespace.ids(stopped) if self.namespace is not None else list(stopped)
+        return self._frames(EngineCoreRequestType.STOP_VERDICT, StopVerdict(step, ids))
 
     def _utility_frames(self, fut: Any, method: str, args: tuple[Any, ...]) -> tuple[int, list[Any]]:
         """Book ``fut`` for a new utility call; returns its id and the frames to send."""

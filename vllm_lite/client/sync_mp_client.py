@@ -19,6 +19,9 @@ from vllm_lite.core.messages import EngineCoreOutputs, EngineCoreRequest, Engine
 class SyncMPClient(MPClientBase):
     """Blocking client; ``get_output()`` blocks on the queue the receive thread fills."""
 
+    # LLMEngine may flag requests await_stop_verdict and answer outputs that ask with send_stop_verdict.
+    supports_stop_verdicts = True
+
     def __init__(self, vllm_config: Optional[VllmConfig] = None, **kwargs: Any) -> None:
         super().__init__(vllm_config, **kwargs)
         self._send_lock = threading.Lock()
@@ -51,6 +54,10 @@ class SyncMPClient(MPClientBase):
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._send(self._abort_frames(request_ids))
+
+    def send_stop_verdict(self, step: int, stopped: list[str]) -> None:
+        """Answer outputs whose ``stop_verdict_step`` is ``step``: abort ``stopped``, and let the core step on."""
+        self._send(self._stop_verdict_frames(step, stopped))
 
     def get_output(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
         """Next outputs from the core; blocks. Raises EngineDeadError, or TimeoutError after ``timeout``."""

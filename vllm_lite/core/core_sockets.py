@@ -5,7 +5,7 @@ Sockets (the core always binds, frontends connect):
 * ``input``  ROUTER. A frontend connects a DEALER with a fixed identity and sends
   ``[type, *payload]`` where ``type`` is one ``EngineCoreRequestType`` byte:
   HELLO(HelloRequest), ADD(EngineCoreRequest), ADD_BATCH(EngineCoreRequestBatch), ABORT(list[str]),
-  UTILITY(UtilityRequest), HEARTBEAT(no payload), GOODBYE(no payload: detach now).
+  UTILITY(UtilityRequest), HEARTBEAT(no payload), GOODBYE(no payload: detach now), STOP_VERDICT(StopVerdict).
 * ``output`` ROUTER. The same frontend connects a second DEALER with the *same*
   identity; the core sends it ``[type, *payload]`` where ``type`` is one
   ``EngineCoreOutputType`` byte: READY/REFUSED(HandshakeReply),
@@ -55,6 +55,7 @@ from vllm_lite.core.messages import (
     EngineCoreRequestBatch,
     EngineCoreRequestType,
     HelloRequest,
+    StopVerdict,
     UtilityOutput,
     UtilityRequest,
 )
@@ -224,6 +225,7 @@ class CoreSockets:
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
             EngineCoreRequestType.HELLO: MsgpackDecoder(HelloRequest),
+            EngineCoreRequestType.STOP_VERDICT: MsgpackDecoder(StopVerdict),
         }
         conns = _Connections()
         poller = zmq.Poller()

@@ -19,6 +19,12 @@ ADDs, ADD_BATCHes and UTILITY calls in arrival order, then GOODBYEs), ``step()``
 client; block on the input queue when idle. While a frontend's ADD_BATCH is still arriving in parts
 the loop does not step (for ``BATCH_HOLD_S`` at most), so an offline batch is scheduled whole.
 
+Stop verdicts (offline determinism): a request flagged ``await_stop_verdict`` (an offline frontend's request
+with stop strings, which only the frontend can match) that got a token in a step makes that frontend's
+outputs carry ``stop_verdict_step``; the loop then does not step until that frontend's ``StopVerdict`` for
+it has come and its stopped requests are aborted, so they leave the batch at the same step every run. It
+waits only while every frontend with live requests awaits a verdict: other frontends never stall.
+
 Lifecycle: SIGTERM stops new work, drains running requests for at most ``drain_timeout_s``,
 aborts the rest and exits 0. A fatal error in the loop sends ``EngineCoreOutputs(engine_dead=True)``
 to every frontend and exits 1. A frontend silent for longer than ``heartbeat_timeout_s`` (any
@@ -62,6 +68,7 @@ from vllm_lite.core.messages import (
     FinishReason,
     HandshakeReply,
     HelloRequest,
+    StopVerdict,
     UtilityOutput,
     UtilityRequest,
 )
@@ -153,6 +160,10 @@ class EngineCoreProc:
         self._last_housekeeping = 0.0
         # Frontends whose ADD_BATCH has more parts to come -> when the loop stops waiting for them.
         self._open_batches: dict[bytes, float] = {}
+        # Live requests flagged await_stop_verdict, and frontend -> the stop_verdict_step we wait for it to answer.
+        self._verdict_ids: set[str] = set()
+        self._awaited_verdicts: dict[bytes, int] = {}
+        self._verdict_step = 0
         # Sent in every READY: a frontend on this host watches our process instead of waiting on heartbeats.
         self._host_id, self._started = process_watch.host_id(), process_watch.start_ticks(os.getpid())
         self.sockets = CoreSockets(
@@ -221,13 +232,21 @@ class EngineCoreProc:
         """Serve until told to stop; return the process exit code (0 clean, 1 fatal)."""
         try:
             while True:
-                self._process_input(block=self._batch_open() or not self.engine_core.has_unfinished_requests())
+                self._process_input(
+                    block=self._batch_open()
+                    or self._awaiting_verdict()
+                    or not self.engine_core.has_unfinished_requests()
+                )
                 self._housekeeping()
                 if self.shutdown_state.advance(self.engine_core.has_unfinished_requests()) is Phase.STOPPED:
                     if self.shutdown_state.drain_expired:
                         self._abort_all("the engine core shut down before the request finished")
                     break
-                if self.engine_core.has_unfinished_requests() and not self._batch_open():
+                if (
+                    self.engine_core.has_unfinished_requests()
+                    and not self._batch_open()
+                    and not self._awaiting_verdict()
+                ):
                     if self._adaptive_threads is not None:  # after an idle spell: measure from here
                         self._adaptive_threads.before_step()
                     self._route_outputs(self.engine_core.step())
@@ -257,6 +276,8 @@ class EngineCoreProc:
         for identity, kind, payload in items:
             if kind is EngineCoreRequestType.ABORT:
                 self._handle_abort(identity, payload)
+            elif kind is EngineCoreRequestType.STOP_VERDICT:
+                self._handle_stop_verdict(identity, payload)
         for pos, (identity, kind, payload) in enumerate(items):
             if kind is EngineCoreRequestType.ADD:
                 if aborted_after.get((identity, payload.request_id), -1) > pos:
@@ -294,6 +315,30 @@ class EngineCoreProc:
                 logger.warning("An ADD_BATCH from %s stopped before its last part; stepping on.", identity.hex())
                 del self._open_batches[identity]
         return bool(self._open_batches)
+
+    def _awaiting_verdict(self) -> bool:
+        """True while the next step waits for a StopVerdict: some frontend owes one and every frontend with
+        live requests does (one with live requests and no verdict due is never held up by another's)."""
+        if not self._awaited_verdicts:
+            return False
+        waiting = False
+        for client in self.registry.clients():
+            if client.request_ids:
+                if client.identity not in self._awaited_verdicts:
+                    return False
+                waiting = True
+        return waiting
+
+    def _handle_stop_verdict(self, identity: bytes, verdict: StopVerdict) -> None:
+        """A frontend's answer for the outputs of step ``verdict.step``: abort what its stop strings ended."""
+        if verdict.stopped:
+            self._handle_abort(identity, verdict.stopped)
+        if self._awaited_verdicts.get(identity, verdict.step + 1) <= verdict.step:
+            del self._awaited_verdicts[identity]
+
+    def _forget_verdict_ids(self, request_ids: list[str]) -> None:
+        if self._verdict_ids:
+            self._verdict_ids.difference_update(request_ids)
 
     def _take_input(self, block: bool) -> list[InputItem]:
         """Everything queued now; when ``block``, wait a little for the first item."""
@@ -347,6 +392,7 @@ class EngineCoreProc:
             self.engine_core.abort_requests(mine)
             for rid in mine:
                 self.registry.release(rid)
+            self._forget_verdict_ids(mine)
 
     def _handle_add(self, identity: bytes, request: EngineCoreRequest) -> None:
         client = self.registry.lookup(identity, f"ADD {request.request_id!r}")
@@ -363,6 +409,8 @@ class EngineCoreProc:
         except (ValueError, TypeError) as e:
             return self._reject(client, rid, f"{type(e).__name__}: {e}")
         self.registry.own(client, rid)
+        if request.await_stop_verdict:
+            self._verdict_ids.add(rid)
 
     def _tenant_salt(self, client: AttachedClient) -> Optional[bytes]:
         """The prefix-cache salt of a frontend: a keyed hash of the ZMQ identity that passed HELLO.
@@ -398,11 +446,20 @@ class EngineCoreProc:
 
     def _route_outputs(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         for index, outs in outputs.items():
+            ask_verdict = False
             for out in outs.outputs:
                 if out.finish_reason is not None:
                     self.registry.release(out.request_id)
+                    if self._verdict_ids:
+                        self._verdict_ids.discard(out.request_id)
+                elif self._verdict_ids and out.new_token_ids and out.request_id in self._verdict_ids:
+                    ask_verdict = True  # its frontend may find a stop string in this token
             client = self.registry.by_index(index)
             if client is not None:  # else that frontend has left; its requests were aborted
+                if ask_verdict:
+                    self._verdict_step += 1
+                    outs.stop_verdict_step = self._verdict_step
+                    self._awaited_verdicts[client.identity] = self._verdict_step
                 self._send_outputs(client, outs)
 
     def _abort_and_tell(self, client: AttachedClient, ids: list[str], message: str) -> None:
@@ -410,6 +467,7 @@ class EngineCoreProc:
         if not ids:
             return
         self.engine_core.abort_requests(ids)
+        self._forget_verdict_ids(ids)
         outs = [EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT, error=message) for rid in ids]
         self._send_outputs(client, EngineCoreOutputs(outputs=outs))
 
@@ -442,6 +500,7 @@ class EngineCoreProc:
             len(client.request_ids),
         )
         self._open_batches.pop(client.identity, None)
+        self._awaited_verdicts.pop(client.identity, None)
         ids = self.registry.drop(client, may_return)
         # If it is alive after all, it learns why its requests ended instead of waiting forever.
         self._abort_and_tell(client, ids, f"aborted by the engine core: this frontend was dropped ({why})")

@@ -43,6 +43,7 @@ class EngineCoreRequestType(enum.Enum):
     HEARTBEAT = b"\x04"
     GOODBYE = b"\x05"  # no payload: this frontend detaches; its requests are aborted
     ADD_BATCH = b"\x06"  # EngineCoreRequestBatch: requests the core admits together, before its next step
+    STOP_VERDICT = b"\x07"  # StopVerdict: a frontend's answer to outputs that asked for one (stop_verdict_step)
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -60,6 +61,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     compressed_token_type_ids: Optional[int] = None
     # The LoRA adapter this request runs with (vLLM's name); None: the base model.
     lora_request: Optional[LoRARequest] = None
+    # Set by offline frontends (LLM / LLMEngine) on a request with stop strings: after a step that gave it a
+    # token, the core waits for this frontend's StopVerdict before it steps again (see StopVerdict).
+    await_stop_verdict: bool = False
 
 
 class EngineCoreRequestBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -73,6 +77,22 @@ class EngineCoreRequestBatch(msgspec.Struct, array_like=True, omit_defaults=True
 
     requests: list[EngineCoreRequest]
     more: bool = False
+
+
+class StopVerdict(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A frontend's answer to outputs whose ``stop_verdict_step`` is set: which requests its stop strings ended.
+
+    Stop strings are matched in the frontend's detokenizer. Had the core stepped on meanwhile, a request
+    that had just stopped would run in a timing-dependent number of further steps, and since bf16 matmuls
+    give row results that depend on the batch's row count, the other requests' tokens would change run to
+    run. So for requests flagged ``await_stop_verdict`` the core sends the step's outputs with a step number
+    and, before its next step, applies this frontend's verdict for it: the stopped requests are aborted (their
+    KV blocks freed) and the batch shrinks at the same step every run. The core does not wait while another
+    frontend without a pending verdict has requests (its requests never stall behind this one).
+    """
+
+    step: int  # the EngineCoreOutputs.stop_verdict_step it answers
+    stopped: list[str] = []  # request ids whose stop string matched in those outputs: aborted before the next step
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -138,6 +158,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: Optional[UtilityOutput] = None
     # Set when the core is dying: every pending request must fail with EngineDeadError.
     engine_dead: bool = False
+    # Nonzero: these outputs gave a token to a request flagged await_stop_verdict; the core waits for this
+    # frontend's StopVerdict(step=stop_verdict_step) before it steps again (unless others have requests).
+    stop_verdict_step: int = 0
 
     def __post_init__(self) -> None:
         if self.timestamp == 0.0:
