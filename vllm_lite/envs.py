@@ -79,6 +79,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "On CPUs with AVX512-BF16, run bfloat16 linears of 1-3 rows (decode) through vllm-lite's own kernel "
         "on a second, row-interleaved copy of the weight (1.1-1.55x oneDNN there; default on; 0 turns it off).",
     ),
+    "VLLM_LITE_CPU_FUSED_OPS": (
+        _flag("VLLM_LITE_CPU_FUSED_OPS", True),
+        "On CPU, run RMSNorm (with its residual add), rotary embedding and SiLU-and-mul as fused C++ kernels "
+        "(csrc/fused_cpu_ops.cpp; same results as the torch code, bit for bit; default on; 0 turns them off).",
+    ),
     "VLLM_LITE_CACHE_DIR": (
         _str("VLLM_LITE_CACHE_DIR", None),
         "Where built native kernels are cached (default ~/.cache/vllm_lite).",

@@ -24,6 +24,7 @@ from vllm_lite.worker.models.layers import (
     QKVLinear,
     RotaryEmbedding,
     RowParallelLinear,
+    cpu_fused_ops_for,
     get_activation,
     get_rope_parameters,
 )
@@ -42,6 +43,9 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_fused_ops_for(x)  # CPU: one C++ call with the same roundings (layers.py, csrc/fused_cpu_ops.cpp)
+        if ops is not None and self.weight.dtype in (torch.float32, torch.bfloat16):
+            return ops.rms_norm(x, None, self.weight, self.eps, True)[0]
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())
         return y.to(x.dtype)
 

@@ -2,17 +2,26 @@
 
 The fused, tensor-parallel linears (QKVLinear, MergedLinear) live in
 parallel_linear.py and are re-exported here.
+
+On CPU, RMSNorm (with its residual add), the rotary embedding and SiLU-and-mul run as one C++ call each
+(csrc/fused_cpu_ops.cpp, `fused_cpu_ops()`): at batch 1 the dozen torch calls they replace cost more in
+dispatch than in arithmetic. The kernels repeat the torch code's operations and roundings, so results are the
+same bit for bit where torch vectorises as they do (AVX2 and AVX-512 hosts; tests/test_cpu_fused_ops.py).
+The torch code stays as the fallback: other devices, autograd, other dtypes, no extension, or
+VLLM_LITE_CPU_FUSED_OPS=0.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_lite import envs
 from vllm_lite.worker.models.parallel_linear import (  # noqa: F401 -- re-exported
     ColumnParallelLinear,
     MergedLinear,
@@ -21,6 +30,42 @@ from vllm_lite.worker.models.parallel_linear import (  # noqa: F401 -- re-export
     copy_checked,
     read_shard,
 )
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+_fused_state: list[Optional[SimpleNamespace]] = []  # [] until decided, then [ops or None]
+
+
+def fused_cpu_ops() -> Optional[SimpleNamespace]:
+    """The fused CPU ops (rms_norm, rotary, silu_and_mul: csrc/fused_cpu_ops.cpp's overloads) when the C++
+    kernels are built and loaded here and VLLM_LITE_CPU_FUSED_OPS is not 0; else None. Decided once per process
+    (the check sits on every layer's path); reset_fused_cpu_ops() forgets the decision."""
+    if _fused_state:
+        return _fused_state[0]
+    ops = None
+    if envs.VLLM_LITE_CPU_FUSED_OPS:
+        from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+
+        if load_cpu_ops() and hasattr(torch.ops.vllm_lite, "fused_rms_norm"):
+            ns = torch.ops.vllm_lite
+            ops = SimpleNamespace(
+                rms_norm=ns.fused_rms_norm.default,
+                rotary=ns.fused_rotary_embedding.default,
+                silu_and_mul=ns.fused_silu_and_mul.default,
+            )
+    _fused_state.append(ops)
+    return ops
+
+
+def reset_fused_cpu_ops() -> None:
+    """Forget fused_cpu_ops()'s decision (tests that change VLLM_LITE_CPU_FUSED_OPS)."""
+    _fused_state.clear()
+
+
+def cpu_fused_ops_for(x: torch.Tensor) -> Optional[SimpleNamespace]:
+    """fused_cpu_ops() for a CPU float32/bfloat16 tensor whose last dim is contiguous, outside autograd; else None."""
+    if x.is_cpu and x.dtype in _FUSED_DTYPES and not torch.is_grad_enabled() and x.stride(-1) == 1:
+        return fused_cpu_ops()
+    return None
 
 
 class RMSNorm(nn.Module):
@@ -34,6 +79,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = cpu_fused_ops_for(x)
+        if (
+            ops is not None
+            and self.weight.dtype == x.dtype
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
+        ):
+            y, new_residual = ops.rms_norm(x, residual, self.weight, self.eps, False)
+            return y if residual is None else (y, new_residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -46,6 +99,9 @@ class SiluAndMul(nn.Module):
     """silu(gate) * up for a fused [.., 2*d] gate_up output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_fused_ops_for(x)
+        if ops is not None and x.shape[-1] % 2 == 0:
+            return ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
@@ -188,7 +244,23 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, H*D], key [T, KVH*D] -> rotated copies, same shapes."""
+        """positions [T]; query [T, H*D], key [T, KVH*D] -> rotated, same shapes.
+
+        On CPU (fused_cpu_ops) query and key are rotated in place and returned; elsewhere the results are new
+        tensors. Callers use only the returned tensors."""
+        ops = cpu_fused_ops_for(query)
+        if (
+            ops is not None
+            and query.dim() == 2
+            and key.dim() == 2
+            and key.dtype == query.dtype
+            and key.stride(-1) == 1
+            and self.cos_sin_cache.dtype == torch.float32
+            and positions.dtype in (torch.int64, torch.int32)
+            and self.rotary_dim % 2 == 0
+        ):
+            ops.rotary(positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim)
+            return query, key
         cs = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2] each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
