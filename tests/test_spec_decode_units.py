@@ -210,6 +210,22 @@ def test_prefix_kept_on_the_host_equals_the_torch_ops(k) -> None:
         assert 0 < int((ref.num_accepted == num_draft).sum()) < b  # both whole and partial acceptances occurred
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_argmax_picks_what_torch_argmax_picks(dtype) -> None:
+    """The greedy verification's argmax (numpy on CPU) must pick torch's token, ties and NaN included (first one),
+    or greedy outputs would differ from plain decoding's."""
+    from vllm_lite.spec_decode.rejection_sampler import _argmax_last
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randint(-3, 4, (3, 5, 64), generator=gen).to(dtype)  # few values: many ties
+    x[0, 1, [5, 9]] = float("nan")
+    x[1, 2] = float("-inf")
+    got = _argmax_last(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(_argmax_last(x[:, 1:4]), x[:, 1:4].argmax(dim=-1))  # a strided view
+
+
 def test_greedy_rows_do_not_depend_on_random_rows_beside_them() -> None:
     gen = torch.Generator().manual_seed(2)
     b, k, v = 16, 3, 10
