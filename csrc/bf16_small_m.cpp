@@ -1,17 +1,27 @@
-// bfloat16 linear for the few-row forwards of decode on CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids):
-//   bf16_linear_small_m(x [M, K], weight_blocked, n, bias [N]?) -> y [M, N], bfloat16, M <= kMaxRows.
+// bfloat16 linear for the few-row forwards of decode and speculative verification on CPUs with AVX512-BF16
+// (Zen 4, Sapphire Rapids):
+//   bf16_linear_small_m(x [M, K], weight_blocked, n, bias [N]?) -> y [M, N], bfloat16, M <= kMaxRows (16).
 // The weight is laid out once, at load time (vllm_lite/worker/models/cpu_prepack.py), as
-// [N/4, K/32, 4, 32]: for each group of 4 output rows, their 32-wide slices of K one after another, so a
-// thread streams its share of the weight front to back.
+// [N/4, K/32, 4, 32]: for each group of 4 output rows (a "tile"), their 32-wide slices of K one after another,
+// so a thread streams its share of the weight front to back.
 //
 // Why: at M = 1 a decode step only streams the weights. On a 2-core Zen 4 (benchmarks/PROFILE.md, "Zen 4")
 // oneDNN's prepacked bf16 GEMV read the bench model's weights at 10-13 GB/s on one core and 15-19 on two;
-// this loop reads them at 16 and 21-22 GB/s (the memory system gives ~20 and ~28-37).
-// Each output is one float32 dot product (32 lanes summed at the end), plus the bias in float32, rounded once
-// to bfloat16: F.linear's math summed in another order, so an output can differ from oneDNN's in the last
-// bfloat16 bit. Each output is computed by one thread, so results do not depend on the thread count.
-// Groups of rows are split over torch's intra-op threads. Built only where the compiler targets
-// AVX512-BF16 (-march=native); elsewhere bf16_small_m_available() is false and callers keep oneDNN.
+// this loop reads them faster (benchmarks/linear_small_m.py measures both at 1-16 rows).
+//
+// The loop: for each tile, the rows of x in passes of up to 4 (balanced: 6 rows = 3 + 3, 16 = 4 x 4), each pass
+// a 4 rows x 4 columns block of VDPBF16PS accumulators over all of K; the first pass streams the tile from
+// memory, later passes find it in cache. While a tile is computed, the next tile is prefetched (into L2, spread
+// over the passes), so the memory stream overlaps the compute instead of alternating with it: without that the
+// kernel lost to oneDNN at 4+ rows. The 16 accumulators of a block are reduced together by a transpose-add tree
+// and the 16 outputs rounded to bfloat16 in one vector.
+//
+// Numerics: each output is one float32 sum (VDPBF16PS lanes, then the tree), plus the bias in float32, rounded
+// once to bfloat16 (round to nearest even, as c10::BFloat16): F.linear's math summed in another order, so an
+// output can differ from oneDNN's in the last bfloat16 bit. Each output is computed by one thread in a fixed
+// order, so results do not depend on the thread count or on the other rows. Tiles are split over torch's
+// intra-op threads. Built only where the compiler targets AVX512-BF16 (-march=native); elsewhere
+// bf16_small_m_available() is false and callers keep oneDNN.
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -20,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -33,33 +44,67 @@ namespace {
 
 constexpr int64_t kRowsPerGroup = 4;  // output rows interleaved per group (the 4 in [N/4, K/32, 4, 32])
 constexpr int64_t kKChunk = 32;       // bf16 lanes of one 512-bit register
-constexpr int64_t kMaxRows = 8;       // x rows accepted (decode batches); callers send more to oneDNN
+constexpr int64_t kMaxRows = 16;      // x rows accepted (decode batches, speculative verification); more: oneDNN
+constexpr int64_t kRowsPerPass = 4;   // x rows per register block (4 x 4 accumulators)
 
 #ifdef VLLM_LITE_BF16_SMALL_M
 
 static inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-// out[m][0..3] = x[m] . w[group rows] (+ bias) for MM rows of x, one group of 4 weight rows.
+// 4 accumulators -> one register whose 128-bit block i holds 4 partial sums of accumulator i.
+static inline __m512 fold4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// 4 folded registers t_r (block m: partials of row m, column r) -> element 4 * m + r = the sum of row m, column r.
+static inline __m512 fold_columns(__m512 t0, __m512 t1, __m512 t2, __m512 t3) {
+  const __m512 u01 = _mm512_add_ps(_mm512_unpacklo_ps(t0, t1), _mm512_unpackhi_ps(t0, t1));
+  const __m512 u23 = _mm512_add_ps(_mm512_unpacklo_ps(t2, t3), _mm512_unpackhi_ps(t2, t3));
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u01), _mm512_castps_pd(u23))),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u01), _mm512_castps_pd(u23))));
+}
+
+// float32 -> bfloat16 bits for 16 lanes, as c10::BFloat16(float): round to nearest even, NaN -> 0x7FC0.
+static inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// out[m][0..3] = x[m] . w[tile rows] + bias4 for MM (<= 4) rows of x, over one tile of 4 weight rows.
+// Meanwhile prefetches this pass's share of the next tile (`next`, null for none): pass `pass` of `passes`.
 template <int MM>
-static inline void group_dots(const uint16_t* __restrict w, int64_t chunks, const uint16_t* __restrict x, int64_t k,
-                              const float* bias, c10::BFloat16* __restrict out, int64_t n) {
+static inline void block_dots(const uint16_t* __restrict w, int64_t chunks, const uint16_t* __restrict x, int64_t k,
+                              __m512 bias4, c10::BFloat16* __restrict out, int64_t n, const char* next, int64_t pass,
+                              int64_t passes) {
   constexpr int R = static_cast<int>(kRowsPerGroup);
-  __m512 acc[MM][R];
-  for (int m = 0; m < MM; ++m)
+  __m512 acc[kRowsPerPass][R];
+  for (int m = 0; m < kRowsPerPass; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
+    if (next) {  // the next tile's 4 * chunks cache lines, spread evenly over all passes' iterations
+      const int64_t i = pass * chunks + c;
+      for (int64_t l = i * R / passes, end = (i + 1) * R / passes; l < end; ++l)
+        _mm_prefetch(next + l * 64, _MM_HINT_T1);
+    }
+    const uint16_t* wc = w + c * R * kKChunk;
     __m512i wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w + (c * R + r) * kKChunk);
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(wc + r * kKChunk);
     for (int m = 0; m < MM; ++m) {
       const __m512i xv = _mm512_loadu_si512(x + m * k + c * kKChunk);
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], as_bh(xv), as_bh(wv[r]));
     }
   }
-  for (int m = 0; m < MM; ++m)
-    for (int r = 0; r < R; ++r) {
-      const float b = bias ? bias[r] : 0.0f;
-      out[m * n + r] = c10::BFloat16(_mm512_reduce_add_ps(acc[m][r]) + b);
-    }
+  __m512 t[R];
+  for (int r = 0; r < R; ++r) t[r] = fold4(acc[0][r], acc[1][r], acc[2][r], acc[3][r]);
+  const __m256i o = to_bf16_bits(_mm512_add_ps(fold_columns(t[0], t[1], t[2], t[3]), bias4));
+  alignas(32) uint64_t rows4[4];  // row m's 4 bfloat16 outputs
+  _mm256_store_si256(reinterpret_cast<__m256i*>(rows4), o);
+  for (int m = 0; m < MM; ++m) std::memcpy(out + m * n, &rows4[m], sizeof(rows4[m]));
 }
 
 void run(const at::Tensor& x, const at::Tensor& wb, int64_t n, const float* bias, at::Tensor& out) {
@@ -68,19 +113,24 @@ void run(const at::Tensor& x, const at::Tensor& wb, int64_t n, const float* bias
   const auto* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<c10::BFloat16>());
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t group_elems = chunks * kRowsPerGroup * kKChunk;
+  const int64_t passes = (rows + kRowsPerPass - 1) / kRowsPerPass;
   at::parallel_for(0, n / kRowsPerGroup, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint16_t* w = wp + g * group_elems;
-      const float* b = bias ? bias + g * kRowsPerGroup : nullptr;
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+      const __m512 b4 = bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(bias + g * kRowsPerGroup)) : _mm512_setzero_ps();
+      const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + group_elems) : nullptr;
+      int64_t m0 = 0;
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t mm = (rows - m0 + (passes - p) - 1) / (passes - p);  // balanced: 6 rows = 3 + 3
         const uint16_t* xm = xp + m0 * k;
         c10::BFloat16* o = op + m0 * n + g * kRowsPerGroup;
-        switch (std::min<int64_t>(4, rows - m0)) {
-          case 1: group_dots<1>(w, chunks, xm, k, b, o, n); break;
-          case 2: group_dots<2>(w, chunks, xm, k, b, o, n); break;
-          case 3: group_dots<3>(w, chunks, xm, k, b, o, n); break;
-          default: group_dots<4>(w, chunks, xm, k, b, o, n); break;
+        switch (mm) {
+          case 1: block_dots<1>(w, chunks, xm, k, b4, o, n, next, p, passes); break;
+          case 2: block_dots<2>(w, chunks, xm, k, b4, o, n, next, p, passes); break;
+          case 3: block_dots<3>(w, chunks, xm, k, b4, o, n, next, p, passes); break;
+          default: block_dots<4>(w, chunks, xm, k, b4, o, n, next, p, passes); break;
         }
+        m0 += mm;
       }
     }
   });

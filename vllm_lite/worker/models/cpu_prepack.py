@@ -10,12 +10,13 @@ Whether oneDNN's bf16 reorder runs on this CPU is the platform module's probe (A
 refuse it at run time although torch reports oneDNN available); where it does not, nothing is
 packed, `linear` stays plain F.linear, and one log line says so.
 
-Decode rows (1-3 of them, SMALL_M_MAX) go through vllm-lite's own AVX512-BF16 kernel instead
-(csrc/bf16_small_m.cpp) where it is built: it streams a second copy of each weight laid out
-[N/4, K/32, 4, 32] and measured 1.1-1.55x oneDNN's packed GEMV on a 2-core Zen 4 (PROFILE.md,
-"Zen 4"). Its sums run in another order, so an output may differ from oneDNN's in the last bf16
-bit; float32 never takes it. The copy costs the weights' size again in memory;
-$VLLM_LITE_CPU_BF16_SMALL_M=0 turns it off.
+Forwards of up to SMALL_M_MAX rows (decode of a few requests, speculative verification) go through
+vllm-lite's own AVX512-BF16 kernel instead (csrc/bf16_small_m.cpp) where it is built: it streams a
+second copy of each weight laid out [N/4, K/32, 4, 32] and measured 1.1-1.6x oneDNN's packed GEMM at
+1-12 rows and ~1.0x at 13-16 on a 2-core Zen 4 (`benchmarks/linear_small_m.py`; PROFILE.md, "Zen 4").
+Its sums run in another order, so an output may differ from oneDNN's in the last bf16 bit; a row's
+result does not depend on the other rows or the thread count. float32 never takes it. The copy costs
+the weights' size again in memory; $VLLM_LITE_CPU_BF16_SMALL_M=0 turns it off.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ logger = logging.getLogger(__name__)
 
 _ATTR = "packed_weight"
 _SMALL_ATTR = "small_m_weight"  # [N/4, K/32, 4, 32] copy for bf16_linear_small_m
-SMALL_M_MAX = 3  # rows: measured 1.3-1.55x oneDNN at 1-2 rows, 1.1-1.25x at 3, ~1.0x at 4, 0.7-0.9x at 6-8 (PROFILE.md)
+# rows: the kernel measured 1.1-1.6x oneDNN at 1-12 rows, 1.00-1.05x at 13-16 (benchmarks/linear_small_m.py,
+# PROFILE.md); the kernel itself takes up to bf16_small_m_max_rows() = 16.
+SMALL_M_MAX = 12
 _GROUP, _CHUNK = 4, 32  # the kernel's layout: 4 output rows interleaved in 32-wide slices of K
 
 
