@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from vllm_lite.testing.paged import make_attention_metadata
-from vllm_lite.worker.models.bert import EncoderBatch, padded_attention, per_prompt_attention
+from vllm_lite.worker.models.bert import (
+    MATH_ATTENTION_MAX_LEN,
+    EncoderBatch,
+    padded_attention,
+    per_prompt_attention,
+)
 
 
 def _qkv(lens: list[int], heads: int = 4, dim: int = 16) -> tuple[torch.Tensor, ...]:
@@ -14,7 +19,8 @@ def _qkv(lens: list[int], heads: int = 4, dim: int = 16) -> tuple[torch.Tensor, 
 
 
 def test_per_prompt_attention_equals_the_padded_masked_batch_over_mixed_lengths() -> None:
-    lens = [7, 1, 30, 12]
+    """Short prompts take the bmm + softmax path, the one past MATH_ATTENTION_MAX_LEN torch's SDPA: both exact."""
+    lens = [7, 1, 30, MATH_ATTENTION_MAX_LEN, MATH_ATTENTION_MAX_LEN + 21, 12]
     md = make_attention_metadata(lens, lens, [[0]] * len(lens), 1024)
     q, k, v = _qkv(lens)
     batch = EncoderBatch.from_metadata(md, torch.device("cpu"), padded=True)
