@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_lite import LLM
+from vllm_lite import LLM, platform
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.hf_match import (
     assert_matches_hf,
@@ -114,6 +114,32 @@ def test_grouped_experts_sum_in_transformers_order_bit_for_bit(dtype: torch.dtyp
     w2 = torch.randn(8, 32, 24, generator=g).to(dtype)
     weights, ids = route(torch.randn(37, 8, generator=g), k, renormalize=False)
     assert torch.equal(grouped_experts(x, w13, w2, weights, ids), _transformers_order_moe(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_cpu_experts_equal_the_plain_ones_and_release_them(dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16 and not platform.onednn_bf16_prepack().ok:
+        pytest.skip(f"oneDNN cannot pack bf16 on this CPU: {platform.onednn_bf16_prepack().reason}")
+    gate_w, w1, w3, w2 = _weights(4)
+    layer = FusedMoE(E, K, H, I, True).to(dtype)
+    _load_per_expert(layer, w1, w3, w2)
+    x = torch.randn(37, H, generator=torch.Generator().manual_seed(5)).to(dtype)
+    logits = x.float() @ gate_w.T
+    plain = layer(x, logits)
+    assert layer.process_weights_after_loading() == ""
+    assert layer.cpu_packed is not None and layer.w13_weight.numel() == 0 and layer.w2_weight.numel() == 0
+    packed = layer(x, logits)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(packed.float(), plain.float(), rtol=tol, atol=tol)
+    assert layer(x[:1], logits[:1]).shape == (1, H) and layer(x[:0], logits[:0]).shape == (0, H)
+
+
+def test_moe_packing_off_keeps_the_plain_weights(monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_LITE_CPU_MOE_PACK", "0")
+    layer = FusedMoE(E, K, H, I, True)
+    _load_per_expert(layer, *_weights(4)[1:])
+    assert layer.process_weights_after_loading() == "VLLM_LITE_CPU_MOE_PACK=0"
+    assert layer.cpu_packed is None and layer.w13_weight.shape == (E, 2 * I, H)
 
 
 def test_routing_renormalises_only_when_asked() -> None:
@@ -273,6 +299,9 @@ def test_greedy_float32_matches_hf_with_prefix_caching(arch: str, monkeypatch) -
         max_num_batched_tokens=32,
         enable_prefix_caching=True,
     ) as llm:
+        model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+        moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        assert moe and all(m.cpu_packed is not None for m in moe), "CPU experts should run on packed weights"
         prompts = greedy_prompts(llm.get_tokenizer(), (9, 40, 70))
         first = generate_greedy(llm, prompts, NEW_TOKENS)
         hits.clear()

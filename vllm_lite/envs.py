@@ -74,6 +74,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Run a float32 BERT encoder's CPU linears on oneDNN-packed weights with GELU and residual adds fused "
         "(1.3-1.5x plain F.linear at prefill sizes; sums in another order, ~1e-6 apart; default on; 0 turns it off).",
     ),
+    "VLLM_LITE_CPU_MOE_PACK": (
+        _flag("VLLM_LITE_CPU_MOE_PACK", True),
+        "Run a mixture-of-experts layer's CPU expert matmuls on oneDNN-packed per-expert weights (about 2x MKL's "
+        "F.linear at decode's 8-32 rows an expert; float32 sums in another order, ~1e-6 apart; default on; 0 turns "
+        "it off).",
+    ),
     "VLLM_LITE_CPU_BF16_SMALL_M": (
         _flag("VLLM_LITE_CPU_BF16_SMALL_M", True),
         "On CPUs with AVX512-BF16, run bfloat16 linears of 1-3 rows (decode) through vllm-lite's own kernel "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import os
 from typing import Any, Iterator
 
@@ -20,6 +21,8 @@ from vllm_lite.config import ModelConfig
 from vllm_lite.quantization.int4_linear import quantized_linears
 from vllm_lite.worker.models.registry import get_model_class
 from vllm_lite.worker.parallel_state import get_tp_size
+
+logger = logging.getLogger(__name__)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -150,13 +153,22 @@ def process_weights_after_loading(model: nn.Module) -> None:
     """Let each quantized layer settle its loaded weights into the layout its forward reads (vLLM's hook);
     int4 layers on CPU get the native dequantization kernel where the CPU kernels build."""
     on_cpu = False
+    settled: dict[str, list[str]] = {}  # layer kind -> why each one kept its plain weights ("" if it did not)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
             on_cpu = on_cpu or getattr(module, "qweight_nk", None) is not None
+        elif callable(getattr(module, "process_weights_after_loading", None)):
+            settled.setdefault(type(module).__name__, []).append(module.process_weights_after_loading())
     if on_cpu:
         load_native_int4()
+    for kind, whys in settled.items():
+        kept = [w for w in whys if w]
+        if len(kept) < len(whys):
+            logger.info("%d %s layers settled their weights for this device", len(whys) - len(kept), kind)
+        if kept:
+            logger.info("%d %s layers keep their plain weights (%s)", len(kept), kind, kept[0])
 
 
 def load_native_int4() -> bool:
