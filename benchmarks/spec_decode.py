@@ -19,10 +19,11 @@ can be read; HF runs in this interpreter after ours at torch's thread count. Pri
     python benchmarks/spec_decode.py --no-hf --draft-layers 1 --num-speculative-tokens 3
     python benchmarks/spec_decode.py --no-hf --num-threads 1 --repeats 3   # a shared, loaded 2-CPU host
 
-Every configuration is its own engine with its own weights: with the tiny bundled model, 5+ engines (`--ngram-k`
-with several values) no longer share the L3 cache, so each timed request starts cold, which costs the configurations
-with fewer steps per token most (Zen 4, bf16: n-gram k=5 measured 1.79x with 5 engines, 2.05x with 2). Headline
-numbers: the fewest engines; the k sweep: compare within one run.
+Every configuration is its own engine with its own weights: with the tiny bundled model, 5 engines (`--ngram-k`
+with several values) hold ~5x its weights, more than a 32 MiB L3, so each timed request may start cold, which would
+cost the configurations with fewer steps per request most (suspected, not isolated: Zen 4 bf16 n-gram k=5 measured
+1.79x with 5 engines and 2.05x with 2, in separate runs). Headline numbers: the fewest engines; the k sweep:
+compare within one run.
 
 On a loaded host, prefer `--num-threads 1`: at 2 threads each small op is an OpenMP region whose barrier waits
 for a preempted thread (a decode step of the bundled model measured 5-10x slower, and erratic, at load ~4).
