@@ -20,10 +20,11 @@ client; block on the input queue when idle. While a frontend's ADD_BATCH is stil
 the loop does not step (for ``BATCH_HOLD_S`` at most), so an offline batch is scheduled whole.
 
 Stop verdicts (offline determinism): a request flagged ``await_stop_verdict`` (an offline frontend's request
-with stop strings, which only the frontend can match) that got a token in a step makes that frontend's
-outputs carry ``stop_verdict_step``; the loop then does not step until that frontend's ``StopVerdict`` for
-it has come and its stopped requests are aborted, so they leave the batch at the same step every run. It
-waits only while every frontend with live requests awaits a verdict: other frontends never stall.
+with stop strings, which only the frontend can match) that got a token in a step, while other requests are
+live, makes that frontend's outputs carry ``stop_verdict_step``; the loop then does not step until that
+frontend's ``StopVerdict`` for it has come and its stopped requests are aborted, so they leave the batch at
+the same step every run. It waits only while every frontend with live requests awaits a verdict: other
+frontends never stall. A lone request (batch 1) shares no step with another, so it never waits.
 
 Lifecycle: SIGTERM stops new work, drains running requests for at most ``drain_timeout_s``,
 aborts the rest and exits 0. A fatal error in the loop sends ``EngineCoreOutputs(engine_dead=True)``
@@ -445,22 +446,34 @@ class EngineCoreProc:
         self.sockets.send(client.identity, EngineCoreOutputType.OUTPUTS, outs)
 
     def _route_outputs(self, outputs: dict[int, EngineCoreOutputs]) -> None:
-        for index, outs in outputs.items():
-            ask_verdict = False
+        for outs in outputs.values():
             for out in outs.outputs:
                 if out.finish_reason is not None:
                     self.registry.release(out.request_id)
                     if self._verdict_ids:
                         self._verdict_ids.discard(out.request_id)
-                elif self._verdict_ids and out.new_token_ids and out.request_id in self._verdict_ids:
-                    ask_verdict = True  # its frontend may find a stop string in this token
+        # A verdict matters only where a stopped request would share further steps with another request: a
+        # lone one (batch 1) steps on, and its frontend's ABORT still comes before that frontend's next ADD.
+        ask = bool(self._verdict_ids) and self._more_than_one_live_request()
+        for index, outs in outputs.items():
             client = self.registry.by_index(index)
-            if client is not None:  # else that frontend has left; its requests were aborted
-                if ask_verdict:
-                    self._verdict_step += 1
-                    outs.stop_verdict_step = self._verdict_step
-                    self._awaited_verdicts[client.identity] = self._verdict_step
-                self._send_outputs(client, outs)
+            if client is None:  # that frontend has left; its requests were aborted
+                continue
+            if ask and any(
+                o.finish_reason is None and o.new_token_ids and o.request_id in self._verdict_ids for o in outs.outputs
+            ):  # its frontend may find a stop string in this token
+                self._verdict_step += 1
+                outs.stop_verdict_step = self._verdict_step
+                self._awaited_verdicts[client.identity] = self._verdict_step
+            self._send_outputs(client, outs)
+
+    def _more_than_one_live_request(self) -> bool:
+        n = 0
+        for client in self.registry.clients():
+            n += len(client.request_ids)
+            if n > 1:
+                return True
+        return False
 
     def _abort_and_tell(self, client: AttachedClient, ids: list[str], message: str) -> None:
         """Abort ``ids`` in the engine and tell their frontend why they ended."""
