@@ -88,7 +88,7 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "VLLM_LITE_CPU_FUSED_OPS": (
         _flag("VLLM_LITE_CPU_FUSED_OPS", True),
         "On CPU, run RMSNorm (with its residual add), rotary embedding and SiLU-and-mul as fused C++ kernels "
-        "(csrc/fused_cpu_ops.cpp; same results as the torch code, bit for bit; default on; 0 turns them off).",
+        "(csrc/fused_cpu_ops.cpp; the torch code's results, bit for bit on AVX2/AVX-512 hosts; default on; 0 turns them off).",
     ),
     "VLLM_LITE_CACHE_DIR": (
         _str("VLLM_LITE_CACHE_DIR", None),
