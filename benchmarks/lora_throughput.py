@@ -6,7 +6,8 @@ prompts the 8 adapters round-robin (rank --rank, every q/k/v/o and gate/up/down 
 in PEFT's format), so every step batches all 8. Both engines live in this process (multiprocess=False) and
 run interleaved --repeats times after a warm-up each, so load on the machine hits both alike; the ratio is
 taken per repeat and the median is reported. ``--ops`` picks the CPU LoRA ways to time in the same
-interleaving: ``auto`` (what the engine runs: ``torch_ops.add_lora``, segments of one slot, two bmm's),
+interleaving: ``auto`` (what the engine runs: ``torch_ops.add_lora``, csrc's ``lora_add_cpu`` for steps of at
+most KERNEL_MAX_TOKENS tokens, else segments), ``segments`` (segments of one slot, two bmm's, for every step),
 ``grouped`` (one matmul per slot present, shrink then expand), ``gather`` (each token's A/B gathered, bmm), and
 ``none`` (no delta at all: what the wrappers and per-step slot planning cost by themselves; wrong tokens).
 ``--num-threads`` pins both engines' torch threads (1 is steadier on a shared host).
@@ -56,7 +57,7 @@ Delta = Callable[[Any, Any, Any, list, list, Any], None]
 def _per_op(shrink: Callable[..., Any], expand: Callable[..., Any]) -> Delta:
     """add_lora's signature over a shrink/expand pair (the per-op ways the engine ran before add_lora)."""
 
-    def add(y: Any, x: Any, lora_a: Any, lora_b: list, offsets: list, slots: Any) -> None:
+    def add(y: Any, x: Any, lora_a: Any, lora_b: list, offsets: list, slots: Any, lora_bt: Any = None) -> None:
         buf = shrink(x, lora_a, slots)
         r = lora_a.shape[1] // len(lora_b)
         for i, (b, off) in enumerate(zip(lora_b, offsets)):
@@ -70,9 +71,10 @@ def _ways() -> dict[str, Delta]:
 
     return {
         "auto": torch_ops.add_lora,
+        "segments": lambda y, x, a, b, off, s, lora_bt=None: torch_ops.add_lora_segments(y, x, a, b, off, s),
         "grouped": _per_op(torch_ops.lora_shrink, torch_ops.lora_expand),
         "gather": _per_op(torch_ops.lora_shrink_gather, torch_ops.lora_expand_gather),
-        "none": lambda *args: None,
+        "none": lambda *args, **kw: None,
     }
 
 
@@ -88,6 +90,7 @@ def _time_projection(d_in: int, outs: list[int], t: int, a: argparse.Namespace) 
     lora_a = torch.randn(s, n * r, d_in, generator=g) / d_in**0.5
     lora_b = [torch.randn(s, o, r, generator=g) / r for o in outs]
     offsets = [sum(outs[:i]) for i in range(n)]
+    lora_bt = torch.cat([b.transpose(1, 2) for b in lora_b], dim=2).contiguous()  # what CPU layers keep
     # stacked: columns ordered (sub, slot, rank), so sub i's are one block for its expand
     a_st = lora_a.view(s, n, r, d_in).permute(3, 1, 0, 2).reshape(d_in, n * s * r).contiguous()
     b_st = [b.permute(0, 2, 1).reshape(s * r, -1).contiguous() for b in lora_b]
@@ -103,7 +106,7 @@ def _time_projection(d_in: int, outs: list[int], t: int, a: argparse.Namespace) 
 
     fns: dict[str, Callable[[], Any]] = {"base": lambda: torch.nn.functional.linear(x, w)}
     for way, fn in _ways().items():
-        fns[way] = lambda fn=fn: fn(y, x, lora_a, lora_b, offsets, slots)
+        fns[way] = lambda fn=fn: fn(y, x, lora_a, lora_b, offsets, slots, lora_bt=lora_bt)
     fns["stacked"] = stacked
     times: dict[str, list[float]] = {k: [] for k in fns}
     torch_ops.set_step_slots(slots)  # the engine plans once per step; every timed call reuses it
@@ -142,9 +145,9 @@ def main() -> None:
     ap.add_argument(
         "--ops",
         nargs="+",
-        choices=("auto", "grouped", "gather", "none"),
+        choices=("auto", "segments", "grouped", "gather", "none"),
         default=["auto"],
-        help="CPU LoRA ways to time: auto (what the engine runs), the per-op grouped-by-slot / gather+bmm, or none",
+        help="CPU LoRA ways: auto (what the engine runs), segments (bmm only), per-op grouped / gather+bmm, or none",
     )
     ap.add_argument("--num-threads", type=int, default=None, help="torch threads of both engines (default: policy)")
     ap.add_argument("--micro", action="store_true", help="time one projection per way instead of the engine")

@@ -167,3 +167,43 @@ def test_slots_evict_least_recently_used_and_pinned_stay(tmp_path) -> None:
     assert set(manager.slot_ids) == {1, 3}
     with pytest.raises(ValueError, match="max_loras"):
         manager.prepare_step(np.array([1, 2, 3]), np.array([1, 1, 1]))
+
+
+def test_cpu_kernel_and_bmm_segments_agree_in_every_wrapped_layer(tmp_path, monkeypatch) -> None:
+    """The CPU layers keep B transposed (lora_bt) for csrc's kernel: it must mirror lora_b through loads and
+    removals, and the kernel's delta must equal the segments' one (torch only) in every projection."""
+    from vllm_lite.lora import torch_ops
+
+    if torch_ops.kernel_op() is None:
+        pytest.skip("vllm-lite's CPU kernels (lora_add_cpu) are not built here")
+    g = torch.Generator().manual_seed(2)
+    shapes = dict(
+        q=(HEADS * HEAD_DIM, HIDDEN),
+        k=(KV_HEADS * HEAD_DIM, HIDDEN),
+        v=(KV_HEADS * HEAD_DIM, HIDDEN),
+        o=(HIDDEN, HEADS * HEAD_DIM),
+        gate=(INTER, HIDDEN),
+        up=(INTER, HIDDEN),
+        down=(HIDDEN, INTER),
+    )
+    adapter = _adapter(tmp_path)
+    model, manager = _wrapped({k: torch.randn(s, generator=g) for k, s in shapes.items()}, adapter, 0, 1)
+    manager.prepare_step(np.array([1, 0]), np.array([3, 2]))
+    (slot,) = [s for s, lid in enumerate(manager.slot_ids) if lid == 1]
+    calls = []
+    real = torch_ops.kernel_op()
+    for wrapper in manager.layers.values():
+        for i, sub in enumerate(wrapper.subs):
+            mirror = wrapper.lora_bt[:, :, sub.out_offset : sub.out_offset + sub.out_size]
+            torch.testing.assert_close(mirror, wrapper.lora_b[i].transpose(1, 2), rtol=0, atol=0)
+        assert wrapper.lora_bt[slot].abs().sum() > 0
+        x = torch.randn(5, wrapper.in_local, generator=g)
+        monkeypatch.setattr(torch_ops, "_KERNEL", [lambda *a: (calls.append(1), real(*a))])
+        with_kernel = wrapper(x)
+        monkeypatch.setattr(torch_ops, "_KERNEL", [None])
+        segments = wrapper(x)
+        torch.testing.assert_close(with_kernel, segments)
+    assert len(calls) == len(manager.layers)
+    manager.remove_lora(1)
+    for wrapper in manager.layers.values():
+        assert not wrapper.lora_bt[slot].any()

@@ -7,7 +7,8 @@ As vLLM's ``from_layer``: a wrapper takes the place of a loaded projection and c
 Slot tensors per layer: ``lora_a`` [max_loras, n_sub * max_rank, in] stacks the A matrices of the fused
 sub-projections (q/k/v, or gate/up) so one shrink serves them all; ``lora_b[i]`` [max_loras, out_i, max_rank]
 holds sub-projection i's B, which lands at its output offset in the fused output. Ranks below max_rank are
-zero-padded, and the adapter's scale is folded into B.
+zero-padded, and the adapter's scale is folded into B. On CPU ``lora_bt`` [max_loras, max_rank, out] holds the
+same B's transposed, each in its own output columns, for csrc's kernel (``torch_ops.add_lora``).
 
 Tensor parallel: a column-parallel layer keeps A whole and this rank's rows of B (where its base weight's
 rows come from); a row-parallel layer keeps this rank's columns of A and all of B, and its partial delta is
@@ -72,6 +73,12 @@ class LoRALinear(nn.Module):
         )
         self.lora_b = [torch.zeros((max_loras, s.out_size, max_rank), dtype=dtype, device=device) for s in subs]
         self._offsets = [s.out_offset for s in subs]
+        # On CPU, every sub's B again, transposed into its output columns: [max_loras, max_rank, out]; csrc's
+        # kernel (torch_ops.add_lora) reads it along output columns. Not kept on CUDA (Triton reads lora_b).
+        out = max(s.out_offset + s.out_size for s in subs)
+        self.lora_bt: Optional[torch.Tensor] = (
+            torch.zeros((max_loras, max_rank, out), dtype=dtype, device=device) if device.type == "cpu" else None
+        )
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -91,11 +98,17 @@ class LoRALinear(nn.Module):
             r = a.shape[0]
             self.lora_a[slot, i * self.max_rank : i * self.max_rank + r].copy_(a)
             self.lora_b[i][slot, :, :r].copy_(b)
+        if self.lora_bt is not None:
+            self.lora_bt[slot].zero_()
+            for i, sub in enumerate(self.subs):
+                self.lora_bt[slot, :, sub.out_offset : sub.out_offset + sub.out_size].copy_(self.lora_b[i][slot].t())
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         for b in self.lora_b:
             b[slot].zero_()
+        if self.lora_bt is not None:
+            self.lora_bt[slot].zero_()
 
     def shard(self, sub: SubProjection, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of a full adapter pair, as the base weight is split (see the module docstring)."""
@@ -105,7 +118,7 @@ class LoRALinear(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def _add_delta(self, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
-        add_lora(y, x, self.lora_a, self.lora_b, self._offsets, slots)
+        add_lora(y, x, self.lora_a, self.lora_b, self._offsets, slots, self.lora_bt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         slots = self.state.token_slots
@@ -127,4 +140,7 @@ class LoRALinear(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> "LoRALinear":
         super()._apply(fn, recurse)
         self.lora_b = [fn(b) for b in self.lora_b]
+        if self.lora_bt is not None:
+            bt = fn(self.lora_bt)
+            self.lora_bt = bt if bt.device.type == "cpu" else None
         return self

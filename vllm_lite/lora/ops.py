@@ -1,7 +1,8 @@
 """The LoRA delta a layer adds: the Triton kernels for CUDA tensors when they import, else torch.
 
 ``add_lora`` is what a layer calls: on CUDA one Triton shrink then one expand per fused sub-projection
-(``triton_ops``), elsewhere ``torch_ops.add_lora`` (segments of one slot each, two bmm's). The choice is
+(``triton_ops``), elsewhere ``torch_ops.add_lora`` (csrc's one-call kernel for decode-sized steps, else
+segments of one slot each, two bmm's). The choice is
 per call, by the device of the input. ``lora_shrink``/``lora_expand`` (same signature in both modules)
 stay callable on their own for kernels' tests and benchmarks.
 """
@@ -66,14 +67,19 @@ def add_lora(
     lora_b: list[torch.Tensor],
     out_offsets: list[int],
     token_slots: torch.Tensor,
+    lora_bt: Optional[torch.Tensor] = None,
 ) -> None:
     """In place: y[t, off_i : off_i + out_i] += B_i[slot[t]] @ A_i[slot[t]] @ x[t] per sub-projection i.
 
     lora_a [S, n_sub * r, in] (sub i's A in rows i*r ... (i+1)*r), lora_b[i] [S, out_i, r]; slot -1: untouched.
+    lora_bt [S, r, N]: the same B's transposed into y's columns, which CPU layers keep for csrc's kernel.
     """
     mod = _triton_ops() if x.is_cuda else None
     if mod is None or not hasattr(mod, "lora_shrink"):
-        torch_ops.add_lora(y, x, lora_a, lora_b, out_offsets, token_slots)
+        if lora_bt is None:
+            torch_ops.add_lora(y, x, lora_a, lora_b, out_offsets, token_slots)
+        else:
+            torch_ops.add_lora(y, x, lora_a, lora_b, out_offsets, token_slots, lora_bt=lora_bt)
         return
     buf = mod.lora_shrink(x, lora_a, token_slots)
     r = lora_a.shape[1] // len(lora_b)

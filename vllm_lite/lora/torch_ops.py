@@ -24,7 +24,7 @@ OpenMP region), segments 0.88x.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -32,6 +32,11 @@ import torch
 # Gather each token's A/B and bmm up to this many gathered elements, else group by slot (``lora_shrink`` /
 # ``lora_expand`` only, which ``add_lora`` does not use). Off (0): in the engine it lost to grouping.
 GATHER_MAX_ELEMENTS = 0
+
+# Steps of at most this many tokens run csrc's lora_add_cpu where it is built, larger ones segments (bmm).
+KERNEL_MAX_TOKENS = 64
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_KERNEL: list[Optional[Callable[..., None]]] = []  # [op or None] once looked up (kernel_op)
 
 
 @dataclass(frozen=True)
@@ -126,12 +131,66 @@ def add_lora(
     lora_b: list[torch.Tensor],
     out_offsets: list[int],
     token_slots: torch.Tensor,
+    lora_bt: Optional[torch.Tensor] = None,
 ) -> None:
     """In place: y[t, off_i : off_i + out_i] += B_i[slot[t]] @ A_i[slot[t]] @ x[t] for every sub-projection i.
 
     x [T, in]; lora_a [S, n_sub * r, in] (sub i's A in rows i*r ... (i+1)*r); lora_b[i] [S, out_i, r] (scaled);
-    tokens with slot -1 are untouched. Two bmm-shaped products per sub-projection, batched over segments.
+    tokens with slot -1 are untouched. ``lora_bt`` [S, r, N] (each sub's B transposed into its own output
+    columns of y), where the layer keeps one, lets a step of at most KERNEL_MAX_TOKENS tokens run csrc's kernel
+    (one call for every slot, see the module doc); otherwise, and without the kernel, ``add_lora_segments``.
     """
+    if lora_bt is not None and x.shape[0] <= KERNEL_MAX_TOKENS:
+        op = kernel_op()
+        if op is not None and _kernel_fits(y, x, lora_a, lora_bt, token_slots):
+            op(y, x, lora_a, lora_bt, token_slots, out_offsets, [b.shape[1] for b in lora_b])
+            return
+    add_lora_segments(y, x, lora_a, lora_b, out_offsets, token_slots)
+
+
+def _kernel_fits(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_bt: torch.Tensor, token_slots: torch.Tensor
+) -> bool:
+    return (
+        y.device.type == "cpu"
+        and y.dtype in _KERNEL_DTYPES
+        and x.dtype == y.dtype == lora_a.dtype == lora_bt.dtype
+        and token_slots.dtype == torch.int32
+        and y.stride(-1) == 1
+        and x.stride(-1) == 1
+    )
+
+
+def kernel_op() -> Optional[Callable[..., None]]:
+    """torch.ops.vllm_lite.lora_add_cpu once csrc's CPU kernels load here and have it; None: torch only."""
+    if not _KERNEL:
+        op = None
+        try:
+            from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+
+            if load_cpu_ops():
+                op = getattr(torch.ops.vllm_lite, "lora_add_cpu", None)
+        except (AttributeError, RuntimeError):  # a library built from sources without the kernel
+            op = None
+        _KERNEL.append(op)
+    return _KERNEL[0]
+
+
+def set_kernel_op(op: Optional[Callable[..., None]]) -> None:
+    """Use this op as csrc's kernel (None: none, every step takes segments); for tests and benchmarks."""
+    _KERNEL[:] = [op]
+
+
+def add_lora_segments(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    out_offsets: list[int],
+    token_slots: torch.Tensor,
+    lora_bt: Optional[torch.Tensor] = None,
+) -> None:
+    """``add_lora`` by segments: two bmm-shaped products per sub-projection, batched over segments."""
     plan = step_plan(token_slots)
     if plan is None:
         return
@@ -153,16 +212,19 @@ def add_lora(
         y.narrow(1, off, b_all.shape[1]).add_(delta)
 
 
-# The step's token_slots (held, so its identity cannot be reused), its segment plan and its slot groups
-# (the latter built on first use by ``lora_shrink``/``lora_expand``); see `set_step_slots`.
-_step: Optional[tuple[torch.Tensor, Optional[SegmentPlan], list]] = None
+# The step's token_slots (held, so its identity cannot be reused) and what is built from them on first use:
+# its segment plan ("plan") and slot groups ("groups", by ``lora_shrink``/``lora_expand``); see `set_step_slots`.
+# A step that runs csrc's kernel builds neither.
+_step: Optional[tuple[torch.Tensor, dict]] = None
 
 
 def step_plan(token_slots: torch.Tensor) -> Optional[SegmentPlan]:
     """The segment plan of these token_slots: the step's, built once, when they are the step's tensor."""
     step = _step
     if step is not None and step[0] is token_slots:
-        return step[1]
+        if "plan" not in step[1]:
+            step[1]["plan"] = plan_segments(token_slots)
+        return step[1]["plan"]
     return plan_segments(token_slots)
 
 
@@ -174,18 +236,18 @@ def _groups(token_slots: torch.Tensor) -> list[tuple[int, Optional[torch.Tensor]
 
 
 def set_step_slots(token_slots: Optional[torch.Tensor]) -> None:
-    """Plan this step's segments once; every layer's call with this same tensor reuses them."""
+    """This step's slots: its segments are planned once, on first use, for every layer's call with this tensor."""
     global _step
-    _step = None if token_slots is None else (token_slots, plan_segments(token_slots), [])
+    _step = None if token_slots is None else (token_slots, {})
 
 
 def slot_groups(token_slots: torch.Tensor) -> list[tuple[int, Optional[torch.Tensor]]]:
     """[(slot, indices of its tokens)] for the slots present (indices None: every token is in that slot)."""
     step = _step
     if step is not None and step[0] is token_slots:
-        if not step[2]:
-            step[2].append(_groups(token_slots))
-        return step[2][0]
+        if "groups" not in step[1]:
+            step[1]["groups"] = _groups(token_slots)
+        return step[1]["groups"]
     return _groups(token_slots)
 
 
