@@ -19,6 +19,11 @@ one bmm (``*_gather``) 3,175 / 447,386; gate_up_proj 1,026 / 37,348 vs 1,932 / 4
 In the engine (``--ops``, 1 thread) segments keep 0.92x the base model's output tok/s, one
 matmul per slot 0.83x; with 2 threads on a loaded host per-slot matmuls fall to 0.44x (each small op is an
 OpenMP region), segments 0.88x.
+
+Decode-sized steps (<= KERNEL_MAX_TOKENS tokens) now run csrc's ``lora_add_cpu`` instead (one call per projection
+for every slot, over the layer's transposed B, ``lora_bt``): on Zen 4, 2 threads, 32 tokens, bf16 qkv_proj 244 ->
+77 us, gate_up 311 -> 129 us; end to end 8 adapters / base bf16 0.79-0.90 (segments 0.70-0.78), float32 0.94
+(0.88) (benchmarks/PROFILE.md, "LoRA on CPU"). Prefill-sized steps stay on segments, which win there.
 """
 
 from __future__ import annotations
