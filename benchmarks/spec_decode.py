@@ -82,19 +82,24 @@ def run_ours_interleaved(
     `repeats` rounds, so load changes on a shared host hit every configuration alike. Batch-1 ms/token is the
     median over prompts and rounds, throughput the median over rounds."""
     from vllm_lite import LLM, SamplingParams
+    from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 
-    engines = {
-        name: LLM(
-            model=model,
-            dtype=dtype,
-            multiprocess=False,
-            max_model_len=512,
-            speculative_config=spec,
-            num_threads=num_threads,
-            disable_log_stats=True,
-        )
-        for name, spec in specs.items()
-    }
+    engines = {}
+    for name, spec in specs.items():
+        # "..._nobudget": n-gram without the per-step draft budget (spec_decode/draft_budget.py), for A/B runs.
+        SpecDecodeStep.use_draft_budget = not name.endswith("_nobudget")
+        try:
+            engines[name] = LLM(
+                model=model,
+                dtype=dtype,
+                multiprocess=False,
+                max_model_len=512,
+                speculative_config=spec,
+                num_threads=num_threads,
+                disable_log_stats=True,
+            )
+        finally:
+            SpecDecodeStep.use_draft_budget = True
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     per_tok: dict[str, list[float]] = {name: [] for name in specs}
@@ -211,6 +216,12 @@ def main() -> None:
         help="engine dtype (auto: the dtype policy, bfloat16 on a CPU with AVX-512 BF16); HF runs in the same",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--ngram-no-budget", action="store_true", help="also n-gram without the per-step draft budget (A/B)"
+    )
+    ap.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="also n-gram with this disable_by_batch_size"
+    )
     ap.add_argument("--num-threads", type=int, default=None, help="torch threads, ours and HF's (default: policy)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the prompts and the batch")
     args = ap.parse_args()
@@ -246,6 +257,10 @@ def main() -> None:
     specs: dict[str, dict | None] = {"plain": None, "ngram": spec}
     for k in (int(x) for x in args.ngram_k.split(",") if x.strip()):
         specs[f"ngram_k{k}"] = ngram(k)
+    if args.ngram_no_budget:
+        specs["ngram_nobudget"] = spec
+    if args.disable_by_batch_size is not None:
+        specs["ngram_dbbs"] = {**spec, "disable_by_batch_size": args.disable_by_batch_size}
     draft_spec = None
     if not args.no_draft:
         if args.draft_model is None:

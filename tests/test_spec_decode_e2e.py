@@ -24,6 +24,7 @@ from vllm_lite.core.messages import EngineCoreOutputs, SchedulerStats
 from vllm_lite.engine_args import EngineArgs
 from vllm_lite.entrypoints.openai.metrics import ServerMetrics
 from vllm_lite.sampling_params import StructuredOutputsParams
+from vllm_lite.spec_decode.draft_budget import SMALL_M_ROWS, DraftBudget
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.chi_square import chi_square_homogeneity_pvalue
@@ -89,6 +90,43 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(base: LLM, spec: LLM) -
     got = spec.generate(token_prompts(REPEATING + RANDOM), params, use_tqdm=False)
     assert_same_outputs(expected, got, logprobs=True)
     assert _accepted(spec) > before, "no draft was accepted: the comparison proves nothing"
+
+
+def test_batch_drafts_stay_within_the_row_budget_with_the_same_outputs(base: LLM, spec: LLM, monkeypatch) -> None:
+    """Six requests at k=3 would verify 24 rows a step; the draft budget keeps each step's rows within
+    SMALL_M_ROWS, and the greedy outputs stay those of plain decoding."""
+    steps: list[tuple[int, int, int]] = []
+    trim = DraftBudget.trim
+
+    def recording(self, req_ids, counts, num_running=None):
+        out = trim(self, req_ids, counts, num_running)
+        steps.append((len(req_ids), int(sum(counts)), int(out.sum())))
+        return out
+
+    monkeypatch.setattr(DraftBudget, "trim", recording)
+    prompts = token_prompts(REPEATING + [p[1:] + p[:1] for p in REPEATING])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    before = _accepted(spec)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(base.generate(prompts, params, use_tqdm=False), got)
+    assert _accepted(spec) > before, "no draft was accepted: the comparison proves nothing"
+    batched = [s for s in steps if s[0] > 1]
+    assert batched and all(b + kept <= SMALL_M_ROWS for b, _, kept in batched), steps
+    assert any(kept < proposed for _, proposed, kept in batched), "no step needed trimming: the test proves nothing"
+
+
+def test_disable_by_batch_size_stops_drafts_while_that_many_requests_run(base: LLM) -> None:
+    llm = _llm(kv_cache_memory_bytes=4 << 20, speculative_config={**SPEC, "disable_by_batch_size": 2})
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        pair = token_prompts(REPEATING[:2])
+        got = llm.generate(pair, params, use_tqdm=False)
+        assert _scheduler(llm).spec.total.num_drafts == 0, "two requests ran: no drafts at disable_by_batch_size 2"
+        assert_same_outputs(base.generate(pair, params, use_tqdm=False), got)
+        llm.generate(token_prompts(REPEATING[:1]), params, use_tqdm=False)
+        assert _scheduler(llm).spec.total.num_drafts > 0, "a lone request speculates"
+    finally:
+        llm.shutdown()
 
 
 def test_prefix_cache_hits_on_blocks_written_by_verified_steps(base: LLM, spec: LLM) -> None:
@@ -285,6 +323,9 @@ def test_engine_core_logs_a_spec_decoding_line(caplog) -> None:
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
         ({"model": "/some/draft", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "prompt_lookup_max"),
         ("[1, 2]", "JSON object"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": True}, "disable_by_batch_size"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "4"}, "disable_by_batch_size"),
     ],
 )
 def test_speculative_config_refuses_bad_values_naming_the_field(value, field) -> None:

@@ -8,6 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_lite.spec_decode import draft_budget
+from vllm_lite.spec_decode.draft_budget import SMALL_M_ROWS, DraftBudget
 from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
 from vllm_lite.spec_decode.metrics import METRIC_NAMES, SpecDecodingStats
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
@@ -22,6 +24,50 @@ from vllm_lite.worker.spec_decode_step import penalties_with_drafts
 
 # A distribution test fails when its p-value is below this; every draw is seeded, so the outcome is fixed.
 SIGNIFICANCE = 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- draft budget
+def test_draft_budget_leaves_batch_one_alone_and_caps_batch_rows_best_acceptance_first() -> None:
+    budget = DraftBudget()
+    assert budget.trim(["a"], np.array([5])).tolist() == [5]
+    ids = ["a", "b", "c", "d"]
+    budget.observe(ids, np.array([4, 4, 4, 4]), np.array([1, 4, 3, 2]))  # averages b > c > d > a
+    out = budget.trim(ids, np.array([5, 5, 5, 5]))
+    assert out.tolist() == [0, 5, 3, 0]  # 4 rows + 8 drafts = SMALL_M_ROWS, handed out best first
+    assert budget.trim(ids, np.array([1, 2, 0, 3])).tolist() == [1, 2, 0, 3]  # within the budget: untouched
+    many = [str(i) for i in range(SMALL_M_ROWS)]
+    assert budget.trim(many, np.full(SMALL_M_ROWS, 2)).sum() == 0  # no room left for any draft
+
+
+def test_draft_budget_sidelines_failing_requests_and_retries_them() -> None:
+    budget = DraftBudget()
+    ids = ["bad", "good"]
+    for _ in range(5):
+        budget.observe(ids, np.array([5, 5]), np.array([0, 5]))
+    assert budget.acceptance("bad") < draft_budget.MIN_ACCEPTANCE
+    assert budget.trim(["bad"], np.array([5])).tolist() == [5]  # alone: always proposes
+    sat_out = 0
+    while budget.trim(ids, np.array([3, 3])).tolist() == [0, 3]:
+        sat_out += 1
+        assert sat_out < 100, "a sidelined request must retry after a while"
+    assert sat_out >= 2
+    budget.forget(["bad"])
+    assert budget.acceptance("bad") == draft_budget.PRIOR_ACCEPTANCE
+
+
+def test_draft_budget_disable_by_batch_size_and_bad_settings() -> None:
+    budget = DraftBudget(disable_by_batch_size=3)
+    assert budget.trim(["a", "b"], np.array([2, 2])).tolist() == [2, 2]
+    assert budget.trim(["a", "b", "c"], np.array([2, 2, 2])).tolist() == [0, 0, 0]
+    assert budget.trim(["a"], np.array([4]), num_running=3).tolist() == [0]  # counts running, not sampling, rows
+    unbudgeted = DraftBudget(max_rows=None, disable_by_batch_size=8)
+    assert unbudgeted.trim(list("abcd"), np.array([5, 5, 5, 5])).tolist() == [5, 5, 5, 5]
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        DraftBudget(disable_by_batch_size=1)
+    with pytest.raises(ValueError, match="max_rows"):
+        DraftBudget(max_rows=0)
+    with pytest.raises(ValueError, match="one count per request"):
+        budget.trim(["a"], np.array([1, 2]))
 
 
 # ---------------------------------------------------------------------------------------------- n-gram proposer

@@ -288,8 +288,13 @@ class SpeculativeConfig:
     num_speculative_tokens: Optional[int] = None
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
+    # vLLM's: no speculation while this many requests (or more) run; None: never disabled; must be >= 2.
+    disable_by_batch_size: Optional[int] = None
 
     def __post_init__(self) -> None:
+        d = self.disable_by_batch_size
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 2):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2, got {d!r}.")
         if self.method is None:
             if self.model is None:
                 raise ValueError("speculative_config.method: give method 'ngram' or a draft model path in 'model'.")

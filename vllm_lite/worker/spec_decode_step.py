@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from vllm_lite.config import VllmConfig
+from vllm_lite.spec_decode.draft_budget import SMALL_M_ROWS, DraftBudget
 from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
 from vllm_lite.spec_decode.rejection_sampler import greedy_verify, rejection_sample_rows
@@ -181,17 +182,26 @@ def target_distributions(
 class SpecDecodeStep:
     """Drafts in, verified tokens out, new drafts proposed: the runner calls this around its forward pass."""
 
+    use_draft_budget = True  # read at construction; benchmarks/spec_decode.py --ngram-no-budget builds one without
+
     def __init__(self, vllm_config: VllmConfig, draft: Optional[DraftModel] = None) -> None:
         sc = vllm_config.speculative_config
         assert sc is not None and sc.num_speculative_tokens is not None
         self.num_spec_tokens = sc.num_speculative_tokens
+        self.disable_by_batch_size = sc.disable_by_batch_size
         self.draft = draft
         # A draft model's proposal lengths adapt per request (each position costs it a forward pass); n-gram
-        # lookup costs next to nothing per position, and verifying k rows costs about what 2 do at small batch
-        # on CPU (measured on the bundled model), so it always proposes up to k.
+        # lookup costs next to nothing per position, and verifying k rows costs about what 2 do at batch 1 on CPU
+        # (measured on the bundled model), so it proposes up to k at batch 1 and within a row budget above.
         self.lengths = AdaptiveDraftLength(sc.num_speculative_tokens) if draft is not None else None
         self.proposer: Optional[NgramProposer] = None
-        if sc.method == "ngram":
+        # n-gram at batch > 1: at most SMALL_M_ROWS verify rows a step, drafts to the requests whose drafts hold
+        # (draft_budget.py); none at all once disable_by_batch_size requests run.
+        self.budget: Optional[DraftBudget] = None
+        if sc.method == "ngram" and (self.use_draft_budget or sc.disable_by_batch_size is not None):
+            self.budget = DraftBudget(
+                max_rows=SMALL_M_ROWS if self.use_draft_budget else None, disable_by_batch_size=sc.disable_by_batch_size
+            )
             assert sc.prompt_lookup_min is not None and sc.prompt_lookup_max is not None
             self.proposer = NgramProposer(
                 sc.num_speculative_tokens,
@@ -217,6 +227,8 @@ class SpecDecodeStep:
         """Finished or preempted requests: drop what the proposer kept for them."""
         if self.lengths is not None and req_ids:
             self.lengths.forget(req_ids)
+        if self.budget is not None and req_ids:
+            self.budget.forget(req_ids)
         if self.draft is not None and req_ids:
             self.draft.forget(req_ids)
 
@@ -224,6 +236,8 @@ class SpecDecodeStep:
         """A verified step's outcome per request (from the token table every rank holds): next proposal lengths."""
         if self.lengths is not None:
             self.lengths.observe(req_ids, num_draft, num_accepted)
+        if self.budget is not None:
+            self.budget.observe(req_ids, num_draft, num_accepted)
 
     def draft_probs(
         self, req_ids: list[str], drafts: np.ndarray, num_draft: np.ndarray
@@ -336,6 +350,8 @@ class SpecDecodeStep:
         if self.draft is not None:
             assert self.lengths is not None
             lengths = self.lengths.for_step([inputs.req_ids[i] for i in s_idx.tolist()])
+            if self.disable_by_batch_size is not None and inputs.num_reqs >= self.disable_by_batch_size:
+                lengths = np.zeros_like(lengths)  # vLLM's disable_by_batch_size: no drafts at this batch size
             return self.draft.propose(batch, inputs, s_idx, is_driver, lengths)
         assert self.proposer is not None
         out: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
@@ -344,6 +360,9 @@ class SpecDecodeStep:
         rows = inputs.rows[s_idx]
         num_tokens = batch.num_tokens[rows]
         proposal = self.proposer.propose(batch.token_ids[rows, : int(num_tokens.max())], num_tokens)
-        for i, drafts in zip(s_idx.tolist(), proposal.to_lists()):
-            out[i] = drafts
+        counts = proposal.num_draft_tokens
+        if self.budget is not None:
+            counts = self.budget.trim([inputs.req_ids[i] for i in s_idx.tolist()], counts, inputs.num_reqs)
+        for i, row, n in zip(s_idx.tolist(), proposal.draft_token_ids, counts.tolist()):
+            out[i] = row[:n].tolist()
         return out
