@@ -198,7 +198,7 @@ class SpecDecodeStep:
         # n-gram at batch > 1: at most SMALL_M_ROWS verify rows a step, drafts to the requests whose drafts hold
         # (draft_budget.py); none at all once disable_by_batch_size requests run.
         self.budget: Optional[DraftBudget] = None
-        if sc.method == "ngram" and (self.use_draft_budget or sc.disable_by_batch_size is not None):
+        if sc.method == "ngram":
             self.budget = DraftBudget(
                 max_rows=SMALL_M_ROWS if self.use_draft_budget else None, disable_by_batch_size=sc.disable_by_batch_size
             )
