@@ -82,12 +82,15 @@ def run_ours_interleaved(
     `repeats` rounds, so load changes on a shared host hit every configuration alike. Batch-1 ms/token is the
     median over prompts and rounds, throughput the median over rounds."""
     from vllm_lite import LLM, SamplingParams
+    from vllm_lite.spec_decode.draft_budget import SMALL_M_ROWS
     from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 
     engines = {}
     for name, spec in specs.items():
         # "..._nobudget": n-gram without the per-step draft budget (spec_decode/draft_budget.py), for A/B runs.
         SpecDecodeStep.use_draft_budget = not name.endswith("_nobudget")
+        if name.startswith("ngram_rows"):  # "ngram_rows<N>": a budget of N verify rows a step
+            SpecDecodeStep.draft_budget_rows = int(name[len("ngram_rows") :])
         try:
             engines[name] = LLM(
                 model=model,
@@ -100,6 +103,7 @@ def run_ours_interleaved(
             )
         finally:
             SpecDecodeStep.use_draft_budget = True
+            SpecDecodeStep.draft_budget_rows = SMALL_M_ROWS
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     per_tok: dict[str, list[float]] = {name: [] for name in specs}
@@ -219,6 +223,7 @@ def main() -> None:
     ap.add_argument(
         "--ngram-no-budget", action="store_true", help="also n-gram without the per-step draft budget (A/B)"
     )
+    ap.add_argument("--budget-rows", default="", help="also n-gram with these draft budgets (verify rows a step)")
     ap.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="also n-gram with this disable_by_batch_size"
     )
@@ -257,6 +262,8 @@ def main() -> None:
     specs: dict[str, dict | None] = {"plain": None, "ngram": spec}
     for k in (int(x) for x in args.ngram_k.split(",") if x.strip()):
         specs[f"ngram_k{k}"] = ngram(k)
+    for rows in (int(x) for x in args.budget_rows.split(",") if x.strip()):
+        specs[f"ngram_rows{rows}"] = spec
     if args.ngram_no_budget:
         specs["ngram_nobudget"] = spec
     if args.disable_by_batch_size is not None:

@@ -183,6 +183,7 @@ class SpecDecodeStep:
     """Drafts in, verified tokens out, new drafts proposed: the runner calls this around its forward pass."""
 
     use_draft_budget = True  # read at construction; benchmarks/spec_decode.py --ngram-no-budget builds one without
+    draft_budget_rows = SMALL_M_ROWS  # read at construction; benchmarks/spec_decode.py --budget-rows tries others
 
     def __init__(self, vllm_config: VllmConfig, draft: Optional[DraftModel] = None) -> None:
         sc = vllm_config.speculative_config
@@ -200,7 +201,8 @@ class SpecDecodeStep:
         self.budget: Optional[DraftBudget] = None
         if sc.method == "ngram":
             self.budget = DraftBudget(
-                max_rows=SMALL_M_ROWS if self.use_draft_budget else None, disable_by_batch_size=sc.disable_by_batch_size
+                max_rows=self.draft_budget_rows if self.use_draft_budget else None,
+                disable_by_batch_size=sc.disable_by_batch_size,
             )
             assert sc.prompt_lookup_min is not None and sc.prompt_lookup_max is not None
             self.proposer = NgramProposer(
