@@ -127,3 +127,27 @@ def test_before_step_right_after_a_step_keeps_the_window_running() -> None:
     assert policy.maybe_update(host.advance(0.3, 0.9, 1.1)) == 2  # too soon to sample
     policy.before_step(host.advance(0.01, 0.9, 0.0))  # back to back steps: no fresh window
     assert policy.maybe_update(host.advance(0.3, 0.9, 1.1)) == 1 and applied == [1]  # busy others count in full
+
+
+def test_a_burst_after_a_quiet_idle_spell_starts_on_every_free_core_at_once() -> None:
+    """Offline batches start after the core waited: if nobody used the cores meanwhile, no ramp-up second."""
+    host, applied = FakeHost(), []
+    policy = AdaptiveThreads(frozenset({0, 1}), 1, applied.append, sample=host.sample, interval_s=0.5)
+    host.advance(3.0, 0.05, 0.02)  # start-up done, the core waits for requests; the host is quiet
+    policy.before_step(host.t)
+    assert applied == [2] and policy.current == 2
+    assert policy.maybe_update(host.advance(0.6, 0.05, 1.95)) == 2 and applied == [2]
+    # A neighbour busy while the core works still takes the thread back at once.
+    assert policy.maybe_update(host.advance(0.6, 0.9, 1.1)) == 1 and applied == [2, 1]
+
+
+def test_an_idle_spell_others_kept_busy_neither_raises_nor_lowers() -> None:
+    host, applied = FakeHost(), []
+    policy = AdaptiveThreads(frozenset({0, 1}), 1, applied.append, sample=host.sample, interval_s=0.5)
+    host.advance(3.0, 1.0, 0.0)  # others use a whole core while the core waits
+    policy.before_step(host.t)
+    assert applied == [] and policy.current == 1
+    policy = AdaptiveThreads(frozenset({0, 1}), 2, applied.append, sample=host.sample, interval_s=0.5)
+    host.advance(3.0, 1.85, 0.0)  # busy meanwhile, maybe over now: lowering waits for a window of work
+    policy.before_step(host.t)
+    assert applied == [] and policy.current == 2

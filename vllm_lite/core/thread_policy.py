@@ -120,14 +120,27 @@ class AdaptiveThreads:
 
     def before_step(self, now: Optional[float] = None) -> None:
         """Before a step: after an idle spell longer than an interval, start a fresh window here, so what
-        others did while the core waited is not charged to the busy period that starts now."""
+        others did while the core waited is not charged to the busy period that starts now.
+
+        The idle spell itself is a clean measurement of the others (the core used next to nothing), so if they
+        left the cores free through it, the burst starts on them at once instead of one thread for the first
+        two intervals (a second or so of a short offline batch). It never lowers the count: what others did
+        while the core waited may have ended; a neighbour that is busy now takes the thread back at the first
+        interval (maybe_update drops at once)."""
         now = time.monotonic() if now is None else now
         if now - self._last_step_end <= self.interval_s:
             return
-        sample = self._sample()
-        if sample is not None:
-            self._last = sample
+        before, sample = self._last, self._sample()
         self._quiet_s = 0.0
+        if sample is None:
+            return
+        self._last = sample
+        if before is None or sample.wall_s - before.wall_s < self.interval_s:
+            return
+        others = others_cores(before, sample)
+        target = decide(self.current, others, self.cores)
+        if target > self.current:
+            self._apply(target, others, sample.wall_s)
 
     def maybe_update(self, now: Optional[float] = None) -> int:
         """After a step: if an interval has passed, sample, decide and apply; returns the count in use."""
