@@ -87,9 +87,8 @@ def run_ours_interleaved(
 
     engines = {}
     for name, spec in specs.items():
-        # "..._nobudget": n-gram without the per-step draft budget (spec_decode/draft_budget.py), for A/B runs.
-        SpecDecodeStep.use_draft_budget = not name.endswith("_nobudget")
-        if name.startswith("ngram_rows"):  # "ngram_rows<N>": a budget of N verify rows a step
+        if name.startswith("ngram_rows"):  # "ngram_rows<N>": a budget of N verify rows a step (off by default)
+            SpecDecodeStep.use_draft_budget = True
             SpecDecodeStep.draft_budget_rows = int(name[len("ngram_rows") :])
         try:
             engines[name] = LLM(
@@ -102,7 +101,7 @@ def run_ours_interleaved(
                 disable_log_stats=True,
             )
         finally:
-            SpecDecodeStep.use_draft_budget = True
+            SpecDecodeStep.use_draft_budget = False
             SpecDecodeStep.draft_budget_rows = SMALL_M_ROWS
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -220,9 +219,6 @@ def main() -> None:
         help="engine dtype (auto: the dtype policy, bfloat16 on a CPU with AVX-512 BF16); HF runs in the same",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--ngram-no-budget", action="store_true", help="also n-gram without the per-step draft budget (A/B)"
-    )
     ap.add_argument("--budget-rows", default="", help="also n-gram with these draft budgets (verify rows a step)")
     ap.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="also n-gram with this disable_by_batch_size"
@@ -264,8 +260,6 @@ def main() -> None:
         specs[f"ngram_k{k}"] = ngram(k)
     for rows in (int(x) for x in args.budget_rows.split(",") if x.strip()):
         specs[f"ngram_rows{rows}"] = spec
-    if args.ngram_no_budget:
-        specs["ngram_nobudget"] = spec
     if args.disable_by_batch_size is not None:
         specs["ngram_dbbs"] = {**spec, "disable_by_batch_size": args.disable_by_batch_size}
     draft_spec = None

@@ -29,6 +29,7 @@ from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.chi_square import chi_square_homogeneity_pvalue
 from vllm_lite.testing.spec_outputs import assert_same_outputs, token_counts, token_prompts
+from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # The distribution test fails below this p-value; every draw is seeded, so its outcome is fixed.
@@ -92,9 +93,13 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(base: LLM, spec: LLM) -
     assert _accepted(spec) > before, "no draft was accepted: the comparison proves nothing"
 
 
-def test_batch_drafts_stay_within_the_row_budget_with_the_same_outputs(base: LLM, spec: LLM, monkeypatch) -> None:
-    """Six requests at k=3 would verify 24 rows a step; the draft budget keeps each step's rows within
+def test_batch_drafts_stay_within_the_row_budget_with_the_same_outputs(base: LLM, monkeypatch, request) -> None:
+    """Six requests at k=3 would verify 24 rows a step; the draft budget (opt-in) keeps each step's rows within
     SMALL_M_ROWS, and the greedy outputs stay those of plain decoding."""
+    monkeypatch.setattr(SpecDecodeStep, "use_draft_budget", True)
+    spec = _llm(kv_cache_memory_bytes=4 << 20, speculative_config=SPEC)
+    monkeypatch.setattr(SpecDecodeStep, "use_draft_budget", False)
+    request.addfinalizer(spec.shutdown)
     steps: list[tuple[int, int, int]] = []
     trim = DraftBudget.trim
 

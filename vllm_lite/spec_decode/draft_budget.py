@@ -16,6 +16,11 @@ The rule, applied to the proposals of each step (batch 1 is left alone):
 - At B > 1 a request whose average has fallen below MIN_ACCEPTANCE proposes nothing; every step it sits out moves
   its average RECOVERY of the way back to the prior, so it retries after a while (from 0: ~8 steps).
 
+Status (measured, benchmarks/PROFILE.md): the row budget is OPT-IN (`SpecDecodeStep.use_draft_budget`,
+benchmarks/spec_decode.py --budget-rows): on Zen 4 it did not lift random-workload batch throughput (bf16, 10
+rounds: 0.85x with it, 0.84x without) and cost the repetitive one (0.91x vs 0.99x; f32 1.63x vs 1.90x).
+`disable_by_batch_size` is always honoured when set (bf16 random batch 0.96x with it set to 2).
+
 Exactness does not depend on it: any proposal, of any length, verifies to the same greedy tokens and the same
 target distribution. Only the step's token table (which every tensor-parallel rank holds) feeds it, so every
 rank trims alike. Cost: one Python pass over the step's sampling requests (a dict look-up each).

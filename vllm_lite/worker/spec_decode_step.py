@@ -182,7 +182,10 @@ def target_distributions(
 class SpecDecodeStep:
     """Drafts in, verified tokens out, new drafts proposed: the runner calls this around its forward pass."""
 
-    use_draft_budget = True  # read at construction; benchmarks/spec_decode.py --ngram-no-budget builds one without
+    # The n-gram row budget (draft_budget.py) is off by default: measured on Zen 4 (PROFILE.md) it did not lift
+    # random-workload batch throughput (0.85x vs 0.84x without, bf16, 10 rounds) and cost the repetitive one
+    # (0.91x vs 0.99x). Read at construction; tests and benchmarks/spec_decode.py (--budget-rows) turn it on.
+    use_draft_budget = False
     draft_budget_rows = SMALL_M_ROWS  # read at construction; benchmarks/spec_decode.py --budget-rows tries others
 
     def __init__(self, vllm_config: VllmConfig, draft: Optional[DraftModel] = None) -> None:
@@ -192,12 +195,12 @@ class SpecDecodeStep:
         self.disable_by_batch_size = sc.disable_by_batch_size
         self.draft = draft
         # A draft model's proposal lengths adapt per request (each position costs it a forward pass); n-gram
-        # lookup costs next to nothing per position, and verifying k rows costs about what 2 do at batch 1 on CPU
-        # (measured on the bundled model), so it proposes up to k at batch 1 and within a row budget above.
+        # lookup costs next to nothing per position, and verifying k rows costs about what 2 do at small batch
+        # on CPU (measured on the bundled model), so it always proposes up to k.
         self.lengths = AdaptiveDraftLength(sc.num_speculative_tokens) if draft is not None else None
         self.proposer: Optional[NgramProposer] = None
-        # n-gram at batch > 1: at most SMALL_M_ROWS verify rows a step, drafts to the requests whose drafts hold
-        # (draft_budget.py); none at all once disable_by_batch_size requests run.
+        # n-gram: no drafts once disable_by_batch_size requests run (vLLM's field); with use_draft_budget, at
+        # batch > 1 at most draft_budget_rows verify rows a step, to the requests whose drafts hold (draft_budget.py).
         self.budget: Optional[DraftBudget] = None
         if sc.method == "ngram":
             self.budget = DraftBudget(
