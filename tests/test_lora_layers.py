@@ -87,18 +87,22 @@ def _wrapped(weights, adapter: str, rank: int, tp: int) -> tuple[_Model, LoRAMod
     return model, manager
 
 
+# Every wrapped projection's base weight shape [out, in] in the test model.
+BASE_SHAPES = dict(
+    q=(HEADS * HEAD_DIM, HIDDEN),
+    k=(KV_HEADS * HEAD_DIM, HIDDEN),
+    v=(KV_HEADS * HEAD_DIM, HIDDEN),
+    o=(HIDDEN, HEADS * HEAD_DIM),
+    gate=(INTER, HIDDEN),
+    up=(INTER, HIDDEN),
+    down=(HIDDEN, INTER),
+)
+
+
 def test_tp2_shards_sum_to_the_unsharded_lora_layers(tmp_path) -> None:
     g = torch.Generator().manual_seed(0)
-    shapes = dict(
-        q=(HEADS * HEAD_DIM, HIDDEN),
-        k=(KV_HEADS * HEAD_DIM, HIDDEN),
-        v=(KV_HEADS * HEAD_DIM, HIDDEN),
-        o=(HIDDEN, HEADS * HEAD_DIM),
-        gate=(INTER, HIDDEN),
-        up=(INTER, HIDDEN),
-        down=(HIDDEN, INTER),
-    )
-    weights = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+    weights = {k: torch.randn(s, generator=g) for k, s in BASE_SHAPES.items()}
     adapter = _adapter(tmp_path)
     lora_ids, num_scheduled = np.array([1, 0]), np.array([3, 2])  # 3 tokens with the adapter, 2 without
     x = torch.randn(5, HIDDEN, generator=g)
@@ -177,17 +181,9 @@ def test_cpu_kernel_and_bmm_segments_agree_in_every_wrapped_layer(tmp_path, monk
     if torch_ops.kernel_op() is None:
         pytest.skip("vllm-lite's CPU kernels (lora_add_cpu) are not built here")
     g = torch.Generator().manual_seed(2)
-    shapes = dict(
-        q=(HEADS * HEAD_DIM, HIDDEN),
-        k=(KV_HEADS * HEAD_DIM, HIDDEN),
-        v=(KV_HEADS * HEAD_DIM, HIDDEN),
-        o=(HIDDEN, HEADS * HEAD_DIM),
-        gate=(INTER, HIDDEN),
-        up=(INTER, HIDDEN),
-        down=(HIDDEN, INTER),
-    )
+
     adapter = _adapter(tmp_path)
-    model, manager = _wrapped({k: torch.randn(s, generator=g) for k, s in shapes.items()}, adapter, 0, 1)
+    model, manager = _wrapped({k: torch.randn(s, generator=g) for k, s in BASE_SHAPES.items()}, adapter, 0, 1)
     manager.prepare_step(np.array([1, 0]), np.array([3, 2]))
     (slot,) = [s for s, lid in enumerate(manager.slot_ids) if lid == 1]
     calls = []
