@@ -234,6 +234,28 @@ def test_completion_stream_without_include_usage_has_no_usage_chunk(engine: Fake
     assert all(ev["choices"] for ev in events[:-1])
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_sends_the_tokens_that_arrived_with_a_failure_before_its_error_event(
+    engine: FakeAsyncLLM, endpoint: str
+) -> None:
+    """A failure merged behind unread deltas (AsyncLLM's mailbox) must not swallow their tokens."""
+    engine.fail_at_step = 2  # steps 0 and 1 stream normally; step 2's token arrives together with the error
+    prompt = {"prompt": "Hello"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    body = {**prompt, "max_tokens": 6, "stream": True}
+    events = sse_events(post(build_app(engine, MODEL), endpoint, body))
+    assert events[-1] == "[DONE]" and set(events[-2]) == {"error"} and events[-2]["error"]["code"] == 500
+    chunks = events[:-2]
+    ((sent, _),) = engine.requests.values()
+    ids = sent["prompt_token_ids"]
+    if endpoint == "/v1/completions":
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+    else:
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == engine.tokenizer.decode([fake_token(ids, k, 0) for k in range(3)])
+    # The failed choice ends with the error event, not with a finish_reason of its own.
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+
+
 # ---------------------------------------------------------------------------- chat
 
 

@@ -37,6 +37,9 @@ class FakeAsyncLLM:
         self.is_running = True
         self.hang = False  # requests produce nothing until aborted
         self.stuck = False  # get_stats reports pending work but the step counter never moves
+        # When set, the output of this step (0-based) fails: it carries its token with the error, as
+        # AsyncLLM hands over a failure merged behind deltas the frontend had not read yet.
+        self.fail_at_step: Optional[int] = None
         self.step_counter = 0
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -111,9 +114,17 @@ class FakeAsyncLLM:
                     prompt_lps = [None] + [
                         self._position_lps(t, i, params.prompt_logprobs) for i, t in enumerate(ids[1:])
                     ]
-                out = self._out(request_id, prompt_text, ids, outs, last, metrics)
+                failed = k == self.fail_at_step
+                if failed:
+                    for o in outs:
+                        o.finish_reason = "abort"
+                out = self._out(request_id, prompt_text, ids, outs, last or failed, metrics)
                 out.prompt_logprobs = prompt_lps
+                if failed:
+                    out.error = "RuntimeError: injected failure"
                 yield out
+                if failed:
+                    return
         finally:
             self.running.discard(request_id)
 

@@ -223,25 +223,27 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse(first)
             async with DisconnectWatcher(raw_request, lambda: self.abort_all([request_id])):
                 async for out in gen:
-                    if out.error:
-                        raise RuntimeError(out.error)
                     for c in out.outputs:
+                        if out.error and not c.token_ids:
+                            continue  # a failed choice with nothing new: only the error event follows
+                        # A failed request ends with its error event, never with a finish_reason of its own.
+                        ended = None if out.error else c.finish_reason
                         completion_tokens[c.index] += len(c.token_ids)
                         logprobs = None
                         if num_logprobs is not None:
                             logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], num_logprobs)
-                        delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                        delta, finish_reason = DeltaMessage(content=c.text), ended
                         if streamers is not None:
                             streamer = streamers[c.index]
                             parsed = streamer.feed(c.text)
-                            if c.finish_reason is not None:
+                            if ended is not None:
                                 parsed = _merge(parsed, streamer.finish())
-                            if not parsed and c.finish_reason is None and logprobs is None:
+                            if not parsed and ended is None and logprobs is None:
                                 if not request.return_token_ids:
                                     continue  # held back (a possible tool-call marker): nothing to send yet
                             delta = _delta_message(parsed)
                             if streamer.tools_called:
-                                finish_reason = _tool_finish_reason(c.finish_reason)
+                                finish_reason = _tool_finish_reason(ended)
                         yield sse(
                             chunk(
                                 [
@@ -250,12 +252,14 @@ class OpenAIServingChat(OpenAIServing):
                                         delta=delta,
                                         logprobs=logprobs,
                                         finish_reason=finish_reason,
-                                        stop_reason=c.stop_reason,
+                                        stop_reason=None if out.error else c.stop_reason,
                                         token_ids=list(c.token_ids) if request.return_token_ids else None,
                                     )
                                 ]
                             )
                         )
+                    if out.error:  # after the tokens that arrived with it (merged behind unread deltas)
+                        raise RuntimeError(out.error)
             if request.include_usage:
                 final = ChatCompletionStreamResponse(
                     id=request_id,

@@ -208,12 +208,12 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async with DisconnectWatcher(raw_request, lambda: self.abort_all(request_ids)):
                 async for i, out in merged:
-                    if out.error:
-                        raise RuntimeError(out.error)
                     p = prompts[i]
                     if out.prompt_logprobs:
                         prompt_lps_by_prompt.setdefault(i, []).extend(out.prompt_logprobs)
                     for c in out.outputs:
+                        if out.error and not c.token_ids:
+                            continue  # a failed choice with nothing new: only the error event follows
                         idx = i * n + c.index
                         text = "" if echo_only else c.text
                         ids, lps = ([], []) if echo_only else (list(c.token_ids), list(c.logprobs or []))
@@ -238,8 +238,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                     index=idx,
                                     text=text,
                                     logprobs=logprobs,
-                                    finish_reason="length" if echo_only and c.finish_reason else c.finish_reason,
-                                    stop_reason=None if echo_only else c.stop_reason,
+                                    finish_reason=_stream_finish_reason(out, c, echo_only),
+                                    stop_reason=None if echo_only or out.error else c.stop_reason,
                                     token_ids=gen_ids if request.return_token_ids else None,
                                 )
                             ],
@@ -247,6 +247,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         if request.continuous_usage:
                             chunk.usage = _usage(prompt_tokens, sum(completion_tokens))
                         yield sse(chunk)
+                    if out.error:  # after the tokens that arrived with it (merged behind unread deltas)
+                        raise RuntimeError(out.error)
             if request.include_usage:
                 final = CompletionStreamResponse(
                     id=base_id,
@@ -267,3 +269,10 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
     )
+
+
+def _stream_finish_reason(out: RequestOutput, c: Any, echo_only: bool) -> Optional[str]:
+    """A failed request ends with its error event, never with a finish_reason of its own."""
+    if out.error:
+        return None
+    return "length" if echo_only and c.finish_reason else c.finish_reason
