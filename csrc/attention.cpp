@@ -12,12 +12,15 @@
 // avx2_head_size, soft-capping included), and a portable loop for anything else.
 // Which instruction sets are built follows the compiler's target (-march=native on the host that
 // runs them, see cpu_kernels.py), so a path is never compiled for a CPU that lacks it.
+// Decode items (one query token) of a bfloat16 cache take attention_decode_bf16.h's VDPBF16PS path instead
+// wherever the AVX-512 loop would run and the build targets AVX512-BF16 (2.4-3x faster on Zen 4).
 // A sliding window W (query at p sees keys in (p - W, p]) starts the key stream at the first key
 // any row of the item can see, so blocks before the window are never read (they may be freed).
 
 #include "attention_avx2.h"
 #include "attention_avx512.h"
 #include "attention_common.h"
+#include "attention_decode_bf16.h"
 #include "cpu_common.h"
 #include "ops.h"
 
@@ -288,6 +291,10 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t tok_stride = num_kv_heads * head_size;
   const int64_t blk_stride = block_size * tok_stride;
   const int64_t D = head_size;
+#ifdef VLLM_LITE_ATTN_DECODE_BF16
+  // Decode items of a bf16 cache take the VDPBF16PS path where the AVX-512 key loop would run.
+  const bool decode_fast = impl == Impl::kAvx512 && attn::decode_bf16_head_size(D);
+#endif
   const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_work)));
   // Per-thread scratch is allocated here, not inside the parallel region: nothing in the region may throw
   // (an exception leaving an OpenMP region ends the process), and an allocation failure must raise.
@@ -314,6 +321,17 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
                      ctx + item.q_end, window,
                      window > 0 ? std::max<int64_t>(0, ctx + item.q_begin - window + 1) : 0, soft_cap};
 
+#ifdef VLLM_LITE_ATTN_DECODE_BF16
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (decode_fast && item.q_end - item.q_begin == 1) {  // one query token: attention_decode_bf16.h
+          const int64_t tok = qsl[b] + item.q_begin;
+          attn::decode_bf16_dispatch(D, it, q_ptr + tok * q_tok_stride + kvh * group * q_head_stride, q_head_stride,
+                                     o_ptr + tok * o_tok_stride + kvh * group * o_head_stride, o_head_stride, scale,
+                                     s);
+          continue;
+        }
+      }
+#endif
       // Load this item's query rows (row = token * group + head-in-group), pre-scaled, as float32.
       for (int64_t r = 0; r < it.rows; ++r) {
         const int64_t tok = qsl[b] + item.q_begin + r / group;

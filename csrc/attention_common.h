@@ -13,15 +13,17 @@ namespace attn {
 
 constexpr int64_t kKeyTile = 32;      // keys per softmax step (two AVX-512 registers of scores)
 constexpr int64_t kRowsPerItem = 64;  // target query rows (tokens x heads) per work item
+constexpr int64_t kDecodeChunk = 256;  // keys per softmax pass of the bf16 decode path (attention_decode_bf16.h)
 
 
 // Per-thread scratch, sized once per call.
 struct Scratch {
-  std::vector<float> q, acc, row_max, row_sum, k_t, v;
-  // q is padded to a multiple of 4 rows (zeros) so the vector paths can score rows four at a time.
+  std::vector<float> q, acc, row_max, row_sum, k_t, v, sc, alpha;
+  // q is padded to a multiple of 4 rows (zeros) so the vector paths can score rows four at a time; sc (the
+  // decode path's scores of one chunk) likewise.
   Scratch(int64_t rows, int64_t d)
       : q(((rows + 3) / 4) * 4 * d, 0.0f), acc(rows * d), row_max(rows), row_sum(rows), k_t(d * kKeyTile),
-        v(kKeyTile * d) {}
+        v(kKeyTile * d), sc(((rows + 3) / 4) * 4 * kDecodeChunk, 0.0f), alpha(rows) {}
 };
 
 // What one work item needs to stream its keys: where they live and which rows it owns.

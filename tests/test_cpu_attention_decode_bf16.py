@@ -1,0 +1,91 @@
+"""The bfloat16 decode path of the C++ CPU attention kernel (csrc/attention_decode_bf16.h: VDPBF16PS scores,
+chunked softmax, bf16 probabilities times values), which decode items of a bf16 cache take on AVX512-BF16
+builds wherever the AVX-512 key loop would run.
+
+Against the float64 oracle over what the general tests do not reach: contexts of several 256-key chunks (the
+online rescale between chunks), odd key counts, GQA groups of 1-8 rows (register blocks of 1-4), every head
+size it takes, sliding windows and one-token blocks; and the property greedy decoding relies on: a request's
+output does not depend on the rest of the batch or on the thread count, bit for bit.
+Skipped where the build does not target AVX512-BF16 (Zen 3 / AVX2 hosts): decodes take the key loops there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_lite.testing.attention_oracle import poison_blocks_before_window
+from vllm_lite.testing.attention_oracle import random_attention_case as make_case
+from vllm_lite.testing.attention_oracle import reference_paged_attention as oracle_attention
+from vllm_lite.worker.attention import cpu_kernels
+from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
+
+TOL = 3e-2  # bf16 output rounding and bf16 probabilities, as test_cpu_attention_impls.py's bf16 tolerance
+
+
+def _has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read()
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(
+    not _has_avx512_bf16(), reason="needs a CPU with AVX512-BF16 (the decode path is not built elsewhere)"
+)
+
+
+@pytest.fixture(scope="module")
+def backend() -> CpuNativeBackend:
+    assert cpu_kernels.load_cpu_ops(), "the CPU kernels must build on a machine with a C++ compiler"
+    b = CpuNativeBackend("auto")
+    assert b.key_loop(64) == "avx512"
+    return b
+
+
+# Decodes only: no context, one tile, a partial tile, one chunk exactly, and several chunks with a partial one.
+SEQ = [1, 16, 37, 256, 257, 700, 1001]
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("gqa", [1, 3, 5, 8])
+def test_decode_matches_the_oracle_across_chunks_and_row_blocks(backend, head_size, gqa):
+    query, cache, md = make_case([1] * len(SEQ), SEQ, 2 * gqa, 2, head_size, 16, torch.bfloat16, seed=gqa)
+    scale = 1.0 / math.sqrt(head_size)
+    out = backend.forward(query, cache, md, scale)
+    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, scale), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("window", [5, 37, 300])
+def test_decode_keeps_sliding_windows(backend, window):
+    query, cache, md = make_case([1] * len(SEQ), SEQ, 6, 2, 64, 16, torch.bfloat16, seed=window)
+    cache = poison_blocks_before_window(cache, md, window)  # blocks wholly before the window hold NaN
+    out = backend.forward(query, cache, md, 0.125, window)
+    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, 0.125, window), atol=TOL, rtol=TOL)
+
+
+def test_decode_with_one_token_blocks(backend):
+    # Every key of a tile (and each key pair of the values pass) comes from a different block.
+    query, cache, md = make_case([1, 1, 1], [33, 300, 5], 6, 2, 64, 1, torch.bfloat16, seed=3)
+    out = backend.forward(query, cache, md, 0.125)
+    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, 0.125), atol=TOL, rtol=TOL)
+
+
+def test_a_request_decodes_the_same_bits_alone_in_a_batch_and_on_any_thread_count(backend):
+    query, cache, md = make_case([1, 1, 7, 1], [300, 600, 40, 90], 12, 4, 64, 16, torch.bfloat16, seed=11)
+    together = backend.forward(query, cache, md, 0.125)
+    # The same request as the only one of a batch (its block table row and its query row alone).
+    solo_q, solo_cache, solo_md = make_case([1], [600], 12, 4, 64, 16, torch.bfloat16, seed=11)
+    solo_md.block_table[0, :38] = md.block_table[1, :38]
+    solo = backend.forward(query[1:2].contiguous(), cache, solo_md, 0.125)
+    assert torch.equal(solo[0], together[1])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = backend.forward(query, cache, md, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, together)
