@@ -80,6 +80,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "F.linear at decode's 8-32 rows an expert; float32 sums in another order, ~1e-6 apart; default on; 0 turns "
         "it off).",
     ),
+    "VLLM_LITE_CPU_MOE_KERNEL": (
+        _flag("VLLM_LITE_CPU_MOE_KERNEL", True),
+        "Run a float32 mixture-of-experts layer's whole CPU expert path (grouped gate/up, SiLU-and-mul, down, "
+        "weighted sum) as one C++ op (csrc/moe_cpu.cpp) instead of oneDNN calls per expert (default on; 0 turns "
+        "it off; VLLM_LITE_CPU_MOE_PACK=0 turns off both).",
+    ),
     "VLLM_LITE_CPU_BF16_SMALL_M": (
         _flag("VLLM_LITE_CPU_BF16_SMALL_M", True),
         "On CPUs with AVX512-BF16, run bfloat16 linears of 1-3 rows (decode) through vllm-lite's own kernel "

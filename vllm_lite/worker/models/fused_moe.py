@@ -7,8 +7,10 @@ stacks them at load. Tensor parallel shards the intermediate dim I of every expe
 rank computes a partial down projection for its slice and one all-reduce sums them.
 
 The expert matmuls are grouped: token-expert pairs are sorted by expert and each expert that received
-tokens runs two matmuls over all of its tokens (a loop over experts, never over tokens); on CPU they run on
-oneDNN-packed copies of each expert's weights (PackedExperts, made after loading). On CUDA, with
+tokens runs two matmuls over all of its tokens (a loop over experts, never over tokens); on CPU, float32
+layers run the whole expert path as one C++ op on blocked copies of the weights (KernelExperts,
+csrc/moe_cpu.cpp), bfloat16 ones on oneDNN-packed copies of each expert's weights (PackedExperts); both are
+made after loading. On CUDA, with
 Triton installed, one Triton kernel per projection does the grouped matmuls without a host sync
 (fused_moe_triton.py).
 """
@@ -85,12 +87,42 @@ class PackedExperts:
         return self._mm(h, self.w2[expert])
 
 
-def pack_experts_for_cpu(w13: torch.Tensor, w2: torch.Tensor) -> tuple[Optional[PackedExperts], str]:
-    """(packed experts, "") where oneDNN packs this dtype here and agrees with F.linear; else (None, why)."""
+@functools.cache
+def _cpu_moe_kernel() -> bool:
+    """Whether csrc's moe_cpu_experts op is built and loaded here (False: no compiler, or a failed build)."""
+    from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+
+    return load_cpu_ops() and hasattr(torch.ops.vllm_lite, "moe_cpu_experts")
+
+
+class KernelExperts:
+    """Float32 experts in csrc/moe_cpu.cpp's blocked layout; one call runs a layer's whole expert path.
+
+    Why: at decode (8-32 rows an expert) the oneDNN path paid two calls per active expert plus a dozen small torch
+    ops per layer and re-read each weight per call; the op groups the pairs by expert, streams each weight block
+    once over all of its expert's rows with SiLU-and-mul in registers, and sums each token's k contributions in
+    transformers' order (2.1-3x PackedExperts on Zen 4 at 1-64 tokens, 1.3x at 2048; benchmarks/PROFILE.md).
+    Its matmul sums run in another order than F.linear's: float32 results move by ~1e-6 relative."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.inter = w2.shape[-1]
+        self.w13, self.w2 = torch.ops.vllm_lite.moe_cpu_pack(w13.detach(), w2.detach())
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.vllm_lite.moe_cpu_experts(
+            x, self.w13, self.w2, topk_weights.float().contiguous(), topk_ids.contiguous(), self.inter
+        )
+
+
+def pack_experts_for_cpu(w13: torch.Tensor, w2: torch.Tensor) -> tuple[Optional[PackedExperts | KernelExperts], str]:
+    """(packed experts, "") where one of the CPU expert paths takes this dtype here: the C++ op for float32
+    when built (VLLM_LITE_CPU_MOE_KERNEL), else oneDNN packing where it agrees with F.linear; else (None, why)."""
     if not envs.VLLM_LITE_CPU_MOE_PACK:
         return None, "VLLM_LITE_CPU_MOE_PACK=0"
     if w13.device.type != "cpu" or w13.dtype not in (torch.float32, torch.bfloat16):
         return None, f"{w13.dtype} on {w13.device.type}"
+    if w13.dtype == torch.float32 and envs.VLLM_LITE_CPU_MOE_KERNEL and _cpu_moe_kernel():
+        return KernelExperts(w13, w2), ""
     if not torch.backends.mkldnn.is_available():
         return None, "torch was built without oneDNN"
     if w13.dtype == torch.bfloat16:
@@ -115,7 +147,7 @@ def grouped_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    packed: Optional[PackedExperts] = None,
+    packed: Optional[PackedExperts | KernelExperts] = None,
 ) -> torch.Tensor:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = ids[t, k]; out [T, H] in x's dtype.
 
@@ -123,8 +155,11 @@ def grouped_experts(
     into its rows of one [T*k, H] buffer. The k weighted contributions of a token are then summed in
     ascending expert id, the order transformers' per-expert `index_add_` gives (so float32 stays exact),
     as k whole-tensor adds rather than a scatter per expert (which cost more than the matmuls at decode).
-    With `packed` (CPU), the two matmuls run on oneDNN-packed copies of each expert's weights instead.
+    With `packed` (CPU), the two matmuls run on oneDNN-packed copies of each expert's weights instead, or the
+    whole path in csrc/moe_cpu.cpp's op (KernelExperts, float32) with the same order of the final sums.
     """
+    if isinstance(packed, KernelExperts):
+        return packed(x, topk_weights, topk_ids)
     t, k = topk_ids.shape
     if t == 0:
         return torch.zeros_like(x)
@@ -195,7 +230,7 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
         # Which (expert, projection) shards have arrived, so a half-loaded expert set is reported missing.
         self._shards_seen: set[tuple[int | None, str]] = set()
-        self.cpu_packed: Optional[PackedExperts] = None
+        self.cpu_packed: Optional[PackedExperts | KernelExperts] = None
 
     def process_weights_after_loading(self) -> str:
         """On CPU, move the experts onto oneDNN-packed weights (the plain ones are released); "" or why not."""

@@ -1,0 +1,355 @@
+// The whole expert path of a fused-MoE layer on the CPU in one call and one OpenMP region
+// (vllm_lite/worker/models/fused_moe.py, CpuExperts):
+//   moe_cpu_pack(w13 [E, 2I, H], w2 [E, H, I]) -> (w13p, w2p)
+//       float32 copies of the experts laid out for the kernel: w13p [E, Ip/W, H, 2W] (per block of W
+//       intermediate columns, each k's W gate weights then its W up weights), w2p [E, Hp/2W, Ip, 2W]; Ip, Hp
+//       rounded up to W and 2W with zeros. W is this build's vector width (moe_cpu_block_width()).
+//   moe_cpu_experts(x [T, H], w13p, w2p, topk_weights [T, k], topk_ids [T, k], inter) -> out [T, H]
+//       out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+//
+// Inside: token-expert pairs grouped by expert (counting sort, serial), then one parallel region of three
+// phases: (1) gate/up for blocks of W intermediate columns of one expert over all of its rows, SiLU-and-mul
+// applied in registers, into an activation buffer [pairs, Ip]; (2) the down projection for blocks of 2W output
+// columns of one expert over its rows, into [pairs, Hp]; (3) each token's k contributions weighted and summed
+// in ascending expert id, products rounded before the adds: transformers' per-expert `index_add_` order and
+// roundings (float32), so given the same per-pair outputs the sum is the torch path's bit for bit. The matmuls'
+// own sums run in k order with FMAs (as oneDNN/MKL do, in their own orders): float32 results move by ~1e-6
+// relative from F.linear's. SiLU is torch's: x / (1 + exp(-x)) with the SLEEF exp its vector loop calls.
+//
+// Each weight block is read once per layer call and reused for all of an expert's rows from cache, where a
+// oneDNN call per expert and projection paid its dispatch and re-read for 8-32 rows at decode.
+// Vector code by compile-time dispatch through GCC vector extensions: W = 16 (AVX-512), else 8 (AVX2 or
+// portable). Every check runs before any data access and before the parallel region.
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));  // exported by libtorch_cpu
+#elif defined(__AVX2__)
+extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
+#endif
+
+namespace vllm_lite {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kW = 16;
+constexpr int kRows = 8;  // rows per register tile: 2 x 8 accumulators of 16 floats
+#else
+constexpr int64_t kW = 8;
+constexpr int kRows = 6;  // AVX2's 16 ymm registers: 12 accumulators, 2 weights, 1 broadcast
+#endif
+typedef float vec __attribute__((vector_size(kW * 4)));
+typedef float vec_u __attribute__((vector_size(kW * 4), aligned(4)));  // unaligned access
+
+inline vec load(const float* p) { return *reinterpret_cast<const vec_u*>(p); }
+inline void store(float* p, vec v) { *reinterpret_cast<vec_u*>(p) = v; }
+
+// Whether the vector exp torch's SiLU calls is here; else every element takes std::exp.
+inline bool vector_exp() {
+#if defined(__AVX512F__)
+  return Sleef_expf16_u10 != nullptr;
+#elif defined(__AVX2__)
+  return Sleef_expf8_u10 != nullptr;
+#else
+  return false;
+#endif
+}
+
+// silu(g) * u as torch computes it: g / (1 + exp(-g)), then the product (two roundings, no FMA possible).
+inline vec silu_mul_vec(vec g, vec u) {
+#if defined(__AVX512F__)
+  const vec e = reinterpret_cast<vec>(Sleef_expf16_u10(reinterpret_cast<__m512>(-g)));
+#elif defined(__AVX2__)
+  const vec e = reinterpret_cast<vec>(Sleef_expf8_u10(reinterpret_cast<__m256>(-g)));
+#else
+  vec e;
+  for (int64_t i = 0; i < kW; ++i) e[i] = std::exp(-g[i]);
+#endif
+  return g / (1.0f + e) * u;
+}
+
+inline float silu_mul_scalar(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+
+// act rows[r][0, W) = silu(x_r . gate cols) * (x_r . up cols) for R rows; wp: [H][2W] (gate W, up W per k).
+// vec_cols: how many of the W columns torch's SiLU computes with its vector exp (the rest: std::exp, or 0 for
+// padding columns beyond the intermediate size).
+template <int R>
+inline void gate_up_tile(const float* const* xr, const float* wp, int64_t h, float* act, int64_t ld_act,
+                         int64_t vec_cols, int64_t valid_cols) {
+  vec g[R], u[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) g[r] = u[r] = vec{};
+  for (int64_t k = 0; k < h; ++k) {
+    const vec wg = load(wp + k * 2 * kW), wu = load(wp + k * 2 * kW + kW);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float s = xr[r][k];
+      g[r] += s * wg;
+      u[r] += s * wu;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* out = act + r * ld_act;
+    if (vec_cols == kW) {
+      store(out, silu_mul_vec(g[r], u[r]));
+    } else {
+      for (int64_t i = 0; i < kW; ++i)
+        out[i] = i < vec_cols ? silu_mul_vec(g[r], u[r])[i] : (i < valid_cols ? silu_mul_scalar(g[r][i], u[r][i]) : 0.0f);
+    }
+  }
+}
+
+// y rows[r][0, 2W) = act_r . w2 cols for R rows; wp: [Ip][2W].
+template <int R>
+inline void down_tile(const float* act, int64_t ld_act, const float* wp, int64_t ip, float* y, int64_t ld_y) {
+  vec a[R], b[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) a[r] = b[r] = vec{};
+  for (int64_t k = 0; k < ip; ++k) {
+    const vec w0 = load(wp + k * 2 * kW), w1 = load(wp + k * 2 * kW + kW);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float s = act[r * ld_act + k];
+      a[r] += s * w0;
+      b[r] += s * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    store(y + r * ld_y, a[r]);
+    store(y + r * ld_y + kW, b[r]);
+  }
+}
+
+template <int R>
+void gate_up_rows(const float* const* xr, const float* wp, int64_t h, float* act, int64_t ld_act, int64_t vec_cols,
+                  int64_t valid_cols, int64_t n) {
+  int64_t r = 0;
+  for (; r + R <= n; r += R) gate_up_tile<R>(xr + r, wp, h, act + r * ld_act, ld_act, vec_cols, valid_cols);
+  if (r == n) return;
+  if constexpr (R > 1) gate_up_rows<(R + 1) / 2>(xr + r, wp, h, act + r * ld_act, ld_act, vec_cols,
+                                                                 valid_cols, n - r);
+}
+
+template <int R>
+void down_rows(const float* act, int64_t ld_act, const float* wp, int64_t ip, float* y, int64_t ld_y, int64_t n) {
+  int64_t r = 0;
+  for (; r + R <= n; r += R) down_tile<R>(act + r * ld_act, ld_act, wp, ip, y + r * ld_y, ld_y);
+  if (r == n) return;
+  if constexpr (R > 1) down_rows<(R + 1) / 2>(act + r * ld_act, ld_act, wp, ip, y + r * ld_y, ld_y, n - r);
+}
+
+// out = p0 + p1 + ... with p_j = y_j * w_j rounded before each add (torch's separate mul and add kernels).
+__attribute__((optimize("fp-contract=off"), noinline)) void combine_row(const float* const* y, const float* w,
+                                                                        int64_t k, int64_t h, float* out) {
+  for (int64_t i = 0; i < h; ++i) out[i] = y[0][i] * w[0];
+  for (int64_t j = 1; j < k; ++j) {
+    const float wj = w[j];
+    const float* yj = y[j];
+    for (int64_t i = 0; i < h; ++i) out[i] = out[i] + yj[i] * wj;
+  }
+}
+
+int64_t moe_cpu_block_width() { return kW; }
+
+std::tuple<at::Tensor, at::Tensor> moe_cpu_pack(const at::Tensor& w13, const at::Tensor& w2) {
+  check_cpu(w13, "w13");
+  check_cpu(w2, "w2");
+  check_dim(w13, 3, "w13");
+  check_dim(w2, 3, "w2");
+  check_dtype(w13, at::kFloat, "w13");
+  check_dtype(w2, at::kFloat, "w2");
+  const int64_t e = w13.size(0), h = w13.size(2), inter = w13.size(1) / 2;
+  TORCH_CHECK_VALUE(w13.size(1) % 2 == 0 && inter > 0 && h > 0 && e > 0,
+                    msg("moe_cpu_pack: w13 must be [E, 2I, H] with E, I, H > 0, got shape ", w13.sizes()));
+  TORCH_CHECK_VALUE(w2.size(0) == e && w2.size(1) == h && w2.size(2) == inter,
+                    msg("moe_cpu_pack: w2 must be [E, H, I] = [", e, ", ", h, ", ", inter, "], got shape ",
+                        w2.sizes()));
+  const int64_t nb = (inter + kW - 1) / kW, ip = nb * kW, hb = (h + 2 * kW - 1) / (2 * kW);
+  at::Tensor a = w13.contiguous(), b = w2.contiguous();
+  at::Tensor p13 = at::zeros({e, nb, h, 2 * kW}, w13.options());
+  at::Tensor p2 = at::zeros({e, hb, ip, 2 * kW}, w2.options());
+  const float* ap = a.data_ptr<float>();
+  const float* bp = b.data_ptr<float>();
+  float* p13p = p13.data_ptr<float>();
+  float* p2p = p2.data_ptr<float>();
+  at::parallel_for(0, e, 1, [&](int64_t e0, int64_t e1) {
+    for (int64_t x = e0; x < e1; ++x) {
+      const float* src = ap + x * 2 * inter * h;
+      for (int64_t j = 0; j < inter; ++j) {  // gate row j and up row j -> block j / W, lane j % W
+        float* dst = p13p + ((x * nb + j / kW) * h) * 2 * kW + j % kW;
+        const float* gate = src + j * h;
+        const float* up = src + (inter + j) * h;
+        for (int64_t k = 0; k < h; ++k) {
+          dst[k * 2 * kW] = gate[k];
+          dst[k * 2 * kW + kW] = up[k];
+        }
+      }
+      const float* src2 = bp + x * h * inter;
+      for (int64_t o = 0; o < h; ++o) {  // down row o -> block o / 2W, lane o % 2W
+        float* dst = p2p + ((x * hb + o / (2 * kW)) * ip) * 2 * kW + o % (2 * kW);
+        const float* row = src2 + o * inter;
+        for (int64_t k = 0; k < inter; ++k) dst[k * 2 * kW] = row[k];
+      }
+    }
+  });
+  return {p13, p2};
+}
+
+at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at::Tensor& w2p,
+                           const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t inter) {
+  check_cpu(x, "x");
+  check_cpu(w13p, "w13p");
+  check_cpu(w2p, "w2p");
+  check_cpu(topk_weights, "topk_weights");
+  check_cpu(topk_ids, "topk_ids");
+  check_dim(x, 2, "x");
+  check_dim(w13p, 4, "w13p");
+  check_dim(w2p, 4, "w2p");
+  check_dim(topk_weights, 2, "topk_weights");
+  check_dim(topk_ids, 2, "topk_ids");
+  check_dtype(x, at::kFloat, "x");
+  check_dtype(w13p, at::kFloat, "w13p");
+  check_dtype(w2p, at::kFloat, "w2p");
+  check_dtype(topk_weights, at::kFloat, "topk_weights");
+  check_dtype(topk_ids, at::kLong, "topk_ids");
+  check_contiguous(w13p, "w13p");
+  check_contiguous(w2p, "w2p");
+  check_contiguous(topk_weights, "topk_weights");
+  check_contiguous(topk_ids, "topk_ids");
+  TORCH_CHECK_VALUE(x.stride(1) == 1 || x.size(1) <= 1,
+                    msg("moe_cpu_experts: x's rows must be contiguous (got strides ", x.strides(), ")"));
+  const int64_t t = x.size(0), h = x.size(1), k = topk_ids.size(1), e = w13p.size(0);
+  const int64_t nb = w13p.size(1), ip = nb * kW, hb = w2p.size(1), hp = hb * 2 * kW;
+  TORCH_CHECK_VALUE(w13p.size(2) == h && w13p.size(3) == 2 * kW,
+                    msg("moe_cpu_experts: w13p must be [E, Ip/", kW, ", H=", h, ", ", 2 * kW, "] (moe_cpu_pack), got ",
+                        w13p.sizes()));
+  TORCH_CHECK_VALUE(inter > 0 && inter <= ip && ip - inter < kW,
+                    msg("moe_cpu_experts: inter=", inter, " does not fit w13p's ", ip, " packed columns"));
+  TORCH_CHECK_VALUE(w2p.size(0) == e && w2p.size(2) == ip && w2p.size(3) == 2 * kW && hp >= h && hp - h < 2 * kW,
+                    msg("moe_cpu_experts: w2p must be [", e, ", ", (h + 2 * kW - 1) / (2 * kW), ", ", ip, ", ", 2 * kW,
+                        "] (moe_cpu_pack), got ", w2p.sizes()));
+  TORCH_CHECK_VALUE(topk_ids.size(0) == t && topk_weights.size(0) == t && topk_weights.size(1) == k && k > 0,
+                    msg("moe_cpu_experts: topk_ids ", topk_ids.sizes(), " and topk_weights ", topk_weights.sizes(),
+                        " must both be [T=", t, ", k >= 1]"));
+  TORCH_CHECK_VALUE(k <= 64, msg("moe_cpu_experts: at most 64 experts per token, got k=", k));
+  at::Tensor out = at::empty({t, h}, x.options());
+  if (t == 0 || h == 0) return out;
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  const int64_t pairs = t * k;
+  for (int64_t p = 0; p < pairs; ++p)
+    TORCH_CHECK_VALUE(ids[p] >= 0 && ids[p] < e,
+                      msg("moe_cpu_experts: topk_ids holds ", ids[p], ", outside [0, ", e, ")"));
+
+  // Pairs grouped by expert (counting sort); slot[p] = the pair's row in the act/y buffers.
+  std::vector<int64_t> start(e + 1, 0), slot(pairs), src_tok(pairs);
+  for (int64_t p = 0; p < pairs; ++p) ++start[ids[p] + 1];
+  for (int64_t x2 = 0; x2 < e; ++x2) start[x2 + 1] += start[x2];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t s = fill[ids[p]]++;
+      slot[p] = s;
+      src_tok[s] = p / k;
+    }
+  }
+  // Work items: (expert, column block), each over all of the expert's rows.
+  std::vector<std::pair<int64_t, int64_t>> up_items, down_items;
+  for (int64_t x2 = 0; x2 < e; ++x2) {
+    if (start[x2 + 1] == start[x2]) continue;
+    for (int64_t b = 0; b < nb; ++b) up_items.emplace_back(x2, b);
+    for (int64_t b = 0; b < hb; ++b) down_items.emplace_back(x2, b);
+  }
+  std::vector<float> act(static_cast<size_t>(pairs * ip));
+  std::vector<float> y(static_cast<size_t>(pairs * hp));
+  std::vector<const float*> xrows(pairs);
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  for (int64_t s = 0; s < pairs; ++s) xrows[s] = xp + src_tok[s] * ldx;
+  const float* w13 = w13p.data_ptr<float>();
+  const float* w2 = w2p.data_ptr<float>();
+  const float* wts = topk_weights.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // torch's SiLU loop runs whole pairs of vectors and its scalar tail (std::exp) on the rest of a row.
+  const int64_t vec_end = vector_exp() ? inter - inter % (2 * kW) : 0;
+  const int64_t n_up = static_cast<int64_t>(up_items.size()), n_down = static_cast<int64_t>(down_items.size());
+  const int64_t macs = pairs * ip * (2 * h + hp);
+  const int num_threads =
+      macs < (1 << 18) ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_up)));
+
+#pragma omp parallel num_threads(num_threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_up; ++i) {
+      const int64_t ex = up_items[i].first, b = up_items[i].second;
+      const int64_t s0 = start[ex], n = start[ex + 1] - s0;
+      const int64_t c0 = b * kW;
+      const int64_t vec_cols = std::clamp<int64_t>(vec_end - c0, 0, kW);
+      const int64_t valid = std::clamp<int64_t>(inter - c0, 0, kW);
+      gate_up_rows<kRows>(xrows.data() + s0, w13 + (ex * nb + b) * h * 2 * kW, h, act.data() + s0 * ip + c0, ip,
+                          vec_cols, valid, n);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_down; ++i) {
+      const int64_t ex = down_items[i].first, b = down_items[i].second;
+      const int64_t s0 = start[ex], n = start[ex + 1] - s0;
+      down_rows<kRows>(act.data() + s0 * ip, ip, w2 + (ex * hb + b) * ip * 2 * kW, ip, y.data() + s0 * hp + b * 2 * kW,
+                       hp, n);
+    }
+#pragma omp for schedule(static)
+    for (int64_t tok = 0; tok < t; ++tok) {
+      // This token's choices by ascending expert id (k is small: insertion sort).
+      int64_t order[64];
+      const int64_t kk = std::min<int64_t>(k, 64);
+      for (int64_t j = 0; j < kk; ++j) {
+        int64_t v = j, i = j;
+        while (i > 0 && ids[tok * k + order[i - 1]] > ids[tok * k + v]) {
+          order[i] = order[i - 1];
+          --i;
+        }
+        order[i] = v;
+      }
+      const float* rows[64];
+      float w[64];
+      for (int64_t j = 0; j < kk; ++j) {
+        rows[j] = y.data() + slot[tok * k + order[j]] * hp;
+        w[j] = wts[tok * k + order[j]];
+      }
+      combine_row(rows, w, kk, h, op + tok * h);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace vllm_lite
+
+TORCH_LIBRARY_FRAGMENT(vllm_lite, m) {
+  m.def("moe_cpu_block_width() -> int", &vllm_lite::moe_cpu_block_width);
+  m.def("moe_cpu_pack(Tensor w13, Tensor w2) -> (Tensor, Tensor)");
+  m.def(
+      "moe_cpu_experts(Tensor x, Tensor w13p, Tensor w2p, Tensor topk_weights, Tensor topk_ids, int inter) -> "
+      "Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
+  m.impl("moe_cpu_pack", &vllm_lite::moe_cpu_pack);
+  m.impl("moe_cpu_experts", &vllm_lite::moe_cpu_experts);
+}
