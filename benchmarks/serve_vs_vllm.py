@@ -34,7 +34,7 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vs_vllm import DEFAULT_VLLM_PYTHON, TreeRss, child_env  # noqa: E402  (benchmarks/ is not a package)
 
-PERCENTILES = (50, 99)
+PERCENTILES = (50, 90, 99)
 
 
 def free_port() -> int:
@@ -186,6 +186,8 @@ def bench_serve(
         "--result-filename",
         name,
     ]
+    if args.save_detailed:  # per-request start times, TTFTs and inter-token gaps in the result JSON (under "logs")
+        cmd.append("--save-detailed")
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -206,7 +208,7 @@ def bench_serve(
             key = (
                 f"p{p}_{metric}_ms"
                 if f"p{p}_{metric}_ms" in raw
-                else ("median_" if p == 50 else "p99_") + f"{metric}_ms"
+                else ("median_" if p == 50 else f"p{p}_") + f"{metric}_ms"
             )
             if key in raw:
                 out[f"{metric}_p{p}_ms"] = round(raw[key], 1)
@@ -272,7 +274,7 @@ def plot(result: dict, path: str) -> Optional[str]:
     panels = (("ttft", "time to first token (ms)"), ("tpot", "time per output token (ms)"))
     for ax, (metric, title) in zip(axes, panels):
         for key, lab, color in engines:
-            for p, style in zip(PERCENTILES, ("-", "--")):
+            for p, style in zip(PERCENTILES, ("-", ":", "--")):
                 ys = [result[key]["rates"].get(r, {}).get(f"{metric}_p{p}_ms", float("nan")) for r in rate_keys]
                 ax.plot(xs, ys, style, marker="o", color=color, label=f"{lab} p{p}")
         ax.set_title(title)
@@ -318,6 +320,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per bench run")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds for a server to come up")
     ap.add_argument("--png", default="serve_vs_vllm.png", help="where to draw the plot ('' to skip)")
+    ap.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="keep per-request start times, TTFTs and ITLs in each result JSON (in the 'logs' directory)",
+    )
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     if args.model is None:
