@@ -309,7 +309,8 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
 #else
     Scratch& s = scratch[0];
 #endif
-#pragma omp for schedule(dynamic, 1)
+    // A request's KV heads go to one thread together: they share the cache's token rows (decode prefetches them).
+#pragma omp for schedule(dynamic, num_kv_heads)
     for (int64_t w = 0; w < num_work; ++w) {
       const WorkItem& item = items[w / num_kv_heads];
       const int64_t kvh = w % num_kv_heads;

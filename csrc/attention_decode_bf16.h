@@ -134,6 +134,27 @@ void decode_bf16(const ItemView<c10::BFloat16>& it, const c10::BFloat16* q, int6
           _mm_prefetch(reinterpret_cast<const char*>(it.v_cache + offs[j] + e), _MM_HINT_T1);
         }
       }
+      // The next tile's keys. The first KV head's item also pulls the next tile's whole token rows (every KV
+      // head's keys and values) towards L2: the same thread runs the request's other KV heads next
+      // (attention.cpp hands them out together), so they stream from L2 instead of scattered DRAM lines.
+      if (t0 + 16 < cn || c0 + cn < it.num_keys) {
+        const int64_t nn = std::min<int64_t>(16, it.num_keys - (c0 + t0 + 16));
+        int64_t next[16];
+        it.tile_offsets(c0 + t0 + 16, nn, next);
+        for (int64_t j = 0; j < nn; ++j) {
+          for (int64_t e = 0; e < D; e += line) {
+            _mm_prefetch(reinterpret_cast<const char*>(it.k_cache + next[j] + e), _MM_HINT_T0);
+          }
+          if (it.kv_off == 0) {
+            for (int64_t e = D; e < it.tok_stride; e += line) {
+              _mm_prefetch(reinterpret_cast<const char*>(it.k_cache + next[j] + e), _MM_HINT_T1);
+            }
+            for (int64_t e = D; e < it.tok_stride; e += line) {
+              _mm_prefetch(reinterpret_cast<const char*>(it.v_cache + next[j] + e), _MM_HINT_T1);
+            }
+          }
+        }
+      }
       for (int64_t p0 = 0; p0 < P; p0 += 16) {
         __m512 blk[16];
         for (int64_t j = 0; j < 16; ++j) {
