@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -43,13 +44,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def lite_command(model: str, dtype: str, max_model_len: int, http_port: int) -> list[str]:
+def lite_command(
+    model: str, dtype: str, max_model_len: int, http_port: int, extra: Optional[list[str]] = None
+) -> list[str]:
     """`vllm-lite serve` with an HTTP server on http_port, in whichever flag shape the installed CLI has."""
     exe = shutil.which("vllm-lite", path=os.path.dirname(sys.executable)) or shutil.which("vllm-lite")
     if exe is None:
         raise FileNotFoundError("no vllm-lite script next to this python or on PATH (pip install -e .)")
     help_text = subprocess.run([exe, "serve", "--help"], capture_output=True, text=True, check=True).stdout
-    cmd = [exe, "serve", model, "--dtype", dtype, "--max-model-len", str(max_model_len)]
+    cmd = [exe, "serve", model, "--dtype", dtype, "--max-model-len", str(max_model_len), *(extra or [])]
     if "--api-port" in help_text:  # the daemon's --port is the core's; HTTP is opt-in on --api-port
         return cmd + ["--port", str(free_port()), "--api-port", str(http_port), "--uvicorn-log-level", "warning"]
     return cmd + ["--port", str(http_port)]
@@ -321,6 +324,11 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds for a server to come up")
     ap.add_argument("--png", default="serve_vs_vllm.png", help="where to draw the plot ('' to skip)")
     ap.add_argument(
+        "--lite-args",
+        default="",
+        help="extra `vllm-lite serve` flags, one string (e.g. '--long-prefill-token-threshold 64') for A/B runs",
+    )
+    ap.add_argument(
         "--save-detailed",
         action="store_true",
         help="keep per-request start times, TTFTs and ITLs in each result JSON (in the 'logs' directory)",
@@ -359,7 +367,7 @@ def main() -> None:
         port = free_port()
         if e == "lite":
             cmd, env = (
-                lite_command(args.model, args.dtype, args.max_model_len, port),
+                lite_command(args.model, args.dtype, args.max_model_len, port, shlex.split(args.lite_args)),
                 child_env(drop=("OMP_NUM_THREADS",)),
             )
         else:
