@@ -18,6 +18,8 @@ can be read; HF runs in this interpreter after ours at torch's thread count. Pri
     python benchmarks/spec_decode.py --num-prompts 4 --max-tokens 64
     python benchmarks/spec_decode.py --no-hf --draft-layers 1 --num-speculative-tokens 3
     python benchmarks/spec_decode.py --no-hf --num-threads 1 --repeats 3   # a shared, loaded 2-CPU host
+    python benchmarks/spec_decode.py --no-hf --no-draft --batch 2,8 --no-gain-rule --repeats 5
+        # batch-throughput sweep (2, 4, 8); the default batch rule against none (drafts at every step)
 
 Every configuration is its own engine with its own weights: with the tiny bundled model, 5 engines (`--ngram-k`
 with several values) hold ~5x its weights, more than a 32 MiB L3, so each timed request may start cold, which would
@@ -77,19 +79,23 @@ def run_ours_interleaved(
     num_threads: int | None,
     repeats: int = 1,
     dtype: str = "auto",
+    batch_prompts: list[list[int]] | None = None,
+    batch_sizes: tuple[int, ...] = (),
 ) -> dict[str, dict]:
-    """One in-process engine per configuration, timed in turn on each prompt (batch 1) and then on the whole batch,
-    `repeats` rounds, so load changes on a shared host hit every configuration alike. Batch-1 ms/token is the
-    median over prompts and rounds, throughput the median over rounds."""
+    """One in-process engine per configuration, timed in turn on each prompt (batch 1) and then on batches of the
+    first b of `batch_prompts` (default: the prompts) for each b in `batch_sizes` (and len(prompts)), `repeats`
+    rounds, so load changes on a shared host hit every configuration alike. Batch-1 ms/token is the median over
+    prompts and rounds, throughput the median over rounds."""
+    batch_prompts = prompts if batch_prompts is None else batch_prompts
+    batch_sizes = tuple(sorted(set(batch_sizes) | {len(prompts)}))
+    if max(batch_sizes) > len(batch_prompts):
+        raise ValueError(f"batch sizes {batch_sizes} need {max(batch_sizes)} prompts, got {len(batch_prompts)}")
     from vllm_lite import LLM, SamplingParams
-    from vllm_lite.spec_decode.draft_budget import SMALL_M_ROWS
     from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 
     engines = {}
     for name, spec in specs.items():
-        if name.startswith("ngram_rows"):  # "ngram_rows<N>": a budget of N verify rows a step (off by default)
-            SpecDecodeStep.use_draft_budget = True
-            SpecDecodeStep.draft_budget_rows = int(name[len("ngram_rows") :])
+        SpecDecodeStep.gain_rule = name != "ngram_nogain"  # "ngram_nogain": drafts at every step (the rule off)
         try:
             engines[name] = LLM(
                 model=model,
@@ -101,12 +107,11 @@ def run_ours_interleaved(
                 disable_log_stats=True,
             )
         finally:
-            SpecDecodeStep.use_draft_budget = False
-            SpecDecodeStep.draft_budget_rows = SMALL_M_ROWS
+            SpecDecodeStep.gain_rule = True
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     per_tok: dict[str, list[float]] = {name: [] for name in specs}
-    tput: dict[str, list[float]] = {name: [] for name in specs}
+    tput: dict[str, dict[int, list[float]]] = {name: {b: [] for b in batch_sizes} for name in specs}
     outputs: dict[str, list[list[int]]] = {name: [] for name in specs}
     for llm in engines.values():
         llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
@@ -119,15 +124,17 @@ def run_ours_interleaved(
                 per_tok[name].append((time.perf_counter() - t0) / len(out.outputs[0].token_ids))
                 if rnd == 0:
                     outputs[name].append(list(out.outputs[0].token_ids))
-        for name, llm in engines.items():  # the whole batch, configurations in turn
-            t0 = time.perf_counter()
-            batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            tput[name].append(sum(len(o.outputs[0].token_ids) for o in batch) / (time.perf_counter() - t0))
+        for b in batch_sizes:  # the first b prompts at once, configurations in turn
+            for name, llm in engines.items():
+                t0 = time.perf_counter()
+                batch = llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:b]], params, use_tqdm=False)
+                tput[name][b].append(sum(len(o.outputs[0].token_ids) for o in batch) / (time.perf_counter() - t0))
     results: dict[str, dict] = {}
     for name, llm in engines.items():
         result: dict[str, Any] = {
             "ms_per_token_batch1": 1e3 * float(np.median(per_tok[name])),
-            "throughput_tok_s": float(np.median(tput[name])),
+            "throughput_tok_s": float(np.median(tput[name][len(prompts)])),
+            "throughput_tok_s_by_batch": {b: float(np.median(v)) for b, v in tput[name].items()},
         }
         if specs[name] is not None:
             drafts, draft_tokens, accepted = np.subtract(_spec_totals(llm), before[name])
@@ -219,7 +226,17 @@ def main() -> None:
         help="engine dtype (auto: the dtype policy, bfloat16 on a CPU with AVX-512 BF16); HF runs in the same",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budget-rows", default="", help="also n-gram with these draft budgets (verify rows a step)")
+    ap.add_argument(
+        "--no-gain-rule",
+        action="store_true",
+        help="also n-gram without the batch rule (drafts at every step; row ngram_nogain)",
+    )
+    ap.add_argument(
+        "--batch",
+        default="",
+        help="comma-separated batch sizes for the throughput sweep (the first b prompts of each workload at once; "
+        "prompts are generated for the largest); the --num-prompts batch is always measured",
+    )
     ap.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="also n-gram with this disable_by_batch_size"
     )
@@ -258,8 +275,9 @@ def main() -> None:
     specs: dict[str, dict | None] = {"plain": None, "ngram": spec}
     for k in (int(x) for x in args.ngram_k.split(",") if x.strip()):
         specs[f"ngram_k{k}"] = ngram(k)
-    for rows in (int(x) for x in args.budget_rows.split(",") if x.strip()):
-        specs[f"ngram_rows{rows}"] = spec
+    if args.no_gain_rule:
+        specs["ngram_nogain"] = spec
+    batch_sizes = tuple(int(x) for x in args.batch.split(",") if x.strip())
     if args.disable_by_batch_size is not None:
         specs["ngram_dbbs"] = {**spec, "disable_by_batch_size": args.disable_by_batch_size}
     draft_spec = None
@@ -283,10 +301,20 @@ def main() -> None:
     }
     if draft_spec is not None:
         result["draft_params_ratio"] = _param_count(args.draft_model) / _param_count(model)
-    sets = workloads(model, tokenizer, args.num_prompts, args.max_tokens, len(tokenizer), args.seed)
-    for name, prompts in sets.items():
+    num_sets = max((args.num_prompts, *batch_sizes))
+    sets = workloads(model, tokenizer, num_sets, args.max_tokens, len(tokenizer), args.seed)
+    for name, all_prompts in sets.items():
+        prompts = all_prompts[: args.num_prompts]
         runs = run_ours_interleaved(
-            model, prompts, args.max_tokens, specs, args.num_threads, args.repeats, dtype=args.dtype
+            model,
+            prompts,
+            args.max_tokens,
+            specs,
+            args.num_threads,
+            args.repeats,
+            dtype=args.dtype,
+            batch_prompts=all_prompts,
+            batch_sizes=batch_sizes,
         )
         plain = runs["plain"]
         row: dict[str, Any] = {
@@ -302,6 +330,9 @@ def main() -> None:
             row[key] = {k: v for k, v in run.items() if k != "outputs"}
             row[prefix + "speedup_batch1"] = plain["ms_per_token_batch1"] / run["ms_per_token_batch1"]
             row[prefix + "speedup_throughput"] = run["throughput_tok_s"] / plain["throughput_tok_s"]
+            row[prefix + "speedup_throughput_by_batch"] = {
+                b: tps / plain["throughput_tok_s_by_batch"][b] for b, tps in run["throughput_tok_s_by_batch"].items()
+            }
         # Exact in float32; in bfloat16 a verified step's rows may round differently from a decode step's.
         row["greedy_outputs_equal"] = all(run["outputs"] == plain["outputs"] for run in runs.values())
         if not args.no_hf:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_lite.spec_decode import draft_budget
-from vllm_lite.spec_decode.draft_budget import SMALL_M_ROWS, DraftBudget
+from vllm_lite.spec_decode.draft_budget import DraftBudget
 from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
 from vllm_lite.spec_decode.metrics import METRIC_NAMES, SpecDecodingStats
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
@@ -27,20 +27,84 @@ SIGNIFICANCE = 1e-3
 
 
 # ---------------------------------------------------------------------------------------------- draft budget
-def test_draft_budget_leaves_batch_one_alone_and_caps_batch_rows_best_acceptance_first() -> None:
-    budget = DraftBudget()
-    assert budget.trim(["a"], np.array([5])).tolist() == [5]
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timed_steps(budget: DraftBudget, clock: FakeClock, b: int, drafts: int, seconds: float, n: int = 3) -> None:
+    """n decode steps of b requests with `drafts` drafts each taking `seconds` (as the runner reports them)."""
+    for _ in range(n):
+        budget.step_ended()
+        clock.now += seconds
+        budget.step_started(b, b, b + drafts, drafts)
+
+
+def test_gain_rule_leaves_batch_one_alone_and_needs_the_prior_gain_before_costs_are_known() -> None:
+    budget = DraftBudget(5)
+    assert budget.should_search(1) and budget.trim(["a"], np.array([1])).tolist() == [1]
     ids = ["a", "b", "c", "d"]
-    budget.observe(ids, np.array([4, 4, 4, 4]), np.array([1, 4, 3, 2]))  # averages b > c > d > a
-    out = budget.trim(ids, np.array([5, 5, 5, 5]))
-    assert out.tolist() == [0, 5, 3, 0]  # 4 rows + 8 drafts = SMALL_M_ROWS, handed out best first
-    assert budget.trim(ids, np.array([1, 2, 0, 3])).tolist() == [1, 2, 0, 3]  # within the budget: untouched
-    many = [str(i) for i in range(SMALL_M_ROWS)]
-    assert budget.trim(many, np.full(SMALL_M_ROWS, 2)).sum() == 0  # no room left for any draft
+    assert budget.min_gain(4) == draft_budget.PRIOR_GAIN_PER_REQUEST
+    # acceptance 0.5 (the prior): 1 draft brings 0.5 expected tokens, under 0.5 * 4 requests -> a plain step
+    assert budget.trim(ids, np.array([1, 0, 0, 0])).tolist() == [0, 0, 0, 0]
+    assert budget.trim(ids, np.array([4, 0, 0, 0])).tolist() == [4, 0, 0, 0]  # 2.0 expected: verified
 
 
-def test_draft_budget_sidelines_failing_requests_and_retries_them() -> None:
-    budget = DraftBudget()
+def test_gain_rule_prices_verify_steps_with_the_measured_step_times() -> None:
+    clock = FakeClock()
+    budget = DraftBudget(5, clock=clock)
+    ids = ["a", "b", "c", "d"]
+    timed_steps(budget, clock, 4, 0, 0.010)  # plain steps: 10 ms
+    timed_steps(budget, clock, 4, 8, 0.020)  # verify steps: 20 ms, twice a plain step
+    assert budget.min_gain(4) == pytest.approx(1.0 + draft_budget.MARGIN)
+    assert budget.trim(ids, np.array([5, 5, 1, 0])).tolist() == [5, 5, 1, 0]  # 5.5 expected >= 4 * 1.25
+    assert budget.trim(ids, np.array([5, 4, 0, 0])).tolist() == [0, 0, 0, 0]  # 4.5 expected: a plain step
+    # Not recorded: an idle engine's gap, a step with a prefill chunk, a step where not every request sampled.
+    timed_steps(budget, clock, 4, 0, 10.0, n=1)
+    timed_steps(budget, clock, 4, 0, 0.001, n=1)
+    budget.step_started(4, 4, 60, 0)
+    budget.step_started(3, 4, 4, 0)
+    assert budget.min_gain(4) == pytest.approx(0.020 / (0.8 * 0.010 + 0.2 * 0.001) - 1.0 + draft_budget.MARGIN)
+    cheap = DraftBudget(5, clock=clock)  # verification as cheap as a plain step: only the margin is asked
+    timed_steps(cheap, clock, 4, 0, 0.010)
+    timed_steps(cheap, clock, 4, 8, 0.009)
+    assert cheap.min_gain(4) == pytest.approx(draft_budget.MARGIN)
+    assert cheap.trim(ids, np.array([2, 0, 0, 0])).tolist() == [2, 0, 0, 0]
+
+
+def test_gain_rule_times_a_plain_step_when_only_verify_steps_ran() -> None:
+    clock = FakeClock()
+    budget = DraftBudget(5, clock=clock)
+    timed_steps(budget, clock, 2, 4, 0.010)
+    assert budget.trim(["a", "b"], np.array([5, 5])).tolist() == [0, 0]  # once: a plain step to time
+    timed_steps(budget, clock, 2, 0, 0.008, n=1)
+    assert budget.trim(["a", "b"], np.array([5, 5])).tolist() == [5, 5]
+
+
+def test_failed_lookups_back_off_and_a_growing_batch_looks_again() -> None:
+    budget = DraftBudget(5)
+    ids = ["a", "b", "c"]
+    skipped = []
+    assert budget.should_search(3)
+    for _ in range(6):
+        budget.trim(ids, np.zeros(3, dtype=np.int64))  # the lookup found nothing worth a verify step
+        n = 0
+        while not budget.should_search(3):
+            n += 1
+        skipped.append(n)
+    assert skipped == [1, 2, 4, 8, 16, 16], skipped  # doubling after each failed look, up to MAX_SKIP
+    budget.trim(ids, np.zeros(3, dtype=np.int64))
+    assert not budget.should_search(3)
+    assert budget.should_search(4), "a new request joined: look at once"
+    assert budget.trim(ids + ["d"], np.array([5, 5, 5, 5])).tolist() == [5, 5, 5, 5]
+    assert budget.should_search(4), "a verified step resets the back-off"
+
+
+def test_gain_rule_sidelines_failing_requests_and_retries_them() -> None:
+    budget = DraftBudget(5)
     ids = ["bad", "good"]
     for _ in range(5):
         budget.observe(ids, np.array([5, 5]), np.array([0, 5]))
@@ -56,16 +120,17 @@ def test_draft_budget_sidelines_failing_requests_and_retries_them() -> None:
 
 
 def test_draft_budget_disable_by_batch_size_and_bad_settings() -> None:
-    budget = DraftBudget(disable_by_batch_size=3)
+    budget = DraftBudget(3, disable_by_batch_size=3)
     assert budget.trim(["a", "b"], np.array([2, 2])).tolist() == [2, 2]
     assert budget.trim(["a", "b", "c"], np.array([2, 2, 2])).tolist() == [0, 0, 0]
-    assert budget.trim(["a"], np.array([4]), num_running=3).tolist() == [0]  # counts running, not sampling, rows
-    unbudgeted = DraftBudget(max_rows=None, disable_by_batch_size=8)
-    assert unbudgeted.trim(list("abcd"), np.array([5, 5, 5, 5])).tolist() == [5, 5, 5, 5]
+    assert not budget.should_search(3)
+    assert budget.trim(["a"], np.array([3]), num_running=3).tolist() == [0]  # counts running, not sampling, rows
+    off = DraftBudget(5, disable_by_batch_size=8, gain_rule=False)
+    assert off.trim(list("abcd"), np.array([1, 1, 1, 1])).tolist() == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="disable_by_batch_size"):
-        DraftBudget(disable_by_batch_size=1)
-    with pytest.raises(ValueError, match="max_rows"):
-        DraftBudget(max_rows=0)
+        DraftBudget(3, disable_by_batch_size=1)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        DraftBudget(0)
     with pytest.raises(ValueError, match="one count per request"):
         budget.trim(["a"], np.array([1, 2]))
 

@@ -1,91 +1,158 @@
-"""Per-step draft budget for n-gram proposals: speculation must not cost batch throughput.
+"""When n-gram drafts pay at batch > 1: a per-step expected-gain rule on measured step costs (the default), plus
+vLLM's `disable_by_batch_size`.
 
-Why: a verify step costs by its rows. At batch 1 a request's k drafts ride nearly free (1 + k rows cost about
-what one does in the small-m linear kernels), but a batch of B requests with k drafts each runs B * (1 + k) rows,
-past the row count where the linears change cost (csrc/bf16_small_m.cpp takes <= 12 rows; oneDNN above), and a
-batch runs until its least predictable request finishes, so the others' accepted drafts buy it little (measured
-on Zen 4, bundled model, 4 random prompts: 14-24 rows at 2.1 ms a step vs 4 rows at 1.25 ms, 348 vs 384 steps,
-0.79-0.96x the throughput without speculation).
+Why: at batch 1 a request's k drafts ride nearly free (a verify step of 1 + k rows costs about what a plain
+step does), but at batch B > 1 a verify step costs a plain step plus the verification path and the draft rows
+(measured on Zen 4, bundled model, bf16: 1.25x a plain step at B=4 with ~2 drafts, 2.2-2.6x at B=8 with 20-40;
+float32 1.14x at B=4), while a batch runs as long as its least predictable request. On random prompts one
+request looping on a token (1 draft a step, always accepted) made half the steps verify steps: 0.70-1.07x the
+throughput without speculation.
 
-The rule, applied to the proposals of each step (batch 1 is left alone):
+The rule, per step, over the B requests that sample (batch 1 is left alone: it always proposes up to k):
 
-- `disable_by_batch_size` (vLLM's speculative_config field): no drafts at all once that many requests run.
-- At B > 1 sampling requests the step's drafts are capped at `max_rows - B` (`max_rows` = SMALL_M_ROWS, the
-  small-m kernel's row limit), handed out to the requests whose drafts have held best so far (an exponential
-  average of accepted / proposed per request, ACCEPT_EMA_WEIGHT per verified step), each up to its proposal.
-- At B > 1 a request whose average has fallen below MIN_ACCEPTANCE proposes nothing; every step it sits out moves
-  its average RECOVERY of the way back to the prior, so it retries after a while (from 0: ~8 steps).
-
-Status (measured, benchmarks/PROFILE.md): the row budget is OPT-IN (`SpecDecodeStep.use_draft_budget`,
-benchmarks/spec_decode.py --budget-rows): on Zen 4 it did not lift random-workload batch throughput (bf16, 10
-rounds: 0.85x with it, 0.84x without) and cost the repetitive one (0.91x vs 0.99x; f32 1.63x vs 1.90x).
-`disable_by_batch_size` is always honoured when set (bf16 random batch 0.96x with it set to 2).
+- Each request keeps a running average of its drafts' acceptance (accepted / proposed over its verified steps,
+  exponential with weight EMA_WEIGHT, prior PRIOR_ACCEPTANCE); its expected gain is acceptance * drafts found.
+- The engine's own step times price a verify step: the time between two proposal calls, for decode-only steps,
+  kept per batch size as running averages for plain and verify steps (weight COST_WEIGHT). A verify step at B
+  costs ratio = verify / plain plain steps, so its drafts pay when they add B * (ratio - 1) tokens.
+- The step verifies drafts only if the expected gain reaches B * ((ratio - 1) + MARGIN) (MARGIN: a batch runs
+  as long as its slowest request, so tokens accepted by requests that are ahead buy less than they seem);
+  before both costs are measured at B the bar is B * PRIOR_GAIN_PER_REQUEST (and once verify steps ran at a B
+  whose plain steps were never timed, the next step there runs plain to time one). Otherwise it decodes plainly.
+- In a verified step, requests whose acceptance fell below MIN_ACCEPTANCE propose nothing (their rows would cost
+  more than they bring); their average moves RECOVERY of the way back to the prior each time, so they are tried
+  again later.
+- A batch whose lookup did not pay skips the lookup (~15 us a request) for the next 1, 2, 4, ... steps
+  (doubling per failed lookup, up to MAX_SKIP); it looks every step again once a step verifies or the batch grows.
+- `disable_by_batch_size` (vLLM's field): no drafts at all once that many requests run.
 
 Exactness does not depend on it: any proposal, of any length, verifies to the same greedy tokens and the same
-target distribution. Only the step's token table (which every tensor-parallel rank holds) feeds it, so every
-rank trims alike. Cost: one Python pass over the step's sampling requests (a dict look-up each).
+target distribution (and n-gram drafts are point masses, so a seeded row emits what it would emit without
+speculation, whatever this rule decides). The step times are the driver's own; under tensor parallelism only
+the driver's proposals reach the scheduler. Cost: a Python pass over the step's sampling requests.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+import time
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-SMALL_M_ROWS = 12  # rows the bf16 small-m linear kernel takes (the engine's rule); a verify step stays within it
-PRIOR_ACCEPTANCE = 0.5  # a new request's average (and where a sidelined one drifts back to)
-ACCEPT_EMA_WEIGHT = 0.3  # weight of the newest verified step in the average
-MIN_ACCEPTANCE = 0.25  # below this (at B > 1) a request proposes nothing until its average recovers
-RECOVERY = 0.05  # per sidelined step: the average moves this share of the way back to the prior
+PRIOR_ACCEPTANCE = 0.5  # a new request's acceptance average
+EMA_WEIGHT = 0.3  # weight of the newest verified step in a request's acceptance average
+PRIOR_GAIN_PER_REQUEST = 0.5  # the bar (accepted tokens per request) before both step costs are known at a batch size
+MARGIN = 0.25  # added to the measured break-even (tokens per request)
+COST_WEIGHT = 0.2  # weight of the newest step in the step-time averages
+IDLE_FACTOR = 5.0  # an interval this many times the average is an idle engine, not a step: not recorded
+MIN_ACCEPTANCE = 0.2  # in a batch step, a request whose acceptance average is below this proposes nothing
+RECOVERY = 0.1  # each time a request sits out, its acceptance average moves this share back to the prior
+MAX_SKIP = 16  # a batch whose lookups keep failing looks again at least every this many steps
 
 
 class DraftBudget:
-    """Trims a step's proposal lengths; keeps a per-request acceptance average, keyed by request id."""
+    """Decides, step by step, which n-gram proposals a batch verifies; keeps per-request acceptance averages (by
+    request id) and the engine's plain and verify step times (by batch size)."""
 
-    def __init__(self, max_rows: Optional[int] = SMALL_M_ROWS, disable_by_batch_size: Optional[int] = None) -> None:
-        """max_rows None: no row cap and no acceptance rule, only disable_by_batch_size."""
-        if max_rows is not None and max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {max_rows!r}.")
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        disable_by_batch_size: Optional[int] = None,
+        gain_rule: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """gain_rule False: no expected-gain rule, only disable_by_batch_size. clock: seconds (tests pass a fake)."""
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens!r}.")
         if disable_by_batch_size is not None and disable_by_batch_size < 2:
             raise ValueError(f"disable_by_batch_size must be >= 2, got {disable_by_batch_size!r}.")
-        self.max_rows = max_rows
+        self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
-        self._ema: dict[str, float] = {}
+        self.gain_rule = gain_rule
+        self.clock = clock
+        self._acceptance: dict[str, float] = {}
+        self._skip = 0  # batch steps left without a lookup
+        self._backoff = 0  # the last skip length (doubles per failed lookup)
+        self._last_batch = 0  # sampling requests in the last step
+        self._plain: dict[int, float] = {}  # batch size -> average seconds of a plain decode step
+        self._verify: dict[int, float] = {}  # batch size -> average seconds of a verify step
+        self._last_end: Optional[float] = None  # when the last proposal call returned
 
     def acceptance(self, req_id: str) -> float:
-        return self._ema.get(req_id, PRIOR_ACCEPTANCE)
+        return self._acceptance.get(req_id, PRIOR_ACCEPTANCE)
+
+    def disabled(self, num_running: int) -> bool:
+        return self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size
+
+    # ------------------------------------------------------------------ step costs
+    def step_started(self, num_sampling: int, num_running: int, num_tokens: int, num_drafts: int) -> None:
+        """Called as the proposal call starts, with the step that just ran: `num_sampling` of `num_running`
+        requests sampled, `num_tokens` ran, `num_drafts` of them drafts. A decode-only step's time since the last
+        proposal call returned is recorded for its batch size (plain or verify)."""
+        now = self.clock()
+        if self._last_end is None or num_sampling < 1 or num_sampling != num_running:
+            return
+        if num_tokens != num_sampling + num_drafts:  # a prefill chunk ran: not a decode step's cost
+            return
+        table = self._verify if num_drafts else self._plain
+        dt = now - self._last_end
+        old = table.get(num_sampling)
+        if old is None:
+            table[num_sampling] = dt
+        elif dt < IDLE_FACTOR * old:
+            table[num_sampling] = old + COST_WEIGHT * (dt - old)
+
+    def step_ended(self) -> None:
+        """Called as the proposal call returns."""
+        self._last_end = self.clock()
+
+    def min_gain(self, batch_size: int) -> float:
+        """Expected accepted tokens per request a verify step at this batch size must bring."""
+        plain, verify = self._plain.get(batch_size), self._verify.get(batch_size)
+        if plain is None or verify is None or plain <= 0:
+            return PRIOR_GAIN_PER_REQUEST
+        return max(0.0, verify / plain - 1.0) + MARGIN
+
+    # ------------------------------------------------------------------ per step
+    def should_search(self, num_sampling: int, num_running: Optional[int] = None) -> bool:
+        """Whether to run the lookup this step for `num_sampling` sampling requests (`num_running` running)."""
+        running = num_sampling if num_running is None else num_running
+        grew, self._last_batch = num_sampling > self._last_batch, num_sampling
+        if num_sampling == 0 or self.disabled(running):
+            return False
+        if num_sampling == 1 or not self.gain_rule:
+            return True
+        if grew:  # new requests: look at once
+            self._skip = self._backoff = 0
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
 
     def trim(self, req_ids: Sequence[str], counts: np.ndarray, num_running: Optional[int] = None) -> np.ndarray:
-        """New proposal lengths (int64, <= counts) for the step's sampling requests `req_ids` with proposals of
+        """New proposal lengths (int64, <= counts) for the step's sampling requests `req_ids`, whose lookups found
         `counts` tokens; `num_running` (default len(req_ids)) is what disable_by_batch_size compares against."""
         counts = np.asarray(counts, dtype=np.int64).reshape(-1)
         b = len(req_ids)
         if b != len(counts):
             raise ValueError(f"need one count per request, got {b} and {len(counts)}.")
         running = b if num_running is None else num_running
-        if self.disable_by_batch_size is not None and running >= self.disable_by_batch_size:
+        if self.disabled(running):
             return np.zeros_like(counts)
-        if b <= 1 or self.max_rows is None:
+        if not self.gain_rule or b <= 1:
             return counts
-        budget = self.max_rows - b
-        if budget <= 0:
+        acc = np.fromiter((self._acceptance.get(r, PRIOR_ACCEPTANCE) for r in req_ids), dtype=np.float64, count=b)
+        if float(acc @ counts) < self.min_gain(b) * b:  # not worth a verify step: plain, and look less often
+            self._backoff = min(MAX_SKIP, max(1, 2 * self._backoff))
+            self._skip = self._backoff
             return np.zeros_like(counts)
-        ema = self._ema
-        scores = np.empty(b)
-        for i, r in enumerate(req_ids):  # one dict look-up per request; sidelined ones drift back to the prior
-            a = ema.get(r, PRIOR_ACCEPTANCE)
-            if a < MIN_ACCEPTANCE:
-                ema[r] = a + RECOVERY * (PRIOR_ACCEPTANCE - a)
-                a = -1.0
-            scores[i] = a
-        out = np.where(scores >= 0, counts, 0)
-        if int(out.sum()) <= budget:
-            return out
-        order = np.argsort(-scores, kind="stable")  # best average first, ties in step order
-        cum = np.cumsum(out[order])
-        kept = np.clip(budget - (cum - out[order]), 0, out[order])
-        out[order] = kept
-        return out
+        self._backoff = 0
+        if b in self._verify and b not in self._plain:  # time one plain step at this batch size first
+            return np.zeros_like(counts)
+        low = np.nonzero((acc < MIN_ACCEPTANCE) & (counts > 0))[0]
+        for i in low.tolist():  # sat out: drift back towards the prior, so the request is tried again later
+            self._acceptance[req_ids[i]] = acc[i] + RECOVERY * (PRIOR_ACCEPTANCE - acc[i])
+        return np.where(acc >= MIN_ACCEPTANCE, counts, 0)
 
     def observe(self, req_ids: Sequence[str], num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
         """One verified step: request i ran num_draft[i] drafts and the first num_accepted[i] held."""
@@ -93,11 +160,12 @@ class DraftBudget:
         accepted = np.asarray(num_accepted, dtype=np.int64).reshape(-1)
         if not len(req_ids) == len(drafts) == len(accepted):
             raise ValueError(f"need one count per request, got {len(req_ids)}, {len(drafts)} and {len(accepted)}.")
-        w = ACCEPT_EMA_WEIGHT
+        w = EMA_WEIGHT
+        acc = self._acceptance
         for i in np.nonzero(drafts > 0)[0].tolist():
             r = req_ids[i]
-            self._ema[r] = (1 - w) * self._ema.get(r, PRIOR_ACCEPTANCE) + w * float(accepted[i]) / float(drafts[i])
+            acc[r] = (1 - w) * acc.get(r, PRIOR_ACCEPTANCE) + w * float(accepted[i]) / float(drafts[i])
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for r in req_ids:
-            self._ema.pop(r, None)
+            self._acceptance.pop(r, None)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from vllm_lite.config import VllmConfig
-from vllm_lite.spec_decode.draft_budget import SMALL_M_ROWS, DraftBudget
+from vllm_lite.spec_decode.draft_budget import DraftBudget
 from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
 from vllm_lite.spec_decode.rejection_sampler import greedy_verify, rejection_sample_rows
@@ -182,11 +182,10 @@ def target_distributions(
 class SpecDecodeStep:
     """Drafts in, verified tokens out, new drafts proposed: the runner calls this around its forward pass."""
 
-    # The n-gram row budget (draft_budget.py) is off by default: measured on Zen 4 (PROFILE.md) it did not lift
-    # random-workload batch throughput (0.85x vs 0.84x without, bf16, 10 rounds) and cost the repetitive one
-    # (0.91x vs 0.99x). Read at construction; tests and benchmarks/spec_decode.py (--budget-rows) turn it on.
-    use_draft_budget = False
-    draft_budget_rows = SMALL_M_ROWS  # read at construction; benchmarks/spec_decode.py --budget-rows tries others
+    # n-gram at batch > 1 (draft_budget.py): a step verifies drafts only when their expected accepted tokens pay
+    # for the verify step at the engine's measured step costs, else it decodes plainly. Read at construction;
+    # False leaves only disable_by_batch_size (benchmarks/spec_decode.py --no-gain-rule compares).
+    gain_rule = True
 
     def __init__(self, vllm_config: VllmConfig, draft: Optional[DraftModel] = None) -> None:
         sc = vllm_config.speculative_config
@@ -199,13 +198,14 @@ class SpecDecodeStep:
         # on CPU (measured on the bundled model), so it always proposes up to k.
         self.lengths = AdaptiveDraftLength(sc.num_speculative_tokens) if draft is not None else None
         self.proposer: Optional[NgramProposer] = None
-        # n-gram: no drafts once disable_by_batch_size requests run (vLLM's field); with use_draft_budget, at
-        # batch > 1 at most draft_budget_rows verify rows a step, to the requests whose drafts hold (draft_budget.py).
+        # n-gram: no drafts once disable_by_batch_size requests run (vLLM's field); at batch > 1 a step verifies
+        # drafts only when their expected accepted tokens pay for the verification (draft_budget.py).
         self.budget: Optional[DraftBudget] = None
         if sc.method == "ngram":
             self.budget = DraftBudget(
-                max_rows=self.draft_budget_rows if self.use_draft_budget else None,
+                sc.num_speculative_tokens,
                 disable_by_batch_size=sc.disable_by_batch_size,
+                gain_rule=self.gain_rule,
             )
             assert sc.prompt_lookup_min is not None and sc.prompt_lookup_max is not None
             self.proposer = NgramProposer(
@@ -216,6 +216,7 @@ class SpecDecodeStep:
             )
         elif draft is None:
             raise ValueError(f"speculative_config.method {sc.method!r} needs its draft model")
+        self._step_drafts = 0  # drafts verified in the current step (observe), for the budget's step times
 
     @staticmethod
     def maybe_create(
@@ -243,6 +244,7 @@ class SpecDecodeStep:
             self.lengths.observe(req_ids, num_draft, num_accepted)
         if self.budget is not None:
             self.budget.observe(req_ids, num_draft, num_accepted)
+            self._step_drafts = int(num_draft.sum())
 
     def draft_probs(
         self, req_ids: list[str], drafts: np.ndarray, num_draft: np.ndarray
@@ -358,16 +360,28 @@ class SpecDecodeStep:
             if self.disable_by_batch_size is not None and inputs.num_reqs >= self.disable_by_batch_size:
                 lengths = np.zeros_like(lengths)  # vLLM's disable_by_batch_size: no drafts at this batch size
             return self.draft.propose(batch, inputs, s_idx, is_driver, lengths)
-        assert self.proposer is not None
+        assert self.proposer is not None and self.budget is not None
+        budget = self.budget
+        budget.step_started(len(s_idx), inputs.num_reqs, inputs.num_tokens, self._step_drafts)
+        self._step_drafts = 0
+        try:
+            return self._propose_ngram(batch, inputs, s_idx)
+        finally:
+            budget.step_ended()
+
+    def _propose_ngram(self, batch: InputBatch, inputs: StepInputs, s_idx: np.ndarray) -> list[list[int]]:
+        assert self.proposer is not None and self.budget is not None
         out: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
         if len(s_idx) == 0:
             return out
+        req_ids = [inputs.req_ids[i] for i in s_idx.tolist()]
+        if not self.budget.should_search(len(req_ids), inputs.num_reqs):
+            return out  # the expected gain did not pay for a verify step lately: no lookup, a plain step next
         rows = inputs.rows[s_idx]
         num_tokens = batch.num_tokens[rows]
         proposal = self.proposer.propose(batch.token_ids[rows, : int(num_tokens.max())], num_tokens)
-        counts = proposal.num_draft_tokens
-        if self.budget is not None:
-            counts = self.budget.trim([inputs.req_ids[i] for i in s_idx.tolist()], counts, inputs.num_reqs)
+        counts = self.budget.trim(req_ids, proposal.num_draft_tokens, inputs.num_reqs)
         for i, row, n in zip(s_idx.tolist(), proposal.draft_token_ids, counts.tolist()):
-            out[i] = row[:n].tolist()
+            if n:
+                out[i] = row[:n].tolist()
         return out
