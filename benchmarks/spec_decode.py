@@ -335,6 +335,11 @@ def main() -> None:
             }
         # Exact in float32; in bfloat16 a verified step's rows may round differently from a decode step's.
         row["greedy_outputs_equal"] = all(run["outputs"] == plain["outputs"] for run in runs.values())
+        row["greedy_prompts_differing"] = {
+            cfg: sum(a != b for a, b in zip(run["outputs"], plain["outputs"]))
+            for cfg, run in runs.items()
+            if cfg != "plain"
+        }
         if not args.no_hf:
             hf = run_hf(model, prompts, args.max_tokens, None, dtype)
             hf_lookup = run_hf(model, prompts, args.max_tokens, args.num_speculative_tokens, dtype)

@@ -62,12 +62,19 @@ def test_gain_rule_prices_verify_steps_with_the_measured_step_times() -> None:
     assert budget.min_gain(4) == pytest.approx(1.0 + draft_budget.MARGIN)
     assert budget.trim(ids, np.array([5, 5, 1, 0])).tolist() == [5, 5, 1, 0]  # 5.5 expected >= 4 * 1.25
     assert budget.trim(ids, np.array([5, 4, 0, 0])).tolist() == [0, 0, 0, 0]  # 4.5 expected: a plain step
+    assert budget.min_gain(4) == pytest.approx(0.020 * (1 - draft_budget.STALE_DECAY) / 0.010 - 1 + draft_budget.MARGIN)
+    for _ in range(50):  # kept plain again and again by that price: it falls until a verify step re-measures it
+        budget.trim(ids, np.array([5, 4, 0, 0]))
+    assert budget.trim(ids, np.array([5, 4, 0, 0])).tolist() == [5, 4, 0, 0]
+    timed_steps(budget, clock, 4, 8, 0.020)
+    assert budget.min_gain(4) > 1.0
     # Not recorded: an idle engine's gap, a step with a prefill chunk, a step where not every request sampled.
     timed_steps(budget, clock, 4, 0, 10.0, n=1)
     timed_steps(budget, clock, 4, 0, 0.001, n=1)
     budget.step_started(4, 4, 60, 0)
     budget.step_started(3, 4, 4, 0)
-    assert budget.min_gain(4) == pytest.approx(0.020 / (0.8 * 0.010 + 0.2 * 0.001) - 1.0 + draft_budget.MARGIN)
+    plain = 0.8 * 0.010 + 0.2 * 0.001
+    assert budget._plain[4] == pytest.approx(plain)
     cheap = DraftBudget(5, clock=clock)  # verification as cheap as a plain step: only the margin is asked
     timed_steps(cheap, clock, 4, 0, 0.010)
     timed_steps(cheap, clock, 4, 8, 0.009)

@@ -18,7 +18,9 @@ The rule, per step, over the B requests that sample (batch 1 is left alone: it a
 - The step verifies drafts only if the expected gain reaches B * ((ratio - 1) + MARGIN) (MARGIN: a batch runs
   as long as its slowest request, so tokens accepted by requests that are ahead buy less than they seem);
   before both costs are measured at B the bar is B * PRIOR_GAIN_PER_REQUEST (and once verify steps ran at a B
-  whose plain steps were never timed, the next step there runs plain to time one). Otherwise it decodes plainly.
+  whose plain steps were never timed, the next step there runs plain to time one). Otherwise it decodes plainly,
+  and the verify price at B is lowered by STALE_DECAY (a price measured once, in a noisy moment or on other
+  drafts, must not keep the batch plain for good: it is lowered until a verify step measures it again).
 - In a verified step, requests whose acceptance fell below MIN_ACCEPTANCE propose nothing (their rows would cost
   more than they bring); their average moves RECOVERY of the way back to the prior each time, so they are tried
   again later.
@@ -45,6 +47,7 @@ PRIOR_GAIN_PER_REQUEST = 0.5  # the bar (accepted tokens per request) before bot
 MARGIN = 0.25  # added to the measured break-even (tokens per request)
 COST_WEIGHT = 0.2  # weight of the newest step in the step-time averages
 IDLE_FACTOR = 5.0  # an interval this many times the average is an idle engine, not a step: not recorded
+STALE_DECAY = 0.05  # each time a measured verify price keeps a batch plain, it is lowered this much (re-measured)
 MIN_ACCEPTANCE = 0.2  # in a batch step, a request whose acceptance average is below this proposes nothing
 RECOVERY = 0.1  # each time a request sits out, its acceptance average moves this share back to the prior
 MAX_SKIP = 16  # a batch whose lookups keep failing looks again at least every this many steps
@@ -145,6 +148,9 @@ class DraftBudget:
         if float(acc @ counts) < self.min_gain(b) * b:  # not worth a verify step: plain, and look less often
             self._backoff = min(MAX_SKIP, max(1, 2 * self._backoff))
             self._skip = self._backoff
+            verify, plain = self._verify.get(b), self._plain.get(b)
+            if verify is not None and plain is not None:  # a stale dear price must not shut verification out
+                self._verify[b] = max(plain, verify * (1.0 - STALE_DECAY))
             return np.zeros_like(counts)
         self._backoff = 0
         if b in self._verify and b not in self._plain:  # time one plain step at this batch size first
