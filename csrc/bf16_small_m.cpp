@@ -46,6 +46,7 @@ constexpr int64_t kRowsPerGroup = 4;  // output rows interleaved per group (the 
 constexpr int64_t kKChunk = 32;       // bf16 lanes of one 512-bit register
 constexpr int64_t kMaxRows = 16;      // x rows accepted (decode batches, speculative verification); more: oneDNN
 constexpr int64_t kRowsPerPass = 4;   // x rows per register block (4 x 4 accumulators)
+constexpr int64_t kVnniBlockN = 32;   // bf16_linear_vnni: outputs per weight block ([N/32, K/2, 32, 2])
 
 #ifdef VLLM_LITE_BF16_SMALL_M
 
@@ -136,6 +137,79 @@ void run(const at::Tensor& x, const at::Tensor& wb, int64_t n, const float* bias
   });
 }
 
+// ---- 13-64 rows: a broadcast (VNNI) GEMM over a third layout of the weight, [N/32, K/2, 32, 2] ----
+// Each 32-output block's pairs of K one after another: per pair of K, two registers hold the 32 outputs' bf16
+// pairs, and every row of x adds its own broadcast pair to 2 accumulators (VDPBF16PS). Rows go in balanced
+// register blocks of <= 12 (24 accumulators), each block re-reading the weight block from L1/L2; the first pass
+// prefetches the next weight block into L2. Every output is one float32 sum in K order, rounded once to bf16
+// (as c10::BFloat16 rounds): a row's result does not depend on the other rows or on the thread count.
+constexpr int64_t kVnniBlock = kVnniBlockN;
+constexpr int64_t kVnniMaxPass = 12;  // rows per register block
+
+template <int MB>
+static inline void vnni_block(const uint16_t* __restrict w, int64_t k2n, const uint16_t* __restrict x, int64_t k,
+                              __m512 b0, __m512 b1, c10::BFloat16* __restrict out, int64_t n, const char* next) {
+  __m512 acc[MB][2];
+  for (int m = 0; m < MB; ++m) {
+    acc[m][0] = b0;
+    acc[m][1] = b1;
+  }
+  for (int64_t k2 = 0; k2 < k2n; ++k2) {
+    if (next) {
+      _mm_prefetch(next + k2 * 128, _MM_HINT_T1);
+      _mm_prefetch(next + k2 * 128 + 64, _MM_HINT_T1);
+    }
+    const __m512i w0 = _mm512_loadu_si512(w + k2 * 64);
+    const __m512i w1 = _mm512_loadu_si512(w + k2 * 64 + 32);
+    for (int m = 0; m < MB; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * k + 2 * k2, sizeof(pair));
+      const __m512i xb = _mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], as_bh(xb), as_bh(w0));
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], as_bh(xb), as_bh(w1));
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n), to_bf16_bits(acc[m][0]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n + 16), to_bf16_bits(acc[m][1]));
+  }
+}
+
+template <int MB>
+static void vnni_rows(const uint16_t* w, int64_t k2n, const uint16_t* x, int64_t k, __m512 b0, __m512 b1,
+                      c10::BFloat16* out, int64_t n, const char* next) {
+  vnni_block<MB>(w, k2n, x, k, b0, b1, out, n, next);
+}
+
+using VnniFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, __m512, __m512, c10::BFloat16*, int64_t,
+                        const char*);
+static const VnniFn kVnniFns[kVnniMaxPass + 1] = {
+    nullptr,        &vnni_rows<1>, &vnni_rows<2>, &vnni_rows<3>,  &vnni_rows<4>,  &vnni_rows<5>, &vnni_rows<6>,
+    &vnni_rows<7>,  &vnni_rows<8>, &vnni_rows<9>, &vnni_rows<10>, &vnni_rows<11>, &vnni_rows<12>};
+
+void run_vnni(const at::Tensor& x, const at::Tensor& wv, int64_t n, const float* bias, at::Tensor& out) {
+  const int64_t rows = x.size(0), k = x.size(1), k2n = k / 2;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(wv.data_ptr<c10::BFloat16>());
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t block_elems = k * kVnniBlock;
+  const int64_t passes = (rows + kVnniMaxPass - 1) / kVnniMaxPass;
+  at::parallel_for(0, n / kVnniBlock, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint16_t* w = wp + g * block_elems;
+      const __m512 b0 = bias ? _mm512_loadu_ps(bias + g * kVnniBlock) : _mm512_setzero_ps();
+      const __m512 b1 = bias ? _mm512_loadu_ps(bias + g * kVnniBlock + 16) : _mm512_setzero_ps();
+      const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + block_elems) : nullptr;
+      int64_t m0 = 0;
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t mb = (rows - m0 + (passes - p) - 1) / (passes - p);  // balanced: 32 rows = 11 + 11 + 10
+        kVnniFns[mb](w, k2n, xp + m0 * k, k, b0, b1, op + m0 * n + g * kVnniBlock, n, p == 0 ? next : nullptr);
+        m0 += mb;
+      }
+    }
+  });
+}
+
 #endif  // VLLM_LITE_BF16_SMALL_M
 
 bool bf16_small_m_available() {
@@ -185,6 +259,41 @@ at::Tensor bf16_linear_small_m(const at::Tensor& x, const at::Tensor& weight_blo
   return out;
 }
 
+at::Tensor bf16_linear_vnni(const at::Tensor& x, const at::Tensor& weight_vnni, int64_t n,
+                            const c10::optional<at::Tensor>& bias) {
+  // Every check runs before any data is read and before the parallel loop (whose body cannot throw).
+  TORCH_CHECK(bf16_small_m_available(), "bf16_linear_vnni: not built for this CPU (needs AVX512-BF16)");
+  check_cpu(x, "x");
+  check_cpu(weight_vnni, "weight_vnni");
+  check_dtype(x, at::kBFloat16, "x");
+  check_dtype(weight_vnni, at::kBFloat16, "weight_vnni");
+  check_dim(x, 2, "x");
+  check_dim(weight_vnni, 4, "weight_vnni");
+  check_contiguous(weight_vnni, "weight_vnni");
+  const int64_t k = x.size(1);
+  TORCH_CHECK_VALUE(n > 0 && n % kVnniBlockN == 0 && k > 0 && k % 2 == 0,
+                    msg("bf16_linear_vnni: needs N a positive multiple of ", kVnniBlockN, " and K even, got N = ", n,
+                        ", K = ", k));
+  TORCH_CHECK_VALUE(weight_vnni.size(0) == n / kVnniBlockN && weight_vnni.size(1) == k / 2 &&
+                        weight_vnni.size(2) == kVnniBlockN && weight_vnni.size(3) == 2,
+                    msg("bf16_linear_vnni: weight_vnni must be [", n / kVnniBlockN, ", ", k / 2, ", ", kVnniBlockN,
+                        ", 2], got ", weight_vnni.sizes()));
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n,
+                      msg("bf16_linear_vnni: bias must be [", n, "], got ", bias->sizes()));
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({xc.size(0), n}, xc.options());
+  if (xc.size(0) == 0) return out;
+#ifdef VLLM_LITE_BF16_SMALL_M
+  run_vnni(xc, weight_vnni, n, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out);
+#endif
+  return out;
+}
+
 }  // namespace
 }  // namespace vllm_lite
 
@@ -193,6 +302,10 @@ TORCH_LIBRARY_FRAGMENT(vllm_lite, m) {
   m.def("bf16_small_m_available() -> bool", &vllm_lite::bf16_small_m_available);
   m.def("bf16_small_m_max_rows() -> int", &vllm_lite::bf16_small_m_max_rows);
   m.def("bf16_linear_small_m(Tensor x, Tensor weight_blocked, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_linear_vnni(Tensor x, Tensor weight_vnni, int n, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) { m.impl("bf16_linear_small_m", &vllm_lite::bf16_linear_small_m); }
+TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
+  m.impl("bf16_linear_small_m", &vllm_lite::bf16_linear_small_m);
+  m.impl("bf16_linear_vnni", &vllm_lite::bf16_linear_vnni);
+}

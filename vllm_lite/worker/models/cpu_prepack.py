@@ -17,6 +17,13 @@ second copy of each weight laid out [N/4, K/32, 4, 32] and measured 1.1-1.6x one
 Its sums run in another order, so an output may differ from oneDNN's in the last bf16 bit; a row's
 result does not depend on the other rows or the thread count. float32 never takes it. The copy costs
 the weights' size again in memory; $VLLM_LITE_CPU_BF16_SMALL_M=0 turns it off.
+
+Forwards of SMALL_M_MAX + 1 to VNNI_MAX rows (a decode batch of 13-64 requests) take the same file's
+broadcast GEMM (`bf16_linear_vnni`) over a third copy laid out [N/32, K/2, 32, 2]: 1.17-1.22x oneDNN's
+packed GEMM at 32 rows on 1 and 2 Zen 4 cores, 1.36x at 16, 1.06-1.08x at 48-64 (the bench model's 49
+weights, PROFILE.md "offline batch 32"). Same rounding rule (one float32 sum in K order, rounded once);
+larger batches (prefill chunks) stay on oneDNN, which reaches ~85% of the bf16 peak there. Another copy of
+the weights in memory; the same switch turns it off.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ _SMALL_ATTR = "small_m_weight"  # [N/4, K/32, 4, 32] copy for bf16_linear_small_
 # PROFILE.md); the kernel itself takes up to bf16_small_m_max_rows() = 16.
 SMALL_M_MAX = 12
 _GROUP, _CHUNK = 4, 32  # the kernel's layout: 4 output rows interleaved in 32-wide slices of K
+_VNNI_ATTR = "vnni_weight"  # [N/32, K/2, 32, 2] copy for bf16_linear_vnni
+VNNI_MAX = 64  # rows (past SMALL_M_MAX) for the VNNI kernel: measured 1.06-1.36x oneDNN at 16-64 rows
+_VNNI_BLOCK = 32
 
 
 def small_m_kernel_available() -> bool:
@@ -62,6 +72,21 @@ def block_weight(w: torch.Tensor) -> torch.Tensor:
     return w.detach().reshape(n // _GROUP, _GROUP, k // _CHUNK, _CHUNK).permute(0, 2, 1, 3).contiguous()
 
 
+def vnni_kernel_available() -> bool:
+    """The 13-64 row kernel (bf16_linear_vnni) is built here (with the small-m kernel, same switch)."""
+    return small_m_kernel_available() and hasattr(torch.ops.vllm_lite, "bf16_linear_vnni")
+
+
+def _vnni_op(x: torch.Tensor, wv: torch.Tensor, n: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.vllm_lite.bf16_linear_vnni(x, wv, n, bias)
+
+
+def vnni_weight(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/32, K/2, 32, 2]: per block of 32 outputs, each pair of K for the 32 outputs in turn."""
+    n, k = w.shape
+    return w.detach().reshape(n // _VNNI_BLOCK, _VNNI_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 def maybe_prepack(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int = 64) -> int:
     """Prepack a freshly loaded model where it applies (bf16 on CPU, $VLLM_LITE_PREPACK on); returns how many."""
     if device.type != "cpu" or dtype != torch.bfloat16 or not envs.VLLM_LITE_PREPACK:
@@ -82,6 +107,7 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
         return 0
     head = getattr(model, "lm_head", None)
     small_m = small_m_kernel_available()
+    vnni = small_m and vnni_kernel_available()
     n = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
@@ -99,6 +125,8 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
         setattr(module, _ATTR, packed)
         if small_m and w.shape[0] % _GROUP == 0 and w.shape[1] % _CHUNK == 0:
             setattr(module, _SMALL_ATTR, block_weight(w))
+        if vnni and w.shape[0] % _VNNI_BLOCK == 0 and w.shape[1] % 2 == 0:
+            setattr(module, _VNNI_ATTR, vnni_weight(w))
         if is_linear:
             module.weight.data = torch.empty((0, w.shape[1]), dtype=w.dtype)
         n += 1
@@ -106,7 +134,7 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
         logger.info(
             "prepacked %d bfloat16 linear weights for oneDNN%s",
             n,
-            f"; decode rows (<= {SMALL_M_MAX}) use the AVX512-BF16 kernel" if small_m else "",
+            f"; decode rows (<= {SMALL_M_MAX}, <= {VNNI_MAX}) use the AVX512-BF16 kernels" if small_m else "",
         )
     return n
 
@@ -127,4 +155,8 @@ def linear(x: torch.Tensor, module: nn.Module, bias: Optional[torch.Tensor]) -> 
         if blocked is not None:
             n_out = blocked.shape[0] * _GROUP
             return _small_m_op(x, blocked, n_out, bias)
+    elif x.shape[0] <= VNNI_MAX and x.dtype == torch.bfloat16:
+        wv = getattr(module, _VNNI_ATTR, None)
+        if wv is not None:
+            return _vnni_op(x, wv, wv.shape[0] * _VNNI_BLOCK, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
