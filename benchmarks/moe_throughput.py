@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--inprocess", action="store_true", help="run the engine core in this process")
     ap.add_argument("--num-threads", type=int, default=None, help="engine-core torch threads (default: its policy)")
     args = ap.parse_args()
+    from vllm_lite import envs
     from vllm_lite.testing.baselines import RunConfig, check_fair, engine_core_threads, host_description
 
     if args.model is None:
@@ -82,6 +83,9 @@ def main() -> None:
                 "hf_tokens_per_s_by_batch": hf["tokens_per_s_by_batch"],
                 "ratio": round(ours["tokens_per_s"] / hf["tokens_per_s"], 2),
                 "core_threads": core_threads,
+                # Which CPU expert path the engine was allowed: the C++ op (float32) or oneDNN per expert.
+                "cpu_moe_kernel": envs.VLLM_LITE_CPU_MOE_KERNEL,
+                "cpu_moe_pack": envs.VLLM_LITE_CPU_MOE_PACK,
                 "runs": [engine_cfg.as_json(), hf_cfg.as_json()],
             }
         )
