@@ -65,6 +65,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "On CPU, let the engine core change its torch thread count between steps by what other processes "
         "use (default on; 0 keeps the start-up count: all cores but one). An explicit num_threads is fixed.",
     ),
+    "VLLM_CPU_OMP_THREADS_BIND": (
+        _str("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        "vLLM's name: 'auto' (default) binds the CPU engine core's compute threads one per core while it uses "
+        "every core it may run on; 'nobind' never binds. CPU lists are not supported (read as 'auto').",
+    ),
     "VLLM_LITE_PREPACK": (
         _flag("VLLM_LITE_PREPACK", True),
         "Prepack bfloat16 linear weights for oneDNN on CPU at load (default on; 0 turns it off).",
@@ -73,6 +78,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _flag("VLLM_LITE_CPU_ENCODER_PACK", True),
         "Run a float32 BERT encoder's CPU linears on oneDNN-packed weights with GELU and residual adds fused "
         "(1.3-1.5x plain F.linear at prefill sizes; sums in another order, ~1e-6 apart; default on; 0 turns it off).",
+    ),
+    "VLLM_LITE_CPU_ENCODER_ATTN": (
+        _flag("VLLM_LITE_CPU_ENCODER_ATTN", True),
+        "Run a float32 BERT encoder's CPU attention in csrc's encoder_attention_cpu (the whole batch in one call; "
+        "default on where the CPU kernels build; 0: torch, one bmm/softmax or SDPA per prompt).",
     ),
     "VLLM_LITE_CPU_MOE_PACK": (
         _flag("VLLM_LITE_CPU_MOE_PACK", True),

@@ -6,8 +6,9 @@ same prompt, so every prompt must arrive whole in one step (a chunked prompt is 
 silently different answer). No KV cache: the model has no `Attention` layer, so the runner binds
 none and sizes none for it. Attention runs as one batched SDPA over the prompts padded to the
 longest, with a key-padding mask (exactly HF's math); on CUDA in half precision, flash varlen
-attention over the packed rows instead; on the CPU one unpadded SDPA per prompt over views of
-the packed rows. Tensor parallel splits heads and the MLP as GPT-2 does.
+attention over the packed rows instead; on the CPU, float32, csrc's encoder_attention_cpu over the
+whole packed batch in one call (csrc/encoder_attn_cpu.cpp), else one unpadded bmm/SDPA per prompt over
+views of the packed rows. Tensor parallel splits heads and the MLP as GPT-2 does.
 
 Parameters are HF's, renamed on load by `_hf_to_ours` (`encoder.layer.N.*` -> `model.layer.N.*` with the
 attention/intermediate/output names flattened, q/k/v fused into `qkv_proj`); a BertForSequenceClassification
@@ -19,7 +20,7 @@ them for a cross-encoder pair (its second text type 1, as BERT tokenizers mark i
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -143,6 +144,7 @@ class EncoderBatch:
     num_reqs: int
     longest: int
     query_bounds: list[tuple[int, int]]
+    cu_seqlens_cpu: Optional[torch.Tensor] = None  # int32/int64 [B+1], host (csrc's encoder_attention_cpu)
     cu_seqlens: Optional[torch.Tensor] = None  # int32 [B+1] (the varlen kernel's)
     key_mask: Optional[torch.Tensor] = None  # bool [B, 1, 1, L]
     gather: Optional[torch.Tensor] = None  # int64 [B*L]: packed row of each padded slot (clamped for padding)
@@ -160,7 +162,7 @@ class EncoderBatch:
             )
         n, b, longest = md.num_actual_tokens, md.num_reqs, md.max_query_len
         starts = md.query_start_loc_cpu[: b + 1].tolist()
-        batch = EncoderBatch(md, b, longest, list(zip(starts[:-1], starts[1:])))
+        batch = EncoderBatch(md, b, longest, list(zip(starts[:-1], starts[1:])), md.query_start_loc_cpu[: b + 1])
         if not (device.type != "cpu" if padded is None else padded):
             return batch
         qsl = md.query_start_loc[: b + 1].to(device=device, dtype=torch.int64)
@@ -175,9 +177,37 @@ class EncoderBatch:
         return batch
 
 
+_ENCODER_ATTN_OP: list[Optional[Callable[..., torch.Tensor]]] = []
+
+
+def encoder_attention_op() -> Optional[Callable[..., torch.Tensor]]:
+    """torch.ops.vllm_lite.encoder_attention_cpu once csrc's CPU kernels load here and have it (and
+    $VLLM_LITE_CPU_ENCODER_ATTN is on); None: torch only. Resolved once per process."""
+    if not _ENCODER_ATTN_OP:
+        op = None
+        if envs.VLLM_LITE_CPU_ENCODER_ATTN:
+            try:
+                from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+
+                if load_cpu_ops():
+                    op = getattr(torch.ops.vllm_lite, "encoder_attention_cpu", None)
+            except (AttributeError, RuntimeError):  # a library built from sources without the kernel
+                op = None
+        _ENCODER_ATTN_OP.append(op)
+    return _ENCODER_ATTN_OP[0]
+
+
+def set_encoder_attention_op(op: Optional[Callable[..., torch.Tensor]]) -> None:
+    """Use this op as csrc's kernel (None: torch's per-prompt path); for tests and benchmarks."""
+    _ENCODER_ATTN_OP[:] = [op]
+
+
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: EncoderBatch, scale: float):
     """Bidirectional attention within each prompt of the packed batch: q/k/v [T, H, D] -> [T, H, D]."""
     if q.device.type == "cpu":
+        if q.dtype == torch.float32 and batch.cu_seqlens_cpu is not None and (op := encoder_attention_op()) is not None:
+            # The whole batch in one OpenMP region (csrc/encoder_attn_cpu.cpp); q/k/v stay strided views.
+            return op(q, k, v, batch.cu_seqlens_cpu, scale)
         return per_prompt_attention(q, k, v, batch, scale)
     longest = batch.longest
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and (varlen := _varlen_attn()) is not None:
