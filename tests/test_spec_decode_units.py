@@ -66,8 +66,10 @@ def test_gain_rule_prices_verify_steps_with_the_measured_step_times() -> None:
     for _ in range(50):  # kept plain again and again by that price: it falls until a verify step re-measures it
         budget.trim(ids, np.array([5, 4, 0, 0]))
     assert budget.trim(ids, np.array([5, 4, 0, 0])).tolist() == [5, 4, 0, 0]
-    timed_steps(budget, clock, 4, 8, 0.020)
-    assert budget.min_gain(4) > 1.0
+    timed_steps(budget, clock, 4, 8, 0.020, n=1)  # one dear verify step restores the price at once
+    assert budget.min_gain(4) == pytest.approx(1.0 + draft_budget.MARGIN)
+    timed_steps(budget, clock, 4, 8, 0.010, n=1)  # a cheaper one moves it by COST_WEIGHT only
+    assert budget._verify[4] == pytest.approx(0.020 - draft_budget.COST_WEIGHT * 0.010)
     # Not recorded: an idle engine's gap, a step with a prefill chunk, a step where not every request sampled.
     timed_steps(budget, clock, 4, 0, 10.0, n=1)
     timed_steps(budget, clock, 4, 0, 0.001, n=1)

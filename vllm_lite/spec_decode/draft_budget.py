@@ -13,8 +13,9 @@ The rule, per step, over the B requests that sample (batch 1 is left alone: it a
 - Each request keeps a running average of its drafts' acceptance (accepted / proposed over its verified steps,
   exponential with weight EMA_WEIGHT, prior PRIOR_ACCEPTANCE); its expected gain is acceptance * drafts found.
 - The engine's own step times price a verify step: the time between two proposal calls, for decode-only steps,
-  kept per batch size as running averages for plain and verify steps (weight COST_WEIGHT). A verify step at B
-  costs ratio = verify / plain plain steps, so its drafts pay when they add B * (ratio - 1) tokens.
+  kept per batch size for plain steps (running average, weight COST_WEIGHT) and verify steps (the same, except
+  that a dearer verify step is believed at once: prices rise fast and fall slowly). A verify step at B costs
+  ratio = verify / plain plain steps, so its drafts pay when they add B * (ratio - 1) tokens.
 - The step verifies drafts only if the expected gain reaches B * ((ratio - 1) + MARGIN) (MARGIN: a batch runs
   as long as its slowest request, so tokens accepted by requests that are ahead buy less than they seem);
   before both costs are measured at B the bar is B * PRIOR_GAIN_PER_REQUEST (and once verify steps ran at a B
@@ -47,7 +48,7 @@ PRIOR_GAIN_PER_REQUEST = 0.5  # the bar (accepted tokens per request) before bot
 MARGIN = 0.25  # added to the measured break-even (tokens per request)
 COST_WEIGHT = 0.2  # weight of the newest step in the step-time averages
 IDLE_FACTOR = 5.0  # an interval this many times the average is an idle engine, not a step: not recorded
-STALE_DECAY = 0.05  # each time a measured verify price keeps a batch plain, it is lowered this much (re-measured)
+STALE_DECAY = 0.02  # each time a measured verify price keeps a batch plain, it is lowered this much (re-measured)
 MIN_ACCEPTANCE = 0.2  # in a batch step, a request whose acceptance average is below this proposes nothing
 RECOVERY = 0.1  # each time a request sits out, its acceptance average moves this share back to the prior
 MAX_SKIP = 16  # a batch whose lookups keep failing looks again at least every this many steps
@@ -100,7 +101,7 @@ class DraftBudget:
         table = self._verify if num_drafts else self._plain
         dt = now - self._last_end
         old = table.get(num_sampling)
-        if old is None:
+        if old is None or (num_drafts and old < dt < IDLE_FACTOR * old):  # a dearer verify step: believed at once
             table[num_sampling] = dt
         elif dt < IDLE_FACTOR * old:
             table[num_sampling] = old + COST_WEIGHT * (dt - old)
