@@ -45,7 +45,7 @@ import numpy as np
 PRIOR_ACCEPTANCE = 0.5  # a new request's acceptance average
 EMA_WEIGHT = 0.3  # weight of the newest verified step in a request's acceptance average
 PRIOR_GAIN_PER_REQUEST = 0.5  # the bar (accepted tokens per request) before both step costs are known at a batch size
-MARGIN = 0.25  # added to the measured break-even (tokens per request)
+MARGIN = 0.5  # added to the measured break-even (tokens per request)
 COST_WEIGHT = 0.2  # weight of the newest step in the step-time averages
 IDLE_FACTOR = 5.0  # an interval this many times the average is an idle engine, not a step: not recorded
 STALE_DECAY = 0.02  # each time a measured verify price keeps a batch plain, it is lowered this much (re-measured)
