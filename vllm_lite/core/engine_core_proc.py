@@ -74,7 +74,7 @@ from vllm_lite.core.messages import (
     UtilityRequest,
 )
 from vllm_lite.core.shutdown import Phase, ShutdownState
-from vllm_lite.core.thread_policy import AdaptiveThreads, usable_cpus
+from vllm_lite.core.thread_policy import AdaptiveThreads, ThreadPinner, usable_cpus
 from vllm_lite.endpoints import CoreAddresses
 from vllm_lite.log_limiter import LogLimiter
 
@@ -116,7 +116,8 @@ def set_core_thread_policy(vllm_config: VllmConfig) -> tuple[int, Optional[Adapt
     run on but one (left for the frontends) and, with one model process (no tensor parallel ranks), follows
     what other processes use between steps (core/thread_policy.py): OpenMP threads that must share a core
     with a busy process run decode-sized matmuls 2-20x slower than one with a core to itself, while a
-    second thread on an idle core is worth ~15%. With an accelerator the CPU does little math, so 1 thread.
+    second thread on an idle core is worth ~15%. While it uses every core, its threads are bound one per core
+    ($VLLM_CPU_OMP_THREADS_BIND=nobind: never). With an accelerator the CPU does little math, so 1 thread.
     """
     n = vllm_config.device_config.num_threads
     adaptive = None
@@ -127,7 +128,12 @@ def set_core_thread_policy(vllm_config: VllmConfig) -> tuple[int, Optional[Adapt
         cpus = usable_cpus()
         n = max(1, len(cpus) - 1)
         if envs.VLLM_LITE_ADAPTIVE_THREADS and vllm_config.parallel_config.tensor_parallel_size == 1:
-            adaptive = AdaptiveThreads(cpus, n, torch.set_num_threads)
+            # One model process: its threads may be bound one per core whenever it uses them all.
+            bind = envs.VLLM_CPU_OMP_THREADS_BIND != "nobind"
+            set_threads = ThreadPinner(cpus, torch.set_num_threads) if bind else torch.set_num_threads
+            adaptive = AdaptiveThreads(cpus, n, set_threads)
+            set_threads(n)
+            return n, adaptive
     else:
         n = 1
     torch.set_num_threads(n)

@@ -14,15 +14,23 @@ through most of it), that window is dropped and a fresh sample starts the busy p
 that works while the core waits (a benchmark running another engine between passes, a frontend tokenizing the
 next batch) would be charged to the next step and take the core's threads away just as work arrives.
 An explicit `num_threads` fixes the count; so does $VLLM_LITE_ADAPTIVE_THREADS=0.
+
+Pinning (`ThreadPinner`): while the core computes on every core it may use, each of its compute threads (the
+calling thread and OpenMP's workers) is bound to a core of its own, as vLLM's CPU backend binds its OpenMP threads
+($VLLM_CPU_OMP_THREADS_BIND, vLLM's name: `auto` binds, `nobind` does not). Unbound, a neighbour that wakes for half
+a millisecond per step (the HTTP frontend streaming a token) made a 3-row decode step 1.7-3.4 ms slower on Zen 4 (the
+scheduler moves the preempted worker onto its partner's core); bound, 0-0.5 ms (PROFILE.md, 2026-11-27 HD). With fewer
+threads than cores the binding is undone, so a thread can leave a core that another process took.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -191,3 +199,104 @@ def usable_cpus() -> frozenset[int]:
         return frozenset(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return frozenset(range(os.cpu_count() or 1))
+
+
+def _task_ids() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except (OSError, ValueError):
+        return []
+
+
+def _run_time_ns(tid: int) -> Optional[int]:
+    """Nanoseconds thread `tid` of this process has run (/proc schedstat); None where unreadable."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def compute_thread_ids(run_parallel: Callable[[], None], main_tid: int, share: float = 0.3) -> list[int]:
+    """The threads of this process, other than `main_tid`, that ran `run_parallel` beside it (OpenMP's workers):
+    each ran at least `share` of the caller's time during it. Busiest first; [] where /proc says nothing."""
+    before = {t: _run_time_ns(t) for t in _task_ids()}
+    main_before = before.get(main_tid)
+    run_parallel()
+    main_after = _run_time_ns(main_tid)
+    if main_before is None or main_after is None or main_after <= main_before:
+        return []
+    floor = share * (main_after - main_before)
+    ran = []
+    for tid in _task_ids():
+        if tid == main_tid:
+            continue
+        after = _run_time_ns(tid)
+        if after is not None and after - (before.get(tid) or 0) >= floor:
+            ran.append((after - (before.get(tid) or 0), tid))
+    return [tid for _, tid in sorted(ran, reverse=True)]
+
+
+def _default_probe() -> None:
+    """A few milliseconds of work that torch spreads over all its intra-op threads."""
+    import torch
+
+    a = torch.ones(256, 256)
+    for _ in range(20):
+        a = torch.mm(a, a).clamp_(-1.0, 1.0)
+
+
+class ThreadPinner:
+    """Sets the core's torch thread count and, when it equals the number of cores, binds one thread per core.
+
+    Called with each new count (start-up and every change of `AdaptiveThreads`). Binding needs Linux (thread
+    ids in /proc); anywhere else, or when the workers cannot be told apart, it only sets the count."""
+
+    def __init__(
+        self,
+        cpus: frozenset[int],
+        set_threads: Callable[[int], None],
+        probe: Optional[Callable[[], None]] = None,
+        set_affinity: Optional[Callable[[int, Sequence[int]], None]] = None,
+    ) -> None:
+        self.cpus = sorted(cpus)
+        self._set = set_threads
+        self._probe = probe or _default_probe
+        self._affinity = set_affinity or getattr(os, "sched_setaffinity", None)
+        self.pinned: dict[int, int] = {}  # thread id -> the core it is bound to
+
+    def __call__(self, n: int) -> None:
+        self._set(n)
+        if n > 1 and n == len(self.cpus) and self._affinity is not None:
+            self._pin(n)
+        else:
+            self._unpin()
+
+    def _pin(self, n: int) -> None:
+        main = threading.get_native_id()
+        workers = compute_thread_ids(self._probe, main)
+        if len(workers) < n - 1:
+            logger.debug("not binding the engine core's threads: %d of %d OpenMP workers seen", len(workers), n - 1)
+            self._unpin()
+            return
+        want = dict(zip([main] + workers[: n - 1], self.cpus))
+        if want == self.pinned:
+            return
+        self._unpin()
+        try:
+            for tid, cpu in want.items():
+                self._affinity(tid, [cpu])
+                self.pinned[tid] = cpu
+        except OSError as e:  # a thread gone, or binding refused (a container's policy): run unbound
+            logger.debug("binding the engine core's threads failed (%s); running unbound", e)
+            self._unpin()
+            return
+        logger.debug("engine core threads bound one per core: %s", self.pinned)
+
+    def _unpin(self) -> None:
+        for tid in list(self.pinned):
+            try:
+                self._affinity(tid, self.cpus)  # type: ignore[misc]
+            except OSError:
+                pass  # the thread has exited
+        self.pinned = {}
