@@ -4,6 +4,8 @@ The pieces, each unit-tested on its own:
 - `ngram_proposer.NgramProposer`: prompt-lookup proposals (`method: "ngram"`), batched over numpy histories.
 - `rejection_sampler.rejection_sample`: verifies a batch of proposals against the target's distributions in
   batched torch ops; exact greedy equality, and the target distribution kept exactly for sampled rows.
+- `draft_budget.DraftBudget`: at batch > 1, whether a step's n-gram drafts pay for a verify step (expected accepted
+  tokens against the engine's measured plain/verify step times), and vLLM's `disable_by_batch_size`.
 - `metrics.SpecDecodingStats`: the `vllm:spec_decode_*` counters a scheduler step carries, and the log line.
 
 How the engine uses them:
