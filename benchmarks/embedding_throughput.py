@@ -11,7 +11,8 @@ padded batches of `--hf-batch` in input order, mean-pools by the mask and normal
 default threads; the engine core at its thread policy (recorded, and declared where they differ).
 sentence-transformers is not a dependency: when it is not importable its entry says so. The largest difference
 between our vectors and each baseline's is reported beside the rates (float32: ~1e-6).
-Prints one JSON line with the host.
+Prints one JSON line with the host. $VLLM_LITE_CPU_ENCODER_ATTN=0 runs the engine's float32 CPU attention on torch's
+per-prompt path instead of csrc's encoder_attention_cpu (A/B; recorded as "cpu_encoder_attention").
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=None, help="engine-core torch threads (default: its policy)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out the HF AutoModel baseline (saves time)")
     args = ap.parse_args()
+    from vllm_lite import envs
     from vllm_lite.testing.baselines import RunConfig, check_fair, engine_core_threads, host_description
 
     default_threads = torch.get_num_threads()  # the LLM frontend sets its own process to one thread
@@ -202,6 +204,8 @@ def main() -> None:
         "num_prompts": n,
         "repeats": args.repeats,
         "prompt_tokens": tokens,
+        # csrc's whole-batch encoder attention (float32 CPU) or torch's per-prompt path: for A/B runs
+        "cpu_encoder_attention": "csrc" if envs.VLLM_LITE_CPU_ENCODER_ATTN else "torch",
         "vllm_lite": dict(rates(ours, n, tokens), startup_s=round(startup_s, 2)),
         "configs": [engine_cfg.as_json()] + [b.as_json() for b in baselines],
     }
