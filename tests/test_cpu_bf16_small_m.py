@@ -175,7 +175,7 @@ def test_prepacked_model_runs_decode_rows_through_the_kernel(monkeypatch) -> Non
             got = cpu_prepack.linear(x, module, bias)
             _, ulp = _bound(x, w, bias)
             assert ((got.double() - F.linear(x, w, bias).double()).abs() <= ulp).all(), name
-    assert calls and set(calls) == {1, 2, cpu_prepack.SMALL_M_MAX}  # more rows go to oneDNN
+    assert calls and set(calls) == {1, 2, cpu_prepack.SMALL_M_MAX}  # more rows go to another kernel
     assert cpu_prepack.SMALL_M_MAX <= torch.ops.vllm_lite.bf16_small_m_max_rows()
 
 

@@ -98,8 +98,8 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "VLLM_LITE_CPU_BF16_SMALL_M": (
         _flag("VLLM_LITE_CPU_BF16_SMALL_M", True),
-        "On CPUs with AVX512-BF16, run bfloat16 linears of 1-3 rows (decode) through vllm-lite's own kernel "
-        "on a second, row-interleaved copy of the weight (1.1-1.55x oneDNN there; default on; 0 turns it off).",
+        "On CPUs with AVX512-BF16, run bfloat16 linears of 1-64 rows (decode batches) through vllm-lite's own "
+        "kernels on extra, re-laid-out copies of the weight (1.06-1.6x oneDNN there; default on; 0 turns it off).",
     ),
     "VLLM_LITE_CPU_FUSED_OPS": (
         _flag("VLLM_LITE_CPU_FUSED_OPS", True),
