@@ -14,7 +14,8 @@ process so no thread setting, allocator state or import of one leaks into anothe
 The same script also measures this machine's matmul compute limit (float32 and bfloat16 TFLOP/s, at
 the engine core's thread count and at all cores, in another fresh process) and reports each engine's
 achieved FLOP rate as a fraction of the limit in the dtype it computed in: the matmul FLOPs of every token
-the engine computed (prompt and output: 2 x parameters each) over the timed call, against the best of three
+the engine computed (2 x parameters for an output token; a prompt token's without the LM head, which only a
+prompt's last position runs) over the timed call, against the best of three
 1024^3 matmul trials (`fraction_of_limit_output_only` counts output tokens alone). Output tokens per second
 count only the timed `generate` call (after a warm-up); time to ready is `LLM(...)` construction;
 peak RSS is sampled from outside over each engine's whole process tree. Prints ONE JSON line.
@@ -312,11 +313,13 @@ def child_env(extra: Optional[dict] = None, drop: tuple[str, ...] = ()) -> dict:
     return env
 
 
-def summarise(runs: list[dict], flops_per_token: float, limits: dict, threads: int, prompt_tokens: int) -> dict:
+def summarise(
+    runs: list[dict], flops_per_token: float, limits: dict, threads: int, prompt_tokens: int, prompt_flops: float
+) -> dict:
     """Median over repeats (and the spread) of one engine's runs, plus its fraction of the compute limit.
 
-    Compute used counts every token the engine ran through the model: the prompts' tokens as well as the
-    generated ones (each 2 x parameters of matmul FLOPs; attention's FLOPs are left out, so it is a floor).
+    Compute used counts every token the engine ran through the model: the generated ones (flops_per_token) and
+    the prompts' (prompt_flops each: no LM head); attention's FLOPs are left out, so it is a floor.
     """
     good = [r for r in runs if "error" not in r]
     if not good:
@@ -338,7 +341,7 @@ def summarise(runs: list[dict], flops_per_token: float, limits: dict, threads: i
     lim = limits.get(f"{last.get('compute_dtype')}_t{threads}", {}).get("square_1024")
     if lim:
         elapsed = statistics.median(r["elapsed_s"] for r in good)
-        used = flops_per_token * (prompt_tokens + last["output_tokens"]) / elapsed / 1e12
+        used = (flops_per_token * last["output_tokens"] + prompt_flops * prompt_tokens) / elapsed / 1e12
         out["fraction_of_limit"] = round(used / lim, 3)
         out["fraction_of_limit_output_only"] = round(flops_per_token * out["output_tok_per_s"] / 1e12 / lim, 3)
     return out
@@ -405,6 +408,7 @@ def main() -> None:
 
     n_params = matmul_params(cfg)
     flops = 2 * n_params
+    prompt_flops = flops - 2 * cfg["hidden_size"] * cfg["vocab_size"]  # no LM head on a prompt's positions
     result: dict[str, Any] = {
         "benchmark": "vs_vllm",
         "model": os.path.basename(args.model.rstrip("/")),
@@ -425,7 +429,9 @@ def main() -> None:
             result["vllm"] = f"absent (no {args.vllm_python})"
             continue
         # The hardware limit: every usable core (the adaptive core and HF may use them all).
-        result[e] = summarise(runs[e], flops, limit, len(os.sched_getaffinity(0)), result["prompt_tokens"])
+        result[e] = summarise(
+            runs[e], flops, limit, len(os.sched_getaffinity(0)), result["prompt_tokens"], prompt_flops
+        )
     lite = result.get("lite", {})
     for other in ("vllm", "hf"):
         o = result.get(other)
