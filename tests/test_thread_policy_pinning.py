@@ -96,6 +96,7 @@ def test_the_core_binds_unless_told_nobind(monkeypatch) -> None:
 
     cfg = fake_config()
     cfg.device_config.num_threads = None  # the policy's count, not a fixed one
+    before = torch.get_num_threads()
     try:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         _, adaptive = set_core_thread_policy(cfg)
@@ -104,4 +105,22 @@ def test_the_core_binds_unless_told_nobind(monkeypatch) -> None:
         _, adaptive = set_core_thread_policy(cfg)
         assert adaptive is not None and isinstance(adaptive._set, ThreadPinner)
     finally:
-        torch.set_num_threads(1)
+        torch.set_num_threads(before)
+
+
+def test_a_cpu_list_for_the_binding_is_not_silently_taken_as_auto(monkeypatch, caplog) -> None:
+    """vLLM accepts CPU lists ("0-31|32-63"); we bind as 'auto' and must say so."""
+    from vllm_lite.core.engine_core_proc import set_core_thread_policy
+    from vllm_lite.testing.fake_core import fake_config
+
+    cfg = fake_config()
+    cfg.device_config.num_threads = None
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+        with caplog.at_level("WARNING", logger="vllm_lite.core.engine_core_proc"):
+            _, adaptive = set_core_thread_policy(cfg)
+        assert adaptive is not None and isinstance(adaptive._set, ThreadPinner)
+        assert any("VLLM_CPU_OMP_THREADS_BIND" in r.getMessage() and "'0-1'" in r.getMessage() for r in caplog.records)
+    finally:
+        torch.set_num_threads(before)

@@ -129,7 +129,14 @@ def set_core_thread_policy(vllm_config: VllmConfig) -> tuple[int, Optional[Adapt
         n = max(1, len(cpus) - 1)
         if envs.VLLM_LITE_ADAPTIVE_THREADS and vllm_config.parallel_config.tensor_parallel_size == 1:
             # One model process: its threads may be bound one per core whenever it uses them all.
-            bind = envs.VLLM_CPU_OMP_THREADS_BIND != "nobind"
+            mode = envs.VLLM_CPU_OMP_THREADS_BIND
+            if mode not in ("auto", "nobind"):
+                logger.warning(
+                    "VLLM_CPU_OMP_THREADS_BIND=%r: CPU lists are not supported here; binding as 'auto' "
+                    "(one thread per core this process may use). Set it to 'nobind' to turn binding off.",
+                    mode,
+                )
+            bind = mode != "nobind"
             set_threads = ThreadPinner(cpus, torch.set_num_threads) if bind else torch.set_num_threads
             adaptive = AdaptiveThreads(cpus, n, set_threads)
             set_threads(n)
