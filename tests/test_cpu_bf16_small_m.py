@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_lite.engine_args import EngineArgs
+from vllm_lite.testing.bf16_bounds import linear_reference_and_bound
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.worker.model_loader import load_model
 from vllm_lite.worker.models import cpu_prepack
@@ -28,11 +29,7 @@ def _op(x, w, bias=None):
     return torch.ops.vllm_lite.bf16_linear_small_m(x, cpu_prepack.block_weight(w), w.shape[0], bias)
 
 
-def _bound(x, w, bias):
-    """float64 reference and an error bound: one bf16 ulp of the result plus float32 summation slack."""
-    ref = x.double() @ w.double().t() + (bias.double() if bias is not None else 0)
-    terms = x.double().abs() @ w.double().abs().t()
-    return ref, ref.abs() * 2.0**-7 + terms * 2.0**-18
+_bound = linear_reference_and_bound
 
 
 @needs_kernel

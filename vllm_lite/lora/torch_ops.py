@@ -169,15 +169,9 @@ def _kernel_fits(
 def kernel_op() -> Optional[Callable[..., None]]:
     """torch.ops.vllm_lite.lora_add_cpu once csrc's CPU kernels load here and have it; None: torch only."""
     if not _KERNEL:
-        op = None
-        try:
-            from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+        from vllm_lite.worker.attention.cpu_kernels import cpu_op
 
-            if load_cpu_ops():
-                op = getattr(torch.ops.vllm_lite, "lora_add_cpu", None)
-        except (AttributeError, RuntimeError):  # a library built from sources without the kernel
-            op = None
-        _KERNEL.append(op)
+        _KERNEL.append(cpu_op("lora_add_cpu"))
     return _KERNEL[0]
 
 

@@ -20,7 +20,7 @@ import platform
 import sys
 import threading
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -158,3 +158,14 @@ def load_cpu_ops() -> bool:
             _loaded = False
         host.record_native_kernels(_loaded)
         return _loaded
+
+
+def cpu_op(name: str) -> Optional[Any]:
+    """torch.ops.vllm_lite.<name> once csrc's CPU kernels load here and have it; None: the caller's torch path.
+
+    One place for the check every optional kernel's caller makes (a library built from older sources may
+    lack a newer op)."""
+    try:
+        return getattr(torch.ops.vllm_lite, name, None) if load_cpu_ops() else None
+    except (AttributeError, RuntimeError):
+        return None

@@ -184,16 +184,9 @@ def encoder_attention_op() -> Optional[Callable[..., torch.Tensor]]:
     """torch.ops.vllm_lite.encoder_attention_cpu once csrc's CPU kernels load here and have it (and
     $VLLM_LITE_CPU_ENCODER_ATTN is on); None: torch only. Resolved once per process."""
     if not _ENCODER_ATTN_OP:
-        op = None
-        if envs.VLLM_LITE_CPU_ENCODER_ATTN:
-            try:
-                from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+        from vllm_lite.worker.attention.cpu_kernels import cpu_op
 
-                if load_cpu_ops():
-                    op = getattr(torch.ops.vllm_lite, "encoder_attention_cpu", None)
-            except (AttributeError, RuntimeError):  # a library built from sources without the kernel
-                op = None
-        _ENCODER_ATTN_OP.append(op)
+        _ENCODER_ATTN_OP.append(cpu_op("encoder_attention_cpu") if envs.VLLM_LITE_CPU_ENCODER_ATTN else None)
     return _ENCODER_ATTN_OP[0]
 
 

@@ -107,7 +107,7 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
         return 0
     head = getattr(model, "lm_head", None)
     small_m = small_m_kernel_available()
-    vnni = small_m and vnni_kernel_available()
+    vnni = vnni_kernel_available()  # implies small_m
     n = 0
     for module in model.modules():
         w = getattr(module, "weight", None)

@@ -90,9 +90,9 @@ class PackedExperts:
 @functools.cache
 def _cpu_moe_kernel() -> bool:
     """Whether csrc's moe_cpu_experts op is built and loaded here (False: no compiler, or a failed build)."""
-    from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+    from vllm_lite.worker.attention.cpu_kernels import cpu_op
 
-    return load_cpu_ops() and hasattr(torch.ops.vllm_lite, "moe_cpu_experts")
+    return cpu_op("moe_cpu_experts") is not None
 
 
 class KernelExperts:
