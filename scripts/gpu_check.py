@@ -291,12 +291,52 @@ def _check_model(name: str, device: str, scratch: str) -> dict[str, Any]:
     return res
 
 
+def split_round_robin(names: list[str], workers: int) -> list[list[str]]:
+    """``names`` dealt into at most ``workers`` non-empty groups, in turn (neighbours go to different groups)."""
+    groups = [names[i :: max(1, workers)] for i in range(max(1, workers))]
+    return [g for g in groups if g]
+
+
+def _hf_parallel(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+    """The HF part split over child interpreters (each its own CUDA context), merged in ``names`` order: one
+    short lease cannot wait for 16 architectures one after the other."""
+    procs = []
+    for i, group in enumerate(split_round_robin(names, args.hf_workers)):
+        summary = f"hf_{i}.json"
+        cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--parts", "hf", "--hf-workers", "1"]
+        cmd += ["--out", args.out, "--summary", summary, "--archs", *group]
+        log = open(os.path.join(args.out, f"hf_{i}.log"), "w")
+        procs.append((group, summary, log, subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=log)))
+    models: dict[str, Any] = {}
+    for group, summary, log, proc in procs:
+        proc.wait()
+        log.close()
+        try:
+            with open(os.path.join(args.out, summary)) as f:
+                got = json.load(f)["parts"]["hf"].get("models", {})
+        except (OSError, ValueError, KeyError):
+            got = {}
+        for name in group:
+            models[name] = got.get(name) or {"pass": False, "error": f"worker exited {proc.returncode} without it"}
+    return {name: models[name] for name in names}
+
+
 def part_hf(args: argparse.Namespace) -> dict[str, Any]:
     """Greedy tokens and chosen-token logprobs of our engine vs Hugging Face, float32, every architecture."""
     from vllm_lite.testing.checkpoints import ARCHS
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     names = args.archs or [*ARCHS, HD32]
+    if args.hf_workers > 1 and len(names) > 1:
+        merged = _hf_parallel(args, names)
+        return {
+            "status": "pass" if all(m["pass"] for m in merged.values()) else "fail",
+            "device": args.device,
+            "new_tokens": NEW_TOKENS,
+            "float32_logprob_tol": FLOAT32_LOGPROB_TOL,
+            "workers": args.hf_workers,
+            "models": merged,
+        }
     models: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         for name in names:
@@ -355,6 +395,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=None,
         help="run the suite beside the other parts, after the benchmark (default: on with CUDA)",
     )
+    p.add_argument(
+        "--hf-workers",
+        type=int,
+        default=None,
+        help="HF part: architectures checked in this many child interpreters at once (default on CUDA 4, else 1)",
+    )
     p.add_argument("--suite-args", nargs=argparse.REMAINDER, default=[], help="extra pytest arguments (last)")
     args = p.parse_args(argv)
 
@@ -363,6 +409,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.suite_workers is None:
         args.suite_workers = min(12, max(0, (os.cpu_count() or 1) - 3)) if args.device == "cuda" else 0
+    if args.hf_workers is None:
+        args.hf_workers = 4 if args.device == "cuda" else 1
     if args.overlap is None:
         args.overlap = args.device == "cuda"
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]

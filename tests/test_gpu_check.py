@@ -111,3 +111,41 @@ def test_overlap_runs_the_benchmark_alone_first_then_the_suite_beside_the_rest(
     assert sorted(events[2:]) == ["hf:end", "hf:start", "suite:end", "suite:start"]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert set(summary["parts"]) == {"bench", "suite", "hf"} and summary["ok"] is True
+
+
+def test_round_robin_split_covers_every_name_once_in_at_most_n_groups(gpu_check) -> None:
+    names = [f"a{i}" for i in range(7)]
+    groups = gpu_check.split_round_robin(names, 3)
+    assert groups == [["a0", "a3", "a6"], ["a1", "a4"], ["a2", "a5"]]
+    assert gpu_check.split_round_robin(names[:2], 4) == [["a0"], ["a1"]]  # never an empty group
+    assert gpu_check.split_round_robin(names[:3], 0) == [names[:3]]
+
+
+def test_parallel_hf_part_merges_the_workers_and_reports_a_lost_one(gpu_check, tmp_path, monkeypatch) -> None:
+    """Each child writes its own summary; one that died leaves its architectures failed, not missing."""
+    launched: list[list[str]] = []
+
+    class FakeChild:
+        def __init__(self, cmd, **kwargs) -> None:
+            archs = cmd[cmd.index("--archs") + 1 :]
+            summary = cmd[cmd.index("--summary") + 1]
+            launched.append(archs)
+            self.returncode = 0
+            if "gpt2" in archs:  # this worker crashed before writing anything
+                self.returncode = 1
+                return
+            models = {a: {"pass": a != "opt", "seconds": 1.0} for a in archs}
+            (tmp_path / summary).write_text(json.dumps({"parts": {"hf": {"models": models}}}))
+
+        def wait(self) -> int:
+            return self.returncode
+
+    monkeypatch.setattr(gpu_check.subprocess, "Popen", FakeChild)
+    args = argparse.Namespace(out=str(tmp_path), device="cuda", hf_workers=2, archs=["llama", "opt", "gpt2", "qwen2"])
+    res = gpu_check.part_hf(args)
+    assert launched == [["llama", "gpt2"], ["opt", "qwen2"]]
+    assert list(res["models"]) == ["llama", "opt", "gpt2", "qwen2"]  # the order asked for
+    assert res["models"]["qwen2"]["pass"] and not res["models"]["opt"]["pass"]
+    for lost in ("llama", "gpt2"):  # the crashed worker's group
+        assert res["models"][lost] == {"pass": False, "error": "worker exited 1 without it"}
+    assert res["status"] == "fail" and res["workers"] == 2
