@@ -87,7 +87,6 @@ def test_only_one_token_per_request_steps_replay() -> None:
     assert step_bucket(sizes, np.array([1, 5, 1])) is None  # a prefill chunk in the batch: eager
     assert step_bucket(sizes, np.array([3])) is None
     assert step_bucket(sizes, np.ones(9, dtype=np.int64)) is None  # past the largest graph
-    assert step_bucket(sizes, np.array([1, 1]), has_spec_tokens=True) is None  # verifying drafts
     assert step_bucket(sizes, np.zeros(0, dtype=np.int64)) is None
 
 
@@ -97,9 +96,9 @@ def test_graphs_are_off_on_cpu_under_enforce_eager_and_for_anything_unusual() ->
     assert graphs_blocked_reason(**{**ok, "device": torch.device("cpu")}) == "device cpu"
     assert "enforce_eager" in graphs_blocked_reason(**{**ok, "enforce_eager": True})
     assert "torch" in graphs_blocked_reason(**{**ok, "backend_name": "torch"})  # host-side loops over requests
+    assert graphs_blocked_reason(**ok, lora=True) is None  # LoRA with its Triton kernels captures
+    assert "LoRA" in graphs_blocked_reason(**ok, lora=True, lora_kernels=False)
     for flag, word in [
-        ("lora", "LoRA"),
-        ("spec_decode", "speculative"),
         ("pooling", "pooling"),
         ("token_types", "token types"),
     ]:
@@ -125,6 +124,7 @@ def test_the_worker_holds_the_graph_reserve_back_from_the_kv_budget(monkeypatch)
 
     class Runner:
         cudagraph_sizes = [1, 2, 4, 8]
+        cudagraph_keys = [(8, 1), (4, 1), (2, 1), (1, 1)]
         max_num_tokens, max_num_reqs, max_model_len = 8192, 8, 4096
 
         def kv_cache_bytes_per_block(self) -> int:
@@ -330,7 +330,7 @@ def test_pad_decode_inputs_layout() -> None:
     runner._update_states(_decode_so(runner, req_ids))
     inputs = build_step_inputs(runner.input_batch, {r: 1 for r in req_ids}, runner.block_size, runner._arange)
     p = pad_decode_inputs(inputs, 4, BLOCK_SIZE)
-    assert p.num_real == 2 and p.bucket == 4
+    assert p.num_real == 2 and p.bucket == 4 and p.key == (4, 1)
     assert p.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert p.input_ids[:2].tolist() == inputs.input_ids.tolist() and p.input_ids[2:].tolist() == [0, 0]
     assert p.positions[2:].tolist() == [0, 0] and p.seq_lens[2:].tolist() == [1, 1]
@@ -340,19 +340,19 @@ def test_pad_decode_inputs_layout() -> None:
     with pytest.raises(ValueError, match="smaller"):
         pad_decode_inputs(inputs, 1, BLOCK_SIZE)
     mixed = build_step_inputs(runner.input_batch, {"r0": 1, "r1": 2}, runner.block_size, runner._arange)
-    with pytest.raises(ValueError, match="one token per request"):
+    with pytest.raises(ValueError, match="same number of tokens"):
         pad_decode_inputs(mixed, 4, BLOCK_SIZE)
 
 
 class _EagerGraph:
     """Stands in for a captured CUDAGraph on CPU: replay runs the forward over the persistent buffers."""
 
-    def __init__(self, graphs: CudaDecodeGraphs, bucket: int, replays: list[int]) -> None:
-        self.graphs, self.bucket, self.replays = graphs, bucket, replays
+    def __init__(self, graphs: CudaDecodeGraphs, key: tuple[int, int], replays: list) -> None:
+        self.graphs, self.key, self.replays = graphs, key, replays
 
     def replay(self) -> None:
-        self.replays.append(self.bucket)
-        self.graphs.outputs[self.bucket] = self.graphs._forward(self.bucket)
+        self.replays.append(self.key[0] if self.key[1] == 1 else self.key)
+        self.graphs.outputs[self.key] = self.graphs._forward(self.key)
 
 
 def _stand_in_graphs(runner, sizes: list[int], replays: list[int]) -> CudaDecodeGraphs:
@@ -365,8 +365,8 @@ def _stand_in_graphs(runner, sizes: list[int], replays: list[int]) -> CudaDecode
         runner.max_blocks_per_req,
         runner.max_model_len,
     )
-    for b in g.sizes:
-        g.graphs[b] = _EagerGraph(g, b, replays)  # type: ignore[assignment]
+    for key in g.keys:
+        g.graphs[key] = _EagerGraph(g, key, replays)  # type: ignore[assignment]
     return g
 
 
@@ -507,12 +507,12 @@ def test_capture_control_flow_with_a_stand_in_cuda_api(monkeypatch) -> None:
     )
     forwards: list[int] = []
     real_forward = g._forward
-    g._forward = lambda bucket: (forwards.append(bucket), real_forward(bucket))[1]  # type: ignore[method-assign]
+    g._forward = lambda key: (forwards.append(key[0]), real_forward(key))[1]  # type: ignore[method-assign]
     g.capture()
     assert forwards == [4, 4, 2, 2, 1, 1]  # warm-up then capture, largest first
     assert api.events.count(("capture-begin",)) == 3 and api.events.count(("side",)) == 3
-    assert sorted(g.graphs) == [1, 2, 4] and g.pool == "pool"
-    assert {b: tuple(o.shape) for b, o in g.outputs.items()} == {b: (b, 64) for b in (1, 2, 4)}
+    assert sorted(g.graphs) == [(1, 1), (2, 1), (4, 1)] and g.pool == "pool"
+    assert {k: tuple(o.shape) for k, o in g.outputs.items()} == {(b, 1): (b, 64) for b in (1, 2, 4)}
     assert g.capture_bytes == 1 << 30 and "captured 3 decode batch sizes [1, 2, 4]" in g.describe()
     # The warm-ups and captures ran on padding rows only: no real block of the cache changed.
     assert all(torch.count_nonzero(c[:, NULL_BLOCK + 1 :]) == 0 for c in runner.kv_caches)
@@ -526,10 +526,10 @@ def test_a_capture_that_raises_drops_every_graph(monkeypatch) -> None:
     )
     real_forward = g._forward
 
-    def forward(bucket: int):
-        if bucket == 2:
+    def forward(key: tuple[int, int]):
+        if key[0] == 2:
             raise RuntimeError("operation not permitted when stream is capturing")
-        return real_forward(bucket)
+        return real_forward(key)
 
     g._forward = forward  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="capturing"):
@@ -628,13 +628,13 @@ def test_greedy_tokens_identical_with_and_without_cuda_graphs(dtype: str, num_pr
         runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
         graphs = runner.cuda_graphs
         assert graphs is not None, [r.getMessage() for r in caplog.records]
-        assert sorted(graphs.graphs) == [1, 2, 4, 8, 16]
+        assert sorted(graphs.graphs) == [(b, 1) for b in (1, 2, 4, 8, 16)]
         assert any("CUDA graphs: captured 5 decode batch sizes" in r.getMessage() for r in caplog.records)
         replays: list[int] = []
         real_run = graphs.run
 
-        def counting_run(inputs, has_spec_tokens=False):
-            out = real_run(inputs, has_spec_tokens)
+        def counting_run(inputs, lora_slots=None):
+            out = real_run(inputs, lora_slots)
             if out is not None:
                 replays.append(inputs.num_reqs)
             return out
@@ -649,7 +649,7 @@ def test_greedy_tokens_identical_with_and_without_cuda_graphs(dtype: str, num_pr
 def test_capture_sizes_option_on_cuda() -> None:
     with _cuda_llm(False, "bfloat16", compilation_config={"cudagraph_capture_sizes": [1, 4]}) as llm:
         runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
-        assert runner.cuda_graphs is not None and sorted(runner.cuda_graphs.graphs) == [1, 4]
+        assert runner.cuda_graphs is not None and sorted(runner.cuda_graphs.graphs) == [(1, 1), (4, 1)]
         assert runner.cuda_graph_reserved is not None and runner.cuda_graph_reserved > 0
         out = _greedy_tokens(llm, CUDA_PROMPTS[:6], 8)  # 6 rows: past the largest graph, eager
         assert all(len(t) == 8 for t in out)

@@ -63,6 +63,8 @@ class LoRAModelManager:
         self._host: OrderedDict[int, AdapterWeights] = OrderedDict()  # lora id -> weights, LRU order
         self.known: dict[int, LoRARequest] = {}  # where to (re)load each adapter from
         self.num_disk_loads = 0  # adapters read from disk (host-cache misses included), for tests and stats
+        # This step's per-token slots on the host (None: no adapter runs), which CUDA graphs copy into their buffer.
+        self.step_token_slots: Optional[np.ndarray] = None
 
     # ------------------------------------------------------------------ wrapping
     def _wrap(self, model: nn.Module) -> None:
@@ -235,6 +237,7 @@ class LoRAModelManager:
         """Slots for this step's adapters and the per-token slot index ([T] int32, -1: none), built once."""
         if len(req_lora_ids) == 0 or not req_lora_ids.any():
             self.state.token_slots = None
+            self.step_token_slots = None
             ops.set_step_slots(None)
             return
         uniq, inverse = np.unique(req_lora_ids, return_inverse=True)
@@ -242,6 +245,7 @@ class LoRAModelManager:
         slots = self._ensure_slots(ids)
         slot_of_uniq = np.array([slots.get(int(u), -1) for u in uniq], dtype=np.int32)
         token_slots = np.repeat(slot_of_uniq[inverse.reshape(-1)], num_scheduled)
+        self.step_token_slots = token_slots
         t = torch.from_numpy(token_slots).to(self.device, non_blocking=True)
         self.state.token_slots = t
         ops.set_step_slots(t)

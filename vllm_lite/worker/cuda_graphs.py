@@ -1,30 +1,51 @@
-"""CUDA graphs for decode-only steps (vLLM's "piecewise off, full decode graphs", kept simple).
+"""CUDA graphs for decode and speculative-verify steps (vLLM's "piecewise off, full decode graphs", kept simple).
 
-At start-up, after the KV cache is allocated and bound, the runner captures the model forward once per
-padded batch size of a ladder (vLLM's: 1, 2, 4, 8, 16, 24, ... in steps of 8, up to
-``max_cudagraph_capture_size``, by default min(max_num_seqs, 256)), every row one query token, into one
-shared memory pool. Every tensor the captured forward reads lives in persistent buffers sized for the
-largest batch (input ids, positions, slot mapping, seq lens, query start locations, block table with the
-full max-blocks-per-request width, each request's known tokens); a graph for batch size B reads their
-first B rows. A step replays a graph when each scheduled request runs exactly one token (a decode, or a
-one-token prompt) and the batch fits the ladder: its inputs are copied into the buffers, rows B' .. B-1
-are padding, and the real rows' hidden states are the first B' rows of the graph's output. Anything else
-(a prefill or mixed step, a batch past the largest size, speculative decoding, LoRA, pooling, tensor
-parallelism, an attention backend other than Triton) runs eager.
+At start-up, after the KV cache is allocated and bound, the runner captures the model forward once per graph
+key (padded batch size B, query length q) into one shared memory pool. Batch sizes follow vLLM's ladder (1, 2,
+4, 8, 16, 24, ... in steps of 8, up to ``max_cudagraph_capture_size``, by default min(max_num_seqs, 256)) with
+q = 1 (decode steps). With speculative decoding (k = num_speculative_tokens) the runner also captures q = 2 ..
+1 + k (a verify step where every request runs its last token and d = q - 1 drafts: vLLM's uniform-decode graphs;
+the n-gram proposer and the draft model may propose fewer than k, so every d in 1..k has its graph) for the batch
+sizes up to ``MAX_VERIFY_GRAPH_BATCH`` (16; below disable_by_batch_size, and B * q within
+max_num_batched_tokens): at larger batches the n-gram budget (draft_budget.py) mostly verifies no drafts, or
+drafts of different lengths per request, which run eager.
 
-Padding rows are harmless: each has token 0 at position 0, a sequence of length 1 whose block table row
-is the null block (block 0, which the block pool reserves and never hands out), and writes its K/V to
-slot 0 of that block; its outputs are dropped. The Triton kernels take their grid from the bucket size
-and their loop bounds from the seq-lens tensor, so nothing in the captured region reads a host value
-that changes per step (``max_query_len`` is 1 for every decode bucket; ``max_seq_len`` is set to the
-capacity, max_model_len, and no CUDA kernel reads it).
+Every tensor the captured forward reads lives in persistent buffers sized for the largest key (input ids,
+positions and slot mapping per token; seq lens, block table with the full max-blocks-per-request width and each
+request's known tokens per request; the query start locations, a constant 0, q, 2q, ... buffer per q; with LoRA
+each token's adapter slot); a graph for (B, q) reads their first B (or B * q) rows. A step replays a graph when
+every scheduled request runs the same number q of tokens (a decode, a verify step whose requests all carry d =
+q - 1 drafts, or prefill chunks of q tokens each) and the batch fits a captured size for q: its inputs are
+copied into the buffers, rows B' .. B-1 are padding, and the real tokens' hidden states are the first B' * q
+rows of the graph's output. Anything else (a prefill or mixed step, drafts of different lengths, a batch past the
+largest size, pooling, tensor parallelism, an attention backend other than Triton) runs eager; logits, sampling
+and rejection sampling stay outside the graph as in eager steps.
+
+Padding rows are harmless: each runs q tokens 0 at positions 0 .. q-1, a sequence of length q whose block table
+row is all the null block (block 0, which the block pool reserves and never hands out), and writes its K/V to
+slots p % block_size of that block (with block_size < q two padding tokens share a slot: still only block 0, and
+only padding rows read it); its outputs are dropped, and with LoRA its tokens use no adapter (slot -1). The
+Triton kernels take their grid from the key (B * q tokens, B requests, max_query_len = q) and their loop bounds
+from the seq-lens and query-start tensors, so nothing in the captured region reads a host value that changes per
+step (``max_seq_len`` is set to the capacity, max_model_len, and no CUDA kernel reads it).
+
+LoRA (enable_lora): the graphs are captured with the wrapped layers reading a persistent per-token slot buffer
+(``LoRAState.token_slots`` points at it while capturing), into which each replayed step copies its tokens' slots
+(-1 on padding rows and on requests without an adapter); adapters enter the slot tensors in place
+(``LoRALinear.set_slot``: copy_/zero_ into the captured tensors). The Triton shrink/expand kernels read the slots
+on the device and take their grid from the token count and slot count, both fixed per key; the SGMV grouping
+(argsort, searchsorted) is computed inside the captured region (``ops.set_step_slots`` at the start of each
+captured forward), so it is replayed too. A step with no adapter in it replays the same graph with every slot -1
+(the kernels then leave every row as the base layer computed it). Without the Triton LoRA kernels (a host-side
+plan) LoRA engines run eager.
 
 Memory: the KV cache is sized before the graphs exist (they bind its tensors), so the worker subtracts
 an estimate from the KV budget (``estimate_graph_bytes``: the profiled peak activations scaled from the
-profiling pass's token count to the largest bucket, plus a fixed allowance per graph); the measured
+profiling pass's token count to the largest key's tokens, plus a fixed allowance per graph); the measured
 figure is logged next to it after capture. A capture that fails logs a WARNING and the engine runs eager.
 
-Everything but ``CudaDecodeGraphs`` is plain numpy bookkeeping, tested on CPU (tests/test_cuda_graphs.py).
+Everything but ``CudaDecodeGraphs.capture`` is plain numpy/torch bookkeeping, tested on CPU
+(tests/test_cuda_graphs.py, tests/test_cuda_graphs_spec_lora.py).
 """
 
 from __future__ import annotations
@@ -33,7 +54,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -47,11 +68,15 @@ logger = logging.getLogger(__name__)
 
 # vLLM's default cap on captured batch sizes (with max_num_seqs below it, max_num_seqs).
 DEFAULT_MAX_CAPTURE_SIZE = 256
+# Verify graphs (q > 1) only up to this batch size: past it drafts rarely are one length for every request.
+MAX_VERIFY_GRAPH_BATCH = 16
 # The block pool's reserved null block (block_pool.BlockPool(reserve_null_block=True)): padding rows use it.
 NULL_BLOCK = 0
 # Fixed device memory assumed per captured graph (graph exec objects, kernel parameters) in the KV reserve.
 PER_GRAPH_BYTES = 4 << 20
 GiB = 1 << 30
+
+GraphKey = tuple[int, int]  # (padded batch size B, query length q): B * q tokens
 
 
 # ---------------------------------------------------------------------------------------------- the ladder
@@ -81,6 +106,36 @@ def resolve_capture_sizes(
     return capture_size_ladder(min(cap, DEFAULT_MAX_CAPTURE_SIZE))
 
 
+def resolve_graph_keys(
+    sizes: Sequence[int],
+    num_speculative_tokens: Optional[int] = None,
+    max_num_batched_tokens: Optional[int] = None,
+    disable_by_batch_size: Optional[int] = None,
+    max_verify_batch: int = MAX_VERIFY_GRAPH_BATCH,
+) -> list[GraphKey]:
+    """Every (B, q) to capture, by tokens descending then q: (B, 1) for each size, and with speculation (k drafts
+    at most) (B, q) for q = 2 .. 1 + k at the sizes B <= max_verify_batch, B < disable_by_batch_size (no drafts
+    from there on) and B * q <= max_num_batched_tokens (no larger step is scheduled)."""
+    keys = [(int(b), 1) for b in sizes]
+    k = num_speculative_tokens or 0
+    for q in range(2, k + 2):
+        for b in sizes:
+            if b > max_verify_batch or (disable_by_batch_size is not None and b >= disable_by_batch_size):
+                continue
+            if max_num_batched_tokens is not None and b * q > max_num_batched_tokens:
+                continue
+            keys.append((int(b), q))
+    return sorted(set(keys), key=lambda key: (-key[0] * key[1], key[1]))
+
+
+def sizes_by_query_len(keys: Sequence[GraphKey]) -> dict[int, list[int]]:
+    """{q: ascending batch sizes captured for q}."""
+    out: dict[int, list[int]] = {}
+    for b, q in keys:
+        out.setdefault(q, []).append(b)
+    return {q: sorted(bs) for q, bs in sorted(out.items())}
+
+
 def choose_bucket(sizes: Sequence[int], num_reqs: int) -> Optional[int]:
     """The smallest captured size that holds ``num_reqs`` rows (ascending ``sizes``); None: none does."""
     if num_reqs < 1:
@@ -89,12 +144,30 @@ def choose_bucket(sizes: Sequence[int], num_reqs: int) -> Optional[int]:
     return sizes[i] if i < len(sizes) else None
 
 
-def step_bucket(sizes: Sequence[int], num_scheduled: np.ndarray, has_spec_tokens: bool = False) -> Optional[int]:
-    """The graph a step replays, or None to run it eager: only steps where every request runs one token
-    (no prefill chunk, no speculative drafts) and the batch fits a captured size."""
-    if has_spec_tokens or len(num_scheduled) == 0 or not bool(np.all(num_scheduled == 1)):
+def uniform_query_len(num_scheduled: np.ndarray) -> Optional[int]:
+    """q when every request runs the same number q >= 1 of tokens this step, else None."""
+    if len(num_scheduled) == 0:
         return None
-    return choose_bucket(sizes, len(num_scheduled))
+    q = int(num_scheduled[0])
+    if q < 1 or not bool(np.all(num_scheduled == q)):
+        return None
+    return q
+
+
+def step_graph_key(by_q: dict[int, Sequence[int]], num_scheduled: np.ndarray) -> Optional[GraphKey]:
+    """The graph (B, q) a step replays, or None to run it eager: every request runs the same q tokens (a
+    decode, or a verify step whose requests all carry q - 1 drafts) and the batch fits a size captured for q."""
+    q = uniform_query_len(num_scheduled)
+    if q is None or q not in by_q:
+        return None
+    bucket = choose_bucket(by_q[q], len(num_scheduled))
+    return None if bucket is None else (bucket, q)
+
+
+def step_bucket(sizes: Sequence[int], num_scheduled: np.ndarray) -> Optional[int]:
+    """The decode graph (q = 1) a step replays, or None: every request runs one token and the batch fits."""
+    key = step_graph_key({1: sizes}, num_scheduled)
+    return None if key is None else key[0]
 
 
 def graphs_blocked_reason(
@@ -104,12 +177,13 @@ def graphs_blocked_reason(
     backend_name: str,
     tp_size: int = 1,
     lora: bool = False,
-    spec_decode: bool = False,
+    lora_kernels: bool = True,
     pooling: bool = False,
     token_types: bool = False,
     has_kv_cache: bool = True,
 ) -> Optional[str]:
-    """Why this engine runs every step eager (None: it captures decode graphs). Conservative by design."""
+    """Why this engine runs every step eager (None: it captures graphs). Conservative by design; speculative
+    decoding and LoRA (with its Triton kernels) capture."""
     if device.type != "cuda":
         return f"device {device.type}"
     if enforce_eager:
@@ -117,8 +191,7 @@ def graphs_blocked_reason(
     checks = (
         (backend_name != "triton", f"attention backend {backend_name} (graphs need triton)"),
         (tp_size > 1, "tensor parallelism"),
-        (lora, "LoRA enabled"),
-        (spec_decode, "speculative decoding"),
+        (lora and not lora_kernels, "LoRA without its Triton kernels (the torch path plans on the host)"),
         (pooling, "a pooling model"),
         (token_types, "a model that takes token types"),
         (not has_kv_cache, "no KV cache"),
@@ -129,10 +202,19 @@ def graphs_blocked_reason(
     return None
 
 
+def lora_kernels_available() -> bool:
+    """Whether CUDA LoRA layers run the Triton kernels (device-side slots, capturable) rather than torch_ops."""
+    from vllm_lite.lora import ops
+
+    mod = ops._triton_ops()
+    return mod is not None and hasattr(mod, "lora_shrink") and getattr(mod, "HAS_TRITON", False)
+
+
 def estimate_graph_bytes(peak_activation_bytes: int, profile_tokens: int, sizes: Sequence[int]) -> int:
     """Device memory to hold back from the KV budget for the graphs: the profiling pass's peak activations
-    scaled from its ``profile_tokens`` to the largest bucket (activations grow with tokens; the profiled
-    peak also holds the sampler's, so this errs high), plus PER_GRAPH_BYTES per graph."""
+    scaled from its ``profile_tokens`` to the largest graph's tokens (``sizes``: each graph's token count B * q;
+    activations grow with tokens; the profiled peak also holds the sampler's, so this errs high), plus
+    PER_GRAPH_BYTES per graph."""
     if not sizes:
         return 0
     scaled = peak_activation_bytes * min(1.0, max(sizes) / max(1, profile_tokens))
@@ -142,20 +224,27 @@ def estimate_graph_bytes(peak_activation_bytes: int, profile_tokens: int, sizes:
 # ---------------------------------------------------------------------------------------------- padding
 @dataclass
 class PaddedDecode:
-    """A decode step's inputs padded to ``bucket`` rows, exactly as the graph for that size reads them."""
+    """A uniform step's inputs (q tokens per request) padded to ``bucket`` rows, exactly as the graph for (bucket,
+    q) reads them."""
 
     num_real: int
-    input_ids: np.ndarray  # int64 [B]
-    positions: np.ndarray  # int64 [B]
-    slot_mapping: np.ndarray  # int64 [B]
+    input_ids: np.ndarray  # int64 [B*q]
+    positions: np.ndarray  # int64 [B*q]
+    slot_mapping: np.ndarray  # int64 [B*q]
     seq_lens: np.ndarray  # int32 [B]
-    query_start_loc: np.ndarray  # int32 [B+1]: 0..B, one token per row
+    query_start_loc: np.ndarray  # int32 [B+1]: 0, q, 2q, ..., B*q
     block_table: np.ndarray  # int32 [B, W]: W = the step's widest row; padding rows all NULL_BLOCK
     num_tokens: np.ndarray  # int32 [B] each request's known tokens
+    query_len: int = 1
+    lora_slots: Optional[np.ndarray] = None  # int32 [B*q] each token's adapter slot (-1: none), with LoRA
 
     @property
     def bucket(self) -> int:
-        return len(self.input_ids)
+        return len(self.seq_lens)
+
+    @property
+    def key(self) -> GraphKey:
+        return (self.bucket, self.query_len)
 
     def metadata(
         self, device: torch.device, max_seq_len: int, block_table_width: Optional[int] = None
@@ -167,9 +256,9 @@ class PaddedDecode:
             bt = np.concatenate([bt, np.full((bt.shape[0], block_table_width - bt.shape[1]), NULL_BLOCK, np.int32)], 1)
         qsl, seq = torch.from_numpy(self.query_start_loc.copy()), torch.from_numpy(self.seq_lens.copy())
         return AttentionMetadata(
-            num_actual_tokens=self.bucket,
+            num_actual_tokens=len(self.input_ids),
             num_reqs=self.bucket,
-            max_query_len=1,
+            max_query_len=self.query_len,
             max_seq_len=max_seq_len,
             query_start_loc=qsl.to(device),
             seq_lens=seq.to(device),
@@ -181,39 +270,55 @@ class PaddedDecode:
         )
 
 
-def pad_decode_inputs(inputs: StepInputs, bucket: int, block_size: int) -> PaddedDecode:
-    """Pad a one-token-per-request step to ``bucket`` rows; padding rows read and write only the null block."""
+def pad_decode_inputs(
+    inputs: StepInputs, bucket: int, block_size: int, lora_slots: Optional[np.ndarray] = None
+) -> PaddedDecode:
+    """Pad a step where every request runs the same q tokens to ``bucket`` requests (bucket * q tokens); padding
+    rows read and write only the null block, and use no adapter (``lora_slots``: the real tokens' slots)."""
     n = inputs.num_reqs
     if bucket < n:
         raise ValueError(f"bucket {bucket} is smaller than the batch ({n} requests).")
-    if inputs.num_tokens != n:
-        raise ValueError(f"a decode bucket needs one token per request, got {inputs.num_tokens} for {n} requests.")
-    null_slot = NULL_BLOCK * block_size
+    q = uniform_query_len(inputs.num_scheduled)
+    if q is None:
+        raise ValueError(
+            f"a graph needs the same number of tokens for every request, got {inputs.num_scheduled.tolist()}."
+        )
+    t, total = n * q, bucket * q
     width = max(1, inputs.block_table.shape[1])
 
-    def padded(values: np.ndarray, fill: int, dtype: type) -> np.ndarray:
-        out = np.full(bucket, fill, dtype=dtype)
-        out[:n] = values
+    def padded(values: np.ndarray, fill: Any, size: int, dtype: type) -> np.ndarray:
+        out = np.empty(size, dtype=dtype)
+        out[: len(values)] = values
+        out[len(values) :] = fill
         return out
 
+    pad_pos = np.tile(np.arange(q, dtype=np.int64), bucket - n)  # each padding row: positions 0 .. q-1
     block_table = np.full((bucket, width), NULL_BLOCK, dtype=np.int32)
     block_table[:n, : inputs.block_table.shape[1]] = inputs.block_table
     known = inputs.req_num_tokens if inputs.req_num_tokens is not None else inputs.seq_lens
+    slots = None
+    if lora_slots is not None:
+        if len(lora_slots) != t:
+            raise ValueError(f"lora_slots has {len(lora_slots)} entries for {t} tokens.")
+        slots = padded(lora_slots, -1, total, np.int32)
     return PaddedDecode(
         num_real=n,
-        input_ids=padded(inputs.input_ids, 0, np.int64),
-        positions=padded(inputs.positions, 0, np.int64),
-        slot_mapping=padded(inputs.slot_mapping, null_slot, np.int64),
-        seq_lens=padded(inputs.seq_lens, 1, np.int32),
-        query_start_loc=np.arange(bucket + 1, dtype=np.int32),
+        input_ids=padded(inputs.input_ids, 0, total, np.int64),
+        positions=padded(inputs.positions, pad_pos, total, np.int64),
+        slot_mapping=padded(inputs.slot_mapping, NULL_BLOCK * block_size + pad_pos % block_size, total, np.int64),
+        seq_lens=padded(inputs.seq_lens, q, bucket, np.int32),
+        query_start_loc=np.arange(bucket + 1, dtype=np.int32) * q,
         block_table=block_table,
-        num_tokens=padded(known, 1, np.int32),
+        num_tokens=padded(known, q, bucket, np.int32),
+        query_len=q,
+        lora_slots=slots,
     )
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
 class CudaDecodeGraphs:
-    """The captured decode graphs of one model runner, their persistent input buffers and memory pool."""
+    """The captured graphs of one model runner (decode and verify keys), their persistent input buffers and
+    memory pool; with ``lora_state`` the wrapped layers read a persistent per-token slot buffer."""
 
     def __init__(
         self,
@@ -224,49 +329,79 @@ class CudaDecodeGraphs:
         block_size: int,
         max_blocks_per_req: int,
         max_model_len: int,
+        keys: Optional[Sequence[GraphKey]] = None,
+        lora_state: Optional[Any] = None,
     ) -> None:
         self.model, self.backend, self.device = model, backend, device
-        self.sizes = sorted(sizes)
+        self.keys: list[GraphKey] = (
+            list(keys) if keys is not None else sorted(((int(b), 1) for b in sizes), key=lambda k: -k[0])
+        )
+        self.by_q = sizes_by_query_len(self.keys)
+        self.sizes = self.by_q.get(1, [])  # the decode batch sizes
         self.block_size, self.max_model_len = block_size, max_model_len
-        n = max(self.sizes)
+        self.lora_state = lora_state
+        n = max(b for b, _ in self.keys)
+        t = max(b * q for b, q in self.keys)
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        # Initialised as padding rows: a warm-up or capture over them touches only the null block.
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), NULL_BLOCK * block_size, **i64)
-        self.seq_lens = torch.ones(n, **i32)
-        self.query_start_loc = torch.arange(n + 1, **i32)
+        # Initialised as padding rows of the longest q: a warm-up or capture over them touches only the null block.
+        q_max = max(self.by_q)
+        pad_pos = torch.arange(t, **i64) % q_max
+        self.input_ids = torch.zeros(t, **i64)
+        self.positions = pad_pos.clone()
+        self.slot_mapping = NULL_BLOCK * block_size + pad_pos % block_size
+        self.seq_lens = torch.full((n,), q_max, **i32)
+        # Constant per q (never written after this): 0, q, 2q, ...
+        self.query_start_loc = {q: torch.arange(n + 1, **i32) * q for q in self.by_q}
         self.block_table = torch.full((n, max(1, max_blocks_per_req)), NULL_BLOCK, **i32)
-        self.num_tokens = torch.ones(n, **i32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.num_tokens = torch.full((n,), q_max, **i32)
+        self.lora_slots = torch.full((t,), -1, **i32) if lora_state is not None else None
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
-    def _metadata(self, bucket: int) -> AttentionMetadata:
+    def _metadata(self, key: GraphKey) -> AttentionMetadata:
         """Metadata whose device tensors are views of the persistent buffers (what a graph reads)."""
+        b, q = key
+        # No CUDA kernel reads the host copies; on CPU (the tests' stand-in graphs) the buffers are host tensors.
+        on_host = self.device.type == "cpu"
         return AttentionMetadata(
-            num_actual_tokens=bucket,
-            num_reqs=bucket,
-            max_query_len=1,
+            num_actual_tokens=b * q,
+            num_reqs=b,
+            max_query_len=q,
             max_seq_len=self.max_model_len,
-            query_start_loc=self.query_start_loc[: bucket + 1],
-            seq_lens=self.seq_lens[:bucket],
-            block_table=self.block_table[:bucket],
-            slot_mapping=self.slot_mapping[:bucket],
-            query_start_loc_cpu=torch.arange(bucket + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.ones(bucket, dtype=torch.int32),
-            num_tokens=self.num_tokens[:bucket],
+            query_start_loc=self.query_start_loc[q][: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_table=self.block_table[:b],
+            slot_mapping=self.slot_mapping[: b * q],
+            query_start_loc_cpu=torch.arange(b + 1, dtype=torch.int32) * q,
+            seq_lens_cpu=self.seq_lens[:b] if on_host else torch.full((b,), q, dtype=torch.int32),
+            num_tokens=self.num_tokens[:b],
         )
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        with set_forward_context(self._metadata(bucket), self.backend):
-            return self.model(self.input_ids[:bucket], self.positions[:bucket])
+    def _forward(self, key: GraphKey) -> torch.Tensor:
+        b, q = key
+        if self.lora_state is None:
+            with set_forward_context(self._metadata(key), self.backend):
+                return self.model(self.input_ids[: b * q], self.positions[: b * q])
+        from vllm_lite.lora import ops
+
+        assert self.lora_slots is not None
+        slots = self.lora_slots[: b * q]
+        # The layers read the persistent slots; declaring them here puts the SGMV grouping inside the capture.
+        self.lora_state.token_slots = slots
+        ops.set_step_slots(slots)
+        try:
+            with set_forward_context(self._metadata(key), self.backend):
+                return self.model(self.input_ids[: b * q], self.positions[: b * q])
+        finally:
+            self.lora_state.token_slots = None  # eager steps set their own (LoRAModelManager.prepare_step)
+            ops.set_step_slots(None)
 
     @torch.inference_mode()
     def capture(self, warmup_runs: int = 1) -> None:
-        """Capture every size, largest first (the pool grows once; smaller graphs reuse it). Raises on failure
+        """Capture every key, most tokens first (the pool grows once; smaller graphs reuse it). Raises on failure
         (the caller logs it and runs eager); graphs captured before the failure are dropped."""
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
@@ -274,19 +409,19 @@ class CudaDecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         main = torch.cuda.current_stream(self.device)
         try:
-            for bucket in reversed(self.sizes):
+            for key in sorted(self.keys, key=lambda k: (-k[0] * k[1], k[1])):
                 # Warm-up on a side stream, as PyTorch's docs show: Triton compiles, lazy inits and the
                 # allocator's first allocations happen outside the capture.
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     for _ in range(warmup_runs):
-                        self._forward(bucket)
+                        self._forward(key)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    out = self._forward(bucket)
-                self.graphs[bucket], self.outputs[bucket] = graph, out
+                    out = self._forward(key)
+                self.graphs[key], self.outputs[key] = graph, out
             torch.cuda.synchronize(self.device)
         except BaseException:
             # torch.cuda.graph's __exit__ leaves its capture stream current when capture_end raises.
@@ -307,39 +442,61 @@ class CudaDecodeGraphs:
         except Exception as e:  # pragma: no cover - a capture error CUDA keeps reporting
             logger.debug("after dropping the CUDA graphs: %s", e)
 
-    def run(self, inputs: StepInputs, has_spec_tokens: bool = False) -> Optional[torch.Tensor]:
-        """Hidden states [num_reqs, hidden] by replaying a graph, or None when the step must run eager.
+    def run(self, inputs: StepInputs, lora_slots: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
+        """Hidden states [num_tokens, hidden] by replaying a graph, or None when the step must run eager.
 
-        The result is a view of the graph's static output: the next replay overwrites it, so it must be
-        consumed (logits, sampling) within the step, which the runner does."""
-        bucket = step_bucket(self.sizes, inputs.num_scheduled, has_spec_tokens)
-        if bucket is None or bucket not in self.graphs:
+        ``lora_slots``: int32 [num_tokens] each token's adapter slot (-1: none), or None (no adapter this step;
+        a LoRA engine's graphs then run with every slot -1). The result is a view of the graph's static output:
+        the next replay overwrites it, so it must be consumed (logits, sampling) within the step, which the
+        runner does."""
+        key = step_graph_key(self.by_q, inputs.num_scheduled)
+        if key is None or key not in self.graphs:
             return None
-        p = pad_decode_inputs(inputs, bucket, self.block_size)
+        bucket, q = key
+        if self.lora_slots is not None and lora_slots is None:
+            lora_slots = np.full(inputs.num_tokens, -1, dtype=np.int32)
+        p = pad_decode_inputs(inputs, bucket, self.block_size, lora_slots if self.lora_slots is not None else None)
         width = p.block_table.shape[1]
         if width > self.block_table.shape[1]:
             return None
+        t = bucket * q
         # Columns past `width` keep older ids: a row reads only ceil(seq_len / block_size) <= width of them.
-        for buf, arr in (
-            (self.input_ids[:bucket], p.input_ids),
-            (self.positions[:bucket], p.positions),
-            (self.slot_mapping[:bucket], p.slot_mapping),
+        copies = [
+            (self.input_ids[:t], p.input_ids),
+            (self.positions[:t], p.positions),
+            (self.slot_mapping[:t], p.slot_mapping),
             (self.seq_lens[:bucket], p.seq_lens),
             (self.num_tokens[:bucket], p.num_tokens),
             (self.block_table[:bucket, :width], p.block_table),
-        ):
+        ]
+        if self.lora_slots is not None:
+            assert p.lora_slots is not None
+            copies.append((self.lora_slots[:t], p.lora_slots))
+        for buf, arr in copies:
             buf.copy_(torch.from_numpy(arr), non_blocking=True)
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][: p.num_real]
+        self.graphs[key].replay()
+        return self.outputs[key][: p.num_real * q]
 
     def describe(self, reserved_bytes: Optional[int] = None) -> str:
-        """The start-up INFO line: sizes, seconds, GiB (and the KV reserve it was sized against)."""
-        sizes = self.sizes
-        shown = ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}"
-        line = (
-            f"CUDA graphs: captured {len(self.graphs)} decode batch sizes [{shown}] in {self.capture_seconds:.2f} s, "
-            f"{self.capture_bytes / GiB:.3f} GiB"
-        )
+        """The start-up INFO line: sizes per q, seconds, GiB (and the KV reserve it was sized against)."""
+
+        def shown(sizes: Sequence[int]) -> str:
+            return ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}"
+
+        captured = sizes_by_query_len(list(self.graphs))
+        decode = captured.get(1, [])
+        line = f"CUDA graphs: captured {len(decode)} decode batch sizes [{shown(decode)}]"
+        verify = {q: bs for q, bs in captured.items() if q > 1}
+        if verify:
+            qs = sorted(verify)
+            same = all(verify[q] == verify[qs[0]] for q in qs)
+            if same:
+                line += f", verify steps q={qs[0]}..{qs[-1]} at batch sizes [{shown(verify[qs[0]])}]"
+            else:
+                line += ", verify steps " + "; ".join(f"q={q} at [{shown(verify[q])}]" for q in qs)
+        if self.lora_state is not None:
+            line += " (LoRA slots in the graphs)"
+        line += f": {len(self.graphs)} graphs in {self.capture_seconds:.2f} s, {self.capture_bytes / GiB:.3f} GiB"
         if reserved_bytes is not None:
             line += f" (KV budget reserved {reserved_bytes / GiB:.3f} GiB for them)"
         return line

@@ -26,7 +26,9 @@ from vllm_lite.worker.cuda_graphs import (
     CudaDecodeGraphs,
     estimate_graph_bytes,
     graphs_blocked_reason,
+    lora_kernels_available,
     resolve_capture_sizes,
+    resolve_graph_keys,
 )
 from vllm_lite.worker.forward_context import set_forward_context
 from vllm_lite.worker.input_batch import InputBatch
@@ -83,6 +85,7 @@ class GPUModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
         self.cudagraph_sizes = self._cudagraph_sizes()  # [] : every step eager (always so off CUDA)
+        self.cudagraph_keys = self._cudagraph_keys()  # (batch, query len): decode and speculative verify graphs
         self.cuda_graphs: Optional[CudaDecodeGraphs] = None  # set by capture_cuda_graphs once the KV cache exists
         self.cuda_graph_reserved: Optional[int] = None  # what the KV budget left for them (profiled CUDA budgets)
         # Reused host buffers for step inputs (no per-step allocation of large arrays).
@@ -128,13 +131,14 @@ class GPUModelRunner:
     def _cudagraph_sizes(self) -> list[int]:
         """The decode batch sizes to capture; [] where graphs are off (CPU, enforce_eager, anything unusual)."""
         cfg = self.config
+        lora = self.lora_manager is not None
         reason = graphs_blocked_reason(
             device=self.device,
             enforce_eager=cfg.model_config.enforce_eager,
             backend_name=self.backend.name,
             tp_size=self.tp_size,
-            lora=self.lora_manager is not None,
-            spec_decode=self.spec_decode is not None,
+            lora=lora,
+            lora_kernels=lora and self.device.type == "cuda" and lora_kernels_available(),
             pooling=self.pooler is not None,
             token_types=self.takes_token_types,
             has_kv_cache=bool(self.attn_layers),
@@ -147,10 +151,24 @@ class GPUModelRunner:
             return []
         return sizes
 
+    def _cudagraph_keys(self) -> list[tuple[int, int]]:
+        """Every (batch size, query length) to capture: the decode sizes with q = 1, and with speculative decoding
+        q = 2 .. 1 + num_speculative_tokens at the small ones (cuda_graphs.resolve_graph_keys)."""
+        if not self.cudagraph_sizes:
+            return []
+        sc = self.config.speculative_config
+        return resolve_graph_keys(
+            self.cudagraph_sizes,
+            sc.num_speculative_tokens if sc is not None and self.spec_decode is not None else None,
+            self.max_num_tokens,
+            sc.disable_by_batch_size if sc is not None else None,
+        )
+
     def cuda_graph_reserve_bytes(self, peak_activation_bytes: int) -> int:
         """Bytes the KV budget leaves for the graphs (0 without them), from the profiling pass's peak."""
         profile_tokens = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
-        self.cuda_graph_reserved = estimate_graph_bytes(peak_activation_bytes, profile_tokens, self.cudagraph_sizes)
+        tokens = [b * q for b, q in self.cudagraph_keys]  # each graph's token count
+        self.cuda_graph_reserved = estimate_graph_bytes(peak_activation_bytes, profile_tokens, tokens)
         return self.cuda_graph_reserved
 
     def capture_cuda_graphs(self) -> None:
@@ -165,6 +183,8 @@ class GPUModelRunner:
             self.block_size,
             self.max_blocks_per_req,
             self.max_model_len,
+            keys=self.cudagraph_keys or None,  # None: the decode sizes alone
+            lora_state=self.lora_manager.state if self.lora_manager is not None else None,
         )
         try:
             graphs.capture()
@@ -275,7 +295,7 @@ class GPUModelRunner:
         inputs = build_step_inputs(batch, num_scheduled_tokens, self.block_size, self._arange)
         if self.lora_manager is not None:  # this step's adapters in slots, and each token's slot, built once
             self.lora_manager.prepare_step(batch.lora_ids[inputs.rows], inputs.num_scheduled)
-        hidden = self._run_model(inputs, so)
+        hidden = self._run_model(inputs, so, self._logits_rows(batch, inputs, so))
         if self.pooler is not None:  # a pooling step: every request's whole prompt ran; pool, sample nothing
             batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
             params = step_pooling_params(so, inputs.req_ids)
@@ -295,10 +315,14 @@ class GPUModelRunner:
             sampled.spec_token_ids = self.spec_decode.propose(batch, inputs, sampled.index, self.is_driver)
         return _build_output(inputs, sampled, prompt_lp)
 
-    def _run_model(self, inputs: StepInputs, so: Optional[SchedulerOutput] = None) -> torch.Tensor:
-        """Hidden states [T, hidden] of every scheduled token (with token types where the model takes them)."""
-        if self.cuda_graphs is not None and so is not None:  # a decode step that fits replays its graph
-            hidden = self.cuda_graphs.run(inputs, bool(so.scheduled_spec_decode_tokens))
+    def _run_model(
+        self, inputs: StepInputs, so: Optional[SchedulerOutput] = None, logits_rows: Optional[np.ndarray] = None
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] of every scheduled token (with token types where the model takes them); with
+        `logits_rows` only those rows are computed past the last attention and the others are zeros."""
+        if self.cuda_graphs is not None and so is not None:  # a uniform step (decode, verify) that fits replays
+            lora_slots = self.lora_manager.step_token_slots if self.lora_manager is not None else None
+            hidden = self.cuda_graphs.run(inputs, lora_slots)
             if hidden is not None:
                 return hidden
         input_ids, positions, md = inputs.to_device(self.device)
@@ -306,8 +330,35 @@ class GPUModelRunner:
         if self.takes_token_types and (bounds := step_token_type_boundaries(so, inputs.req_ids)) is not None:
             types = build_token_type_ids(bounds, inputs.num_scheduled, inputs.positions)
             extra["token_type_ids"] = torch.from_numpy(types).to(self.device, non_blocking=True)
+        if logits_rows is not None:
+            extra["logits_rows"] = torch.from_numpy(logits_rows).to(self.device, non_blocking=True)
         with set_forward_context(md, self.backend):
-            return self.model(input_ids, positions, **extra)
+            hidden = self.model(input_ids, positions, **extra)
+        if logits_rows is None:
+            return hidden
+        full = hidden.new_zeros((inputs.num_tokens, hidden.shape[1]))
+        return full.index_copy_(0, extra["logits_rows"], hidden)
+
+    def _logits_rows(
+        self, batch: InputBatch, inputs: StepInputs, so: Optional[SchedulerOutput]
+    ) -> Optional[np.ndarray]:
+        """The hidden-state rows this step reads (each sampling request's last token) when fewer than all and the
+        model can skip the rest past its last attention (models/decoder.py); None: every row. Only for bf16/fp16
+        models (float32 keeps the result every row count gives, for HF matching), and not with prompt logprobs,
+        pooling, LoRA, speculation or the profiling pass (which reads every row or sizes for the worst case)."""
+        if (
+            so is None
+            or self.dtype == torch.float32
+            or self.pooler is not None
+            or self.spec_decode is not None
+            or self.lora_manager is not None
+            or not getattr(self.model, "selects_rows", lambda: False)()
+        ):
+            return None
+        if any(batch.params[r] is None or batch.params[r].prompt_logprobs is not None for r in inputs.rows.tolist()):
+            return None
+        s_idx = np.nonzero(inputs.sampling_mask(batch.num_tokens[inputs.rows]))[0]
+        return None if len(s_idx) == inputs.num_tokens else inputs.query_start_loc[1:][s_idx] - 1
 
     def _sample(
         self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor, so: Optional[SchedulerOutput] = None
