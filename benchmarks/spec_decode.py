@@ -29,6 +29,15 @@ compare within one run.
 
 On a loaded host, prefer `--num-threads 1`: at 2 threads each small op is an OpenMP region whose barrier waits
 for a preempted thread (a decode step of the bundled model measured 5-10x slower, and erratic, at load ~4).
+
+`--device cuda` runs the same workloads on the GPU (every engine, the workload's own greedy continuation and HF),
+in bfloat16 unless `--dtype` says otherwise, each engine with max_num_seqs 16 (its CUDA graphs: decode batch
+sizes 1..16 and, with speculation, verify steps q = 2..1+k) and a small share of GPU memory (they share one
+process); the JSON names the device and GPU. `--quick` (2 prompts, no draft model, no HF) finishes in well under
+two minutes there:
+
+    python benchmarks/spec_decode.py --device cuda --quick          # issue 20's batch-1 n-gram speed-up on a GPU
+    python benchmarks/spec_decode.py --device cuda --no-hf --repeats 3
 """
 
 from __future__ import annotations
@@ -55,13 +64,29 @@ PASSAGES = [
 ]
 
 
+# Engine options per device: on CUDA each engine (several share the process and the GPU) takes a small share of its
+# memory and at most 16 sequences, so capturing its CUDA graphs takes seconds.
+CUDA_ENGINE_KWARGS: dict[str, Any] = {"gpu_memory_utilization": 0.12, "max_num_seqs": 16}
+
+
+def engine_kwargs(device: str) -> dict[str, Any]:
+    return {"device": device, **(CUDA_ENGINE_KWARGS if device.startswith("cuda") else {})}
+
+
 def workloads(
-    model: str, tokenizer: Any, num_prompts: int, max_tokens: int, vocab: int, seed: int
+    model: str, tokenizer: Any, num_prompts: int, max_tokens: int, vocab: int, seed: int, device: str = "cpu"
 ) -> dict[str, list[list[int]]]:
     from vllm_lite import LLM, SamplingParams
 
     passages = [tokenizer.encode(PASSAGES[i % len(PASSAGES)], add_special_tokens=False) for i in range(num_prompts)]
-    llm = LLM(model=model, dtype="float32", multiprocess=False, max_model_len=512, disable_log_stats=True)
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        multiprocess=False,
+        max_model_len=512,
+        disable_log_stats=True,
+        **engine_kwargs(device),
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in passages], greedy, use_tqdm=False)
     llm.shutdown()
@@ -81,6 +106,7 @@ def run_ours_interleaved(
     dtype: str = "auto",
     batch_prompts: list[list[int]] | None = None,
     batch_sizes: tuple[int, ...] = (),
+    device: str = "cpu",
 ) -> dict[str, dict]:
     """One in-process engine per configuration, timed in turn on each prompt (batch 1) and then on batches of the
     first b of `batch_prompts` (default: the prompts) for each b in `batch_sizes` (and len(prompts)), `repeats`
@@ -105,6 +131,7 @@ def run_ours_interleaved(
                 speculative_config=spec,
                 num_threads=num_threads,
                 disable_log_stats=True,
+                **engine_kwargs(device),
             )
         finally:
             SpecDecodeStep.gain_rule = True
@@ -159,20 +186,25 @@ def _spec_totals(llm: Any) -> tuple[int, int, int]:
 
 
 def run_hf(
-    model: str, prompts: list[list[int]], max_tokens: int, lookup: int | None, dtype: torch.dtype = torch.float32
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    lookup: int | None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> dict:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=dtype).eval().to(device)
     kw: dict[str, Any] = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
     if lookup is not None:
         kw["prompt_lookup_num_tokens"] = lookup
     per_tok, outputs = [], []
     with torch.inference_mode():
-        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)  # warm-up
+        hf.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=4, do_sample=False)  # warm-up
         for p in prompts:
             t0 = time.perf_counter()
-            out = hf.generate(torch.tensor([p]), **kw)[0, len(p) :]
+            out = hf.generate(torch.tensor([p], device=device), **kw)[0, len(p) :].cpu()
             per_tok.append((time.perf_counter() - t0) / len(out))
             outputs.append(out.tolist())
     return {"ms_per_token_batch1": 1e3 * float(np.median(per_tok)), "outputs": outputs}
@@ -242,7 +274,18 @@ def main() -> None:
     )
     ap.add_argument("--num-threads", type=int, default=None, help="torch threads, ours and HF's (default: policy)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the prompts and the batch")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda / cuda:N: every engine and HF there, bfloat16 unless --dtype is given",
+    )
+    ap.add_argument("--quick", action="store_true", help="2 prompts, no draft model, no HF (a GPU check)")
     args = ap.parse_args()
+    on_cuda = args.device.startswith("cuda")
+    if on_cuda and args.dtype == "auto":
+        args.dtype = "bfloat16"
+    if args.quick:
+        args.num_prompts, args.no_draft, args.no_hf = 2, True, True
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -261,7 +304,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     cfg = AutoConfig.from_pretrained(model)
     config_dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
-    dtype = resolve_dtype(args.dtype, None if config_dtype is None else str(config_dtype), torch.device("cpu"))
+    dtype = resolve_dtype(args.dtype, None if config_dtype is None else str(config_dtype), torch.device(args.device))
 
     def ngram(k: int) -> dict:
         return {
@@ -296,13 +339,15 @@ def main() -> None:
         "draft_speculative_config": draft_spec,
         "num_threads": args.num_threads or torch.get_num_threads(),
         "host": describe_host(),
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name(torch.device(args.device)) if on_cuda else None,
         "repeats": args.repeats,
         "load_avg_1m_start": os.getloadavg()[0],
     }
     if draft_spec is not None:
         result["draft_params_ratio"] = _param_count(args.draft_model) / _param_count(model)
     num_sets = max((args.num_prompts, *batch_sizes))
-    sets = workloads(model, tokenizer, num_sets, args.max_tokens, len(tokenizer), args.seed)
+    sets = workloads(model, tokenizer, num_sets, args.max_tokens, len(tokenizer), args.seed, args.device)
     for name, all_prompts in sets.items():
         prompts = all_prompts[: args.num_prompts]
         runs = run_ours_interleaved(
@@ -315,6 +360,7 @@ def main() -> None:
             dtype=args.dtype,
             batch_prompts=all_prompts,
             batch_sizes=batch_sizes,
+            device=args.device,
         )
         plain = runs["plain"]
         row: dict[str, Any] = {
@@ -341,8 +387,8 @@ def main() -> None:
             if cfg != "plain"
         }
         if not args.no_hf:
-            hf = run_hf(model, prompts, args.max_tokens, None, dtype)
-            hf_lookup = run_hf(model, prompts, args.max_tokens, args.num_speculative_tokens, dtype)
+            hf = run_hf(model, prompts, args.max_tokens, None, dtype, args.device)
+            hf_lookup = run_hf(model, prompts, args.max_tokens, args.num_speculative_tokens, dtype, args.device)
             row["hf_generate"] = {"ms_per_token_batch1": hf["ms_per_token_batch1"]}
             row["hf_prompt_lookup"] = {"ms_per_token_batch1": hf_lookup["ms_per_token_batch1"]}
         result[name] = row
