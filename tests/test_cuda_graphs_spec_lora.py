@@ -334,6 +334,85 @@ def test_lora_engine_replays_graphs_with_the_eager_tokens(tmp_path) -> None:
     assert len(replays) >= 3 * 23 and set(replays) <= {(2, 1), (1, 1)}
 
 
+class _FakeCudaApi:
+    """torch.cuda's graph API stood in on CPU (as in test_cuda_graphs.py): capture's control flow without a GPU."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.captures = 0
+        api = self
+
+        class Stream:
+            def wait_stream(self, other) -> None:
+                pass
+
+        class Capture:
+            def __init__(self, graph, pool=None) -> None:
+                pass
+
+            def __enter__(self) -> None:
+                api.captures += 1
+
+            def __exit__(self, *exc) -> None:
+                pass
+
+        class SideStream:
+            def __init__(self, stream) -> None:
+                pass
+
+            def __enter__(self) -> None:
+                pass
+
+            def __exit__(self, *exc) -> None:
+                pass
+
+        for name, value in {
+            "synchronize": lambda device=None: None,
+            "empty_cache": lambda: None,
+            "mem_get_info": lambda device=None: (10 << 30, 80 << 30),
+            "graph_pool_handle": lambda: "pool",
+            "Stream": lambda device=None: Stream(),
+            "current_stream": lambda device=None: Stream(),
+            "set_stream": lambda stream: None,
+            "stream": SideStream,
+            "CUDAGraph": lambda: object(),
+            "graph": Capture,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_capture_of_verify_and_lora_keys_with_a_stand_in_cuda_api(monkeypatch, tmp_path) -> None:
+    """Most tokens first; every captured forward reads the persistent slot buffer (all -1: no adapter) through the
+    LoRA layers and touches only the null block's first q_max slots; the slots are unset afterwards."""
+    runner, _ = _lora_runner(str(tmp_path))
+    api = _FakeCudaApi(monkeypatch)
+    state = runner.lora_manager.state
+    keys = resolve_graph_keys([1, 2], num_speculative_tokens=2, max_num_batched_tokens=256)
+    g = CudaDecodeGraphs(
+        runner.model, runner.backend, runner.device, [1, 2], BLOCK_SIZE, BLOCKS_PER_REQ, runner.max_model_len,
+        keys=keys, lora_state=state,
+    )  # fmt: skip
+    seen: list[tuple] = []
+    model = g.model
+
+    def recording_model(ids, pos):
+        slots = state.token_slots
+        seen.append((len(ids), slots is not None and slots.data_ptr() == g.lora_slots.data_ptr(), int(slots.max())))
+        return model(ids, pos)
+
+    g.model = recording_model  # type: ignore[assignment]
+    g.capture()
+    # Warm-up then capture of each: (2,3) (2,2) (1,3) (2,1) (1,2) (1,1).
+    assert [n for n, _, _ in seen] == [6, 6, 4, 4, 3, 3, 2, 2, 2, 2, 1, 1]
+    assert all(is_buffer and top == -1 for _, is_buffer, top in seen)
+    assert api.captures == 6 and state.token_slots is None
+    assert {k: tuple(o.shape) for k, o in g.outputs.items()} == {(b, q): (b * q, 64) for b, q in keys}
+    assert all(torch.count_nonzero(c[:, NULL_BLOCK + 1 :]) == 0 for c in runner.kv_caches)
+    assert all(torch.count_nonzero(c[:, NULL_BLOCK, 3:]) == 0 for c in runner.kv_caches)  # q_max = 3 slots at most
+    line = g.describe()
+    assert "captured 2 decode batch sizes [1, 2], verify steps q=2..3 at batch sizes [1, 2]" in line
+    assert "LoRA slots in the graphs" in line and "6 graphs" in line
+
+
 # ---------------------------------------------------------------------------------------------- Triton interpreter
 def _triton_verify_check() -> dict:
     """The padded verify-step check through the Triton attention kernels (run under TRITON_INTERPRET=1)."""
@@ -426,16 +505,16 @@ def test_padded_lora_tokens_through_the_triton_kernels_in_the_interpreter() -> N
 def _cuda_llm(eager: bool, **kwargs):
     from vllm_lite.entrypoints.llm import LLM
 
+    kw = {"max_num_seqs": 8, **kwargs}
     return LLM(
         model=get_checkpoint("llama"),
         dtype="float32",
         device="cuda",
         max_model_len=256,
-        max_num_seqs=8,
         multiprocess=False,
         enforce_eager=eager,
         gpu_memory_utilization=0.15,
-        **kwargs,
+        **kw,
     )
 
 
@@ -477,17 +556,20 @@ def test_cuda_ngram_greedy_tokens_identical_with_and_without_verify_graphs(caplo
 
 @needs_cuda
 def test_cuda_lora_greedy_tokens_identical_with_and_without_graphs(tmp_path, caplog) -> None:
+    """20 requests over 3 adapters and none: decode steps replay bucket 24 (the SGMV kernels, their slot grouping
+    captured), a lone request without an adapter bucket 1 (BGMV, every slot -1)."""
     llama = get_checkpoint("llama")
     loras = [
         LoRARequest(f"a{i}", i + 1, build_lora_adapter(llama, str(tmp_path / f"a{i}"), AdapterSpec(8, 16, seed=i)))
         for i in range(3)
     ]
-    which = [loras[0], None, loras[1], loras[2], loras[0], None]
-    prompts = [[(7 * i + j) % 500 + 3 for j in range(3 + 4 * i)] for i in range(len(which))]
-    lora_kw = dict(enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=3)
+    which = [loras[0], None, loras[1], loras[2]] * 5
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(3 + (5 * i) % 29)] for i in range(len(which))]
+    lora_kw = dict(enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=3, max_num_seqs=24)
     with _cuda_llm(True, **lora_kw) as llm:
         eager = _greedy(llm, prompts, loras=which)
         eager_base = _greedy(llm, prompts[1:2], loras=[None])
+        eager_one = _greedy(llm, prompts[2:3], loras=which[2:3])
     with caplog.at_level(logging.INFO, logger="vllm_lite.worker.model_runner"):
         llm = _cuda_llm(False, **lora_kw)
     with llm:
@@ -497,8 +579,9 @@ def test_cuda_lora_greedy_tokens_identical_with_and_without_graphs(tmp_path, cap
         assert any("LoRA slots in the graphs" in r.getMessage() for r in caplog.records)
         replays = _count_replays(graphs)
         assert _greedy(llm, prompts, loras=which) == eager
-        assert _greedy(llm, prompts[1:2], loras=[None]) == eager_base  # every slot -1 in the replayed graph
-    assert len(replays) >= 20 and (6, 1) in replays and (1, 1) in replays, replays
+        assert _greedy(llm, prompts[1:2], loras=[None]) == eager_base  # no adapter: every slot -1 in the graph
+        assert _greedy(llm, prompts[2:3], loras=which[2:3]) == eager_one
+    assert len(replays) >= 40 and (20, 1) in replays and (1, 1) in replays, replays
 
 
 if __name__ == "__main__":
