@@ -143,6 +143,8 @@ def test_bad_lora_input_is_refused_naming_the_field(llm, llama, llama_loras, tmp
         with pytest.raises(exc, match=match):
             llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, lora_request=lora, use_tqdm=False)
 
+    # The clash cases below need adapter1 (id 1) and adapter2 known to this engine, whichever tests ran before.
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, GREEDY, lora_request=llama_loras[:2], use_tqdm=False)
     refused(LoRARequest("nowhere", 20, str(tmp_path / "missing")), "lora_request.lora_path")
     big = build_lora_adapter(llama, str(tmp_path / "big"), AdapterSpec(r=32, lora_alpha=32))
     refused(LoRARequest("big", 21, big), "max_lora_rank")

@@ -293,6 +293,7 @@ def test_greedy_float32_matches_hf_with_prefix_caching(arch: str, monkeypatch) -
     with LLM(
         model=path,
         dtype="float32",
+        device="cpu",  # the packed CPU experts are what this checks (a CUDA machine would default to cuda)
         multiprocess=False,
         block_size=8,
         max_model_len=256,
