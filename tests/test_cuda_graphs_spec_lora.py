@@ -434,15 +434,14 @@ def _triton_verify_check() -> dict:
 
 
 def _triton_add_lora(y0, x, lora_a, lora_b, slots) -> torch.Tensor:
-    """y0 + every sub-projection's delta through triton_ops, the step's slots declared as a forward does."""
-    from vllm_lite.lora import triton_ops
+    """y0 + every sub-projection's delta as a CUDA layer runs it (ops.add_lora_triton), slots declared as a
+    captured forward declares them."""
+    from vllm_lite.lora import ops, triton_ops
 
-    y, rank, offsets = y0.clone(), lora_a.shape[1] // len(lora_b), np.cumsum([0] + [b.shape[1] for b in lora_b])
+    y, offsets = y0.clone(), np.cumsum([0] + [b.shape[1] for b in lora_b])
     triton_ops.set_step_slots(slots)
     try:
-        buf = triton_ops.lora_shrink(x, lora_a, slots)
-        for i, b in enumerate(lora_b):
-            triton_ops.lora_expand(y, buf[:, i * rank : (i + 1) * rank].contiguous(), b, slots, int(offsets[i]))
+        ops.add_lora_triton(triton_ops, y, x, lora_a, lora_b, [int(o) for o in offsets[:-1]], slots)
     finally:
         triton_ops.set_step_slots(None)
     return y
@@ -452,7 +451,7 @@ def _triton_lora_check() -> dict:
     """The Triton LoRA kernels on a padded token batch (slots -1 on padding) against the unpadded one: BGMV
     (<= 16 tokens) and SGMV (with the step's grouping declared on a buffer slice, as a captured forward does)."""
     g = torch.Generator().manual_seed(0)
-    slots_total, rank, d_in, outs = 3, 8, 64, [48, 16]
+    slots_total, rank, d_in, outs = 3, 8, 64, [48, 16, 16]  # three subs (q/k/v): strided views of the buffer
     lora_a = torch.randn(slots_total, len(outs) * rank, d_in, generator=g) / 8
     lora_b = [torch.randn(slots_total, o, rank, generator=g) / 4 for o in outs]
     res = {}
@@ -469,7 +468,7 @@ def _triton_lora_check() -> dict:
             s = int(slots[t])
             if s >= 0:
                 h = lora_a[s] @ x[t]
-                for i, (b, off) in enumerate(zip(lora_b, [0, outs[0]])):
+                for i, (b, off) in enumerate(zip(lora_b, np.cumsum([0, *outs[:-1]]).tolist())):
                     ref[t, off : off + b.shape[1]] += b[s] @ h[i * rank : (i + 1) * rank]
         res[f"T{padded_to}"] = dict(
             real_diff=float((padded[:real] - plain).abs().max()),

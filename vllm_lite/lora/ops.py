@@ -81,8 +81,23 @@ def add_lora(
         else:
             torch_ops.add_lora(y, x, lora_a, lora_b, out_offsets, token_slots, lora_bt=lora_bt)
         return
+    add_lora_triton(mod, y, x, lora_a, lora_b, out_offsets, token_slots)
+
+
+def add_lora_triton(
+    mod: Any,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    out_offsets: list[int],
+    token_slots: torch.Tensor,
+) -> None:
+    """add_lora through the Triton kernels of ``mod`` (triton_ops): one shrink for every sub-projection, then one
+    expand per sub reading its columns of the shrink's buffer as a strided view (the kernels take strides): no
+    copies, so a captured CUDA graph holds 1 + n_sub kernels (plus the buffer's memset) per projection."""
     buf = mod.lora_shrink(x, lora_a, token_slots)
     r = lora_a.shape[1] // len(lora_b)
     for i, (b, off) in enumerate(zip(lora_b, out_offsets)):
-        part = buf if len(lora_b) == 1 else buf[:, i * r : (i + 1) * r].contiguous()
+        part = buf if len(lora_b) == 1 else buf[:, i * r : (i + 1) * r]
         mod.lora_expand(y, part, b, token_slots, off)
