@@ -550,7 +550,7 @@ def test_cuda_ngram_greedy_tokens_identical_with_and_without_verify_graphs(caplo
         assert [_greedy(llm, [p], 40) for p in REPEATING] == eager
         assert _greedy(llm, batch, 40) == eager_pair
     verify = [r for r in replays if r[1] > 1]
-    assert len(verify) >= 5 and (1, 1) in replays, replays  # drafts verified by replaying, and plain decodes too
+    assert len(verify) >= 5 and {n for n, _ in verify} >= {1}, replays  # drafts verified by replaying graphs
 
 
 @needs_cuda
