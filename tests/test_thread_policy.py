@@ -151,3 +151,29 @@ def test_an_idle_spell_others_kept_busy_neither_raises_nor_lowers() -> None:
     host.advance(3.0, 1.85, 0.0)  # busy meanwhile, maybe over now: lowering waits for a window of work
     policy.before_step(host.t)
     assert applied == [] and policy.current == 2
+
+
+def test_the_first_step_counts_a_short_quiet_start_up_window() -> None:
+    """An offline batch's first requests come within a fraction of a second of the core's start: if others left
+    the cores free while it loaded, the first step starts on all of them (not after a second at one thread)."""
+    host, applied = FakeHost(), []
+    policy = AdaptiveThreads(frozenset({0, 1}), 1, applied.append, sample=host.sample, interval_s=0.5)
+    host.advance(0.3, 0.02, 0.9)  # loading the model (own CPU), the frontend waits
+    policy.before_step(host.t)
+    assert applied == [2] and policy.current == 2
+
+
+def test_only_the_first_step_counts_a_short_window_and_a_busy_start_up_raises_nothing() -> None:
+    host, applied = FakeHost(), []
+    policy = AdaptiveThreads(frozenset({0, 1}), 1, applied.append, sample=host.sample, interval_s=0.5)
+    host.advance(0.3, 0.8, 0.9)  # a frontend busy beside the loading core
+    policy.before_step(host.t)
+    assert applied == [] and policy.current == 1
+    policy.maybe_update(host.advance(0.01, 0.8, 0.01))
+    host.advance(0.3, 0.0, 0.0)  # a quiet idle spell shorter than an interval, after the first step
+    policy.before_step(host.t)
+    assert applied == [] and policy.current == 1
+    # Shorter than the start-up minimum (0.1 s) decides nothing either.
+    fresh = AdaptiveThreads(frozenset({0, 1}), 1, applied.append, sample=host.sample, interval_s=0.5)
+    fresh.before_step(host.advance(0.05, 0.0, 0.05))
+    assert applied == [] and fresh.current == 1

@@ -124,6 +124,8 @@ class AdaptiveThreads:
         self._quiet_s = 0.0  # wall time of consecutive samples that asked for more threads
         self._last_log = -float("inf")
         self._last_step_end = self._last.wall_s if self._last is not None else time.monotonic()
+        self._stepped = False  # no step has run yet: the window since construction is the start-up
+        self.min_startup_window_s = min(0.1, interval_s)
         self.changes = 0
 
     def before_step(self, now: Optional[float] = None) -> None:
@@ -134,16 +136,23 @@ class AdaptiveThreads:
         left the cores free through it, the burst starts on them at once instead of one thread for the first
         two intervals (a second or so of a short offline batch). It never lowers the count: what others did
         while the core waited may have ended; a neighbour that is busy now takes the thread back at the first
-        interval (maybe_update drops at once)."""
+        interval (maybe_update drops at once).
+
+        The first step's window is the start-up (the core loading its model, its own CPU time subtracted, while an
+        offline frontend waits for it): it counts from `min_startup_window_s` (0.1 s: ten clock ticks a core)
+        rather than a whole interval, since a benchmark's or an offline batch's first requests come within a
+        fraction of a second of the core's start, and 1 thread of 2 for the first second of a 3-s batch cost
+        ~0.5 s (moe_throughput.py, Zen 4; PROFILE.md)."""
         now = time.monotonic() if now is None else now
-        if now - self._last_step_end <= self.interval_s:
+        first, self._stepped = not self._stepped, True
+        if now - self._last_step_end <= (self.min_startup_window_s if first else self.interval_s):
             return
         before, sample = self._last, self._sample()
         self._quiet_s = 0.0
         if sample is None:
             return
         self._last = sample
-        if before is None or sample.wall_s - before.wall_s < self.interval_s:
+        if before is None or sample.wall_s - before.wall_s < (self.min_startup_window_s if first else self.interval_s):
             return
         others = others_cores(before, sample)
         target = decide(self.current, others, self.cores)
