@@ -120,7 +120,7 @@ def test_int4_kernel_compiles_for_sm90_ahead_of_time(fmt, dtype, g_idx, block_m)
     sig = {"x_ptr": f"*{dtype}", "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": f"*{dtype}"}
     sig.update(g_idx_ptr="*i32", out_ptr=f"*{dtype}" if block_m > 16 else "*fp32")
     sig.update({name: "i32" for name in ("M", "N", "K", "group_size", "stride_xm", "stride_qw", "stride_qz")})
-    sig.update(stride_s="i32", stride_om="i32")
+    sig.update(stride_s="i32", stride_om="i32", split_k="i32")
     block_n, block_k = (64, 64) if block_m <= 32 else (64, 32)
     consts = dict(
         stride_xk=1,
@@ -129,7 +129,7 @@ def test_int4_kernel_compiles_for_sm90_ahead_of_time(fmt, dtype, g_idx, block_m)
         ZERO_OFFSET=1 if fmt == "gptq" else 0,
         HAS_G_IDX=g_idx,
         ONE_GROUP_PER_TILE=not g_idx,
-        SPLIT_K=4 if block_m == 16 else 1,
+        ATOMIC=block_m == 16,
         X_F32=False,
         INTERPRET=False,
         BLOCK_M=block_m,

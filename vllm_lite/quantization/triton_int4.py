@@ -116,7 +116,10 @@ if HAS_TRITON:
             acc += tl.dot(a, w)
         return acc
 
-    @triton.jit
+    # M (the step's row count) and split_k vary from step to step: not specialised on (Triton would otherwise compile
+    # a variant for M == 1, M % 16 == 0, each SPLIT_K value...). The variants left: the block config of _blocks(M)
+    # and ATOMIC (split or not), per dtype and format.
+    @triton.jit(do_not_specialize=["M", "split_k"])
     def _int4_gemm_kernel(
         x_ptr,
         qweight_ptr,
@@ -134,12 +137,13 @@ if HAS_TRITON:
         stride_qz,
         stride_s,
         stride_om,
+        split_k,
         AWQ: tl.constexpr,
         BITS: tl.constexpr,
         ZERO_OFFSET: tl.constexpr,
         HAS_G_IDX: tl.constexpr,
         ONE_GROUP_PER_TILE: tl.constexpr,
-        SPLIT_K: tl.constexpr,
+        ATOMIC: tl.constexpr,
         X_F32: tl.constexpr,
         INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -174,9 +178,9 @@ if HAS_TRITON:
                     n_ok, pid_n, word_n, shift_n, stride_xk, stride_qw, stride_qz, stride_s, AWQ, BITS, ZERO_OFFSET,
                     HAS_G_IDX, ONE_GROUP_PER_TILE, X_F32, INTERPRET, BLOCK_N, BLOCK_K, WIDE_LOAD,
                 )  # fmt: skip
-                k0 += BLOCK_K * SPLIT_K
+                k0 += BLOCK_K * split_k
         else:
-            for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+            for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * split_k):
                 acc = _int4_k_tile(
                     acc, x_rows, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, k0, K, N, group_size, m_ok, offs_n,
                     n_ok, pid_n, word_n, shift_n, stride_xk, stride_qw, stride_qz, stride_s, AWQ, BITS, ZERO_OFFSET,
@@ -184,7 +188,7 @@ if HAS_TRITON:
                 )  # fmt: skip
         out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
-        if SPLIT_K > 1:
+        if ATOMIC:
             tl.atomic_add(out, acc, mask=mask)
         else:
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -273,12 +277,13 @@ def _launch(
         qzeros.stride(0),
         scales.stride(0),
         out.stride(0),
+        split_k,
         AWQ=awq,
         BITS=bits,
         ZERO_OFFSET=zero_offset,
         HAS_G_IDX=g_idx is not None,
         ONE_GROUP_PER_TILE=one_group,
-        SPLIT_K=split_k,
+        ATOMIC=split_k > 1,
         X_F32=x.dtype == torch.float32,
         INTERPRET=bool(envs.TRITON_INTERPRET),
         BLOCK_M=block_m,
