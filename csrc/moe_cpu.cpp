@@ -17,7 +17,8 @@
 // relative from F.linear's. SiLU is torch's: x / (1 + exp(-x)) with the SLEEF exp its vector loop calls.
 //
 // Each weight block is read once per layer call and reused for all of an expert's rows from cache, where a
-// oneDNN call per expert and projection paid its dispatch and re-read for 8-32 rows at decode.
+// oneDNN call per expert and projection paid its dispatch and re-read for 8-32 rows at decode. Each phase gives
+// every thread one contiguous run of items balanced by rows, so a thread streams one stretch of the weights.
 // Vector code by compile-time dispatch through GCC vector extensions: W = 16 (AVX-512), else 8 (AVX2 or
 // portable). Every check runs before any data access and before the parallel region.
 
@@ -31,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -277,8 +279,12 @@ at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at
     for (int64_t b = 0; b < nb; ++b) up_items.emplace_back(x2, b);
     for (int64_t b = 0; b < hb; ++b) down_items.emplace_back(x2, b);
   }
-  std::vector<float> act(static_cast<size_t>(pairs * ip));
-  std::vector<float> y(static_cast<size_t>(pairs * hp));
+  // Scratch without zero-filling (every element read is written first: padding columns included). At a 2048-token
+  // prefill the two buffers are ~19 MB that std::vector would memset on every call.
+  std::unique_ptr<float[]> act_buf(new float[static_cast<size_t>(pairs * ip)]);
+  std::unique_ptr<float[]> y_buf(new float[static_cast<size_t>(pairs * hp)]);
+  float* const act = act_buf.get();
+  float* const y = y_buf.get();
   std::vector<const float*> xrows(pairs);
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
@@ -294,25 +300,45 @@ at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at
   const int num_threads =
       macs < (1 << 18) ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_up)));
 
+  // Each phase's items split into one contiguous run per thread, balanced by rows (an item's cost): a thread then
+  // streams one contiguous stretch of the packed weights (consecutive items' blocks are adjacent), which the
+  // hardware prefetcher follows, where dynamic scheduling had the threads take alternate blocks.
+  std::vector<int64_t> up_cost(n_up + 1, 0), down_cost(n_down + 1, 0);
+  for (int64_t i = 0; i < n_up; ++i)
+    up_cost[i + 1] = up_cost[i] + (start[up_items[i].first + 1] - start[up_items[i].first]);
+  for (int64_t i = 0; i < n_down; ++i)
+    down_cost[i + 1] = down_cost[i] + (start[down_items[i].first + 1] - start[down_items[i].first]);
+  auto run_of = [](const std::vector<int64_t>& cost, int64_t tid, int64_t nt) {
+    const int64_t n = static_cast<int64_t>(cost.size()) - 1, total = cost[n];
+    auto at = [&](int64_t j) {
+      const int64_t target = (total * j + nt / 2) / nt;
+      return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end(), target) - cost.begin());
+    };
+    return std::make_pair(std::min(at(tid), n), std::min(at(tid + 1), n));
+  };
+
 #pragma omp parallel num_threads(num_threads)
   {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_up; ++i) {
+    const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const auto up_run = run_of(up_cost, tid, nt);
+    for (int64_t i = up_run.first; i < up_run.second; ++i) {
       const int64_t ex = up_items[i].first, b = up_items[i].second;
       const int64_t s0 = start[ex], n = start[ex + 1] - s0;
       const int64_t c0 = b * kW;
       const int64_t vec_cols = std::clamp<int64_t>(vec_end - c0, 0, kW);
       const int64_t valid = std::clamp<int64_t>(inter - c0, 0, kW);
-      gate_up_rows<kRows>(xrows.data() + s0, w13 + (ex * nb + b) * h * 2 * kW, h, act.data() + s0 * ip + c0, ip,
+      gate_up_rows<kRows>(xrows.data() + s0, w13 + (ex * nb + b) * h * 2 * kW, h, act + s0 * ip + c0, ip,
                           vec_cols, valid, n);
     }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_down; ++i) {
+#pragma omp barrier
+    const auto down_run = run_of(down_cost, tid, nt);
+    for (int64_t i = down_run.first; i < down_run.second; ++i) {
       const int64_t ex = down_items[i].first, b = down_items[i].second;
       const int64_t s0 = start[ex], n = start[ex + 1] - s0;
-      down_rows<kRows>(act.data() + s0 * ip, ip, w2 + (ex * hb + b) * ip * 2 * kW, ip, y.data() + s0 * hp + b * 2 * kW,
+      down_rows<kRows>(act + s0 * ip, ip, w2 + (ex * hb + b) * ip * 2 * kW, ip, y + s0 * hp + b * 2 * kW,
                        hp, n);
     }
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t tok = 0; tok < t; ++tok) {
       // This token's choices by ascending expert id (k is small: insertion sort).
@@ -329,7 +355,7 @@ at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at
       const float* rows[64];
       float w[64];
       for (int64_t j = 0; j < kk; ++j) {
-        rows[j] = y.data() + slot[tok * k + order[j]] * hp;
+        rows[j] = y + slot[tok * k + order[j]] * hp;
         w[j] = wts[tok * k + order[j]];
       }
       combine_row(rows, w, kk, h, op + tok * h);
