@@ -278,6 +278,18 @@ def exponential_noise(
     return torch.rand(shape, device=device, generator=generator).log_().neg_()
 
 
+def inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
+    """One draw per row of probs [N, K] from one uniform each: the first index whose cumulative mass exceeds u * total.
+
+    Sums in float64; a zero-probability index is never returned (an empty interval, and u * total rounding up to
+    the total is clamped to the last index with mass)."""
+    cum = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cum[:, -1:]
+    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device).mul_(total)
+    choice = torch.searchsorted(cum, u, right=True).squeeze(1)
+    return torch.minimum(choice, cum.argmax(dim=-1))  # argmax: the first index reaching the total
+
+
 def _race(
     logits: torch.Tensor,
     batch_rows: Optional[torch.Tensor],
@@ -289,8 +301,22 @@ def _race(
 
     A seeded row always draws one full [vocab] noise vector from its own generator (gathered at its
     candidate ids when narrowed), so its tokens do not depend on the batch around it.
+
+    On CPU the unseeded rows draw by inverse CDF instead (same distribution, one uniform a row): torch's CPU
+    generator makes the [rows, vocab] noise serially, ~0.1 ms a 32K-token row, 4-5x the rest of the draw.
     """
     probs = logits.softmax(dim=-1)
+    if probs.device.type == "cpu":
+        choice = inverse_cdf_sample(probs)
+        if generators:
+            positions = range(probs.shape[0]) if batch_rows is None else batch_rows.tolist()
+            for local, row in enumerate(positions):
+                gen = generators.get(row)
+                if gen is None:
+                    continue
+                full = exponential_noise(torch.Size([vocab]), probs.device, gen)
+                choice[local] = probs[local].div(full if ids is None else full[ids[local]]).argmax()
+        return choice if ids is None else ids.gather(1, choice.unsqueeze(1)).squeeze(1)
     noise = exponential_noise(probs.shape, probs.device)
     if generators:
         positions = range(probs.shape[0]) if batch_rows is None else batch_rows.tolist()
