@@ -21,8 +21,9 @@ pytestmark = pytest.mark.skipif(
     reason="vllm-lite's CPU kernels are not built here (no compiler)",
 )
 
-# 1 (a lone token), odd lengths off the vector width, 64/65 around a work item's query chunk, 130 over two chunks.
-LENS = [1, 7, 16, 17, 33, 64, 65, 130, 3]
+# 1 (a lone token), odd lengths off the vector width and around the score tile's 32 keys, 300 over two of a work
+# item's 256-row query chunks.
+LENS = [1, 7, 16, 17, 33, 64, 65, 130, 3, 300]
 
 
 def _op():
