@@ -33,6 +33,8 @@ import numpy as np
 import torch
 
 PLACEHOLDER_TOKEN_ID = -1
+# CPU tensors take numpy paths where those are cheaper; tests that count the device path's ops turn this off.
+HOST_FAST_PATHS = True
 
 
 @dataclass
@@ -201,10 +203,37 @@ def greedy_verify(
     return _keep_matching_prefix(_argmax_last(target_logits), draft_token_ids, num_draft_tokens)
 
 
+def greedy_verify_host(
+    target_logits: torch.Tensor, draft_token_ids: np.ndarray, num_draft_tokens: np.ndarray
+) -> RejectionSamplerOutput:
+    """`greedy_verify` with the drafts on the host (int64 numpy [B, k] and [B]) and the result on the host: one
+    argmax over the logits' device, one copy of the [B, k+1] samples back (the step's only sync), the prefix match
+    in numpy. On CUDA that is 1 kernel and 1 copy where the device-side match took ~15 small kernels and two
+    host-to-device copies of the drafts; the runner reads the tokens on the host anyway."""
+    b, k = draft_token_ids.shape
+    if target_logits.dim() != 3 or target_logits.shape[:2] != (b, k + 1):
+        raise ValueError(f"target_logits must be [{b}, {k + 1}, V], got {tuple(target_logits.shape)}.")
+    if num_draft_tokens.shape != (b,):
+        raise ValueError(f"num_draft_tokens must be [{b}], got {tuple(num_draft_tokens.shape)}.")
+    samples = _argmax_last(target_logits).cpu().numpy()
+    return _match_prefix_np(samples, np.asarray(draft_token_ids), np.asarray(num_draft_tokens))
+
+
+def _match_prefix_np(samples: np.ndarray, drafts: np.ndarray, num_draft: np.ndarray) -> RejectionSamplerOutput:
+    """The prefix match of `_keep_matching_prefix` in numpy: samples int64 [B, k+1], drafts [B, k], num_draft [B]."""
+    k = drafts.shape[1]
+    accepted = (samples[:, :k] == drafts) & (np.arange(k)[None, :] < num_draft[:, None])
+    num_accepted = accepted.cumprod(axis=1).sum(axis=1, dtype=np.int64)  # length of the accepted prefix
+    out = np.where(np.arange(k + 1)[None, :] <= num_accepted[:, None], samples, PLACEHOLDER_TOKEN_ID)
+    return RejectionSamplerOutput(
+        output_token_ids=torch.from_numpy(out.astype(np.int64, copy=False)), num_accepted=torch.from_numpy(num_accepted)
+    )
+
+
 def _argmax_last(x: torch.Tensor) -> torch.Tensor:
     """int64 argmax over the last dim (the first maximum on ties, as torch's). On CPU through numpy on a float32
     view: measured 12 vs 94 us for bf16 [6, 4096] logits (torch 2.13, Zen 4), 3 vs 22 us in float32."""
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or not HOST_FAST_PATHS:
         return x.argmax(dim=-1)
     return torch.from_numpy(x.float().numpy().argmax(axis=-1).astype(np.int64, copy=False))
 
@@ -214,7 +243,9 @@ def _keep_matching_prefix(
 ) -> RejectionSamplerOutput:
     """sampled int64 [B, k+1] (one token per position): keep the drafts while they equal the samples, then the
     sample at the first mismatch (or the bonus after the last draft)."""
-    if sampled.device.type == "cpu":  # a handful of numpy calls: several times cheaper than torch ops at small batch
+    if (
+        sampled.device.type == "cpu" and HOST_FAST_PATHS
+    ):  # a handful of numpy calls: several times cheaper than torch ops at small batch
         return _keep_matching_prefix_host(sampled, draft_token_ids, num_draft_tokens)
     return _keep_matching_prefix_torch(sampled, draft_token_ids, num_draft_tokens)
 
@@ -239,16 +270,7 @@ def _keep_matching_prefix_host(
     sampled: torch.Tensor, draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor
 ) -> RejectionSamplerOutput:
     """`_keep_matching_prefix` for CPU tensors, in numpy (the same result)."""
-    k = draft_token_ids.shape[1]
-    samples = sampled.numpy()
-    drafts = draft_token_ids.cpu().numpy()
-    num_draft = num_draft_tokens.cpu().numpy()
-    accepted = (samples[:, :k] == drafts) & (np.arange(k)[None, :] < num_draft[:, None])
-    num_accepted = accepted.cumprod(axis=1).sum(axis=1, dtype=np.int64)  # length of the accepted prefix
-    out = np.where(np.arange(k + 1)[None, :] <= num_accepted[:, None], samples, PLACEHOLDER_TOKEN_ID)
-    return RejectionSamplerOutput(
-        output_token_ids=torch.from_numpy(out.astype(np.int64, copy=False)), num_accepted=torch.from_numpy(num_accepted)
-    )
+    return _match_prefix_np(sampled.numpy(), draft_token_ids.cpu().numpy(), num_draft_tokens.cpu().numpy())
 
 
 def _match_sample(

@@ -394,7 +394,11 @@ class GPUModelRunner:
         req_ids = [inputs.req_ids[i] for i in s_idx.tolist()]
         drafts, num_draft = SpecDecodeStep.draft_table(so, req_ids)
         positions = SpecDecodeStep.logits_positions(inputs, s_idx, num_draft).reshape(-1)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(positions).to(self.device)])
+        if len(positions) and bool((np.diff(positions) == 1).all()):  # consecutive (a uniform verify step): a view
+            rows = hidden[int(positions[0]) : int(positions[0]) + len(positions)]
+        else:
+            rows = hidden[torch.from_numpy(positions).to(self.device)]
+        logits = self.model.compute_logits(rows)
         s_rows = inputs.rows[s_idx]
         tokens, lp = None, None
         if self.is_driver:

@@ -29,7 +29,7 @@ from vllm_lite.config import VllmConfig
 from vllm_lite.spec_decode.draft_budget import DraftBudget
 from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
-from vllm_lite.spec_decode.rejection_sampler import greedy_verify, rejection_sample_rows
+from vllm_lite.spec_decode.rejection_sampler import greedy_verify_host, rejection_sample_rows
 from vllm_lite.worker.attention.backend import AttentionBackend
 from vllm_lite.worker.draft_model import DraftModel
 from vllm_lite.worker.input_batch import InputBatch
@@ -323,17 +323,20 @@ class SpecDecodeStep:
         draft_probs: Optional[torch.Tensor] = None,
         has_draft_probs: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[LogprobsTensors]]:
-        """Driver only. logits [S*(K+1), V] -> (tokens int64 [S, K+1] with -1 padding, logprobs per emitted token).
+        """Driver only. logits [S*(K+1), V] -> (tokens int64 [S, K+1] with -1 padding, logprobs per emitted token);
+        the tokens may be on the host (all-greedy rows) or on the logits' device.
         bitmask: int32 [S*(K+1), W], each verified position's grammar row (`grammar_rows`), or None.
 
         draft_probs [S, K, V] with has_draft_probs [S]: the rows' sampled-proposal distributions q (other rows, and
         all rows when None, are point masses)."""
         s, k = drafts.shape
         device = logits.device
-        drafts_t, num_draft_t = torch.from_numpy(drafts).to(device), torch.from_numpy(num_draft).to(device)
-        if md.all_greedy and bitmask is None and not changes_argmax(md):  # argmax and compare, nothing else
-            out = greedy_verify(logits.view(s, k + 1, -1), drafts_t, num_draft_t)
+        if md.all_greedy and bitmask is None and not changes_argmax(md):
+            # Argmax and compare, nothing else: the argmax comes back (the step's one sync) and the drafts never
+            # go to the device; the tokens are host data, which the runner reads.
+            out = greedy_verify_host(logits.view(s, k + 1, -1), drafts, num_draft)
         else:
+            drafts_t, num_draft_t = torch.from_numpy(drafts).to(device), torch.from_numpy(num_draft).to(device)
             target, greedy = target_distributions(logits, md, bitmask, k + 1, drafts_t, num_draft_t)
             out = rejection_sample_rows(
                 drafts_t, num_draft_t, draft_probs, has_draft_probs, target, greedy, md.generators
@@ -341,10 +344,10 @@ class SpecDecodeStep:
         tokens = out.output_token_ids
         lp = None
         if md.max_num_logprobs is not None:
-            emitted = tokens >= 0
-            flat_rows = torch.arange(s * (k + 1), device=device).view(s, k + 1)[emitted]
-            raw = torch.log_softmax(logits[flat_rows].float(), dim=-1)
-            lp = gather_logprobs(raw, tokens[emitted], min(md.max_num_logprobs, logits.shape[1]))
+            emitted = tokens >= 0  # on the tokens' side (host tokens: no device mask, no sync)
+            flat_rows = torch.arange(s * (k + 1), device=tokens.device).view(s, k + 1)[emitted]
+            raw = torch.log_softmax(logits[flat_rows.to(device)].float(), dim=-1)
+            lp = gather_logprobs(raw, tokens[emitted].to(device), min(md.max_num_logprobs, logits.shape[1]))
         return tokens, lp
 
     # ------------------------------------------------------------------ after sampling
