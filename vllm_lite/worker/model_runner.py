@@ -348,6 +348,7 @@ class GPUModelRunner:
         pooling, LoRA, speculation or the profiling pass (which reads every row or sizes for the worst case)."""
         if (
             so is None
+            or inputs.num_tokens == inputs.num_reqs  # one row a request (decode): every row samples
             or self.dtype == torch.float32
             or self.pooler is not None
             or self.spec_decode is not None
