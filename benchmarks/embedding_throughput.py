@@ -4,7 +4,8 @@ Same checkpoint, same texts, same run: a sentence-transformers BERT (default: al
 384 hidden, random weights, mean pooling + Normalize; or `--model DIR`). Texts are spans of Python's pydoc text,
 lengths uniform in words (fixed seed). Each side is warmed up, then timed over all texts including tokenization:
 `--repeats` rounds, each timing every side once in turn (interleaved, so a shared host's load changes hit all sides
-alike); the fastest pass per side and each round's ratio (with their median) are reported, with the load average
+alike), after one untimed pass of each over all texts (the first full-size pass of either side ran slow on this
+host: PROFILE.md, embeddings, HE); the fastest pass per side and each round's ratio (with their median) are reported, with the load average
 at start and end.
 sentence-transformers runs `encode` at its defaults (batch 32, its own length sorting); HF runs AutoModel over
 padded batches of `--hf-batch` in input order, mean-pools by the mask and normalises. Both run here at torch's
@@ -175,6 +176,9 @@ def main() -> None:
     hf = None if args.skip_hf else side_hf(model, texts, args.hf_batch, here_threads)
     sides = [ours] + [x for x in (st, hf) if isinstance(x, Side)]
     try:
+        for side in sides[1:]:  # every side's first full pass untimed (ours had its in side_ours)
+            torch.set_num_threads(side.threads)
+            side.run()
         for _ in range(args.repeats):  # interleaved: each round times every side once, under the same load
             for side in sides:
                 side.timed()
