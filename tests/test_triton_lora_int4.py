@@ -115,6 +115,18 @@ def test_lora_kernel_compiles_for_sm90_ahead_of_time(kernel, role, w):
         assert "mma" in ptx, "the SGMV kernel's half-precision dot should use tensor cores"
 
 
+def test_fused_sub_expand_compiles_for_sm90_ahead_of_time():
+    # One BGMV launch for every sub-projection of a fused layer (ops.add_lora_triton via lora_expand_subs).
+    sig = {"in_ptr": "*fp32", "w0_ptr": "*bf16", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16"}
+    sig.update(slots_ptr="*i32")
+    for name in ("num_slots", "n_out", "rank", "start1", "start2", "stride_in_t", "stride_w0_s", "stride_w1_s"):
+        sig[name] = "i32"
+    sig.update(stride_w2_s="i32", stride_w_n="i32", stride_out_t="i32")
+    consts = dict(stride_in_k=1, stride_w_k=1, stride_out_n=1, BLOCK_N=64, BLOCK_K=16)
+    compiled = _compile_sm90(triton_ops._bgmv_expand_subs_kernel, sig, consts)
+    assert compiled.asm["cubin"]
+
+
 @pytest.mark.parametrize("fmt,dtype,g_idx,block_m", [("awq", "fp16", False, 16), ("gptq", "bf16", True, 64)])
 def test_int4_kernel_compiles_for_sm90_ahead_of_time(fmt, dtype, g_idx, block_m):
     sig = {"x_ptr": f"*{dtype}", "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": f"*{dtype}"}

@@ -94,10 +94,15 @@ def add_lora_triton(
     token_slots: torch.Tensor,
 ) -> None:
     """add_lora through the Triton kernels of ``mod`` (triton_ops): one shrink for every sub-projection, then one
-    expand per sub reading its columns of the shrink's buffer as a strided view (the kernels take strides): no
-    copies, so a captured CUDA graph holds 1 + n_sub kernels (plus the buffer's memset) per projection."""
+    expand for all the subs when they sit side by side and BGMV runs (``lora_expand_subs``), else one per sub reading
+    its columns of the shrink's buffer as a strided view (the kernels take strides): no copies, so a captured CUDA
+    graph holds 2 kernels (plus the buffer's memset) per projection, where the per-sub loop held 1 + n_sub."""
     buf = mod.lora_shrink(x, lora_a, token_slots)
     r = lora_a.shape[1] // len(lora_b)
+    adjacent = all(out_offsets[i] + lora_b[i].shape[1] == out_offsets[i + 1] for i in range(len(lora_b) - 1))
+    expand_subs = getattr(mod, "lora_expand_subs", None)
+    if adjacent and expand_subs is not None and expand_subs(y, buf, lora_b, token_slots, out_offsets[0]):
+        return  # every sub in one launch (q|k|v, gate|up)
     for i, (b, off) in enumerate(zip(lora_b, out_offsets)):
         part = buf if len(lora_b) == 1 else buf[:, i * r : (i + 1) * r]
         mod.lora_expand(y, part, b, token_slots, off)

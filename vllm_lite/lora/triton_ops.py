@@ -271,6 +271,85 @@ if HAS_TRITON:
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _bgmv_expand_subs_kernel(
+        in_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, slots_ptr, num_slots, n_out, rank, start1, start2,
+        stride_in_t, stride_in_k, stride_w0_s, stride_w1_s, stride_w2_s, stride_w_n, stride_w_k, stride_out_t,
+        stride_out_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """y[t, n] += sum_r in[t, sub(n) * rank + r] * w_sub(n)[slot(t), n - start(sub(n)), r] for the (up to 3)
+        sub-projections laid side by side in y's columns [0, n_out): sub 1 starts at column start1, sub 2 at
+        start2 (n_out when absent). One launch expands every sub of a fused projection (q|k|v, gate|up)."""
+        t = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if (slot < 0) | (slot >= num_slots):
+            return
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_out
+        sub = (offs_n >= start1).to(tl.int32) + (offs_n >= start2).to(tl.int32)
+        local_n = offs_n - tl.where(sub == 0, 0, tl.where(sub == 1, start1, start2))
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        k0 = 0
+        while k0 < rank:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < rank
+            ok = n_ok[:, None] & k_ok[None, :]
+            w_off = local_n[:, None] * stride_w_n + offs_k[None, :] * stride_w_k
+            s0 = sub[:, None] == 0
+            s1 = sub[:, None] == 1
+            s2 = sub[:, None] == 2
+            w = tl.load(w0_ptr + slot * stride_w0_s + w_off, mask=ok & s0, other=0.0)
+            w += tl.load(w1_ptr + slot * stride_w1_s + w_off, mask=ok & s1, other=0.0)
+            w += tl.load(w2_ptr + slot * stride_w2_s + w_off, mask=ok & s2, other=0.0)
+            a = tl.load(
+                in_ptr + t * stride_in_t + (sub[:, None] * rank + offs_k[None, :]) * stride_in_k, mask=ok, other=0.0
+            )
+            a = a.to(w.dtype).to(tl.float32)  # the float32 buffer rounded to the weights' dtype, as _bgmv_k_tile
+            acc += tl.sum(w.to(tl.float32) * a, axis=1)
+            k0 += BLOCK_K
+        out = out_ptr + t * stride_out_t + offs_n * stride_out_n
+        prev = tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out, (prev + acc).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def lora_expand_subs(y: torch.Tensor, buf: torch.Tensor, lora_b: list[torch.Tensor], token_slots: torch.Tensor,
+                     out_offset: int) -> bool:  # fmt: skip
+    """y[:, out_offset:] += every sub's buf columns @ its B (``lora_expand`` of each sub in turn, in ONE launch)
+    when the subs' outputs are adjacent from out_offset, there are at most 3, the step takes BGMV and the B's
+    share their row/column strides; returns False (nothing done) otherwise, for the caller's per-sub loop."""
+    n_sub = len(lora_b)
+    if not 1 < n_sub <= 3 or _resolve_method(None, y.shape[0]) != "bgmv" or y.shape[0] == 0:
+        return False
+    b0 = lora_b[0]
+    if any(b.stride()[1:] != b0.stride()[1:] or b.shape[0] != b0.shape[0] or b.shape[2] != b0.shape[2] for b in lora_b):
+        return False
+    rank = b0.shape[2]
+    if buf.dim() != 2 or buf.shape[1] != n_sub * rank or buf.shape[0] != y.shape[0]:
+        return False
+    sizes = [b.shape[1] for b in lora_b]
+    n_out = sum(sizes)
+    if out_offset < 0 or out_offset + n_out > y.shape[1]:
+        raise ValueError(f"out_offset {out_offset} + the subs' {n_out} rows exceed y's {y.shape[1]} columns")
+    _check_slots(token_slots, y.shape[0])
+    _check_device(y, buf, *lora_b, token_slots)
+    start1 = sizes[0]
+    start2 = sizes[0] + sizes[1] if n_sub == 3 else n_out
+    w = list(lora_b) + [b0] * (3 - n_sub)  # unread past n_sub (start2 == n_out)
+    target = y[:, out_offset : out_offset + n_out]
+    block_n = _pow2_block(n_out, 16, 64)
+    block_k = _pow2_block(rank, 16, 64)
+    grid = (y.shape[0], triton.cdiv(n_out, block_n))
+    _bgmv_expand_subs_kernel[grid](
+        buf, w[0], w[1], w[2], target, token_slots, b0.shape[0], n_out, rank, start1, start2,
+        buf.stride(0), buf.stride(1), w[0].stride(0), w[1].stride(0), w[2].stride(0), b0.stride(1), b0.stride(2),
+        target.stride(0), target.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return True
+
+
 def _interpreting() -> bool:
     return bool(envs.TRITON_INTERPRET)
 
