@@ -119,7 +119,7 @@ def main() -> None:
     if hf["threads"] != core_threads:
         hf_cfg.declared["threads"] = (
             "HF runs at torch's default thread count in its own process; the engine core at its "
-            "policy (all cores but one, the last left to the frontend)"
+            "adaptive policy (every core it may use on an idle host, one fewer beside a busy process)"
         )
     check_fair(engine_cfg, [hf_cfg])
     print(

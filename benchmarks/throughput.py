@@ -137,7 +137,7 @@ def hf_baseline(args: argparse.Namespace, vocab: int, core_threads: int) -> tupl
     if hf["threads"] != core_threads:
         hf_cfg.declared["threads"] = (
             "HF runs at torch's default thread count in its own process; the engine core at its "
-            "policy (all cores but one, the last left to the frontend)"
+            "adaptive policy (every core it may use on an idle host, one fewer beside a busy process)"
         )
     return hf, hf_cfg
 

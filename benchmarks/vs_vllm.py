@@ -61,8 +61,8 @@ def matmul_params(cfg: dict) -> int:
 
 
 def core_threads() -> int:
-    """The engine core's starting torch threads under vllm-lite's policy: all usable cores but one (it then
-    follows what other processes use, core/thread_policy.py)."""
+    """The engine core's fewest torch threads under vllm-lite's adaptive policy: all usable cores but one, what it
+    keeps beside a busy process. On an idle host it runs every core from its first step (core/thread_policy.py)."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
@@ -421,7 +421,8 @@ def main() -> None:
         "repeats": args.repeats,
         "host": host,
         "load_avg_at_end": os.getloadavg(),
-        "engine_core_threads": args.lite_num_threads or f"adaptive from {threads} (core/thread_policy.py)",
+        "engine_core_threads": args.lite_num_threads
+        or f"adaptive {threads}-{len(os.sched_getaffinity(0))} (core/thread_policy.py)",
         "matmul_tflops": limit,
     }
     for e in engines:

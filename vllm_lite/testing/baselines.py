@@ -81,14 +81,16 @@ def check_fair(engine: RunConfig, baselines: Sequence[RunConfig]) -> None:
 
 
 def engine_core_threads(num_threads: Optional[int]) -> int:
-    """The engine core's torch threads on CPU: --num-threads, else all cores it may use but one (its policy)."""
+    """The engine core's torch threads on CPU: --num-threads, else every core it may use. That is what its adaptive
+    policy (core/thread_policy.py) computes with from the first step on a host where nothing else runs, as in these
+    benchmarks: start-up counts as an idle spell. It keeps one core fewer only beside a busy process."""
     if num_threads is not None:
         return num_threads
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, cores - 1)
+    return max(1, cores)
 
 
 def run_json_subprocess(argv: list[str], timeout_s: Optional[float] = None) -> dict[str, Any]:
