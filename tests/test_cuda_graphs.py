@@ -28,6 +28,7 @@ from vllm_lite.config import CompilationConfig
 from vllm_lite.engine_args import EngineArgs
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.testing.checkpoints import get_checkpoint
+from vllm_lite.testing.cpu_runner import cpu_runner
 from vllm_lite.worker.cuda_graphs import (
     NULL_BLOCK,
     PER_GRAPH_BYTES,
@@ -218,21 +219,7 @@ def test_llm_takes_enforce_eager_and_cpu_never_captures() -> None:
 
 # ---------------------------------------------------------------------------------------------- CPU runner
 def _runner(dtype: str = "float32", max_num_seqs: int = 8, **kwargs):
-    from vllm_lite.worker.model_runner import GPUModelRunner
-
-    config = EngineArgs(
-        model=get_checkpoint("llama"),
-        device="cpu",
-        dtype=dtype,
-        max_model_len=BLOCKS_PER_REQ * BLOCK_SIZE,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=256,
-        block_size=BLOCK_SIZE,
-        **kwargs,
-    ).create_engine_config()
-    runner = GPUModelRunner(config, torch.device("cpu"))
-    runner.initialize_kv_cache(1 + max_num_seqs * BLOCKS_PER_REQ, 0)  # block 0: the pool's null block
-    return runner
+    return cpu_runner(BLOCK_SIZE, BLOCKS_PER_REQ, dtype, max_num_seqs, **kwargs)
 
 
 def _prefill(runner, prompts: list[list[int]], first: int = 0):

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_lite.engine_args import EngineArgs
 from vllm_lite.lora.request import LoRARequest
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.testing.checkpoints import get_checkpoint
+from vllm_lite.testing.cpu_runner import cpu_runner
+from vllm_lite.testing.device_ops import install_stand_in_graphs
 from vllm_lite.testing.lora_checkpoints import AdapterSpec, build_lora_adapter
 from vllm_lite.worker.cuda_graphs import (
     NULL_BLOCK,
@@ -78,21 +79,7 @@ def test_a_step_replays_the_graph_of_its_uniform_query_length() -> None:
 
 
 def _runner(dtype: str = "float32", max_num_seqs: int = 8, **kwargs):
-    from vllm_lite.worker.model_runner import GPUModelRunner
-
-    config = EngineArgs(
-        model=get_checkpoint("llama"),
-        device="cpu",
-        dtype=dtype,
-        max_model_len=BLOCKS_PER_REQ * BLOCK_SIZE,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=256,
-        block_size=BLOCK_SIZE,
-        **kwargs,
-    ).create_engine_config()
-    runner = GPUModelRunner(config, torch.device("cpu"))
-    runner.initialize_kv_cache(1 + max_num_seqs * BLOCKS_PER_REQ, 0)  # block 0: the pool's null block
-    return runner
+    return cpu_runner(BLOCK_SIZE, BLOCKS_PER_REQ, dtype, max_num_seqs, **kwargs)
 
 
 def _prefill(runner, prompts: list[list[int]], loras: Optional[list[Optional[LoRARequest]]] = None):
@@ -249,35 +236,10 @@ def test_padded_lora_step_gives_the_real_rows_the_unpadded_result(tmp_path, draf
 
 
 # ---------------------------------------------------------------------------------------------- stand-in replay
-class _EagerGraph:
-    """Stands in for a captured CUDAGraph on CPU: replay runs the forward over the persistent buffers."""
-
-    def __init__(self, graphs: CudaDecodeGraphs, key: tuple[int, int], replays: list) -> None:
-        self.graphs, self.key, self.replays = graphs, key, replays
-
-    def replay(self) -> None:
-        self.replays.append(self.key)
-        self.graphs.outputs[self.key] = self.graphs._forward(self.key)
-
-
 def _install_stand_ins(llm, keys: list[tuple[int, int]], lora: bool = False) -> tuple[CudaDecodeGraphs, list]:
     runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
     replays: list = []
-    g = CudaDecodeGraphs(
-        runner.model,
-        runner.backend,
-        runner.device,
-        [b for b, q in keys if q == 1],
-        runner.block_size,
-        runner.max_blocks_per_req,
-        runner.max_model_len,
-        keys=keys,
-        lora_state=runner.lora_manager.state if lora else None,
-    )
-    for key in g.keys:
-        g.graphs[key] = _EagerGraph(g, key, replays)  # type: ignore[assignment]
-    runner.cuda_graphs = g
-    return g, replays
+    return install_stand_in_graphs(runner, keys, lora, replays), replays
 
 
 def _greedy(llm, prompts, max_tokens: int = 24, loras=None) -> list[list[int]]:

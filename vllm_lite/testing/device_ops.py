@@ -23,7 +23,7 @@ import contextlib
 import traceback
 import weakref
 from collections import Counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -162,19 +162,25 @@ class DeviceOpCounter(TorchDispatchMode):
 
 
 # ---------------------------------------------------------------------------------------------- runner steps
-class _EagerGraph:
-    """A stand-in for a captured graph on CPU: replay runs the same forward eagerly into the graph's output."""
+class StandInGraph:
+    """A stand-in for a captured graph on CPU: replay runs the same forward eagerly into the graph's output, and
+    notes its key in ``replays`` when given one (tests count which graphs a step replayed)."""
 
-    def __init__(self, graphs: Any, key: tuple[int, int]) -> None:
-        self.graphs, self.key = graphs, key
+    def __init__(self, graphs: Any, key: tuple[int, int], replays: Optional[list] = None) -> None:
+        self.graphs, self.key, self.replays = graphs, key, replays
 
     def replay(self) -> None:
+        if self.replays is not None:
+            self.replays.append(self.key)
         self.graphs.outputs[self.key] = self.graphs._forward(self.key)
 
 
-def install_stand_in_graphs(runner: Any, keys: list[tuple[int, int]], lora: bool = False) -> None:
+def install_stand_in_graphs(
+    runner: Any, keys: list[tuple[int, int]], lora: bool = False, replays: Optional[list] = None
+) -> Any:
     """Give a CPU runner CUDA-graph stand-ins for `keys` (batch, q): its uniform steps take the replay path the GPU
-    takes (persistent-buffer copies, one 'replay'), which `count_steps` counts like the GPU's (forward excluded)."""
+    takes (persistent-buffer copies, one 'replay'), which `count_steps` counts like the GPU's (forward excluded).
+    Returns the runner's new CudaDecodeGraphs; each replay's key is appended to ``replays`` when given."""
     from vllm_lite.worker.cuda_graphs import CudaDecodeGraphs
 
     g = CudaDecodeGraphs(
@@ -189,8 +195,9 @@ def install_stand_in_graphs(runner: Any, keys: list[tuple[int, int]], lora: bool
         lora_state=runner.lora_manager.state if lora else None,
     )
     for key in g.keys:
-        g.graphs[key] = _EagerGraph(g, key)  # type: ignore[assignment]
+        g.graphs[key] = StandInGraph(g, key, replays)  # type: ignore[assignment]
     runner.cuda_graphs = g
+    return g
 
 
 class StepRecord:
