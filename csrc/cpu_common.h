@@ -27,21 +27,28 @@ inline void store_f32(float v, float* dst) { *dst = v; }
 // c10's constructor rounds to nearest-even, the same rounding torch uses for .to(bfloat16).
 inline void store_f32(float v, c10::BFloat16* dst) { *dst = c10::BFloat16(v); }
 
+// exp(x) / 2^n for n = round(x / ln2): x - n ln2 (in two parts, exact enough) into a degree-6 polynomial
+// (Cephes coefficients). T is float or a GCC float vector (encoder_attn_cpu.cpp's exp_v), so both share it.
+template <class T>
+inline T exp_reduced(T x, T n) {
+  T r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  T p = T{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp(x) by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes coefficients).
 // Branch-free so the compiler vectorises the softmax loops; relative error ~2 ulp for x in [-87, 88].
 inline float fast_exp(float x) {
   x = x < -87.0f ? -87.0f : x;
   x = x > 88.0f ? 88.0f : x;
   const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const float p = exp_reduced(x, n);
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));

@@ -119,15 +119,7 @@ inline vf exp_v(vf x) {
   n += __builtin_convertvector(n, vf) > t;  // truncation rounded a negative t up: one down (true is -1)
   const vf nf = __builtin_convertvector(n, vf);
 #endif
-  vf r = xc - nf * 0.693359375f;
-  r = r + nf * 2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const vf p = exp_reduced(xc, nf);
 #ifdef __AVX512F__
   const vf e = (vf)_mm512_scalef_ps((__m512)p, (__m512)nf);
 #else
