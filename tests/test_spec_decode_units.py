@@ -197,6 +197,44 @@ def test_ngram_row_search_straddling_byte_match() -> None:
     assert NgramProposer(2, 2, 2).propose_lists([[1, 0, 9, 256, 0, 512, 7, 1, 0]]) == [[9, 256]]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    histories=st.lists(st.lists(st.integers(0, 3), max_size=30), min_size=1, max_size=5),
+    sampling=st.lists(st.booleans(), min_size=5, max_size=5),
+    max_model_len=st.one_of(st.none(), st.integers(31, 36)),
+)
+def test_spec_step_small_batch_proposals_equal_the_vectorised_path(histories, sampling, max_model_len) -> None:
+    """SpecDecodeStep's per-row path (propose_row on the persistent buffer's rows, lists out) proposes what the
+    vectorised [B, W] path proposes, batch rule included; propose_row alone is the naive definition."""
+    from types import SimpleNamespace
+
+    from vllm_lite.worker.spec_decode_step import SpecDecodeStep
+
+    rng = np.random.default_rng(len(histories))
+    buf = rng.integers(0, 3, size=(8, 40)).astype(np.int64)  # junk past each row's history
+    rows = np.sort(rng.choice(8, size=len(histories), replace=False))
+    for r, h in zip(rows, histories):
+        buf[r, : len(h)] = h
+    num_tokens = np.zeros(8, dtype=np.int64)
+    num_tokens[rows] = [len(h) for h in histories]
+    batch = SimpleNamespace(token_ids=buf, num_tokens=num_tokens)
+    n = len(histories)
+    inputs = SimpleNamespace(num_reqs=n, num_tokens=n, req_ids=[f"r{i}" for i in range(n)], rows=rows)
+    s_idx = np.nonzero(sampling[: len(histories)])[0]
+    outs = []
+    for row_search_max_batch in (64, 0):
+        step = SpecDecodeStep.__new__(SpecDecodeStep)
+        step.proposer = NgramProposer(4, 1, 3, max_model_len)
+        step.proposer.row_search_max_batch = row_search_max_batch
+        step.budget = DraftBudget(4)
+        step.draft, step.lengths, step.disable_by_batch_size, step._step_drafts = None, None, None, 0
+        outs.append(step.propose(batch, inputs, s_idx))
+    assert outs[0] == outs[1]
+    proposer = NgramProposer(4, 1, 3, max_model_len)
+    for r, h in zip(rows, histories):
+        assert proposer.propose_row(buf[r], len(h)) == naive_ngram(h, 4, 1, 3, max_model_len)
+
+
 def test_ngram_reads_only_each_rows_history_in_a_persistent_buffer() -> None:
     """The runner passes its [max_num_reqs, max_model_len] buffer: stale tokens past num_tokens must not match."""
     rng = np.random.default_rng(0)

@@ -112,18 +112,26 @@ class NgramProposer:
         counts[:] = take.sum(axis=1)
         return NgramProposal(drafts, counts)
 
+    def propose_row(self, row: np.ndarray, n: int) -> list[int]:
+        """One request's proposal from its history `row[:n]` (a row of the runner's persistent buffer, read in
+        place), as a list: the small-batch path without `propose`'s [B, k] tables and checks (the same tokens)."""
+        return self._search_row(row, n).tolist()
+
     def _search_row(self, row: np.ndarray, n: int) -> np.ndarray:
         """One request's proposal from its history row[:n]: for n-gram sizes from max_n down to min_n, the latest
         earlier occurrence of its last m tokens, found by `bytes.rfind` over the history's bytes (a match at an
-        offset that is not a whole token is skipped by searching again before it)."""
+        offset that is not a whole token is skipped by searching again before it). The history is copied to bytes
+        once per call (n * itemsize bytes: ~0.1 us at 512 int64 tokens); the search itself runs in C, latest
+        occurrence first, and stops at the first whole-token match of the longest n-gram that has one."""
         budget = self.k if self.max_model_len is None else min(self.k, self.max_model_len - n)
         if budget <= 0 or n < self.min_n + 1:
             return row[:0]
-        hist = np.ascontiguousarray(row[:n])
+        hist = row[:n] if row.flags.c_contiguous else np.ascontiguousarray(row[:n])
         size = hist.itemsize
         haystack = hist[: n - 1].tobytes()  # an occurrence must end before the history's last token
+        tail = hist[n - min(self.max_n, n - 1) :].tobytes()  # the longest suffix; shorter ones are its tails
         for m in range(min(self.max_n, n - 1), self.min_n - 1, -1):
-            needle = hist[n - m :].tobytes()
+            needle = tail[len(tail) - m * size :]
             end = len(haystack)
             while (pos := haystack.rfind(needle, 0, end)) >= 0:
                 if pos % size == 0:

@@ -377,14 +377,31 @@ class SpecDecodeStep:
         out: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
         if len(s_idx) == 0:
             return out
-        req_ids = [inputs.req_ids[i] for i in s_idx.tolist()]
+        idx = s_idx.tolist()
+        req_ids = [inputs.req_ids[i] for i in idx]
         if not self.budget.should_search(len(req_ids), inputs.num_reqs):
             return out  # the expected gain did not pay for a verify step lately: no lookup, a plain step next
         rows = inputs.rows[s_idx]
+        proposer = self.proposer
+        if len(idx) <= proposer.row_search_max_batch:
+            # A few requests: each one's substring search straight on its row of the persistent buffer (no
+            # [B, W] copy of the histories, no [B, k] tables), lists out.
+            token_ids = batch.token_ids
+            found = [
+                proposer.propose_row(token_ids[r], n) for r, n in zip(rows.tolist(), batch.num_tokens[rows].tolist())
+            ]
+            if len(idx) == 1 and not self.budget.disabled(inputs.num_reqs):
+                out[idx[0]] = found[0]  # batch 1 keeps what it found (DraftBudget.trim)
+                return out
+            counts = self.budget.trim(req_ids, np.fromiter(map(len, found), np.int64, len(found)), inputs.num_reqs)
+            for i, drafts, n in zip(idx, found, counts.tolist()):
+                if n:
+                    out[i] = drafts[:n]
+            return out
         num_tokens = batch.num_tokens[rows]
-        proposal = self.proposer.propose(batch.token_ids[rows, : int(num_tokens.max())], num_tokens)
+        proposal = proposer.propose(batch.token_ids[rows, : int(num_tokens.max())], num_tokens)
         counts = self.budget.trim(req_ids, proposal.num_draft_tokens, inputs.num_reqs)
-        for i, row, n in zip(s_idx.tolist(), proposal.draft_token_ids, counts.tolist()):
+        for i, row, n in zip(idx, proposal.draft_token_ids, counts.tolist()):
             if n:
                 out[i] = row[:n].tolist()
         return out
