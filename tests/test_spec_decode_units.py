@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.spec_decode import draft_budget
 from vllm_lite.spec_decode.draft_budget import DraftBudget
 from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
@@ -602,3 +603,66 @@ def test_penalty_tables_count_the_drafts_before_each_position() -> None:
             for t, c in zip(ids[row].tolist(), got[row].tolist()):
                 assert table.setdefault(t, c) == c, "copies of a token must carry one count"
             assert table == want, (r, j)
+
+
+# ---------------------------------------------------------------------------------------------- recording a verify step
+RECORD_PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3),
+    SamplingParams(temperature=1.0, _bad_words_token_ids=[[14], [15, 16]]),
+    SamplingParams(temperature=0.8, top_k=5),
+]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(st.integers(0, len(RECORD_PARAMS) - 1), st.integers(1, 23), st.integers(0, 3)),
+        min_size=1,
+        max_size=4,
+    ),
+    data=st.data(),
+)
+def test_record_emitted_equals_one_record_sampled_per_column(reqs, data) -> None:
+    """A verify step's emitted tokens recorded at once (record_emitted) leave the batch exactly as one
+    record_sampled call per column does: token rows, counts (past max_model_len too), output counts, bad-word
+    history and penalty tables."""
+    from vllm_lite.worker.input_batch import InputBatch
+    from vllm_lite.worker.spec_decode_step import record_emitted
+    from vllm_lite.worker.step import NewRequestData
+
+    vocab, max_len, k = 32, 24, 3
+    batches = [InputBatch(4, max_len, 6, vocab, torch.device("cpu")) for _ in range(2)]
+    rng = np.random.default_rng(len(reqs))
+    for i, (p, n_prompt, n_out) in enumerate(reqs):
+        prompt = rng.integers(0, vocab, size=n_prompt).tolist()
+        outputs = rng.integers(0, vocab, size=min(n_out, max_len - n_prompt)).tolist()
+        for b in batches:
+            b.add_request(NewRequestData(f"r{i}", prompt, outputs, RECORD_PARAMS[p], [1], 0, 2))
+    rows = np.array(sorted(batches[0].req_id_to_row[f"r{i}"] for i in range(len(reqs))), dtype=np.int64)
+    order = np.array(data.draw(st.permutations(list(range(len(rows))))), dtype=np.int64)
+    rows = rows[order]
+    num_emitted = np.array(data.draw(st.lists(st.integers(1, k + 1), min_size=len(rows), max_size=len(rows))))
+    table = rng.integers(0, vocab, size=(len(rows), k + 1))
+    table[np.arange(k + 1)[None, :] >= num_emitted[:, None]] = PLACEHOLDER_TOKEN_ID
+    record_emitted(batches[0], rows, table, num_emitted)
+    ref = batches[1]
+    for j in range(int(num_emitted.max())):
+        keep = num_emitted > j
+        ref.record_sampled(rows[keep], table[keep, j])
+    got = batches[0]
+    assert got.num_tokens.tolist() == ref.num_tokens.tolist()
+    for r in rows.tolist():
+        n = int(ref.num_tokens[r])
+        assert got.token_ids[r, :n].tolist() == ref.token_ids[r, :n].tolist()
+    assert got.sampling.num_output.tolist() == ref.sampling.num_output.tolist()
+    if ref.sampling.history is not None:
+        assert np.array_equal(got.sampling.history, ref.sampling.history)
+    md_got, md_ref = got.sampling_metadata(rows), ref.sampling_metadata(rows)
+    for name in ("penalty_token_ids", "penalty_output_counts", "banned_index"):
+        a, b = getattr(md_got, name), getattr(md_ref, name)
+        assert (a is None) == (b is None), name
+        if isinstance(a, tuple):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), name
+        elif a is not None:
+            assert torch.equal(a, b), name

@@ -39,7 +39,7 @@ from vllm_lite.worker.models.cpu_prepack import maybe_prepack
 from vllm_lite.worker.parallel_state import broadcast_from_driver, get_tp_rank, get_tp_size
 from vllm_lite.worker.pooler import make_pooler, pool_step, step_pooling_params
 from vllm_lite.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
-from vllm_lite.worker.spec_decode_step import SpecDecodeStep
+from vllm_lite.worker.spec_decode_step import SpecDecodeStep, record_emitted
 from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vllm_lite.worker.step_inputs import StepInputs, build_step_inputs
 from vllm_lite.worker.token_types import build_token_type_ids, step_token_type_boundaries, takes_token_type_ids
@@ -413,9 +413,7 @@ class GPUModelRunner:
         token_table = broadcast_from_driver(tokens, shape, torch.int64, self.device).cpu().numpy()
         num_emitted = (token_table >= 0).sum(axis=1)
         self.spec_decode.observe(req_ids, num_draft, num_emitted - 1)  # next steps' proposal lengths
-        for j in range(int(num_emitted.max())):  # one token per row per call, column by column, emitted ones only
-            keep = num_emitted > j
-            batch.record_sampled(s_rows[keep], token_table[keep, j])
+        record_emitted(batch, s_rows, token_table, num_emitted)  # record_sampled's state, all columns at once
         counts = np.zeros(inputs.num_reqs, dtype=np.int64)
         counts[s_idx] = num_emitted
         logprobs = None

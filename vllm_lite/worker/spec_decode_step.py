@@ -81,6 +81,46 @@ def penalties_with_drafts(
     return ids.reshape(s * reps, length + k), (base + occurrences).reshape(s * reps, length + k).float()
 
 
+def record_emitted(batch: InputBatch, rows: np.ndarray, token_table: np.ndarray, num_emitted: np.ndarray) -> None:
+    """Append each verified row's emitted tokens, `token_table[i, :num_emitted[i]]`, to the batch (distinct `rows`):
+    the state that one `batch.record_sampled` call per column leaves, in one pass (a verify step emits ~3 tokens
+    a row, and each record_sampled call is ~10 small numpy ops). Rows whose sampling state records every token
+    (penalties, bad-word history) still go column by column through record_sampled."""
+    rows = np.asarray(rows, dtype=np.int64)
+    num_emitted = np.asarray(num_emitted, dtype=np.int64)
+    sampling = batch.sampling
+    tracked = sampling.penalized[rows] | sampling.tracks_history[rows]
+    if tracked.any():
+        t_rows, t_table, t_n = rows[tracked], token_table[tracked], num_emitted[tracked]
+        for j in range(int(t_n.max())):
+            keep = t_n > j
+            batch.record_sampled(t_rows[keep], t_table[keep, j])
+        rows, token_table, num_emitted = rows[~tracked], token_table[~tracked], num_emitted[~tracked]
+    vocab = sampling.vocab_size
+    if len(rows) == 1:  # batch 1: slices and scalars
+        r, n = int(rows[0]), int(num_emitted[0])
+        toks = token_table[0, :n]
+        if n and not (0 <= int(toks.min()) and int(toks.max()) < vocab):
+            raise ValueError(f"token_ids must be in [0, {vocab}), got {toks!r}.")
+        start = int(batch.num_tokens[r])
+        stop = max(start, min(start + n, batch.max_model_len))
+        batch.token_ids[r, start:stop] = toks[: stop - start]
+        batch.num_tokens[r] = stop
+        sampling.num_output[r] += n
+        return
+    if len(rows) == 0:
+        return
+    emitted = np.arange(token_table.shape[1])[None, :] < num_emitted[:, None]
+    toks = token_table[emitted]
+    if len(toks) and not (0 <= int(toks.min()) and int(toks.max()) < vocab):
+        raise ValueError(f"token_ids must be in [0, {vocab}), got {toks!r}.")
+    pos = batch.num_tokens[rows][:, None] + np.arange(token_table.shape[1])[None, :]
+    keep = emitted & (pos < batch.max_model_len)
+    batch.token_ids[np.broadcast_to(rows[:, None], pos.shape)[keep], pos[keep]] = token_table[keep]
+    batch.num_tokens[rows] += keep.sum(axis=1)
+    sampling.num_output[rows] += num_emitted
+
+
 def changes_argmax(md: SamplingMetadata) -> bool:
     """Whether a logits processor (masks, bans, bias, penalties) may move some row's argmax this step."""
     return not (
