@@ -666,3 +666,31 @@ def test_record_emitted_equals_one_record_sampled_per_column(reqs, data) -> None
             assert all(torch.equal(x, y) for x, y in zip(a, b)), name
         elif a is not None:
             assert torch.equal(a, b), name
+
+
+@settings(max_examples=80, deadline=None)
+@given(b=st.integers(1, 20), k=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
+def test_host_prefix_match_loop_and_numpy_forms_equal_the_torch_form(b, k, seed) -> None:
+    """greedy_verify_host's prefix match: the Python-list walk (small batches) and the numpy form give the
+    device form's tokens and accepted counts."""
+    from vllm_lite.spec_decode import rejection_sampler as rs
+
+    rng = np.random.default_rng(seed)
+    samples = rng.integers(0, 3, size=(b, k + 1))
+    drafts = samples[:, :k].copy()  # agreeing drafts, each row's broken at a random place (or nowhere)
+    cut = rng.integers(0, k + 1, size=b)
+    drafts[np.arange(k)[None, :] == cut[:, None]] += 1
+    num_draft = rng.integers(0, k + 1, size=b)
+    drafts[np.arange(k)[None, :] >= num_draft[:, None]] = PLACEHOLDER_TOKEN_ID
+    ref = rs._keep_matching_prefix_torch(
+        torch.from_numpy(samples), torch.from_numpy(drafts), torch.from_numpy(num_draft)
+    )
+    for loop_max in (0, 64):
+        old = rs.MATCH_LOOP_MAX_BATCH
+        rs.MATCH_LOOP_MAX_BATCH = loop_max
+        try:
+            got = rs._match_prefix_np(samples, drafts, num_draft)
+        finally:
+            rs.MATCH_LOOP_MAX_BATCH = old
+        assert torch.equal(got.output_token_ids, ref.output_token_ids)
+        assert torch.equal(got.num_accepted, ref.num_accepted)

@@ -219,9 +219,26 @@ def greedy_verify_host(
     return _match_prefix_np(samples, np.asarray(draft_token_ids), np.asarray(num_draft_tokens))
 
 
+# Up to this many rows the prefix match walks Python lists (measured on Zen 4: 2.4 us at batch 1, 6.2 at 8, against
+# ~10-12 us for the numpy form's fixed cost).
+MATCH_LOOP_MAX_BATCH = 16
+
+
 def _match_prefix_np(samples: np.ndarray, drafts: np.ndarray, num_draft: np.ndarray) -> RejectionSamplerOutput:
     """The prefix match of `_keep_matching_prefix` in numpy: samples int64 [B, k+1], drafts [B, k], num_draft [B]."""
-    k = drafts.shape[1]
+    b, k = drafts.shape
+    if b <= MATCH_LOOP_MAX_BATCH:
+        out = np.full((b, k + 1), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+        num_accepted = np.zeros(b, dtype=np.int64)
+        for i, (s, d, n) in enumerate(zip(samples.tolist(), drafts.tolist(), num_draft.tolist())):
+            a = 0
+            while a < n and s[a] == d[a]:
+                a += 1
+            out[i, : a + 1] = s[: a + 1]
+            num_accepted[i] = a
+        return RejectionSamplerOutput(
+            output_token_ids=torch.from_numpy(out), num_accepted=torch.from_numpy(num_accepted)
+        )
     accepted = (samples[:, :k] == drafts) & (np.arange(k)[None, :] < num_draft[:, None])
     num_accepted = accepted.cumprod(axis=1).sum(axis=1, dtype=np.int64)  # length of the accepted prefix
     out = np.where(np.arange(k + 1)[None, :] <= num_accepted[:, None], samples, PLACEHOLDER_TOKEN_ID)
