@@ -52,6 +52,12 @@ class AttentionBackend(ABC):
     ) -> None:
         """key/value: [T, num_kv_heads, head_size]; writes row t at slot_mapping[t]."""
 
+    def write_kv_step(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
+        """write_kv at the step's slots (metadata.slot_mapping); a backend may reuse what it prepared for the step."""
+        self.write_kv(key, value, kv_cache, metadata.slot_mapping)
+
     @abstractmethod
     def forward(
         self,

@@ -38,6 +38,8 @@ class CpuNativeBackend(AttentionBackend):
             raise ValueError(f"impl={impl!r} is not built for this CPU; built here: {built}")
         self.impl = impl
         self._announced: set[tuple[int, bool]] = set()
+        # The step's kernel arguments, reused by every layer of the step (_step_args).
+        self._step: Optional[tuple] = None
 
     def built_impls(self) -> list[str]:
         """The key loops built into the loaded kernels for this CPU, fastest first."""
@@ -61,6 +63,40 @@ class CpuNativeBackend(AttentionBackend):
             self.impl,
         )
 
+    def _step_args(self, md: AttentionMetadata, n: int) -> tuple[torch.Tensor, ...]:
+        """(block_table, seq_lens, query_start_loc, slots): the batch's rows of the metadata as the kernels take
+        them, for `n` tokens. Built once a step and reused by every layer when they are views of the metadata's
+        own tensors (the usual case: no dtype change or copy), which saves ~19 us of Python a layer (12-layer
+        decode step: ~0.2 ms). Keyed on the metadata object and its tensors (held, so no id is reused), and the
+        counts; anything else (a copy, another object) is rebuilt, so a stale argument is never passed."""
+        b = md.num_reqs
+        c = self._step
+        if (
+            c is not None
+            and c[0] is md
+            and c[1] is md.block_table
+            and c[2] is md.seq_lens
+            and c[3] is md.query_start_loc
+            and c[4] is md.slot_mapping
+            and c[5] == (b, n)
+        ):
+            return c[6]
+        slots = md.slot_mapping[:n]
+        if slots.dtype != torch.int64:
+            slots = slots.to(torch.int64)
+        args = (
+            md.block_table[:b].contiguous(),
+            md.seq_lens[:b].contiguous(),
+            md.query_start_loc[: b + 1].contiguous(),
+            slots.contiguous(),
+        )
+        views = (md.block_table, md.seq_lens, md.query_start_loc, md.slot_mapping)
+        if all(a.untyped_storage().data_ptr() == v.untyped_storage().data_ptr() for a, v in zip(args, views)):
+            self._step = (md, *views, (b, n), args)
+        else:
+            self._step = None
+        return args
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
@@ -69,8 +105,19 @@ class CpuNativeBackend(AttentionBackend):
         slots = slot_mapping[:n]
         if slots.dtype != torch.int64:
             slots = slots.to(torch.int64)
-        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
-        self._ops.write_kv(_rows_contiguous(key), _rows_contiguous(value), kv_cache, slots.contiguous())
+        self._write_kv(key, value, kv_cache, slots.contiguous())
+
+    def _write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        if key.dtype != kv_cache.dtype:
+            key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+        self._ops.write_kv(_rows_contiguous(key), _rows_contiguous(value), kv_cache, slots)
+
+    def write_kv_step(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
+        """write_kv of the step's tokens, at the slots metadata.slot_mapping gives (the step's arguments reused)."""
+        _check_cpu(kv_cache, "kv_cache")
+        self._write_kv(key, value, kv_cache, self._step_args(metadata, key.shape[0])[3])
 
     def forward(
         self,
@@ -82,19 +129,19 @@ class CpuNativeBackend(AttentionBackend):
         logits_soft_cap: Optional[float] = None,
     ) -> torch.Tensor:
         _check_cpu(kv_cache, "kv_cache")
-        b = metadata.num_reqs
         n = query.shape[0]
         q = query if query.stride(-1) == 1 else query.contiguous()
         out = torch.empty(n, q.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
         if (q.shape[2], bool(logits_soft_cap)) not in self._announced:
             self._announce(q.shape[2], logits_soft_cap)
+        block_table, seq_lens, query_start_loc, _ = self._step_args(metadata, metadata.num_actual_tokens)
         self._ops.paged_attention(
             out,
             q,
             kv_cache,
-            metadata.block_table[:b].contiguous(),
-            metadata.seq_lens[:b].contiguous(),
-            metadata.query_start_loc[: b + 1].contiguous(),
+            block_table,
+            seq_lens,
+            query_start_loc,
             float(scale),
             int(sliding_window or 0),
             float(logits_soft_cap or 0.0),

@@ -45,6 +45,6 @@ class Attention(nn.Module):
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
-        ctx.backend.write_kv(k, v, self.kv_cache, md.slot_mapping)
+        ctx.backend.write_kv_step(k, v, self.kv_cache, md)
         out = ctx.backend.forward(q, self.kv_cache, md, self.scale, self.sliding_window, self.logits_soft_cap)
         return out.reshape(n, self.num_heads * self.head_size)
