@@ -9,16 +9,17 @@
 // 12 heads x 32) spent ~16% of a pass in attention, one torch bmm/softmax/bmm or SDPA call per prompt and layer
 // (a few op dispatches and OpenMP regions each, and SDPA's flash kernel ran ~40-50 GFLOP/s at head_dim 32).
 // Here one OpenMP region covers the whole batch: work item = (prompt, head, block of <= kChunk query rows),
-// largest first, dynamic. Per item: K transposed into scratch (so scores run along keys, vector FMAs with a
-// broadcast q element: kQRows query rows x 2 vectors of keys per tile), a row-wise softmax (max-subtracted,
-// fast_exp, float32 sums), then P @ V along D (kPvRows rows x D/W vectors per tile) scaled by 1/sum once.
+// largest first, dynamic. Per item, for each block of kW query rows (one query per vector lane): the block's
+// queries transposed in registers into qt [D, kW]; scores key-major, st[j, lane] = q[lane] . k[j], kKeys keys
+// at a time (one accumulator per key, the key's element broadcast from its row in place: K needs no transposed
+// copy); a lane-wise softmax along the keys (max kept while the scores are stored, vector exp, float32 sums;
+// no reduction across lanes); then P @ V along D (rows x D/W vectors per tile) scaled by 1/sum once.
 // Every output element is computed by one work item in a fixed order: results do not depend on the thread
 // count. GCC vector extensions of the native width (16 floats with AVX-512F, else 8), so AVX-512 and AVX2 hosts
 // build the same source; AVX-512 only adds two intrinsics to the exp (rounding and vscalefps).
-// Softmax cost (HE, 2026-11-27): each row's max is kept lane-wise while its scores are stored (the padding
-// past the prompt's keys gets -inf through a bias row, not a second pass), the max and the sum finish by a
-// butterfly of lane swaps instead of a scalar loop over the lanes, and an item covers up to 256 query rows (one
-// K transpose per prompt and head instead of one per 64 rows): the benchmark's attention 0.35 -> 0.27 s a pass.
+// History (HE, 2026-11-27): the first layout (scores query-major over a transposed K, row-wise softmax with
+// horizontal max/sum) ran the benchmark's attention at 0.27 s a pass; key-major scores over queries
+// transposed in registers: 0.225 s (micro, 2 Zen 4 threads; AVX2 build 0.41 -> 0.35 s).
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -41,17 +42,16 @@ namespace vllm_lite {
 namespace {
 
 #ifdef __AVX512F__
-constexpr int64_t kW = 16;  // float32 lanes of one native vector
-constexpr int kQRows = 8;   // query rows of a score tile (x 2 key vectors: 16 accumulators of 32 registers)
+constexpr int64_t kW = 16;  // float32 lanes of one native vector = query rows of a block
+constexpr int kKeys = 12;   // keys of a score tile (12 accumulators, one query vector each)
 constexpr int kAcc = 16;    // accumulators of a P @ V tile
 #else
 constexpr int64_t kW = 8;
-constexpr int kQRows = 4;  // 8 accumulators of AVX2's 16 registers
+constexpr int kKeys = 8;
 constexpr int kAcc = 8;
 #endif
 typedef float vf __attribute__((vector_size(kW * 4)));
 
-constexpr int64_t kBlock = 8;    // query rows per softmax block (scores scratch rows); a multiple of both tiles
 constexpr int64_t kChunk = 256;  // query rows per work item (more items than threads for one long prompt)
 constexpr int64_t kMaxDv = 8;    // head_dim up to 8 vectors on the tiled P @ V path; other sizes: generic loop
 // Below this many multiply-adds a call runs on one thread (waking the pool costs more than it saves).
@@ -68,42 +68,62 @@ struct Item {
   int64_t start, len, head, q0, q1;  // prompt rows [start, start + len), head, query rows [q0, q1) of it
 };
 
-// scores[r, j:j + KV*W) = scale * qrow[r] . kt[:, j:j + KV*W) + bias[j:j + KV*W) for kQRows query rows
-// (kt: [D, lpad]; bias 0 on keys, -inf on the padding past them), and rmax[r] = lane-wise max of them so far.
-template <int KV>
-inline void score_cols(const float* const* qrow, const float* __restrict kt, int64_t d_len, int64_t lpad,
-                       int64_t j, float scale, const float* __restrict bias, float* __restrict scores, vf* rmax) {
-  vf acc[kQRows][KV];
-  _Pragma("GCC unroll 16") for (int r = 0; r < kQRows; ++r)
-    _Pragma("GCC unroll 2") for (int c = 0; c < KV; ++c) acc[r][c] = vf{};
-  for (int64_t d = 0; d < d_len; ++d) {
-    const float* kd = kt + d * lpad + j;
-    vf kv[KV];
-    _Pragma("GCC unroll 2") for (int c = 0; c < KV; ++c) kv[c] = loadv(kd + c * kW);
-    _Pragma("GCC unroll 16") for (int r = 0; r < kQRows; ++r) {
-      const float qd = qrow[r][d];
-      _Pragma("GCC unroll 2") for (int c = 0; c < KV; ++c) acc[r][c] += qd * kv[c];
-    }
+// Scores of one block of kW query rows, transposed: st[j * kW + lane] = qt[:, lane] . k[j] for keys j in
+// [j0, j0 + KJ) (qt: [D, kW], the block's queries transposed; key row j at kb + j * ldk), times scale,, and
+// the lane-wise running max in mx.
+template <int KJ>
+inline void score_keys(const float* __restrict qt, const float* __restrict kb, int64_t ldk, int64_t d_len,
+                       int64_t j0, float scale, float* __restrict st, vf& mx) {
+  vf acc[KJ];
+  const float* kr[KJ];
+  _Pragma("GCC unroll 16") for (int c = 0; c < KJ; ++c) {
+    acc[c] = vf{};
+    kr[c] = kb + (j0 + c) * ldk;
   }
-  vf b[KV];
-  _Pragma("GCC unroll 2") for (int c = 0; c < KV; ++c) b[c] = loadv(bias + j + c * kW);
-  _Pragma("GCC unroll 16") for (int r = 0; r < kQRows; ++r)
-    _Pragma("GCC unroll 2") for (int c = 0; c < KV; ++c) {
-      const vf x = acc[r][c] * scale + b[c];
-      rmax[r] = x > rmax[r] ? x : rmax[r];
-      storev(x, scores + r * lpad + j + c * kW);
-    }
-}
-
-// scores[r, 0:lpad) for kQRows rows; lpad a multiple of W.
-inline void score_tile(const float* const* qrow, const float* kt, int64_t d_len, int64_t lpad, float scale,
-                       const float* bias, float* scores, vf* rmax) {
-  int64_t j = 0;
-  for (; j + 2 * kW <= lpad; j += 2 * kW) score_cols<2>(qrow, kt, d_len, lpad, j, scale, bias, scores, rmax);
-  if (j < lpad) score_cols<1>(qrow, kt, d_len, lpad, j, scale, bias, scores, rmax);
+  for (int64_t d = 0; d < d_len; ++d) {
+    const vf q = loadv(qt + d * kW);
+    _Pragma("GCC unroll 16") for (int c = 0; c < KJ; ++c) acc[c] += kr[c][d] * q;
+  }
+  _Pragma("GCC unroll 16") for (int c = 0; c < KJ; ++c) {
+    const vf x = acc[c] * scale;
+    mx = x > mx ? x : mx;
+    storev(x, st + (j0 + c) * kW);
+  }
 }
 
 typedef int32_t vi __attribute__((vector_size(kW * 4)));
+
+// In-register transpose of a kW x kW block (m[r] = row r -> m[d] = column d): log2(kW) rounds, each swapping
+// the off-diagonal h x h sub-blocks of every row pair (r, r + h) by two-source lane shuffles.
+#if defined(__AVX512F__)
+#define VLITE_TMASKS \
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, \
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}, \
+    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}, \
+    {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}, \
+    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}, \
+    {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}, \
+    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}, \
+    {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}
+constexpr int kTRounds = 4;
+#else
+#define VLITE_TMASKS {0, 1, 2, 3, 8, 9, 10, 11}, {4, 5, 6, 7, 12, 13, 14, 15}, \
+    {0, 1, 8, 9, 4, 5, 12, 13}, {2, 3, 10, 11, 6, 7, 14, 15}, \
+    {0, 8, 2, 10, 4, 12, 6, 14}, {1, 9, 3, 11, 5, 13, 7, 15}
+constexpr int kTRounds = 3;
+#endif
+inline void transpose_block(vf* m) {
+  const vi masks[2 * kTRounds] = {VLITE_TMASKS};
+  _Pragma("GCC unroll 4") for (int s = 0; s < kTRounds; ++s) {
+    const int h = static_cast<int>(kW) >> (s + 1);
+    _Pragma("GCC unroll 16") for (int r = 0; r < kW; ++r) {
+      if (r & h) continue;
+      const vf a = m[r], b = m[r + h];
+      m[r] = __builtin_shuffle(a, b, masks[2 * s]);
+      m[r + h] = __builtin_shuffle(a, b, masks[2 * s + 1]);
+    }
+  }
+}
 
 // exp(x) lane-wise: fast_exp's range reduction and polynomial (cpu_common.h); lanes below -87.3 (where float32
 // exp leaves the normal range; -inf included) give 0. AVX-512: n by one rounding and 2^n by vscalefps; else n by
@@ -131,56 +151,22 @@ inline vf exp_v(vf x) {
   return x < -87.3f ? vf{} : e;
 }
 
-// Every lane of the result holds the max (sum) of v's lanes: a butterfly of log2(W) lane swaps.
-#if defined(__AVX512F__)
-#define VLITE_SWAPS {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}, {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}, \
-    {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}, {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}
-constexpr int kSwaps = 4;
-#else
-#define VLITE_SWAPS {4, 5, 6, 7, 0, 1, 2, 3}, {2, 3, 0, 1, 6, 7, 4, 5}, {1, 0, 3, 2, 5, 4, 7, 6}
-constexpr int kSwaps = 3;
-#endif
-inline vf all_max(vf v) {
-  const vi swaps[kSwaps] = {VLITE_SWAPS};
-  _Pragma("GCC unroll 4") for (int i = 0; i < kSwaps; ++i) {
-    const vf o = __builtin_shuffle(v, swaps[i]);
-    v = o > v ? o : v;
-  }
-  return v;
-}
-inline vf all_sum(vf v) {
-  const vi swaps[kSwaps] = {VLITE_SWAPS};
-  _Pragma("GCC unroll 4") for (int i = 0; i < kSwaps; ++i) v += __builtin_shuffle(v, swaps[i]);
-  return v;
-}
-
-// In place over a row of lpad (a multiple of kW) scores whose entries past len are -inf and whose lane-wise max
-// is mx: p = exp(p - max(p)) (0 in the padding); returns their sum.
-inline float softmax_row(float* __restrict p, int64_t lpad, vf mx) {
-  const vf m = all_max(mx);
-  vf sum{};
-  for (int64_t j = 0; j < lpad; j += kW) {
-    const vf e = exp_v(loadv(p + j) - m);
-    storev(e, p + j);
-    sum += e;
-  }
-  return all_sum(sum)[0];
-}
-
-// out rows (R of them, DV vectors each) = inv[r] * sum_j p[r, j] * v[j]: v row j at vbase + j * ldv.
+// out rows r0 .. r0 + R - 1 of the block (DV vectors each) = inv[r] * sum_j st[j * kW + r] * v[j]: v row j at
+// vbase + j * ldv; rows whose out pointer is null are skipped at the store.
 template <int DV, int R>
-inline void pv_tile(const float* __restrict p, int64_t lpad, const float* __restrict vbase, int64_t ldv,
-                    int64_t len, const float* inv, float* const* out) {
+inline void pv_tile(const float* __restrict st, const float* __restrict vbase, int64_t ldv, int64_t len,
+                    const float* inv, float* const* out) {
   vf acc[R][DV];
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
     _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; ++dv) acc[r][dv] = vf{};
   for (int64_t j = 0; j < len; ++j) {
     const float* vr = vbase + j * ldv;
+    const float* pj = st + j * kW;
     vf vv[DV];
     _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; ++dv) vv[dv] = loadv(vr + dv * kW);
     _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
-      const float pj = p[r * lpad + j];
-      _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; ++dv) acc[r][dv] += pj * vv[dv];
+      const float p = pj[r];
+      _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; ++dv) acc[r][dv] += p * vv[dv];
     }
   }
   _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)
@@ -188,29 +174,29 @@ inline void pv_tile(const float* __restrict p, int64_t lpad, const float* __rest
       _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; ++dv) storev(acc[r][dv] * inv[r], out[r] + dv * kW);
 }
 
-// Rows of a P @ V tile: the largest divisor of kBlock whose tile keeps within kAcc accumulators (at least 1).
+// Rows of a P @ V tile: the largest divisor of kW whose tile keeps within kAcc accumulators (at least 1).
 constexpr int tile_rows(int dv) {
-  int r = static_cast<int>(kBlock);
-  while (r > 1 && (r * dv > kAcc || kBlock % r != 0)) --r;
+  int r = static_cast<int>(kW);
+  while (r > 1 && (r * dv > kAcc || kW % r != 0)) --r;
   return r;
 }
 
 template <int DV>
-inline void pv_block(const float* p, int64_t lpad, const float* vbase, int64_t ldv, int64_t len, const float* inv,
+inline void pv_block(const float* st, const float* vbase, int64_t ldv, int64_t len, const float* inv,
                      float* const* out) {
   constexpr int RR = tile_rows(DV);
-  for (int64_t r0 = 0; r0 < kBlock; r0 += RR) pv_tile<DV, RR>(p + r0 * lpad, lpad, vbase, ldv, len, inv + r0, out + r0);
+  for (int64_t r0 = 0; r0 < kW; r0 += RR) pv_tile<DV, RR>(st + r0, vbase, ldv, len, inv + r0, out + r0);
 }
 
 // Any head_dim: plain loops (the compiler vectorises along D).
-inline void pv_generic(const float* p, int64_t lpad, const float* vbase, int64_t ldv, int64_t len, int64_t d_len,
+inline void pv_generic(const float* st, const float* vbase, int64_t ldv, int64_t len, int64_t d_len,
                        const float* inv, float* const* out) {
-  for (int64_t r = 0; r < kBlock; ++r) {
+  for (int64_t r = 0; r < kW; ++r) {
     float* o = out[r];
     if (o == nullptr) continue;
     for (int64_t d = 0; d < d_len; ++d) o[d] = 0.0f;
     for (int64_t j = 0; j < len; ++j) {
-      const float pj = p[r * lpad + j];
+      const float pj = st[j * kW + r];
       const float* vr = vbase + j * ldv;
 #pragma omp simd
       for (int64_t d = 0; d < d_len; ++d) o[d] += pj * vr[d];
@@ -219,10 +205,13 @@ inline void pv_generic(const float* p, int64_t lpad, const float* vbase, int64_t
   }
 }
 
+// One work item: for each block of kW query rows, the block's queries transposed into qt, its
+// scores against every key of the prompt stored key-major (st[j, lane]: the softmax runs lane-wise, one query
+// per lane, with no reduction across lanes), then P @ V.
 void run_item(const Item& it, const float* qp, const float* kp, const float* vp, float* op, int64_t qs0, int64_t qs1,
               int64_t ks0, int64_t ks1, int64_t vs0, int64_t vs1, int64_t heads, int64_t d_len, float scale,
-              float* kt, float* scores, const float* zeros) {
-  const int64_t len = it.len, lpad = (len + kW - 1) / kW * kW;
+              float* qt, float* st) {
+  const int64_t len = it.len;
   // This item's rows of q (its chunk), k and v (the whole prompt), this head's slice: requested up front so the
   // cache misses overlap (the rows lie a fused-qkv row apart; their first touch is the step's memory cost).
   for (int64_t j = 0; j < len; ++j)
@@ -232,40 +221,53 @@ void run_item(const Item& it, const float* qp, const float* kp, const float* vp,
     }
   for (int64_t j = it.q0; j < it.q1; ++j)
     for (int64_t d = 0; d < d_len; d += 16) __builtin_prefetch(qp + (it.start + j) * qs0 + it.head * qs1 + d);
-  // K^T of this prompt and head: kt[d, j] = k[start + j, head, d]; padding columns 0.
   const float* kb = kp + it.start * ks0 + it.head * ks1;
-  for (int64_t d = 0; d < d_len; ++d) {
-    float* row = kt + d * lpad;
-    for (int64_t j = 0; j < len; ++j) row[j] = kb[j * ks0 + d];
-  }
-  for (int64_t d = 0; d < d_len; ++d)
-    for (int64_t j = len; j < lpad; ++j) kt[d * lpad + j] = 0.0f;
-  float* bias = kt + d_len * lpad;  // 0 on the prompt's keys, -inf on the padding to a whole vector
-  for (int64_t j = 0; j < lpad; ++j) bias[j] = j < len ? 0.0f : -__builtin_inff();
   const float* vbase = vp + it.start * vs0 + it.head * vs1;
   const int64_t dv = d_len % kW == 0 ? d_len / kW : 0;
-  for (int64_t i0 = it.q0; i0 < it.q1; i0 += kBlock) {
-    const float* qrow[kBlock];
-    float* orow[kBlock];
-    float inv[kBlock];
-    for (int64_t r = 0; r < kBlock; ++r) {
-      const bool valid = i0 + r < it.q1;
-      qrow[r] = valid ? qp + (it.start + i0 + r) * qs0 + it.head * qs1 : zeros;
-      orow[r] = valid ? op + ((it.start + i0 + r) * heads + it.head) * d_len : nullptr;
+  for (int64_t i0 = it.q0; i0 < it.q1; i0 += kW) {
+    const int64_t rows = std::min<int64_t>(kW, it.q1 - i0);
+    float* orow[kW];
+    for (int64_t r = 0; r < kW; ++r)
+      orow[r] = r < rows ? op + ((it.start + i0 + r) * heads + it.head) * d_len : nullptr;
+    // qt[d, r] = q[row r of the block, d]; lanes past the block's rows 0.
+    const float* qb = qp + (it.start + i0) * qs0 + it.head * qs1;
+    if (d_len % kW == 0) {  // kW x kW blocks transposed in registers
+      for (int64_t d0 = 0; d0 < d_len; d0 += kW) {
+        vf m[kW];
+        _Pragma("GCC unroll 16") for (int r = 0; r < kW; ++r) m[r] = r < rows ? loadv(qb + r * qs0 + d0) : vf{};
+        transpose_block(m);
+        _Pragma("GCC unroll 16") for (int d = 0; d < kW; ++d) storev(m[d], qt + (d0 + d) * kW);
+      }
+    } else {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < d_len; ++d) qt[d * kW + r] = qb[r * qs0 + d];
+      for (int64_t r = rows; r < kW; ++r)
+        for (int64_t d = 0; d < d_len; ++d) qt[d * kW + r] = 0.0f;
     }
-    vf rmax[kBlock];
-    for (int64_t r = 0; r < kBlock; ++r) rmax[r] = vf{} - __builtin_inff();
-    for (int64_t r0 = 0; r0 < kBlock; r0 += kQRows)
-      score_tile(qrow + r0, kt, d_len, lpad, scale, bias, scores + r0 * lpad, rmax + r0);
-    for (int64_t r = 0; r < kBlock; ++r) inv[r] = 1.0f / softmax_row(scores + r * lpad, lpad, rmax[r]);
+    vf mx = vf{} - __builtin_inff();
+    int64_t j = 0;
+    for (; j + kKeys <= len; j += kKeys) score_keys<kKeys>(qt, kb, ks0, d_len, j, scale, st, mx);
+    if (len - j >= 8) { score_keys<8>(qt, kb, ks0, d_len, j, scale, st, mx); j += 8; }
+    if (len - j >= 4) { score_keys<4>(qt, kb, ks0, d_len, j, scale, st, mx); j += 4; }
+    if (len - j >= 2) { score_keys<2>(qt, kb, ks0, d_len, j, scale, st, mx); j += 2; }
+    if (len - j >= 1) { score_keys<1>(qt, kb, ks0, d_len, j, scale, st, mx); j += 1; }
+    // Lane-wise softmax along the keys: p = exp(s - max) in place, 1 / sum per lane.
+    vf sum{};
+    for (int64_t jj = 0; jj < len; ++jj) {
+      const vf e = exp_v(loadv(st + jj * kW) - mx);
+      storev(e, st + jj * kW);
+      sum += e;
+    }
+    alignas(64) float inv[kW];
+    storev(1.0f / sum, inv);
     switch (dv) {
-      case 1: pv_block<1>(scores, lpad, vbase, vs0, len, inv, orow); break;
-      case 2: pv_block<2>(scores, lpad, vbase, vs0, len, inv, orow); break;
-      case 3: pv_block<3>(scores, lpad, vbase, vs0, len, inv, orow); break;
-      case 4: pv_block<4>(scores, lpad, vbase, vs0, len, inv, orow); break;
-      case 6: pv_block<6>(scores, lpad, vbase, vs0, len, inv, orow); break;
-      case 8: pv_block<8>(scores, lpad, vbase, vs0, len, inv, orow); break;
-      default: pv_generic(scores, lpad, vbase, vs0, len, d_len, inv, orow); break;
+      case 1: pv_block<1>(st, vbase, vs0, len, inv, orow); break;
+      case 2: pv_block<2>(st, vbase, vs0, len, inv, orow); break;
+      case 3: pv_block<3>(st, vbase, vs0, len, inv, orow); break;
+      case 4: pv_block<4>(st, vbase, vs0, len, inv, orow); break;
+      case 6: pv_block<6>(st, vbase, vs0, len, inv, orow); break;
+      case 8: pv_block<8>(st, vbase, vs0, len, inv, orow); break;
+      default: pv_generic(st, vbase, vs0, len, d_len, inv, orow); break;
     }
   }
 }
@@ -324,11 +326,9 @@ at::Tensor encoder_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   const int num_threads = macs < kSerialMacs ? 1
                                              : static_cast<int>(std::max<int64_t>(
                                                    1, std::min<int64_t>(at::get_num_threads(), n_items)));
-  const int64_t lpad_max = (lmax + kW - 1) / kW * kW;
-  const int64_t per_thread = (d_len + 1) * lpad_max + kBlock * lpad_max;
+  const int64_t per_thread = (d_len + lmax) * kW;
   // Scratch before any parallel region (an allocation failure must raise, not leave a region).
   std::vector<float> scratch(static_cast<size_t>(per_thread * num_threads));
-  std::vector<float> zeros(static_cast<size_t>(d_len), 0.0f);
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
@@ -344,11 +344,11 @@ at::Tensor encoder_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
 #else
     const int tid = 0;
 #endif
-    float* kt = scratch.data() + tid * per_thread;
-    float* scores = kt + (d_len + 1) * lpad_max;
+    float* qt = scratch.data() + tid * per_thread;
+    float* st = qt + d_len * kW;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; ++w)
-      run_item(items[w], qp, kp, vp, op, qs0, qs1, ks0, ks1, vs0, vs1, heads, d_len, sc, kt, scores, zeros.data());
+      run_item(items[w], qp, kp, vp, op, qs0, qs1, ks0, ks1, vs0, vs1, heads, d_len, sc, qt, st);
   }
   return out;
 }

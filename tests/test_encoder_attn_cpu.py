@@ -21,8 +21,9 @@ pytestmark = pytest.mark.skipif(
     reason="vllm-lite's CPU kernels are not built here (no compiler)",
 )
 
-# 1 (a lone token), odd lengths off the vector width and around the score tile's 32 keys, 300 over two of a work
-# item's 256-row query chunks.
+# 1 (a lone token), odd lengths off the vector width (a partial block of query lanes) and ending in every tail of
+# the score tile's keys (12 at a time on AVX-512, 8 on AVX2, then 8/4/2/1), 300 over two of a work item's 256-row
+# query chunks.
 LENS = [1, 7, 16, 17, 33, 64, 65, 130, 3, 300]
 
 
