@@ -1,7 +1,9 @@
-"""cpu_linear: the sliced float32 linear is used where its measured rule says, and equals F.linear bit for bit.
+"""cpu_linear: the k-blocked float32 kernel and the sliced float32 linear are used where their rules say, and
+equal F.linear bit for bit.
 
-Tolerance: none -- torch.equal. The sliced product is the same dot product per output element;
-where a BLAS rounds it differently the case falls back to F.linear, logged, and still equals it.
+Tolerance: none -- torch.equal. The sliced product is the same dot product per output element; the kernel
+(csrc/f32_linear_cpu.cpp) sums in MKL's order; where a BLAS rounds either differently the case falls back, logged,
+and still equals F.linear. The kernel's own sums are also checked against float64 (any host).
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ def fresh_cache(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_checked", {})
     monkeypatch.setattr(cpu_linear, "_announced", set())
     monkeypatch.setattr(cpu_linear, "_on", True)
+    # The slices' tests run without the k-blocked kernel (it would take their cases first); its own tests turn it on.
+    monkeypatch.setattr(cpu_linear, "_kernel_on", False)
+    monkeypatch.setattr(cpu_linear, "_kc", {})
+    monkeypatch.setattr(cpu_linear, "_kc_known", {})
+    monkeypatch.setattr(cpu_linear, "_kernel_warned", set())
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -95,3 +102,118 @@ def test_a_case_whose_slices_differ_falls_back_to_f_linear_with_a_warning(monkey
             assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))
     assert cpu_linear.plan(16, w) == "f_linear"
     assert len([r for r in caplog.records if "keeping F.linear" in r.getMessage()]) == 1
+
+
+# ---------------------------------------------------------------- the k-blocked kernel (f32_linear_kblocked)
+
+
+def _kernel_or_skip():
+    op = cpu_linear._kernel_op()
+    if op is None:
+        pytest.skip("csrc's f32_linear_kblocked is not built here (needs AVX-512 or AVX2 + FMA and a compiler)")
+    return op
+
+
+def _mkl_order_here() -> bool:
+    """Whether this host's F.linear sums as the kernel's rule says (measured for MKL on Zen 4)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.backends.mkl.is_available()
+
+
+@pytest.mark.parametrize("m,k,n", [(8, 64, 16), (13, 200, 31), (64, 256, 8000), (100, 256, 384), (33, 896, 40)])
+def test_kernel_sums_in_k_blocks_within_float32_rounding_of_float64(m, k, n):
+    """The op itself on any host: x @ w.T for row counts off its 16/64-row tiles and column counts off its 6/5-
+    column tiles, every kc, against float64 (a dropped k, row or column gives errors of order 1)."""
+    op = _kernel_or_skip()
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    want = (x.double() @ w.double().T).float()
+    for kc in cpu_linear.kc_candidates(k):
+        got = op(x, w, kc)
+        assert got.shape == (m, n)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    strided = torch.randn(m, 2 * k, generator=g)[:, :k]  # rows apart in memory: the op reads by row stride
+    assert torch.equal(
+        op(strided, w, cpu_linear.kc_candidates(k)[0]), op(strided.contiguous(), w, cpu_linear.kc_candidates(k)[0])
+    )
+
+
+def test_kernel_rejects_bad_inputs_before_reading_them():
+    op = _kernel_or_skip()
+    w = torch.randn(32, 64)
+    with pytest.raises(ValueError):
+        op(torch.randn(8, 65), w, 64)  # K disagrees
+    with pytest.raises(ValueError):
+        op(torch.randn(8, 64), w, 0)  # kc
+    with pytest.raises(ValueError):
+        op(torch.randn(8, 64), w.T.contiguous().T, 64)  # weight not contiguous
+    with pytest.raises(TypeError):
+        op(torch.randn(8, 64).double(), w, 64)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lm_head_and_attention_shapes_take_the_kernel_and_equal_f_linear(monkeypatch, threads, caplog):
+    """The MoE benchmark's decode shapes (LM head 256 -> 8000, qkv 256 -> 384 at 64 rows; a 3-D input; a prefill
+    chunk of 300 rows; K = 896 with 5 blocks): bit-identical to F.linear, through the kernel where MKL's order
+    is the measured one (Zen 4), else kept on F.linear/slices by the check."""
+    _kernel_or_skip()
+    monkeypatch.setattr(cpu_linear, "_kernel_on", True)
+    torch.set_num_threads(threads)
+    cases = [
+        (torch.randn(64, 256), _weight(8000, k=256)),
+        (torch.randn(64, 256), _weight(384, k=256, seed=2)),
+        (torch.randn(3, 16, 256), _weight(384, k=256, seed=3)),
+        (torch.randn(300, 256), _weight(256, k=256, seed=4)),
+        (torch.randn(16, 896), _weight(256, k=896, seed=5)),
+    ]
+    with torch.inference_mode(), caplog.at_level(logging.INFO, logger=cpu_linear.__name__):
+        for x, w in cases:
+            rows = x.numel() // x.shape[-1]
+            assert cpu_linear.plan(rows, w) == "unchecked"
+            for _ in range(2):  # the check, then the chosen path
+                y = cpu_linear.linear(x, w)
+                assert torch.equal(y, F.linear(x, w))
+            assert cpu_linear.plan(rows, w) != "unchecked"
+            if _mkl_order_here():
+                assert cpu_linear.plan(rows, w) == "kernel", (tuple(x.shape), tuple(w.shape))
+    if _mkl_order_here():
+        assert not [r for r in caplog.records if "sums differently" in r.getMessage()]
+
+
+def test_kernel_rule_leaves_routers_biases_small_batches_and_autograd_to_f_linear(monkeypatch):
+    _kernel_or_skip()
+    monkeypatch.setattr(cpu_linear, "_kernel_on", True)
+    calls = []
+    real = cpu_linear._kernel_op()
+    monkeypatch.setattr(cpu_linear, "_kernel_op", lambda: lambda *a: calls.append(a) or real(*a))
+    w = _weight(384, k=64)
+    cases = [
+        (torch.randn(64, 64), _weight(8, k=64), None),  # a MoE router: MKL's 8-output path sums otherwise
+        (torch.randn(64, 64), w, torch.randn(384)),  # bias
+        (torch.randn(7, 64), w, None),  # below KERNEL_MIN_ROWS
+        (torch.randn(513, 64), w, None),  # above KERNEL_MAX_ROWS
+        (torch.randn(64, 64).bfloat16(), w.bfloat16(), None),
+    ]
+    for x, ww, b in cases:
+        assert torch.equal(cpu_linear.linear(x, ww, b), F.linear(x, ww, b))
+    x = torch.randn(64, 64, requires_grad=True)
+    cpu_linear.linear(x, w).sum().backward()  # autograd: F.linear, so the gradient exists
+    assert x.grad is not None
+    assert calls == []
+
+
+def test_a_case_where_no_kc_matches_keeps_f_linear_and_says_so_once(monkeypatch, caplog):
+    _kernel_or_skip()
+    monkeypatch.setattr(cpu_linear, "_kernel_on", True)
+    real = cpu_linear._kernel_op()
+
+    def off_by_one_ulp(x, w, kc):
+        y = real(x, w, kc)
+        return torch.nextafter(y, torch.full_like(y, float("inf")))
+
+    monkeypatch.setattr(cpu_linear, "_kernel_op", lambda: off_by_one_ulp)
+    w, x = _weight(384, k=256), torch.randn(64, 256)
+    with torch.inference_mode(), caplog.at_level(logging.INFO, logger=cpu_linear.__name__):
+        for _ in range(3):
+            assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))
+    assert cpu_linear.plan(64, w) == "f_linear"
+    assert len([r for r in caplog.records if "sums differently" in r.getMessage()]) == 1

@@ -60,6 +60,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Run wide float32 CPU linears (>= 4096 outputs, 16-128 rows) over 768-output weight slices, "
         "bit-identical to F.linear and faster with MKL on AVX2 hosts (default on; 0 turns it off).",
     ),
+    "VLLM_LITE_CPU_LINEAR_KBLOCKED": (
+        _flag("VLLM_LITE_CPU_LINEAR_KBLOCKED", True),
+        "Run float32 CPU linears of 8-512 rows through csrc's f32_linear_kblocked where it sums in MKL's order "
+        "here (each case checked bit for bit against F.linear once; default on; 0 turns it off).",
+    ),
     "VLLM_LITE_ADAPTIVE_THREADS": (
         _flag("VLLM_LITE_ADAPTIVE_THREADS", True),
         "On CPU, let the engine core change its torch thread count between steps by what other processes "
