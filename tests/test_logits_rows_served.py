@@ -4,8 +4,8 @@ The row selection (GPUModelRunner._logits_rows) is skipped for requests that rea
 ...), so whether it fires in serving depends on the sampling parameters the HTTP layer builds. This sends the
 exact body `vllm bench serve` sends (random dataset, openai backend: prompt text, max_tokens, logprobs null,
 repetition_penalty 1.0, ignore_eos, streamed with usage) through the real /v1/completions handler, takes the
-request that reached the engine, and runs it in a bfloat16 engine core: the prefill's first-layer MLP sees every
-prompt token, the last layer's MLP only the row that samples. Also: `echo` with `logprobs` (prompt logprobs)
+request that reached the engine, and runs it in a bfloat16 engine core: the prefill's first-layer MLP and output
+projection see every prompt token, the last layer's only the row that samples. Also: `echo` with `logprobs` (prompt logprobs)
 keeps every row, so the check is not vacuous.
 """
 
@@ -64,12 +64,19 @@ def core() -> Any:
 
 
 def _prefill_mlp_rows(core: Any, prompt: list[int], params: Any) -> tuple[int, int]:
-    """Rows reaching the first and the last layer's MLP in the request's prefill step."""
+    """Rows reaching the first and the last layer's MLP in the request's prefill step (the attention's output
+    projection of each layer sees the same rows as its MLP: checked here)."""
     layers = core.executor.worker.model_runner.model.model.layers
-    seen: dict[str, list[int]] = {"first": [], "last": []}
+    seen: dict[str, list[int]] = {"first": [], "last": [], "o_first": [], "o_last": []}
+
+    def rec(key: str) -> Any:
+        return lambda m, a: seen[key].append(a[0].shape[0])
+
     hooks = [
-        layers[0].mlp.register_forward_pre_hook(lambda m, a: seen["first"].append(a[0].shape[0])),
-        layers[-1].mlp.register_forward_pre_hook(lambda m, a: seen["last"].append(a[0].shape[0])),
+        layers[0].mlp.register_forward_pre_hook(rec("first")),
+        layers[-1].mlp.register_forward_pre_hook(rec("last")),
+        layers[0].self_attn.o_proj.register_forward_pre_hook(rec("o_first")),
+        layers[-1].self_attn.o_proj.register_forward_pre_hook(rec("o_last")),
     ]
     try:
         core.add_request(make_request(unique_id("served"), prompt, params))
@@ -79,6 +86,7 @@ def _prefill_mlp_rows(core: Any, prompt: list[int], params: Any) -> tuple[int, i
     finally:
         for h in hooks:
             h.remove()
+    assert (seen["o_first"][0], seen["o_last"][0]) == (seen["first"][0], seen["last"][0])
     return seen["first"][0], seen["last"][0]
 
 

@@ -8,9 +8,10 @@
 
 Rows past the last attention: after the last layer's attention (which still runs on every row: it writes
 every token's K/V), only the rows whose hidden states are read afterwards (the logits of the rows that
-sample) matter. `forward(..., logits_rows=idx)` runs the rest of the last layer (MLP, norms) and the final
-norm on those rows only and returns hidden states for them alone, [len(idx), hidden]. For a 128-token
-prefill that is ~7% of the prefill's linear FLOPs (the last layer's MLP). `CausalLM.selects_rows()` says
+sample) matter. `forward(..., logits_rows=idx)` runs the rest of the last layer (the attention's output projection
+where the attention module takes `keep=`, as LlamaAttention does; MLP, norms) and the final norm on those rows only
+and returns hidden states for them alone, [len(idx), hidden]. For a 128-token prefill that is ~7.5% of the
+prefill's linear FLOPs (the last layer's MLP and o_proj). `CausalLM.selects_rows()` says
 whether a model honours it (the PreNormDecoder models); the runner passes it on bf16/fp16 steps only (a row's
 float32 result then stays the one every row count gives, for HF matching).
 """
@@ -83,9 +84,14 @@ class PreNormResidualLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        if keep is not None:
-            hidden, residual = hidden.index_select(0, keep), residual.index_select(0, keep)
+        if keep is None:
+            hidden = self.self_attn(positions, hidden)
+        else:
+            if getattr(self.self_attn, "selects_rows", False):  # its output projection on the kept rows only
+                hidden = self.self_attn(positions, hidden, keep=keep)
+            else:
+                hidden = self.self_attn(positions, hidden).index_select(0, keep)
+            residual = residual.index_select(0, keep)
             if keep.numel() == 0:
                 return hidden, residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)

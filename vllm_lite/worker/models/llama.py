@@ -77,13 +77,22 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, sliding_window=sliding_window
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    # forward(..., keep=) is honoured (PreNormResidualLayer: the output projection of the kept rows only).
+    selects_rows = True
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, keep: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """[T, hidden]; with `keep` (int64 row indices) only those rows go through o_proj: [len(keep), hidden]."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         if self.qk_norm:
             q = norm_per_head(self.q_norm, q, self.num_heads, self.head_dim)
             k = norm_per_head(self.k_norm, k, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        out = self.attn(q, k, v)
+        if keep is not None:
+            out = out.index_select(0, keep)
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(PreNormResidualLayer):
