@@ -694,3 +694,21 @@ def test_host_prefix_match_loop_and_numpy_forms_equal_the_torch_form(b, k, seed)
             rs.MATCH_LOOP_MAX_BATCH = old
         assert torch.equal(got.output_token_ids, ref.output_token_ids)
         assert torch.equal(got.num_accepted, ref.num_accepted)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lists=st.lists(st.lists(st.integers(0, 9), max_size=4), max_size=5))
+def test_draft_table_lays_out_the_scheduled_drafts(lists) -> None:
+    """SpecDecodeStep.draft_table: row i holds request i's drafts then -1 (K = the longest), counts their lengths;
+    requests without an entry have none (the uniform shortcut and the general layout agree)."""
+    from types import SimpleNamespace
+
+    from vllm_lite.worker.spec_decode_step import SpecDecodeStep
+
+    so = SimpleNamespace(scheduled_spec_decode_tokens={f"r{i}": d for i, d in enumerate(lists) if d})
+    req_ids = [f"r{i}" for i in range(len(lists))]
+    table, counts = SpecDecodeStep.draft_table(so, req_ids)
+    k = max((len(d) for d in lists), default=0)
+    assert table.shape == (len(lists), k) and table.dtype == np.int64 and counts.dtype == np.int64
+    assert counts.tolist() == [len(d) for d in lists]
+    assert table.tolist() == [d + [-1] * (k - len(d)) for d in lists]

@@ -313,8 +313,11 @@ class SpecDecodeStep:
     def draft_table(so: SchedulerOutput, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(drafts int64 [S, K] padded with -1, counts int64 [S]) for these requests, K = the step's longest."""
         lists = [so.scheduled_spec_decode_tokens.get(r, ()) for r in req_ids]
-        counts = np.fromiter((len(d) for d in lists), dtype=np.int64, count=len(lists))
-        k = int(counts.max()) if len(counts) else 0
+        lengths = [len(d) for d in lists]
+        counts = np.array(lengths, dtype=np.int64)
+        k = max(lengths, default=0)
+        if k and min(lengths) == k:  # every row carries k drafts (batch 1 always): one conversion
+            return np.array(lists, dtype=np.int64).reshape(len(lists), k), counts
         table = np.full((len(lists), k), -1, dtype=np.int64)
         for i, d in enumerate(lists):  # host-side layout of the scheduler's lists, before any tensor work
             if d:
