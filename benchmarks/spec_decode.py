@@ -38,6 +38,15 @@ two minutes there:
 
     python benchmarks/spec_decode.py --device cuda --quick          # issue 20's batch-1 n-gram speed-up on a GPU
     python benchmarks/spec_decode.py --device cuda --no-hf --repeats 3
+
+`--host-times` (CPU) measures instead what a step costs the host outside the model, plain decode steps against
+n-gram verify steps: each engine step's thread CPU time (time.thread_time: a step preempted by other work on a
+shared host is not charged for it) less the model's forward and LM head, per workload and batch size, medians over
+the decode steps (the prefill step left out), one torch thread. On CUDA those host parts are what a step adds to
+its graph replay (the engine core steps synchronously: schedule, run, sample, wait for the tokens, update), so
+this is where speculation's bookkeeping shows:
+
+    python benchmarks/spec_decode.py --host-times --batch 1,2 --repeats 2
 """
 
 from __future__ import annotations
@@ -210,6 +219,112 @@ def run_hf(
     return {"ms_per_token_batch1": 1e3 * float(np.median(per_tok)), "outputs": outputs}
 
 
+def host_times(
+    model: str,
+    sets: dict[str, list[list[int]]],
+    spec: dict,
+    max_tokens: int,
+    batch_sizes: tuple[int, ...],
+    repeats: int,
+    dtype: str,
+) -> dict[str, Any]:
+    """Per decode step, microseconds of the engine thread's CPU time: the whole step ("step"), the model's forward
+    and LM head ("forward", "lm_head"), the rest ("host" = step - forward - lm_head) and its main parts, split by
+    engine (plain, ngram) and step kind (plain decode, verify); medians over `repeats` rounds after a warm-up."""
+    from collections import defaultdict
+
+    from vllm_lite import LLM, SamplingParams
+
+    clock = time.thread_time
+    engines: dict[str, Any] = {}
+    for name, sc in (("plain", None), ("ngram", spec)):
+        llm = LLM(
+            model=model,
+            dtype=dtype,
+            multiprocess=False,
+            max_model_len=512,
+            speculative_config=sc,
+            num_threads=1,
+            disable_log_stats=True,
+        )
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.executor.worker.model_runner
+        acc: dict[str, float] = defaultdict(float)
+        state = {"verify": False, "nonuniform": 0, "verify_steps": 0}
+
+        def timed(obj: Any, attr: str, key: str, acc: dict = acc) -> None:
+            fn = getattr(obj, attr)
+
+            def wrapper(*a: Any, **kw: Any) -> Any:
+                t0 = clock()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    acc[key] += clock() - t0
+
+            setattr(obj, attr, wrapper)
+
+        timed(runner, "_run_model", "forward")
+        timed(runner.model, "compute_logits", "lm_head")
+        timed(runner, "_sample", "sample")
+        timed(core.scheduler, "update_from_output", "update")
+        timed(llm.llm_engine.output_processor, "process_outputs", "frontend_outputs")
+        if runner.spec_decode is not None:
+            timed(runner.spec_decode, "propose", "propose")
+        schedule = core.scheduler.schedule
+
+        def scheduled(schedule: Any = schedule, state: dict = state, acc: dict = acc) -> Any:
+            t0 = clock()
+            so = schedule()
+            acc["schedule"] += clock() - t0
+            state["verify"] = bool(so.scheduled_spec_decode_tokens)
+            if state["verify"]:  # drafts of different lengths: no CUDA graph fits (cuda_graphs.py), eager there
+                state["verify_steps"] += 1
+                state["nonuniform"] += len(set(so.num_scheduled_tokens.values())) > 1
+            return so
+
+        core.scheduler.schedule = scheduled
+        engines[name] = (llm, acc, state)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out: dict[str, Any] = {}
+    for wl, prompts in sets.items():
+        for b in batch_sizes:
+            per: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+            nonuniform = {name: [0, 0] for name in engines}
+            for rnd in range(repeats + 1):  # round 0 warms up
+                for name, (llm, acc, state) in engines.items():
+                    eng = llm.llm_engine
+                    for i in range(0, len(prompts) - b + 1, b):
+                        for j, p in enumerate(prompts[i : i + b]):
+                            eng.add_request(f"{wl}-{b}-{rnd}-{i}-{j}", {"prompt_token_ids": p}, params)
+                        first = True
+                        state["verify_steps"] = state["nonuniform"] = 0
+                        while eng.has_unfinished_requests():
+                            acc.clear()
+                            t0 = clock()
+                            eng.step()
+                            dt = clock() - t0
+                            if first or not rnd:
+                                first = False
+                                continue
+                            d = per[(name, "verify" if state["verify"] else "plain")]
+                            d["step"].append(dt)
+                            d["host"].append(dt - acc["forward"] - acc["lm_head"])
+                            for key, v in acc.items():
+                                d[key].append(v)
+                        if rnd:
+                            nonuniform[name][0] += state["nonuniform"]
+                            nonuniform[name][1] += state["verify_steps"]
+            for (name, kind), d in sorted(per.items()):
+                row = {"steps": len(d["step"])}
+                row.update({k: round(1e6 * float(np.median(v)), 1) for k, v in d.items()})
+                out[f"{wl}/batch{b}/{name}/{kind}_step_us"] = row
+            out[f"{wl}/batch{b}/ngram/verify_steps_with_mixed_draft_lengths"] = nonuniform["ngram"]
+    for llm, _, _ in engines.values():
+        llm.shutdown()
+    return out
+
+
 def _param_count(model_dir: str) -> int:
     """Parameters in a checkpoint's safetensors files (read from their headers only)."""
     from safetensors import safe_open
@@ -280,12 +395,20 @@ def main() -> None:
         help="cpu (default) or cuda / cuda:N: every engine and HF there, bfloat16 unless --dtype is given",
     )
     ap.add_argument("--quick", action="store_true", help="2 prompts, no draft model, no HF (a GPU check)")
+    ap.add_argument(
+        "--host-times",
+        action="store_true",
+        help="CPU: host time per plain decode step vs n-gram verify step, model forward and LM head left out "
+        "(batch sizes from --batch, default 1)",
+    )
     args = ap.parse_args()
     on_cuda = args.device.startswith("cuda")
     if on_cuda and args.dtype == "auto":
         args.dtype = "bfloat16"
     if args.quick:
         args.num_prompts, args.no_draft, args.no_hf = 2, True, True
+    if args.host_times:
+        args.no_draft, args.no_hf = True, True
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -348,6 +471,13 @@ def main() -> None:
         result["draft_params_ratio"] = _param_count(args.draft_model) / _param_count(model)
     num_sets = max((args.num_prompts, *batch_sizes))
     sets = workloads(model, tokenizer, num_sets, args.max_tokens, len(tokenizer), args.seed, args.device)
+    if args.host_times:
+        if on_cuda:
+            raise SystemExit("--host-times measures the CPU engine (thread CPU time); use a profiler on CUDA")
+        times = host_times(model, sets, spec, args.max_tokens, batch_sizes or (1,), max(1, args.repeats), args.dtype)
+        result.update(times, num_threads=1, load_avg_1m_end=os.getloadavg()[0])
+        print(json.dumps(result))
+        return
     for name, all_prompts in sets.items():
         prompts = all_prompts[: args.num_prompts]
         runs = run_ours_interleaved(
