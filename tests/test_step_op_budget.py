@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import vllm_lite.spec_decode.rejection_sampler as rejection_sampler
+import vllm_lite.worker.sampler as sampler
 from vllm_lite import SamplingParams
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.device_ops import DeviceOpCounter, count_steps, install_stand_in_graphs
@@ -45,6 +46,7 @@ def test_counter_sees_ops_syncs_and_host_to_device_copies() -> None:
 @pytest.fixture
 def device_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rejection_sampler, "HOST_FAST_PATHS", False)
+    monkeypatch.setattr(sampler, "HOST_FAST_PATHS", False)
     monkeypatch.setattr(SpecDecodeStep, "gain_rule", False)
 
 

@@ -372,8 +372,11 @@ class GPUModelRunner:
         if so is not None and so.scheduled_spec_decode_tokens and self.spec_decode is not None:
             return self._sample_verified(batch, inputs, hidden, so, s_idx)
         s_rows = inputs.rows[s_idx]
-        logits_idx = torch.from_numpy(inputs.query_start_loc[1:][s_idx] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[logits_idx])
+        if len(s_idx) == inputs.num_tokens:  # one token a request, every one samples (decode): every row, in order
+            logits = self.model.compute_logits(hidden[: inputs.num_tokens])
+        else:
+            logits_idx = torch.from_numpy(inputs.query_start_loc[1:][s_idx] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[logits_idx])
         out = None
         if self.is_driver:  # under tensor parallelism only rank 0 samples; the others take its tokens
             bitmask = _grammar_bitmask_rows(so, [inputs.req_ids[i] for i in s_idx.tolist()])
