@@ -151,6 +151,10 @@ def test_engine_args_runner_pooling_budget_and_flags() -> None:
     assert cfg.model_config.pooler_config == PoolerConfig("MEAN", True, None, True)
     # A pooling prompt runs whole in one step: the budget holds max_model_len; a smaller one is refused.
     assert cfg.scheduler_config.max_num_batched_tokens >= cfg.model_config.max_model_len
+    # With no decodes to keep moving, a pooling step defaults to the bigger budget that measured faster.
+    assert cfg.scheduler_config.max_num_batched_tokens >= 4096
+    generate_cfg = EngineArgs(model=model, device="cpu").create_engine_config()
+    assert generate_cfg.scheduler_config.max_num_batched_tokens < 4096
     with pytest.raises(ValueError, match="max_num_batched_tokens \\(512\\) is smaller than max_model_len \\(1024\\)"):
         EngineArgs(
             model=model, device="cpu", runner="pooling", max_model_len=1024, max_num_batched_tokens=512

@@ -43,6 +43,8 @@ from vllm_lite.pooling_config import (
 from vllm_lite.quantization.quant_config import resolve_quantization
 
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+# Default step budget of a pooling model when none is given (see create_engine_config).
+POOLING_MIN_BATCHED_TOKENS = 4096
 
 
 def parse_structured_outputs_config(text: str) -> StructuredOutputsConfig:
@@ -437,9 +439,11 @@ class EngineArgs:
         pooler_config = None
         if runner_type == "pooling":
             pooler_config = resolve_pooler_config(PoolerConfig.from_value(self.pooler_config), archs, model_dir)
-            # A pooling prompt runs whole in one step (no chunked prefill, as vLLM for pooling models).
+            # A pooling prompt runs whole in one step (no chunked prefill, as vLLM for pooling models). With no
+            # decodes to keep moving, a bigger step is cheaper per token: 4096 measured 1.4-4% faster a BERT pass
+            # than 2048 on Zen 4 (8192 was slower).
             if self.max_num_batched_tokens is None:
-                max_batched = max(max_batched, max_model_len)
+                max_batched = max(max_batched, POOLING_MIN_BATCHED_TOKENS, max_model_len)
             elif max_batched < max_model_len:
                 raise ValueError(
                     f"max_num_batched_tokens ({max_batched}) is smaller than max_model_len ({max_model_len}): a "
