@@ -181,3 +181,66 @@ def test_add_lora_takes_the_kernel_for_small_steps_and_segments_for_large(
         calls.clear()
         torch_ops.add_lora(y.clone(), x, a, bs, offsets, token_slots)  # no lora_bt: segments
         assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_calls_kernel_itself_on_decode_steps(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoRALinear runs csrc's op straight from its forward on a decode-sized step (no ops.add_lora dispatch),
+    with the same result as the segments; larger steps, and a swapped torch_ops.add_lora (the benchmark's
+    ``--ops``), go through ops.add_lora."""
+    from torch import nn
+
+    from vllm_lite.lora.layers import LoRALinear, LoRAState, SubProjection
+
+    g = torch.Generator().manual_seed(3)
+    k, outs, r = 64, (48, 16), 8
+    base = nn.Linear(k, sum(outs), bias=True).to(dtype)
+    subs = [SubProjection(f"p{i}", sum(outs[:i]), o, 0) for i, o in enumerate(outs)]
+    state = LoRAState()
+    layer = LoRALinear(base, subs, False, state, SLOTS, r)
+    for s in range(SLOTS):
+        layer.set_slot(s, [(torch.randn(r, k, generator=g), torch.randn(o, r, generator=g)) for o in outs])
+    calls: list[int] = []
+    real = _op()
+
+    def counting(y, *args):
+        calls.append(y.shape[0])
+        real(y, *args)
+
+    monkeypatch.setattr(torch_ops, "_KERNEL", [counting])
+    routed: list[int] = []
+    auto = torch_ops.add_lora
+
+    def via_ops(y, *args, **kw):
+        routed.append(y.shape[0])
+        auto(y, *args, **kw)
+
+    import vllm_lite.lora.layers as layers_mod
+
+    dispatched: list[int] = []
+    ops_add_lora = layers_mod.add_lora
+
+    def counting_dispatch(y, *args):
+        dispatched.append(y.shape[0])
+        ops_add_lora(y, *args)
+
+    monkeypatch.setattr(layers_mod, "add_lora", counting_dispatch)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-1)
+    for t, kernel in ((torch_ops.KERNEL_MAX_TOKENS, True), (torch_ops.KERNEL_MAX_TOKENS + 1, False)):
+        x = torch.randn(t, k, generator=g).to(dtype)
+        slots = torch.tensor([(i % (SLOTS + 1)) - 1 for i in range(t)], dtype=torch.int32)  # -1 included
+        state.token_slots = slots
+        want = base(x)
+        torch_ops.add_lora_segments(want, x, layer.lora_a, layer.lora_b, layer._offsets, slots)
+        calls.clear()
+        dispatched.clear()
+        got = layer(x)
+        assert calls == ([t] if kernel else []) and dispatched == ([] if kernel else [t])
+        torch.testing.assert_close(got.double(), want.double(), **tol)
+        # swapped add_lora: the layer must not bypass it
+        calls.clear()
+        routed.clear()
+        monkeypatch.setattr(torch_ops, "add_lora", via_ops)
+        torch.testing.assert_close(layer(x).double(), want.double(), **tol)
+        assert routed == [t] and calls == ([t] if kernel else [])
+        monkeypatch.setattr(torch_ops, "add_lora", auto)

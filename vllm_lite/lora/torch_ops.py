@@ -153,6 +153,13 @@ def add_lora(
     add_lora_segments(y, x, lora_a, lora_b, out_offsets, token_slots)
 
 
+def direct_kernel() -> Optional[Callable[..., None]]:
+    """csrc's op for a layer to call itself on a decode-sized CPU step (``LoRALinear._add_delta``), skipping
+    ``ops.add_lora`` -> ``add_lora`` -> checks (~10-20 us of Python a call, 48 calls a step on the 100M Qwen2);
+    None when ``add_lora`` has been swapped (benchmarks/lora_throughput.py ``--ops``) or the kernel is not built."""
+    return kernel_op() if add_lora is _AUTO_ADD_LORA else None
+
+
 def _kernel_fits(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_bt: torch.Tensor, token_slots: torch.Tensor
 ) -> bool:
@@ -166,12 +173,17 @@ def _kernel_fits(
     )
 
 
+_AUTO_ADD_LORA = add_lora  # what the engine runs unless a benchmark swaps torch_ops.add_lora
+
+
 def kernel_op() -> Optional[Callable[..., None]]:
     """torch.ops.vllm_lite.lora_add_cpu once csrc's CPU kernels load here and have it; None: torch only."""
     if not _KERNEL:
         from vllm_lite.worker.attention.cpu_kernels import cpu_op
 
-        _KERNEL.append(cpu_op("lora_add_cpu"))
+        op = cpu_op("lora_add_cpu")
+        # The overload itself: calling it skips the packet's overload resolution (a few us a call).
+        _KERNEL.append(None if op is None else getattr(op, "default", op))
     return _KERNEL[0]
 
 
