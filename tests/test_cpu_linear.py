@@ -217,3 +217,23 @@ def test_a_case_where_no_kc_matches_keeps_f_linear_and_says_so_once(monkeypatch,
             assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))
     assert cpu_linear.plan(64, w) == "f_linear"
     assert len([r for r in caplog.records if "sums differently" in r.getMessage()]) == 1
+
+
+def test_a_degenerate_first_input_cannot_vouch_for_a_kc_that_sums_differently(monkeypatch):
+    """A first input of zeros sums to the same bits in any order; the check also runs on a seeded random input,
+    so an op that is right only on zeros never takes the case."""
+    _kernel_or_skip()
+    monkeypatch.setattr(cpu_linear, "_kernel_on", True)
+    real = cpu_linear._kernel_op()
+
+    def right_on_zeros_only(x, w, kc):
+        y = real(x, w, kc)
+        return y if not x.any() else torch.nextafter(y, torch.full_like(y, float("inf")))
+
+    monkeypatch.setattr(cpu_linear, "_kernel_op", lambda: right_on_zeros_only)
+    w = _weight(384, k=256)
+    with torch.inference_mode():
+        assert torch.equal(cpu_linear.linear(torch.zeros(64, 256), w), torch.zeros(64, 384))
+        assert cpu_linear.plan(64, w) == "f_linear"
+        x = torch.randn(64, 256)
+        assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))

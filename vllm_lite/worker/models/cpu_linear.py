@@ -130,6 +130,10 @@ def _kernel_linear(x2: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Ten
     if kc is not None:
         return op(x2, weight, kc) if kc else None
     want = F.linear(x2, weight)
+    # The check also runs on a seeded random input of the same shape: a degenerate first input (zeros, repeated
+    # rows) sums the same in any order and would let a wrong kc through.
+    probe = torch.randn(x2.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    want_probe = F.linear(probe, weight)
     k = case[0]
     first = _kc_known.get(k)
     cands = kc_candidates(k)
@@ -137,7 +141,7 @@ def _kernel_linear(x2: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Ten
         cands = [first] + [c for c in cands if c != first]
     found = 0
     for c in cands:
-        if torch.equal(op(x2, weight, c), want):
+        if torch.equal(op(probe, weight, c), want_probe) and torch.equal(op(x2, weight, c), want):
             found = c
             break
     with _lock:
