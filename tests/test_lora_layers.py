@@ -203,3 +203,25 @@ def test_cpu_kernel_and_bmm_segments_agree_in_every_wrapped_layer(tmp_path, monk
     manager.remove_lora(1)
     for wrapper in manager.layers.values():
         assert not wrapper.lora_bt[slot].any()
+
+
+def test_kept_rows_take_their_own_slots() -> None:
+    """Past the last attention a step may keep only its sampling rows (the runner's logits_rows): a layer that
+    sees those rows alone must give each its own adapter's delta (state.kept_slots), as on the full step."""
+    from vllm_lite.lora.layers import LoRALinear, LoRAState, SubProjection
+
+    g = torch.Generator().manual_seed(5)
+    k, out, r, slots_n = 16, 12, 4, 3
+    base = nn.Linear(k, out, bias=False)
+    state = LoRAState()
+    layer = LoRALinear(base, [SubProjection("p", 0, out, 0)], False, state, slots_n, r)
+    for s in range(slots_n):
+        layer.set_slot(s, [(torch.randn(r, k, generator=g), torch.randn(out, r, generator=g))])
+    x = torch.randn(10, k, generator=g)
+    token_slots = torch.tensor([0, 0, 0, 1, 1, -1, 2, 2, 2, 2], dtype=torch.int32)
+    state.token_slots = token_slots
+    full = layer(x)
+    rows = torch.tensor([2, 4, 5, 9])
+    state.kept_slots = token_slots[rows].contiguous()
+    torch.testing.assert_close(layer(x[rows]), full[rows])
+    assert not torch.allclose(layer(x[rows]), base(x[rows]))  # the deltas are there

@@ -34,6 +34,9 @@ class LoRAState:
     """Shared by every wrapped layer of one model: this step's per-token slot index (None: no adapter runs)."""
 
     token_slots: Optional[torch.Tensor] = None
+    # The slots of the rows a step keeps past the last attention (the runner's logits_rows: the last layer's
+    # o_proj and MLP run on those rows only, models/decoder.py); None: every row goes on.
+    kept_slots: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,8 @@ class LoRALinear(nn.Module):
             return self.base(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] != slots.shape[0] and self.state.kept_slots is not None:
+            slots = self.state.kept_slots  # past the last attention, on the kept rows only
         if self.row_parallel and self.tp_size > 1:
             y = linear(x2, self.base, None)
             self._add_delta(y, x2, slots)

@@ -235,6 +235,7 @@ class LoRAModelManager:
     # ------------------------------------------------------------------ per step
     def prepare_step(self, req_lora_ids: np.ndarray, num_scheduled: np.ndarray) -> None:
         """Slots for this step's adapters and the per-token slot index ([T] int32, -1: none), built once."""
+        self.state.kept_slots = None
         if len(req_lora_ids) == 0 or not req_lora_ids.any():
             self.state.token_slots = None
             self.step_token_slots = None
@@ -249,3 +250,12 @@ class LoRAModelManager:
         t = torch.from_numpy(token_slots).to(self.device, non_blocking=True)
         self.state.token_slots = t
         ops.set_step_slots(t)
+
+    def keep_rows(self, rows: Optional[np.ndarray]) -> None:
+        """This step runs its last layer past attention on these token rows only (the runner's logits_rows):
+        their slots, for the layers that see only them (None: every row goes on)."""
+        if rows is None or self.step_token_slots is None:
+            self.state.kept_slots = None
+            return
+        kept = np.ascontiguousarray(self.step_token_slots[rows])
+        self.state.kept_slots = torch.from_numpy(kept).to(self.device, non_blocking=True)

@@ -295,7 +295,10 @@ class GPUModelRunner:
         inputs = build_step_inputs(batch, num_scheduled_tokens, self.block_size, self._arange)
         if self.lora_manager is not None:  # this step's adapters in slots, and each token's slot, built once
             self.lora_manager.prepare_step(batch.lora_ids[inputs.rows], inputs.num_scheduled)
-        hidden = self._run_model(inputs, so, self._logits_rows(batch, inputs, so))
+        logits_rows = self._logits_rows(batch, inputs, so)
+        if self.lora_manager is not None:  # the adapters' slots of those rows (CPU only: see _logits_rows)
+            self.lora_manager.keep_rows(logits_rows)
+        hidden = self._run_model(inputs, so, logits_rows)
         if self.pooler is not None:  # a pooling step: every request's whole prompt ran; pool, sample nothing
             batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
             params = step_pooling_params(so, inputs.req_ids)
@@ -352,7 +355,7 @@ class GPUModelRunner:
             or self.dtype == torch.float32
             or self.pooler is not None
             or self.spec_decode is not None
-            or self.lora_manager is not None
+            or (self.lora_manager is not None and self.device.type != "cpu")  # CPU LoRA layers take kept_slots
             or not getattr(self.model, "selects_rows", lambda: False)()
         ):
             return None
