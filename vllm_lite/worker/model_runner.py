@@ -348,7 +348,8 @@ class GPUModelRunner:
         """The hidden-state rows this step reads (each sampling request's last token) when fewer than all and the
         model can skip the rest past its last attention (models/decoder.py); None: every row. Only for bf16/fp16
         models (float32 keeps the result every row count gives, for HF matching), and not with prompt logprobs,
-        pooling, LoRA, speculation or the profiling pass (which reads every row or sizes for the worst case)."""
+        pooling, LoRA on CUDA (CPU LoRA layers take the kept rows' slots), speculation or the profiling pass
+        (which reads every row or sizes for the worst case)."""
         if (
             so is None
             or inputs.num_tokens == inputs.num_reqs  # one row a request (decode): every row samples
