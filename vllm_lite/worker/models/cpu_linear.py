@@ -195,6 +195,8 @@ def _case(rows: int, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tupl
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Same result as F.linear(x, weight, bias), bit for bit; faster where the rule applies."""
+    if torch.compiler.is_compiling():  # a traced graph: the per-case checks would guard it on every row count
+        return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if not grad and kernel_applies(rows, weight, x.dtype, bias):
