@@ -331,8 +331,13 @@ def test_a_step_replayed_after_a_failure_keeps_the_grammar_mask(core: EngineCore
         )
         core.add_request(make_request(rid, [5, 6, 7], sp, eos_token_id=2))
     results: dict[str, Result] = {}
-    while any(core.scheduler.get_request(r).status != RequestStatus.RUNNING for r in good):  # grammars compiled
-        _collect(core.step(), results)
+    # Every grammar compiled before the first step, so the four are admitted together and none can finish (the
+    # regex is 6 characters) while another still waits for its grammar, however slow the host is.
+    sors = [core.scheduler.get_request(r).structured_output_request for r in good]
+    while not all(s.is_ready() for s in sors):
+        core.scheduler.wait_for_grammar(5.0)
+    _collect(core.step(), results)
+    assert all(core.scheduler.get_request(r).status == RequestStatus.RUNNING for r in good)
     core.add_request(make_request(bad_id, [5, 6, 7, 8], SamplingParams(max_tokens=30, ignore_eos=True)))
     inner = core.executor
     core.executor = _FailsWith(inner, bad_id)
