@@ -155,10 +155,8 @@ def test_kernel_rejects_bad_inputs_before_touching_y(bad) -> None:
     assert torch.equal(d["y"], y0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_add_lora_takes_the_kernel_for_small_steps_and_segments_for_large(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Route csrc's lora_add_cpu through a wrapper that records each call's token count (the list returned)."""
     calls: list[int] = []
     real = _op()
 
@@ -167,6 +165,14 @@ def test_add_lora_takes_the_kernel_for_small_steps_and_segments_for_large(
         real(y, *args)
 
     monkeypatch.setattr(torch_ops, "_KERNEL", [counting])
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_add_lora_takes_the_kernel_for_small_steps_and_segments_for_large(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _count_kernel_calls(monkeypatch)
     small = [i % SLOTS for i in range(torch_ops.KERNEL_MAX_TOKENS)]
     large = [i % SLOTS for i in range(torch_ops.KERNEL_MAX_TOKENS + 1)]
     for slots, kernel in ((small, True), (large, False)):
@@ -200,14 +206,7 @@ def test_layer_calls_kernel_itself_on_decode_steps(dtype: torch.dtype, monkeypat
     layer = LoRALinear(base, subs, False, state, SLOTS, r)
     for s in range(SLOTS):
         layer.set_slot(s, [(torch.randn(r, k, generator=g), torch.randn(o, r, generator=g)) for o in outs])
-    calls: list[int] = []
-    real = _op()
-
-    def counting(y, *args):
-        calls.append(y.shape[0])
-        real(y, *args)
-
-    monkeypatch.setattr(torch_ops, "_KERNEL", [counting])
+    calls = _count_kernel_calls(monkeypatch)
     routed: list[int] = []
     auto = torch_ops.add_lora
 
