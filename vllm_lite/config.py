@@ -96,6 +96,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "priority"
     # None: never log (disable_log_stats); not inf, which JSON (the wire form) cannot carry.
     log_stats_interval_s: Optional[float] = 10.0
+    # vLLM's async scheduling: step N+1 is scheduled and launched while step N runs (at most two steps in
+    # flight); step N+1's input token comes from step N's sampled tensor on the device. Off: today's step.
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -414,6 +417,21 @@ class VllmConfig:
     speculative_config: Optional[SpeculativeConfig] = None
     lora_config: Optional[LoRAConfig] = None
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+
+
+def verify_async_scheduling(config: VllmConfig) -> None:
+    """Reject async scheduling with what it cannot run with yet (as vLLM did): a ValueError naming the feature."""
+    if not config.scheduler_config.async_scheduling:
+        return
+    unsupported = []
+    if config.speculative_config is not None:
+        unsupported.append("speculative decoding (speculative_config)")
+    if config.parallel_config.tensor_parallel_size > 1:
+        unsupported.append(f"tensor_parallel_size > 1 (got {config.parallel_config.tensor_parallel_size})")
+    if config.model_config.runner_type == "pooling":
+        unsupported.append("pooling models (runner='pooling')")
+    if unsupported:
+        raise ValueError(f"async_scheduling: async scheduling does not support {' or '.join(unsupported)} yet.")
 
 
 # ---------------------------------------------------------------------------- wire form (JSON, no pickle)

@@ -26,6 +26,7 @@ from vllm_lite.config import (
     StructuredOutputsConfig,
     VllmConfig,
     _note_once,
+    verify_async_scheduling,
     verify_parallel_config,
 )
 from vllm_lite.device_layout import engine_device, verify_cuda_device_count
@@ -213,6 +214,13 @@ class EngineArgs:
         metadata={
             "help": "fcfs: arrival order; priority: lowest priority value first, then arrival.",
             "choices": ("fcfs", "priority"),
+        },
+    )
+    async_scheduling: bool = field(
+        default=False,
+        metadata={
+            "help": "Schedule and launch step N+1 while step N runs (vLLM's async scheduling); not with "
+            "speculative decoding, tensor_parallel_size > 1 or pooling models."
         },
     )
     tensor_parallel_size: int = field(
@@ -473,7 +481,7 @@ class EngineArgs:
             quantization=quant_config.quant_method if quant_config else None,
             quant_config=quant_config,
         )
-        return VllmConfig(
+        config = VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -491,6 +499,7 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
                 log_stats_interval_s=None if self.disable_log_stats else 10.0,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),
@@ -499,6 +508,8 @@ class EngineArgs:
             lora_config=self._lora_config(),
             compilation_config=compilation_config,
         )
+        verify_async_scheduling(config)
+        return config
 
     def _lora_config(self) -> Optional[LoRAConfig]:
         """enable_lora turns LoRA on with these limits (vLLM's); the limits alone change nothing."""
