@@ -44,6 +44,27 @@ from vllm_lite.pooling_config import (
 from vllm_lite.quantization.quant_config import resolve_quantization
 
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+# vLLM's usage context of the offline `LLM` class: its default step budget on a large GPU is bigger than a server's.
+LLM_CLASS = "LLM_CLASS"
+# vLLM gives GPUs of at least this much memory (H100, H200, MI300x; not the A100, measured slower) a bigger budget.
+LARGE_GPU_BYTES = 70 * 1024**3
+
+
+def default_max_num_batched_tokens(device: Any, max_model_len: int, usage_context: Optional[str] = None) -> int:
+    """The step budget when none is given: vLLM's per-device table where it differs, ours elsewhere.
+
+    On a CUDA GPU of 70 GiB or more other than an A100, vLLM takes 16384 tokens a step for the offline LLM and
+    8192 for a server: a GPU prefills thousands of tokens in the time the host spends on one step, so fewer, bigger
+    prefill steps pay that host time fewer times. Elsewhere (CPU, smaller GPUs) max(2048, min(max_model_len, 8192)).
+    """
+    if getattr(device, "type", None) == "cuda":
+        index = device.index or 0
+        name = _platform.cuda_device_names()[index].lower() if index < _platform.cuda_device_count() else ""
+        if _platform.cuda_device_total_memory(index) >= LARGE_GPU_BYTES and "a100" not in name:
+            return 16384 if usage_context == LLM_CLASS else 8192
+    return max(2048, min(max_model_len, 8192))
+
+
 # Default step budget of a pooling model when none is given (see create_engine_config).
 POOLING_MIN_BATCHED_TOKENS = 4096
 
@@ -203,7 +224,11 @@ class EngineArgs:
         },
     )
     max_num_batched_tokens: Optional[int] = field(
-        default=None, metadata={"help": "Token budget per engine step (default: max(2048, min(max_model_len, 8192)))."}
+        default=None,
+        metadata={
+            "help": "Token budget per engine step (default: 16384 for the offline LLM and 8192 for a server on a "
+            "CUDA GPU of 70 GiB or more other than an A100, as vLLM; else max(2048, min(max_model_len, 8192)))."
+        },
     )
     max_num_seqs: int = field(default=128, metadata={"help": "Most requests running at once."})
     long_prefill_token_threshold: int = field(
@@ -384,7 +409,8 @@ class EngineArgs:
             kwargs["served_model_name"] = kwargs.get("served_model_name") or DEFAULT_MODEL_NAME
         return cls(**kwargs)
 
-    def create_engine_config(self) -> VllmConfig:
+    def create_engine_config(self, usage_context: Optional[str] = None) -> VllmConfig:
+        """``usage_context``: vLLM's; LLM_CLASS (the offline LLM) takes a bigger default step budget on large GPUs."""
         from vllm_lite.model_resolution import check_model_options, resolve_model_and_tokenizer
 
         check_model_options(self.trust_remote_code, self.quantization, self.max_logprobs)
@@ -439,7 +465,9 @@ class EngineArgs:
                 f"node_rank={self.node_rank}: the engine runs on node 0; start nodes 1..{self.nnodes - 1} "
                 "with `vllm-lite worker --node-rank N ...`."
             )
-        max_batched = self.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
+        max_batched = self.max_num_batched_tokens or default_max_num_batched_tokens(
+            device, max_model_len, usage_context
+        )
         if max_batched < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched!r}.")
         runner_type = resolve_runner(self.runner, archs, model_dir, self.convert)
@@ -517,7 +545,7 @@ class EngineArgs:
             return None
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras)
 
-    def create_dp_engine_configs(self) -> list[VllmConfig]:
+    def create_dp_engine_configs(self, usage_context: Optional[str] = None) -> list[VllmConfig]:
         """One VllmConfig per data-parallel rank: its own CUDA devices or a share of the CPU threads.
 
         On CUDA, rank r's engine sits on the first of its tensor-parallel devices
@@ -528,7 +556,7 @@ class EngineArgs:
         """
         import dataclasses
 
-        base = self.create_engine_config()
+        base = self.create_engine_config(usage_context)
         dp = self.data_parallel_size
         if dp == 1:
             return [base]
@@ -546,5 +574,5 @@ class EngineArgs:
                 kw["num_threads"] = max(1, ncpu // dp)
             if self.master_port:
                 kw["master_port"] = self.master_port + 10 * rank
-            configs.append(dataclasses.replace(self, **kw).create_engine_config())
+            configs.append(dataclasses.replace(self, **kw).create_engine_config(usage_context))
         return configs

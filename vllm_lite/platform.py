@@ -61,6 +61,12 @@ def cuda_device_names() -> tuple[str, ...]:
 
 
 @functools.cache
+def cuda_device_total_memory(index: int = 0) -> int:
+    """Bytes of memory on CUDA device ``index`` (0 without CUDA): vLLM sizes its default step budget by it."""
+    return torch.cuda.get_device_properties(index).total_memory if cuda_available() else 0
+
+
+@functools.cache
 def cuda_bf16_supported() -> bool:
     """bfloat16 runs natively on the current CUDA device (Ampere and later)."""
     return cuda_available() and torch.cuda.is_bf16_supported()

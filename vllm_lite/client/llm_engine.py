@@ -56,9 +56,14 @@ class LLMEngine:
             raise
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool = True) -> "LLMEngine":
-        """Start a private engine core (or, with data_parallel_size D > 1, D of them, requests routed over them)."""
-        configs = engine_args.create_dp_engine_configs()
+    def from_engine_args(
+        cls, engine_args: EngineArgs, multiprocess_mode: bool = True, usage_context: Optional[str] = None
+    ) -> "LLMEngine":
+        """Start a private engine core (or, with data_parallel_size D > 1, D of them, requests routed over them).
+
+        ``usage_context``: vLLM's (the offline LLM passes LLM_CLASS: it picks the default step budget).
+        """
+        configs = engine_args.create_dp_engine_configs(usage_context)
         if len(configs) == 1:
             return cls(configs[0], multiprocess_mode=multiprocess_mode)
         if not multiprocess_mode:

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from vllm_lite.client.llm_engine import LLMEngine
 from vllm_lite.client.processor import PromptType
-from vllm_lite.engine_args import EngineArgs
+from vllm_lite.engine_args import LLM_CLASS, EngineArgs
 from vllm_lite.entrypoints import llm_pooling
 from vllm_lite.lora.request import LoRARequest
 from vllm_lite.outputs import (
@@ -72,7 +72,9 @@ class LLM:
             model = default_model_path()
             kwargs.setdefault("served_model_name", DEFAULT_MODEL_NAME)
         self.engine_args = EngineArgs(model=model, data_parallel_size=data_parallel_size, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess_mode=multiprocess)
+        self.llm_engine = LLMEngine.from_engine_args(
+            self.engine_args, multiprocess_mode=multiprocess, usage_context=LLM_CLASS
+        )
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
