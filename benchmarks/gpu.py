@@ -21,12 +21,24 @@ a "full" run measures, all in this one invocation:
   - per decode step: the measured step time (same in-process engine, unprofiled window) against a roofline,
     max(bytes moved / copy bandwidth, FLOPs / matmul rate): bytes = matmul weights + every sequence's K/V,
     FLOPs = 2 x weights x batch + attention; both rates measured at the start of this run (a device-to-device
-    copy counted as read + write, an 8192^3 bf16 matmul).
+    copy counted as read + write, an 8192^3 bf16 matmul);
+  - where a step's time goes, on the same in-process engine, for decode at batch 256 and 1 and for prefill (the
+    first steps of a fresh 256-prompt batch, chunked at the step budget, and batch-1 128-token prompts run to
+    their first token): one window of steps per mode, so no mode's overhead lands in another's figures:
+    timed (step ms), profiled (busy fraction, busy/idle ms a step, kernels a step, top kernels, top CUDA runtime
+    calls), phases (the engine's own functions wrapped by name, no file of the engine edited: schedule, runner
+    input preparation, forward, sample, update, output processing; us a step, inclusive and self) and cProfile
+    (top 10 Python functions by self time, top 10 of vllm_lite's by inclusive time); host ms a step = step ms
+    less the device's busy ms a step; prefill steps against their matmul floor.
+With --compare-async, a full shape also runs with async_scheduling=False and True (multiprocess figures side by
+side, greedy tokens identical?, and the in-process decode profile of each); "unsupported" where EngineArgs has
+no async_scheduling field.
 A "batch1" run (default for llama-8b) measures only time to ready and batch-1 ms/token, with its roofline.
 
     python benchmarks/gpu.py                                   # llama-1b full + llama-8b batch-1 (<= 150 s on an H100)
     python benchmarks/gpu.py --shapes llama-8b-8l,qwen2-100m   # other shapes (NAME or NAME:batch1)
     python benchmarks/gpu.py --compare-eager                   # also enforce_eager=True: both figures, same tokens?
+    python benchmarks/gpu.py --compare-async                   # async_scheduling False and True: both, same tokens?
     python benchmarks/gpu.py --device cpu --smoke              # seconds, on CPU (float32)
 
 Prints ONE JSON line on stdout (progress on stderr), also when a part fails: each failure is recorded in
@@ -220,36 +232,133 @@ def engine_run(
 
 # ------------------------------------------------------------------------------ profile worker (in-process)
 
+# Each measured window of steps runs once per mode: "timed" (wall time only), "profile" (torch.profiler: the
+# device's busy time, kernels, CUDA runtime calls), "phases" (the engine's own functions timed by name:
+# PhaseTimer), "cprofile" (cProfile of the step loop: top Python functions). Separate windows, so no mode's
+# overhead lands in another's figures.
+MODES = ("timed", "profile", "phases", "cprofile")
+NOTES = {
+    "host": "host_ms = step_ms (unprofiled window) - gpu_busy_ms (busy fraction x profiled step time): "
+    "the time a step the device waits for the host",
+    "phases": "wall time inside the engine's functions, wrapped by name in an unprofiled window (PhaseTimer); "
+    "self = less the phases called inside; on CUDA runner.sample's self time includes waiting for the device "
+    "(the sampled tokens' copy to the host), and model.forward / cuda_graphs.run only launch work",
+    "cprofile": "cProfile of the step loop (its own window; cProfile slows Python code, see cprofile_step_ms): "
+    "top_functions by self time, top_cumulative by inclusive time among vllm_lite's functions",
+}
 
-def _decode_window(engine, state: dict[str, Any], steps: int, device: str, activities=None) -> dict[str, Any]:
-    """`steps` engine steps, timed (and profiled when activities is given); batch and context before each."""
-    batches, contexts = [], []
-    prof = None
+
+def _activities(device: str, with_cpu: bool = False) -> list:
+    from torch.profiler import ProfilerActivity
+
+    if not device.startswith("cuda"):
+        return [ProfilerActivity.CPU]
+    return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if with_cpu else [ProfilerActivity.CUDA]
+
+
+def _install_phases(engine, timer, sched_log: list) -> None:
+    """Time the in-process engine's step by its functions' names (schedule, runner input preparation, forward,
+    sample, update, output processing); names missing from this tree are listed by the timer and skipped."""
+    import vllm_lite.worker.model_runner as mr
+    from vllm_lite.worker.step_inputs import StepInputs
+
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    executor = getattr(core, "executor", None)
+    runner = getattr(getattr(executor, "worker", None), "model_runner", None)
+    model = getattr(runner, "model", None)
+
+    def log_schedule(so) -> None:
+        n = getattr(so, "num_scheduled_tokens", None) or {}
+        sched_log.append((int(so.total_num_scheduled_tokens), len(n), sum(1 for v in n.values() if v > 1)))
+
+    w = timer.wrap
+    w(engine, "step", "engine.step")
+    w(core, "step", "core.step")
+    w(sched, "schedule", "scheduler.schedule", on_return=log_schedule)
+    w(executor, "execute_model", "execute_model")
+    w(runner, "_update_states", "runner.update_states")
+    w(runner, "_move_blocks", "runner.move_blocks")
+    w(mr, "build_step_inputs", "runner.build_step_inputs")
+    w(runner, "_logits_rows", "runner.logits_rows")
+    w(runner, "_run_model", "runner.run_model")
+    w(StepInputs, "to_device", "runner.inputs_to_device")
+    if getattr(runner, "cuda_graphs", None) is not None:
+        w(runner.cuda_graphs, "run", "cuda_graphs.run")
+    w(model, "forward", "model.forward")
+    w(runner, "_prompt_logprobs", "runner.prompt_logprobs")
+    w(runner, "_sample", "runner.sample")
+    w(runner, "_launch_sample", "runner.launch_sample")
+    w(runner, "_run_sampler", "runner.run_sampler")
+    w(model, "compute_logits", "model.compute_logits")
+    w(getattr(runner, "sampler", None), "forward", "sampler.forward")
+    w(mr, "_build_output", "runner.build_output")
+    w(core, "_finish_oldest", "core.finish_oldest")
+    w(sched, "update_from_output", "scheduler.update_from_output")
+    w(getattr(engine, "output_processor", None), "process_outputs", "output_processor.process_outputs")
+
+
+def _window(engine, step, steps: int, device: str, mode: str, activities=None) -> dict[str, Any]:
+    """`steps` calls of step(i) (one engine step, or one batch-1 request) under `mode` (see MODES)."""
+    import cProfile
+    import pstats
+
+    from vllm_lite.testing.gpu_bench import PhaseTimer, top_functions
+
+    prof = timer = cprof = None
+    sched_log: list[tuple[int, int, int]] = []
+    each: list[float] = []
     _sync(device)
-    if activities is not None:
-        prof = torch.profiler.profile(activities=activities)
-        prof.__enter__()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        live = [r for r in state["gen"] if r not in state["done"]]
-        batches.append(len(live))
-        contexts.append(sum(state["lens"][r] + state["gen"][r] for r in live))
-        _engine_step(engine, state)
-    _sync(device)
-    wall = time.perf_counter() - t0
-    out: dict[str, Any] = {"wall_s": wall, "batch": float(np.mean(batches)), "sum_context": float(np.mean(contexts))}
+    try:
+        if mode == "profile":
+            prof = torch.profiler.profile(activities=activities or _activities(device))
+            prof.__enter__()
+        elif mode == "phases":
+            timer = PhaseTimer()
+            _install_phases(engine, timer, sched_log)
+        elif mode == "cprofile":
+            cprof = cProfile.Profile()
+            cprof.enable()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            ts = time.perf_counter()
+            step(i)
+            each.append(time.perf_counter() - ts)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    finally:
+        if cprof is not None:
+            cprof.disable()
+        if timer is not None:
+            timer.restore()
+        if prof is not None:
+            prof.__exit__(None, None, None)
+    out: dict[str, Any] = {"wall_s": wall, "step_ms_each": [round(1e3 * x, 3) for x in each]}
     if prof is not None:
-        prof.__exit__(None, None, None)
         out["profile"] = _profile_facts(prof, wall, steps, device)
+    if timer is not None:
+        out["phases"] = timer.summary(steps)
+        if timer.missing:
+            out["phases_missing"] = timer.missing
+        if sched_log:
+            out["scheduled"] = {
+                "tokens_per_step": [t for t, _, _ in sched_log],
+                "requests_per_step": [r for _, r, _ in sched_log],
+                "prefill_requests_per_step": [p for _, _, p in sched_log],
+            }
+    if cprof is not None:
+        stats = pstats.Stats(cprof)
+        out["cprofile"] = {
+            "cprofile_step_ms": round(1e3 * wall / steps, 3),
+            "top_functions": top_functions(stats, steps, 10, "tottime"),
+            "top_cumulative": top_functions(stats, steps, 10, "cumtime", only="vllm_lite"),
+        }
     return out
 
 
 def _warm_profiler(device: str) -> None:
     """Start torch.profiler once outside the measured windows: its first start (CUPTI on CUDA) is slow."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
-    with profile(activities=acts):
+    with torch.profiler.profile(activities=_activities(device)):
         torch.ones(16, device=device).add_(1).sum().item()
     _sync(device)
 
@@ -264,39 +373,54 @@ def _engine_step(engine, state: dict[str, Any]) -> None:
 def _profile_facts(prof, wall_s: float, steps: int, device: str) -> dict[str, Any]:
     from torch.autograd import DeviceType
 
-    from vllm_lite.testing.gpu_bench import busy_fraction
+    from vllm_lite.testing.gpu_bench import summarize_device_events
 
     cuda = device.startswith("cuda")
     want = DeviceType.CUDA if cuda else DeviceType.CPU
-    events = [e for e in prof.events() if e.device_type == want]
-    intervals = [(e.time_range.start, e.time_range.end) for e in events]  # microseconds
-    facts: dict[str, Any] = {
-        "busy_fraction": round(busy_fraction(intervals, wall_s * 1e6), 4),
-        "busy_source": "CUDA kernels and copies" if cuda else "CPU operators (no GPU)",
-        "device_events": len(events),
-        "profiled_step_ms": round(1e3 * wall_s / steps, 4),
-    }
-    if cuda:
-        kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]
-        facts["kernels_per_step"] = round(len(kernels) / steps, 1)
-        facts["kernel_time_fraction"] = round(sum(e.time_range.elapsed_us() for e in kernels) / (wall_s * 1e6), 4)
-        by_name: dict[str, list[float]] = {}
-        for e in kernels:
-            acc = by_name.setdefault(e.name[:100], [0, 0.0])
-            acc[0] += 1
-            acc[1] += e.time_range.elapsed_us()
-        top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
-        facts["top_kernels"] = [
-            {"name": n, "per_step": round(c / steps, 1), "us_per_step": round(t / steps, 1)} for n, (c, t) in top
-        ]
-    return facts
+    dev, runtime = [], []
+    for e in prof.events():
+        span = (e.name, e.time_range.start, e.time_range.end)  # microseconds
+        if e.device_type == want:
+            dev.append(span)
+        elif cuda and e.device_type == DeviceType.CPU and e.name.startswith("cuda"):
+            runtime.append(span)
+    return summarize_device_events(dev, runtime, wall_s * 1e6, steps, cuda)
 
 
-def _measure_decode(engine, prompts: list[list[int]], out_len: int, steps: int, device: str, tag: str) -> dict:
-    """Add `prompts`, step until every one has its first token (prefills done), then an unprofiled and a
-    profiled window of decode steps; abort the rest."""
-    from torch.profiler import ProfilerActivity
+def _windows(engine, make_step, steps: int, device: str, modes) -> dict[str, Any]:
+    """One window per mode (make_step(mode) -> (step, done)), merged: the timed window's step time, the profiled
+    window's device facts, host time, the phases, the cProfile top functions."""
+    from vllm_lite.testing.gpu_bench import host_time
 
+    res: dict[str, Any] = {}
+    for mode in modes:
+        step, done = make_step(mode)
+        try:
+            w = _window(engine, step, steps, device, mode)
+            if mode == "profile" and device.startswith("cuda") and w["profile"]["device_events"] == 0:
+                w = _window(engine, step, steps, device, mode, _activities(device, with_cpu=True))  # some builds
+        finally:
+            done()
+        if mode == "timed":
+            res["step_ms"] = round(1e3 * w["wall_s"] / steps, 4)
+            res["step_ms_each"] = w["step_ms_each"]
+        elif mode == "profile":
+            res.update(w["profile"])
+        elif mode == "phases":
+            res["phases"] = w["phases"]
+            for key in ("phases_missing", "scheduled"):
+                if key in w:
+                    res[key] = w[key]
+        elif mode == "cprofile":
+            res.update(w["cprofile"])
+    if "step_ms" in res and "busy_fraction" in res:
+        res["host"] = host_time(res["step_ms"], res["busy_fraction"], res["profiled_step_ms"])
+    return res
+
+
+def _measure_decode(engine, prompts: list[list[int]], out_len: int, steps: int, device: str, tag: str, modes) -> dict:
+    """Add `prompts`, step until every one has its first token (prefills done), then one window of decode steps
+    per mode; abort the rest."""
     from vllm_lite import RequestOutputKind, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -306,44 +430,124 @@ def _measure_decode(engine, prompts: list[list[int]], out_len: int, steps: int, 
         state["gen"][rid], state["lens"][rid] = 0, len(p)
         engine.add_request(rid, {"prompt_token_ids": p}, params)
     prefill_steps = 0
+    t0 = time.perf_counter()
     while min(state["gen"].values()) == 0 and engine.has_unfinished_requests():
         _engine_step(engine, state)
         prefill_steps += 1
-    k = min(steps, (out_len - max(state["gen"].values()) - 1) // 3)  # timed, profiled, maybe profiled again
+    prefill_s = time.perf_counter() - t0
+    k = min(steps, (out_len - max(state["gen"].values()) - 1) // (len(modes) + 1))  # +1: a profile retried
     if k < 1:
         raise RuntimeError(f"{tag}: no decode steps left to measure after {prefill_steps} prefill steps")
-    timed = _decode_window(engine, state, k, device)
-    acts = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
-    profiled = _decode_window(engine, state, k, device, acts)
-    if device.startswith("cuda") and profiled["profile"]["device_events"] == 0:  # some builds need CPU too
-        profiled = _decode_window(engine, state, k, device, [ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    engine.abort_request([r for r in state["gen"] if r not in state["done"]])
-    while engine.has_unfinished_requests():
-        engine.step()
+    batches, contexts = [], []
+
+    def make_step(mode: str):
+        def step(i: int) -> None:
+            live = [r for r in state["gen"] if r not in state["done"]]
+            if mode == "timed":
+                batches.append(len(live))
+                contexts.append(sum(state["lens"][r] + state["gen"][r] for r in live))
+            _engine_step(engine, state)
+
+        return step, lambda: None
+
+    try:
+        res = _windows(engine, make_step, k, device, modes)
+    finally:
+        engine.abort_request([r for r in state["gen"] if r not in state["done"]])
+        while engine.has_unfinished_requests():
+            engine.step()
+    res.pop("step_ms_each", None)
     return {
         "prefill_steps": prefill_steps,
+        "prefill_phase_s": round(prefill_s, 3),
         "steps": k,
-        "batch": timed["batch"],
-        "sum_context": timed["sum_context"],
-        "step_ms": round(1e3 * timed["wall_s"] / k, 4),
-        **profiled["profile"],
+        "batch": float(np.mean(batches)) if batches else float(len(prompts)),
+        "sum_context": float(np.mean(contexts)) if contexts else 0.0,
+        **res,
     }
+
+
+def _measure_prefill(engine, s: dict[str, Any], num: int, lo: int, hi: int, steps: int, tag: str, modes) -> dict:
+    """Prefill steps of a fresh batch: per mode, `num` new prompts (lengths lo-hi, a new seed each, so no prefix
+    cache hit) are added and the first `steps` engine steps measured (chunked prefill at the step budget, with
+    the decodes of requests already prefilled), then the rest aborted. num=1 with max_tokens=1 (batch-1): each
+    "step" is one request, added and run to its first token (time to first token in-process)."""
+    from vllm_lite import RequestOutputKind, SamplingParams
+
+    device = s["device"]
+    batch1 = num == 1
+    out_len = 1 if batch1 else s["output_len"]
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    def make_step(mode: str):
+        r = MODES.index(mode) if mode in MODES else len(MODES)
+        state: dict[str, Any] = {"gen": {}, "done": set()}
+        if batch1:
+            prompts = make_prompts(steps, lo, hi, s["vocab"], s["seed"] + 200 + r)
+
+            def step(i: int) -> None:
+                rid = f"{tag}-{r}-{i}"
+                state["gen"][rid] = 0
+                engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
+                while engine.has_unfinished_requests():
+                    _engine_step(engine, state)
+
+        else:
+            for i, p in enumerate(make_prompts(num, lo, hi, s["vocab"], s["seed"] + 100 + r)):
+                rid = f"{tag}-{r}-{i}"
+                state["gen"][rid] = 0
+                engine.add_request(rid, {"prompt_token_ids": p}, params)
+
+            def step(i: int) -> None:
+                if engine.has_unfinished_requests():
+                    _engine_step(engine, state)
+
+        def done() -> None:
+            engine.abort_request([x for x in state["gen"] if x not in state["done"]])
+            while engine.has_unfinished_requests():
+                engine.step()
+
+        return step, done
+
+    res = _windows(engine, make_step, steps, device, modes)
+    res.update(requests=num, steps=steps, input_len=[lo, hi])
+    if not batch1:
+        res["note"] = (
+            "the first steps of a fresh batch: chunked prefill filling the step budget, plus the decodes of the "
+            "requests whose prompt is done (scheduled.* per step)"
+        )
+    else:
+        res["note"] = "each step: one request added and run to its first token (max_tokens=1), in-process"
+    return res
 
 
 def profile_worker(spec: dict[str, Any]) -> dict[str, Any]:
     s = spec["settings"]
+    parts = spec.get("parts", ["decode", "prefill"])
+    modes = tuple(spec.get("modes", MODES))
     lo, hi = s["input_len"]
     prompts = make_prompts(s["num_prompts"], lo, hi, s["vocab"], s["seed"])
     b1 = make_prompts(1, s["batch1_input_len"], s["batch1_input_len"], s["vocab"], s["seed"] + 3)
     warm = make_prompts(8, lo, hi, s["vocab"], s["seed"] + 2)
     # CUPTI up before the engine captures CUDA graphs, so their kernels are traced one by one.
     _warm_profiler(s["device"])
+    s = dict(s, llm_kwargs={**s["llm_kwargs"], **spec.get("extra_kwargs", {})})
     llm, _ = start_llm(spec["model"], s, spec["enforce_eager"], multiprocess=False, warm=warm)
     engine = llm.llm_engine
-    res = {"engine": "in-process (LLM(multiprocess=False)), fresh interpreter"}
+    res: dict[str, Any] = {
+        "engine": "in-process (LLM(multiprocess=False)), fresh interpreter",
+        "extra_kwargs": spec.get("extra_kwargs", {}),
+        "notes": NOTES,
+    }
+    steps = s["profile_steps"]
     try:
-        res["batch_n"] = _measure_decode(engine, prompts, s["output_len"], s["profile_steps"], s["device"], "bn")
-        res["batch_1"] = _measure_decode(engine, b1, s["batch1_output_len"], s["profile_steps"], s["device"], "b1")
+        if "decode" in parts:
+            res["batch_n"] = _measure_decode(engine, prompts, s["output_len"], steps, s["device"], "bn", modes)
+            res["batch_1"] = _measure_decode(engine, b1, s["batch1_output_len"], steps, s["device"], "b1", modes)
+        if "prefill" in parts:
+            res["prefill_n"] = _measure_prefill(engine, s, s["num_prompts"], lo, hi, steps, "pn", modes)
+            b1_len = s["batch1_input_len"]
+            res["prefill_1"] = _measure_prefill(engine, s, 1, b1_len, b1_len, s["prefill_b1_iters"], "p1", modes)
     finally:
         llm.shutdown()
     return res
@@ -402,19 +606,14 @@ def run_worker(kind: str, spec: dict[str, Any], timeout_s: float) -> dict[str, A
 # ------------------------------------------------------------------------------------------ one shape
 
 
-def _first_difference(a: list[list[int]], b: list[list[int]]) -> Optional[dict[str, int]]:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            j = next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-            return {"sequence": i, "token": j}
-    return None
-
-
 def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], workdir: str, entry: dict) -> None:
+    from vllm_lite.engine_args import EngineArgs
     from vllm_lite.testing.gpu_bench import (
         build_random_checkpoint,
+        compare_runs,
         config_facts,
         decode_step_cost,
+        plan_variants,
         roofline,
         shape_vocab,
     )
@@ -462,17 +661,36 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
             out["note"] = "no roofline: the probes failed"
         return out
 
+    def decode_facts(m: dict[str, Any]) -> dict[str, Any]:
+        step = step_roofline(m["batch"], m["sum_context"], m["step_ms"])
+        step.update({k: v for k, v in m.items() if k not in ("batch", "sum_context", "step_ms")})
+        return step
+
+    def prefill_facts(m: dict[str, Any]) -> dict[str, Any]:
+        """A prefill window's facts with its matmul floor: weights read once, 2 FLOPs per weight per token
+        scheduled (the phases window's count), attention's FLOPs and K/V traffic not counted."""
+        out = dict(m)
+        if m.get("step_ms_each"):
+            out["step_ms_median"] = round(float(np.median(m["step_ms_each"])), 3)
+        tokens = sum(m.get("scheduled", {}).get("tokens_per_step", [])) / max(m["steps"], 1)
+        if tokens and bw and rate and "step_ms" in m:
+            floor = roofline(decode_step_cost(facts, tokens, 0.0, dtype_bytes), m["step_ms"], bw, rate)
+            out["floor"] = {"tokens_per_step": round(tokens, 1), **floor, "note": "matmul weights and FLOPs only"}
+        return out
+
+    variants = plan_variants(s, full, set(EngineArgs.__dataclass_fields__))
+    if "compare_async" in variants:
+        entry["compare_async"] = {"unsupported": variants.pop("compare_async")}
     runs = {}
-    for eager in [s["enforce_eager"]] + ([not s["enforce_eager"]] if full and s["compare_eager"] else []):
-        label = "eager" if eager else "graphs"
+    for label, (eager, extra) in variants.items():
         try:
-            log(f"{name}: vllm-lite, multiprocess engine, enforce_eager={eager}")
+            log(f"{name}: vllm-lite, multiprocess engine, enforce_eager={eager}{f', {extra}' if extra else ''}")
             t0 = time.perf_counter()
-            runs[label] = engine_run(path, s, eager, workload, b1)
+            runs[label] = engine_run(path, dict(s, llm_kwargs={**s["llm_kwargs"], **extra}), eager, workload, b1)
             entry.setdefault("part_seconds", {})[f"vllm_lite_{label}"] = round(time.perf_counter() - t0, 1)
         except Exception as e:  # noqa: BLE001 - every part is recorded, the rest go on
-            errors.append(_err(f"vllm_lite(enforce_eager={eager})", e))
-    main = runs.get("eager" if s["enforce_eager"] else "graphs")
+            errors.append(_err(f"vllm_lite({label}: enforce_eager={eager}, {extra})", e))
+    main = runs.get(next(iter(variants)))
     if main is not None:
         entry["time_to_ready_s"] = main["time_to_ready_s"]
         entry["llm_init_s"] = main["llm_init_s"]
@@ -491,41 +709,43 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
             entry["output_tokens"] = w["output_tokens"]
             if w["output_tokens"] != w["expected_output_tokens"]:
                 errors.append(f"vllm_lite: {w['output_tokens']} output tokens, expected {w['expected_output_tokens']}")
-    if len(runs) == 2:
-        cmp: dict[str, Any] = {}
-        for label, r in runs.items():
-            cmp[label] = {
-                "tokens_per_s": r["workload"]["tokens_per_s"],
-                "batch1_ms_per_token": r["batch1"]["ms_per_token"],
-                "time_to_ready_s": r["time_to_ready_s"],
-            }
-        g, e = runs["graphs"], runs["eager"]
-        gw, ew = g["workload"]["tokens"], e["workload"]["tokens"]
-        cmp["greedy_identical_workload"] = gw == ew
-        cmp["workload_sequences_differing"] = sum(x != y for x, y in zip(gw, ew))
-        cmp["first_difference_workload"] = _first_difference(gw, ew)
-        cmp["greedy_identical_batch1"] = g["batch1"]["tokens"] == e["batch1"]["tokens"]
-        cmp["first_difference_batch1"] = _first_difference(g["batch1"]["tokens"], e["batch1"]["tokens"])
-        entry["compare_eager"] = cmp
+    base = next(iter(variants))
+    for key, label in (("compare_eager", "eager" if base == "graphs" else "graphs"), ("compare_async", "async")):
+        if label in variants:
+            if base in runs and label in runs:
+                names = (base, label) if key == "compare_eager" else ("sync", "async")
+                entry[key] = compare_runs(names[0], runs[base], names[1], runs[label])
+            else:
+                entry[key] = {"error": f"the {base} or the {label} run failed (errors)"}
     if not full:
         return
 
-    jobs: dict[str, dict[str, Any]] = {"profile": {"model": path, "settings": s, "enforce_eager": s["enforce_eager"]}}
+    prof_spec = {"model": path, "settings": s, "enforce_eager": s["enforce_eager"]}
+    jobs: dict[str, tuple[str, dict[str, Any]]] = {}
+    if "async" in variants:  # both in-process profiles say which they are
+        jobs["profile"] = ("profile", dict(prof_spec, extra_kwargs={"async_scheduling": False}))
+        jobs["profile_async"] = (
+            "profile",
+            dict(prof_spec, extra_kwargs={"async_scheduling": True}, parts=["decode"], modes=["timed", "profile"]),
+        )
+    else:
+        jobs["profile"] = ("profile", prof_spec)
     if s["skip_hf"]:
         entry["hf_skipped"] = "--skip-hf"
     elif name == "llama-8b" and not s["hf_8b"]:
         entry["hf_skipped"] = "full llama-8b: HF generate not run, it would not fit the time budget (--hf-8b runs it)"
     else:
-        jobs["hf"] = {"model": path, "settings": s, "batches": s["hf_batch"]}
+        jobs["hf"] = ("hf", {"model": path, "settings": s, "batches": s["hf_batch"]})
     results: dict[str, Any] = {}
-    for kind, spec in jobs.items():  # one after the other: each has the device to itself
-        log(f"{name}: {'decode profile, in-process engine' if kind == 'profile' else 'HF generate'}, own interpreter")
+    for label, (kind, spec) in jobs.items():  # one after the other: each has the device to itself
+        what = "HF generate" if kind == "hf" else f"step profiles, in-process engine {spec.get('extra_kwargs') or ''}"
+        log(f"{name}: {what}, own interpreter")
         t0 = time.perf_counter()
         try:
-            results[kind] = run_worker(kind, spec, s["worker_timeout_s"])
+            results[label] = run_worker(kind, spec, s["worker_timeout_s"])
         except Exception as e:  # noqa: BLE001 - recorded below with the part's name
-            results[kind] = e
-        entry.setdefault("part_seconds", {})[kind] = round(time.perf_counter() - t0, 1)
+            results[label] = e
+        entry.setdefault("part_seconds", {})[label] = round(time.perf_counter() - t0, 1)
 
     try:
         prof = results["profile"]
@@ -535,19 +755,36 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
         entry["gpu_busy_fraction"] = bn["busy_fraction"]
         entry["gpu_busy_fraction_batch1"] = b1p["busy_fraction"]
         entry["gpu_busy_source"] = f"torch.profiler: {bn['busy_source']}, {prof['engine']}"
-        step = step_roofline(bn["batch"], bn["sum_context"], bn["step_ms"])
-        step.update({k: v for k, v in bn.items() if k not in ("batch", "sum_context", "step_ms")})
-        entry["decode_step"] = step
+        entry["decode_step"] = decode_facts(bn)
         if device.startswith("cuda") and bn.get("kernels_per_step", 0) < facts["num_layers"]:
             entry["gpu_busy_note"] = (
                 f"only {bn.get('kernels_per_step')} kernels per step traced for {facts['num_layers']} layers: "
                 "kernels inside CUDA graphs may be missing from the trace, so the busy fraction may be low"
             )
-        step1 = step_roofline(b1p["batch"], b1p["sum_context"], b1p["step_ms"])
-        step1.update({k: v for k, v in b1p.items() if k not in ("batch", "sum_context", "step_ms")})
-        entry["decode_step_batch1_inprocess"] = step1
+        entry["decode_step_batch1_inprocess"] = decode_facts(b1p)
+        entry["host_ms_per_decode_step"] = {"batch_n": bn.get("host"), "batch_1": b1p.get("host")}
+        entry["step_profile_notes"] = prof.get("notes")
+        for key, label in (("prefill_n", "prefill_step"), ("prefill_1", "prefill_step_batch1")):
+            if key in prof:
+                entry[label] = prefill_facts(prof[key])
     except Exception as e:  # noqa: BLE001
         errors.append(_err("profile", e))
+    if "profile_async" in results:
+        try:
+            pa = results["profile_async"]
+            if isinstance(pa, BaseException):
+                raise pa
+            entry["decode_step_async"] = decode_facts(pa["batch_n"])
+            entry["decode_step_batch1_async"] = decode_facts(pa["batch_1"])
+            cmp = entry.setdefault("compare_async", {})
+            for label, key in (("batch_n", "decode_step"), ("batch_1", "decode_step_batch1_inprocess")):
+                sync_step, async_step = entry.get(key, {}), entry[key.replace("_inprocess", "") + "_async"]
+                cmp[f"inprocess_{label}"] = {
+                    v: {f: st.get(f) for f in ("measured_ms", "busy_fraction", "host")}
+                    for v, st in (("sync", sync_step), ("async", async_step))
+                }
+        except Exception as e:  # noqa: BLE001
+            errors.append(_err("profile_async", e))
 
     if "hf" in results:
         try:
@@ -585,12 +822,13 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
             shapes="tiny",
             num_prompts=8,
             input_len=(8, 24),
-            output_len=8,
+            output_len=16,
             batch1_input_len=8,
             batch1_output_len=8,
             batch1_iters=1,
             batch1_iters_batch1_shapes=1,
             profile_steps=2,
+            prefill_b1_iters=2,
             max_model_len=128,
             hf_batch="8",
             matmul_n=256,
@@ -608,6 +846,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
             batch1_iters=2,
             batch1_iters_batch1_shapes=1,
             profile_steps=10,
+            prefill_b1_iters=5,
             max_model_len=1024,
             hf_batch="256",
             matmul_n=8192 if cuda else 1024,
@@ -633,6 +872,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         compare_eager=args.compare_eager,
+        compare_async=args.compare_async,
         llm_kwargs=json.loads(args.llm_kwargs) if args.llm_kwargs else {},
         skip_hf=args.skip_hf,
         hf_8b=args.hf_8b,
@@ -705,6 +945,12 @@ def main() -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="LLM(enforce_eager=True): no CUDA graphs")
     ap.add_argument(
         "--compare-eager", action="store_true", help="full shapes run with and without enforce_eager; same tokens?"
+    )
+    ap.add_argument(
+        "--compare-async",
+        action="store_true",
+        help="full shapes run with async_scheduling=False and True (multiprocess figures, same tokens?, and the "
+        "in-process decode profile of each); 'unsupported' where EngineArgs has no async_scheduling",
     )
     ap.add_argument("--llm-kwargs", default=None, help="extra LLM(...) arguments as JSON, e.g. '{\"seed\": 1}'")
     ap.add_argument("--skip-hf", action="store_true")

@@ -1,23 +1,33 @@
 """benchmarks/gpu.py (issue #14's CUDA benchmark) on CPU: `--device cpu --smoke` runs every part of it
-(checkpoint build, multiprocess engine, in-process profile worker, HF worker) on a tiny shape and prints
-the JSON with every figure the issue asks for; the roofline and busy-fraction arithmetic is checked on
+(checkpoint build, multiprocess engine, in-process profile worker with its decode and prefill step profiles,
+HF worker) on a tiny shape and prints the JSON with every figure the issue asks for; `--compare-async` runs
+both schedulings; the roofline, busy-fraction, device-event, phase-timer and cProfile arithmetic is checked on
 numbers worked out by hand."""
 
 from __future__ import annotations
 
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
+import types
 
 import pytest
 
 from vllm_lite.testing.gpu_bench import (
+    PhaseTimer,
     busy_fraction,
+    compare_runs,
     config_facts,
     decode_step_cost,
     hf_config,
+    host_time,
+    plan_variants,
     roofline,
+    summarize_device_events,
+    top_functions,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +66,116 @@ def test_llama_8b_shape():
     assert (facts["num_heads"], facts["num_kv_heads"]) == (32, 8)
     per_layer = 4096 * 128 * (32 + 2 * 8) + 32 * 128 * 4096 + 3 * 4096 * 14336
     assert facts["matmul_params"] == 32 * per_layer + 4096 * 8000  # ~7.0e9
+
+
+def test_summarize_device_events_cuda_kernels_copies_runtime():
+    # Two steps over 100 us: kernels a (0-10, 50-60), b (5-20: overlaps a), a copy (70-80); 40 us busy.
+    events = [("a", 0, 10), ("b", 5, 20), ("a", 50, 60), ("Memcpy HtoD", 70, 80)]
+    runtime = [("cudaLaunchKernel", 0, 2), ("cudaLaunchKernel", 50, 52), ("cudaMemcpyAsync", 60, 90)]
+    f = summarize_device_events(events, runtime, wall_us=100.0, steps=2, cuda=True)
+    assert f["busy_fraction"] == pytest.approx(0.4)
+    assert f["busy_ms_per_step"] == pytest.approx(0.02) and f["idle_ms_per_step"] == pytest.approx(0.03)
+    assert f["profiled_step_ms"] == pytest.approx(0.05)
+    assert f["kernels_per_step"] == 1.5 and f["copies_per_step"] == 0.5
+    assert f["kernel_ms_per_step"] == pytest.approx(0.0175) and f["kernel_time_fraction"] == pytest.approx(0.35)
+    assert [(k["name"], k["per_step"], k["us_per_step"]) for k in f["top_kernels"]] == [
+        ("a", 1.0, 10.0),
+        ("b", 0.5, 7.5),
+    ]
+    assert f["top_runtime_calls"][0] == {"name": "cudaMemcpyAsync", "per_step": 0.5, "us_per_step": 15.0}
+    cpu = summarize_device_events(events[:2], [], wall_us=40.0, steps=1, cuda=False)
+    assert "top_kernels" not in cpu and cpu["top_cpu_ops"][0]["name"] == "b"
+
+
+def test_host_time_is_step_less_busy():
+    h = host_time(step_ms=8.0, busy_fraction_=0.45, profiled_step_ms=8.0)
+    assert h["gpu_busy_ms"] == pytest.approx(3.6) and h["host_ms"] == pytest.approx(4.4)
+    assert h["host_fraction"] == pytest.approx(0.55)
+    assert host_time(1.0, 1.0, 2.0)["host_ms"] == 0.0  # profiling slowed the device: clamped
+
+
+class _Runner:
+    def outer(self, x):
+        return self.inner(x) + 1
+
+    def inner(self, x):
+        return x * 2
+
+
+def test_phase_timer_nesting_self_time_and_restore():
+    r = _Runner()
+    mod = types.SimpleNamespace(fn=lambda: 7)
+    timer = PhaseTimer()
+    seen = []
+    assert timer.wrap(r, "outer", "outer")
+    assert timer.wrap(r, "inner", "inner", on_return=seen.append)
+    assert timer.wrap(mod, "fn", "module.fn")
+    assert not timer.wrap(r, "renamed_away", "gone") and not timer.wrap(None, "x", "none")
+    assert timer.missing == ["gone", "none"]
+    assert r.outer(3) == 7 and r.outer(1) == 3 and mod.fn() == 7
+    assert seen == [6, 2]
+    out = timer.summary(steps=2)
+    assert out["outer"]["calls_per_step"] == 1.0 and out["inner"]["parent"] == "outer"
+    assert out["outer"]["parent"] is None and out["module.fn"]["calls_per_step"] == 0.5
+    assert out["outer"]["self_us_per_step"] == pytest.approx(
+        out["outer"]["us_per_step"] - out["inner"]["us_per_step"], abs=0.11
+    )
+    timer.restore()
+    assert "outer" not in vars(r) and "inner" not in vars(r) and mod.fn() == 7 and mod.fn.__name__ == "<lambda>"
+
+
+def test_phase_timer_wraps_a_class_method_and_restores_inheritance():
+    class Child(_Runner):
+        pass
+
+    timer = PhaseTimer()
+    assert timer.wrap(Child, "inner", "inner")
+    assert Child().outer(2) == 5 and _Runner().outer(2) == 5
+    assert timer.summary(1)["inner"]["calls_per_step"] == 1.0  # the parent class's objects are not timed
+    timer.restore()
+    assert "inner" not in vars(Child) and Child.inner is _Runner.inner
+
+
+def _busy(n):
+    return sum(i * i for i in range(n))
+
+
+def test_top_functions_per_step():
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(4):
+        _busy(20000)
+    prof.disable()
+    top = top_functions(pstats.Stats(prof), steps=2, n=10, sort="cumtime", only="test_gpu_bench")
+    assert top[0]["function"].endswith("(_busy)") and top[0]["calls_per_step"] == 2.0
+    assert top[0]["cum_us_per_step"] > 0 and len(top) <= 10
+    assert all("test_gpu_bench" in t["function"] for t in top)
+
+
+def test_plan_variants_and_compare_runs():
+    s = {"enforce_eager": False, "compare_eager": False, "compare_async": True}
+    fields = {"model", "async_scheduling"}
+    assert plan_variants(s, True, fields) == {
+        "graphs": (False, {"async_scheduling": False}),
+        "async": (False, {"async_scheduling": True}),
+    }
+    assert plan_variants(s, False, fields) == {"graphs": (False, {})}  # batch-1-only shapes: no comparison
+    old = plan_variants(s, True, {"model"})
+    assert list(old) == ["graphs", "compare_async"] and old["compare_async"].startswith("unsupported")
+    both = plan_variants(dict(s, compare_eager=True, enforce_eager=True), True, fields)
+    assert list(both) == ["eager", "graphs", "async"] and both["async"] == (True, {"async_scheduling": True})
+
+    def run(tps, ms, toks, b1):
+        w = {"tokens_per_s": tps, "tokens": toks}
+        return {"workload": w, "batch1": {"ms_per_token": ms, "ttft_ms": 1.0, "tokens": b1}, "time_to_ready_s": 1}
+
+    c = compare_runs(
+        "sync", run(100.0, 2.0, [[1, 2], [3, 4]], [[5]]), "async", run(150.0, 1.5, [[1, 2], [3, 9]], [[5]])
+    )
+    assert c["sync"]["tokens_per_s"] == 100.0 and c["async"]["batch1_ms_per_token"] == 1.5
+    assert c["tokens_per_s_ratio"] == 1.5 and c["batch1_ms_per_token_ratio"] == 0.75
+    assert not c["greedy_identical_workload"] and c["workload_sequences_differing"] == 1
+    assert c["first_difference_workload"] == {"sequence": 1, "token": 1} and c["greedy_identical_batch1"]
 
 
 def _positive(x) -> bool:
@@ -107,3 +227,77 @@ def test_smoke_run_prints_every_figure(tmp_path):
     assert t["decode_step"]["batch"] == s["num_prompts"]  # every prompt decoding in the profiled window
     assert t["batch1_decode_step"]["batch"] == 1
     assert t["decode_step"]["kv_read_bytes"] > t["batch1_decode_step"]["kv_read_bytes"]
+    _check_step_profiles(t, s)
+
+
+# The engine's functions every step goes through (schedule, input preparation, forward, sample, update, output).
+CORE_PHASES = (
+    "engine.step",
+    "scheduler.schedule",
+    "execute_model",
+    "runner.build_step_inputs",
+    "model.forward",
+    "runner.sample",
+    "sampler.forward",
+    "scheduler.update_from_output",
+    "output_processor.process_outputs",
+)
+
+
+def _check_step_profiles(t: dict, s: dict) -> None:
+    """Decode (batch N, batch 1) and prefill (N prompts, batch 1) step profiles: profiled, timed by phase, top
+    Python functions, host time."""
+    steps = {
+        "decode_step": t["decode_step"],
+        "decode_step_batch1_inprocess": t["decode_step_batch1_inprocess"],
+        "prefill_step": t["prefill_step"],
+        "prefill_step_batch1": t["prefill_step_batch1"],
+    }
+    for label, st in steps.items():
+        for name in CORE_PHASES:
+            assert st["phases"][name]["calls_per_step"] >= 1, (label, name, st["phases"])
+            assert st["phases"][name]["us_per_step"] > 0, (label, name)
+        assert st["phases"]["scheduler.schedule"]["parent"] == "core.step", label
+        assert st["phases"]["model.forward"]["parent"] == "runner.run_model", label
+        assert 0 < len(st["top_functions"]) <= 10 and 0 < len(st["top_cumulative"]) <= 10, label
+        assert all("vllm_lite" in f["function"] for f in st["top_cumulative"]), label
+        assert _positive(st["cprofile_step_ms"]) and _positive(st["profiled_step_ms"]), label
+        assert 0 < st["busy_fraction"] <= 1 and st["top_cpu_ops"], label
+        assert st["host"]["step_ms"] > 0 and st["host"]["host_ms"] >= 0, label
+    assert t["host_ms_per_decode_step"]["batch_n"] == t["decode_step"]["host"]
+    pn, p1 = t["prefill_step"], t["prefill_step_batch1"]
+    assert pn["requests"] == s["num_prompts"] and pn["steps"] == s["profile_steps"]
+    assert pn["scheduled"]["prefill_requests_per_step"][0] == s["num_prompts"]  # the first step prefills them all
+    assert len(pn["step_ms_each"]) == s["profile_steps"]
+    assert p1["requests"] == 1 and p1["steps"] == s["prefill_b1_iters"]
+    assert p1["scheduled"]["tokens_per_step"] == [s["batch1_input_len"]] * s["prefill_b1_iters"]
+    assert p1["floor"]["tokens_per_step"] == s["batch1_input_len"] and _positive(p1["floor"]["flops_ms"])
+    assert pn["floor"]["tokens_per_step"] == sum(pn["scheduled"]["tokens_per_step"]) / pn["steps"]
+
+
+@pytest.mark.slow  # five interpreters (script, two engine cores, two profile workers): ~30 s
+def test_smoke_compare_async_runs_both_and_compares_tokens(tmp_path):
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    argv = [sys.executable, os.path.join(REPO, "benchmarks", "gpu.py"), "--device", "cpu", "--smoke"]
+    proc = subprocess.run(
+        argv + ["--compare-async", "--skip-hf"],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    t = r["shapes"]["tiny"]
+    assert t["errors"] == [] and r["settings"]["compare_async"] is True
+    c = t["compare_async"]
+    assert "unsupported" not in c  # this tree's EngineArgs has async_scheduling
+    for label in ("sync", "async"):
+        assert _positive(c[label]["tokens_per_s"]) and _positive(c[label]["batch1_ms_per_token"]), c
+        for key in ("inprocess_batch_n", "inprocess_batch_1"):
+            assert _positive(c[key][label]["measured_ms"]) and 0 < c[key][label]["busy_fraction"] <= 1, c[key]
+    assert c["greedy_identical_workload"] is True and c["greedy_identical_batch1"] is True, c
+    assert c["tokens_per_s_ratio"] == pytest.approx(c["async"]["tokens_per_s"] / c["sync"]["tokens_per_s"], rel=1e-2)
+    assert set(t["part_seconds"]) == {"vllm_lite_graphs", "vllm_lite_async", "profile", "profile_async"}
+    assert t["decode_step_async"]["batch"] == r["settings"]["num_prompts"]

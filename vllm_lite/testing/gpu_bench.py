@@ -1,16 +1,19 @@
 """Pieces of benchmarks/gpu.py that are not CUDA-specific: the model shapes, random-weight checkpoints
-built on any device, the device probes (copy bandwidth, matmul rate), the per-step roofline and the
-busy fraction of a profiled window. Tested on CPU (tests/test_gpu_bench_smoke.py).
+built on any device, the device probes (copy bandwidth, matmul rate), the per-step roofline, the
+busy fraction of a profiled window, the summary of a profiler's device events, the per-phase timer of a
+step (PhaseTimer: wraps existing functions by name, no edit of the engine) and the cProfile summary.
+Tested on CPU (tests/test_gpu_bench_smoke.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pstats
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -159,6 +162,231 @@ def busy_fraction(intervals: Iterable[tuple[float, float]], window: float) -> fl
         busy += e - max(s, end)
         end = e
     return max(0.0, min(1.0, busy / window))
+
+
+def summarize_device_events(
+    events: Iterable[tuple[str, float, float]],
+    runtime: Iterable[tuple[str, float, float]],
+    wall_us: float,
+    steps: int,
+    cuda: bool,
+    top: int = 12,
+) -> dict[str, Any]:
+    """A profiled window of `steps` steps lasting `wall_us`: `events` are (name, start_us, end_us) of the
+    device's activity (CUDA kernels and copies; on CPU the CPU operators), `runtime` the host-side CUDA API calls
+    (cudaLaunchKernel, cudaGraphLaunch, cudaMemcpyAsync, cudaStreamSynchronize, ...; empty off CUDA).
+    Busy fraction (union of the intervals), busy and idle ms per step, kernels per step, kernel-time fraction,
+    the top kernels (or CPU ops) by time, and the top runtime calls (a long cudaMemcpyAsync / synchronize is the
+    host waiting for the device)."""
+    events = list(events)
+    runtime = list(runtime)
+    steps = max(steps, 1)
+    busy = busy_fraction([(s, e) for _, s, e in events], wall_us)
+    facts: dict[str, Any] = {
+        "busy_fraction": round(busy, 4),
+        "busy_source": "CUDA kernels and copies" if cuda else "CPU operators (no GPU)",
+        "device_events": len(events),
+        "profiled_step_ms": round(wall_us / 1e3 / steps, 4),
+        "busy_ms_per_step": round(busy * wall_us / 1e3 / steps, 4),
+        "idle_ms_per_step": round((1 - busy) * wall_us / 1e3 / steps, 4),
+    }
+    if cuda:
+        kernels = [ev for ev in events if not ev[0].startswith(("Memcpy", "Memset"))]
+        copies = [ev for ev in events if ev[0].startswith(("Memcpy", "Memset"))]
+        facts["kernels_per_step"] = round(len(kernels) / steps, 1)
+        facts["kernel_time_fraction"] = round(sum(e - s for _, s, e in kernels) / wall_us, 4) if wall_us > 0 else 0.0
+        facts["kernel_ms_per_step"] = round(sum(e - s for _, s, e in kernels) / 1e3 / steps, 4)
+        facts["copies_per_step"] = round(len(copies) / steps, 1)
+        facts["copy_ms_per_step"] = round(sum(e - s for _, s, e in copies) / 1e3 / steps, 4)
+        facts["top_kernels"] = _top_by_time(kernels, steps, top)
+        if runtime:
+            facts["top_runtime_calls"] = _top_by_time(runtime, steps, 8)
+    else:
+        facts["top_cpu_ops"] = _top_by_time(events, steps, top)
+    return facts
+
+
+def _top_by_time(events: list[tuple[str, float, float]], steps: int, n: int) -> list[dict[str, Any]]:
+    by_name: dict[str, list[float]] = {}
+    for name, s, e in events:
+        acc = by_name.setdefault(name[:100], [0, 0.0])
+        acc[0] += 1
+        acc[1] += e - s
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:n]
+    return [{"name": k, "per_step": round(c / steps, 1), "us_per_step": round(t / steps, 1)} for k, (c, t) in ranked]
+
+
+def host_time(step_ms: float, busy_fraction_: float, profiled_step_ms: float) -> dict[str, float]:
+    """Host time a step: the unprofiled step time less the device's busy time a step (busy fraction times the
+    profiled step time): what the device waits on the host for, each step."""
+    busy_ms = busy_fraction_ * profiled_step_ms
+    return {
+        "step_ms": round(step_ms, 4),
+        "gpu_busy_ms": round(busy_ms, 4),
+        "host_ms": round(max(step_ms - busy_ms, 0.0), 4),
+        "host_fraction": round(max(step_ms - busy_ms, 0.0) / step_ms, 4) if step_ms > 0 else 0.0,
+    }
+
+
+class PhaseTimer:
+    """Wall time and calls of named functions of a live engine, without editing its files: `wrap` swaps
+    `obj.attr` (a bound method, a module's function, an nn.Module's forward, a class's method) for a wrapper
+    that times it (time.perf_counter) inside a torch.profiler.record_function range of the phase's name, so a
+    profiler trace shows the ranges too; `restore` puts every original back (reverse order). Nesting is
+    observed at run time: a phase's self time is its time less that of the phases called inside it, and its
+    parent is the phase it was last called from. A name the object lacks is listed in `missing` (the engine's
+    functions may be renamed) and skipped. One thread (the in-process engine's step loop)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.child_seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.parent: dict[str, Optional[str]] = {}
+        self.missing: list[str] = []
+        self._stack: list[str] = []
+        self._undo: list[tuple[Any, str, bool, Any]] = []
+
+    def wrap(self, obj: Any, attr: str, name: str, on_return: Optional[Callable[[Any], None]] = None) -> bool:
+        fn = getattr(obj, attr, None) if obj is not None else None
+        if fn is None or not callable(fn):
+            self.missing.append(name)
+            return False
+        own = vars(obj) if hasattr(obj, "__dict__") else {}
+        had, old = attr in own, own.get(attr)
+        if isinstance(obj, type):  # a class's method: the wrapper becomes the class attribute, called with self
+            fn = own.get(attr, fn)
+        for table in (self.seconds, self.child_seconds):
+            table.setdefault(name, 0.0)
+        self.calls.setdefault(name, 0)
+        self.parent.setdefault(name, None)
+        from torch.profiler import record_function
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            stack = self._stack
+            parent = stack[-1] if stack else None
+            stack.append(name)
+            t0 = time.perf_counter()
+            try:
+                with record_function(name):
+                    out = fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                stack.pop()
+                self.seconds[name] += dt
+                self.calls[name] += 1
+                if parent is not None:
+                    self.child_seconds[parent] += dt
+                    self.parent[name] = parent
+            if on_return is not None:
+                on_return(out)
+            return out
+
+        setattr(obj, attr, timed)
+        self._undo.append((obj, attr, had, old))
+        return True
+
+    def restore(self) -> None:
+        while self._undo:
+            obj, attr, had, old = self._undo.pop()
+            if had:
+                setattr(obj, attr, old)
+            else:
+                delattr(obj, attr)
+
+    def summary(self, steps: int) -> dict[str, Any]:
+        """Per phase called: inclusive and self microseconds a step, calls a step, the phase it ran inside."""
+        steps = max(steps, 1)
+        return {
+            k: {
+                "us_per_step": round(1e6 * self.seconds[k] / steps, 1),
+                "self_us_per_step": round(1e6 * (self.seconds[k] - self.child_seconds[k]) / steps, 1),
+                "calls_per_step": round(self.calls[k] / steps, 2),
+                "parent": self.parent[k],
+            }
+            for k in self.seconds
+            if self.calls[k]
+        }
+
+
+def top_functions(stats: pstats.Stats, steps: int, n: int = 10, sort: str = "tottime", only: str = "") -> list:
+    """The top `n` functions of a cProfile run over `steps` steps, by self time ("tottime") or inclusive time
+    ("cumtime"), optionally only those whose file path contains `only`: function (file:line(name), the path
+    from the package or site-packages on), calls a step, self and inclusive microseconds a step."""
+    steps = max(steps, 1)
+    rows = []
+    for (path, line, func), (_cc, ncalls, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if only and only not in path:
+            continue
+        rows.append((tt if sort == "tottime" else ct, path, line, func, ncalls, tt, ct))
+    rows.sort(key=lambda r: -r[0])
+    out = []
+    for _, path, line, func, ncalls, tt, ct in rows[:n]:
+        out.append(
+            {
+                "function": f"{_short_path(path)}:{line}({func})",
+                "calls_per_step": round(ncalls / steps, 2),
+                "self_us_per_step": round(1e6 * tt / steps, 1),
+                "cum_us_per_step": round(1e6 * ct / steps, 1),
+            }
+        )
+    return out
+
+
+def _short_path(path: str) -> str:
+    for marker in ("site-packages/", "vllm_lite/", "benchmarks/"):
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + (len("site-packages/") if marker == "site-packages/" else 0) :]
+    return path
+
+
+def _first_difference(a: list[list[int]], b: list[list[int]]) -> Optional[dict[str, int]]:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            j = next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            return {"sequence": i, "token": j}
+    return None
+
+
+def plan_variants(s: dict[str, Any], full: bool, engine_fields: set[str]) -> dict[str, Any]:
+    """The multiprocess engine runs of a shape, label -> (enforce_eager, extra LLM kwargs), the main one first:
+    --compare-eager adds the other enforce_eager, --compare-async (full shapes) runs async_scheduling=False and
+    True, or says why it cannot ("compare_async" -> the reason, when `engine_fields` (EngineArgs' fields) lack
+    async_scheduling)."""
+    eager = s["enforce_eager"]
+    out: dict[str, Any] = {}
+    async_ok = "async_scheduling" in engine_fields
+    if full and s.get("compare_async") and not async_ok:
+        out["compare_async"] = "unsupported: EngineArgs has no async_scheduling field in this tree"
+    both_async = full and s.get("compare_async") and async_ok
+    base = {"async_scheduling": False} if both_async else {}
+    out["eager" if eager else "graphs"] = (eager, base)
+    if full and s["compare_eager"]:
+        out["graphs" if eager else "eager"] = (not eager, base)
+    if both_async:
+        out["async"] = (eager, {"async_scheduling": True})
+    return {k: out[k] for k in sorted(out, key=lambda k: k == "compare_async")}  # the main run stays first
+
+
+def compare_runs(la: str, a: dict[str, Any], lb: str, b: dict[str, Any]) -> dict[str, Any]:
+    """Two multiprocess runs' figures side by side, and whether their greedy tokens are identical."""
+    cmp: dict[str, Any] = {}
+    for label, r in ((la, a), (lb, b)):
+        cmp[label] = {
+            "tokens_per_s": r["workload"]["tokens_per_s"],
+            "batch1_ms_per_token": r["batch1"]["ms_per_token"],
+            "batch1_ttft_ms": r["batch1"]["ttft_ms"],
+            "time_to_ready_s": r["time_to_ready_s"],
+        }
+    cmp["tokens_per_s_ratio"] = round(b["workload"]["tokens_per_s"] / a["workload"]["tokens_per_s"], 3)
+    cmp["batch1_ms_per_token_ratio"] = round(b["batch1"]["ms_per_token"] / a["batch1"]["ms_per_token"], 3)
+    aw, bw = a["workload"]["tokens"], b["workload"]["tokens"]
+    cmp["greedy_identical_workload"] = aw == bw
+    cmp["workload_sequences_differing"] = sum(x != y for x, y in zip(aw, bw))
+    cmp["first_difference_workload"] = _first_difference(aw, bw)
+    cmp["greedy_identical_batch1"] = a["batch1"]["tokens"] == b["batch1"]["tokens"]
+    cmp["first_difference_batch1"] = _first_difference(a["batch1"]["tokens"], b["batch1"]["tokens"])
+    return cmp
 
 
 def _sync(device: torch.device) -> None:
