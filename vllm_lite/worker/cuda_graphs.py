@@ -54,7 +54,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -442,13 +442,24 @@ class CudaDecodeGraphs:
         except Exception as e:  # pragma: no cover - a capture error CUDA keeps reporting
             logger.debug("after dropping the CUDA graphs: %s", e)
 
-    def run(self, inputs: StepInputs, lora_slots: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
+    def run(
+        self,
+        inputs: StepInputs,
+        lora_slots: Optional[np.ndarray] = None,
+        fix: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        host: Optional[Callable[[np.ndarray], torch.Tensor]] = None,
+    ) -> Optional[torch.Tensor]:
         """Hidden states [num_tokens, hidden] by replaying a graph, or None when the step must run eager.
 
         ``lora_slots``: int32 [num_tokens] each token's adapter slot (-1: none), or None (no adapter this step;
         a LoRA engine's graphs then run with every slot -1). The result is a view of the graph's static output:
         the next replay overwrites it, so it must be consumed (logits, sampling) within the step, which the
-        runner does."""
+        runner does.
+
+        Async scheduling: ``fix`` = (token indices, token ids), both on the device: tokens whose ids the previous
+        step sampled and the host does not hold yet (its inputs carry a placeholder there); they are written into
+        the persistent input-ids buffer after the step's inputs (one index_copy_ on the device, no host read).
+        ``host`` stages each array in pinned memory (PinnedRing.host) so the copies never wait for the device."""
         key = step_graph_key(self.by_q, inputs.num_scheduled)
         if key is None or key not in self.graphs:
             return None
@@ -473,7 +484,9 @@ class CudaDecodeGraphs:
             assert p.lora_slots is not None
             copies.append((self.lora_slots[:t], p.lora_slots))
         for buf, arr in copies:
-            buf.copy_(torch.from_numpy(arr), non_blocking=True)
+            buf.copy_(torch.from_numpy(arr) if host is None else host(arr), non_blocking=True)
+        if fix is not None:  # real rows only: every index < num_real * q, padding untouched
+            self.input_ids[:t].index_copy_(0, fix[0], fix[1])
         self.graphs[key].replay()
         return self.outputs[key][: p.num_real * q]
 

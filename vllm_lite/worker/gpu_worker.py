@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -16,7 +16,7 @@ from vllm_lite.worker.kv_cache_sizing import (
 )
 from vllm_lite.worker.model_runner import GPUModelRunner
 from vllm_lite.worker.models.sliding_window import uniform_sliding_window
-from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
+from vllm_lite.worker.step import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,12 @@ class GPUWorker:
         self.model_runner.initialize_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self.model_runner.capture_cuda_graphs()  # decode graphs bind the cache's tensors (none off CUDA)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Union[ModelRunnerOutput, AsyncModelRunnerOutput]:
+        """One step; `non_block` (async scheduling): an AsyncModelRunnerOutput, the tokens still on their way."""
+        if non_block:
+            return self.model_runner.execute_model(scheduler_output, non_block=True)
         return self.model_runner.execute_model(scheduler_output)
 
     def lora_call(self, method: str, *args: Any) -> Any:

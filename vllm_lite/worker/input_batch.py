@@ -22,6 +22,11 @@ from vllm_lite.worker.sampling_metadata import SamplingMetadata
 from vllm_lite.worker.sampling_state import SamplingState
 from vllm_lite.worker.step import NewRequestData
 
+# Async scheduling: a token sampled by a step whose ids are not on the host yet (its row's slot in token_ids).
+PLACEHOLDER_TOKEN = -1
+# Steps whose tokens may be pending at once (the engine keeps at most two in flight): pending_pos's columns.
+PENDING_STEPS = 2
+
 # Per-row scalars that move with a row when the batch condenses.
 _ROW_SCALARS = ("num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_blocks", "lora_ids")
 
@@ -49,6 +54,9 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)  # each row's LoRA adapter id (0: none)
         self.sampling = SamplingState(max_num_reqs, vocab_size, max_model_len, device)
+        # Async scheduling: pending_pos[row, step % 2] = the position of the row's token sampled by that launched
+        # step while it is still on its way to the host (token_ids holds PLACEHOLDER_TOKEN there); -1: none.
+        self.pending_pos = np.full((max_num_reqs, PENDING_STEPS), -1, dtype=np.int64)
 
     @property
     def num_reqs(self) -> int:
@@ -91,6 +99,7 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self.lora_ids[row] = new.lora_request.lora_int_id if new.lora_request is not None else 0
+        self.pending_pos[row] = -1  # a (re-)added request comes with every token known
         self.append_block_ids(row, new.block_ids)
         return row
 
@@ -119,6 +128,7 @@ class InputBatch:
         self.sampling.remove_request(row)
         self.req_ids[row] = None
         self.params[row] = None
+        self.pending_pos[row] = -1
         if row != last:
             self._move_row(last, row)
         return True
@@ -137,6 +147,8 @@ class InputBatch:
         for name in _ROW_SCALARS:
             arr = getattr(self, name)
             arr[dst] = arr[src]
+        self.pending_pos[dst] = self.pending_pos[src]
+        self.pending_pos[src] = -1
         self.sampling.move_row(src, dst)
 
     # ------------------------------------------------------------------ per step
@@ -157,3 +169,43 @@ class InputBatch:
         self.token_ids[rows[ok], pos[ok]] = token_ids[ok]
         self.num_tokens[rows[ok]] += 1
         self.sampling.append_token_ids(rows, token_ids)
+
+    # ------------------------------------------------------------------ async scheduling
+    def note_sampled(self, rows: np.ndarray, step_id: int) -> None:
+        """A launched step samples one token per row whose value is not on the host yet: hold its position with
+        PLACEHOLDER_TOKEN (no forward reads it: the next step takes it from the device), count it (min_tokens
+        needs only the count) and remember where it goes."""
+        rows = np.asarray(rows, dtype=np.int64)
+        pos = self.num_tokens[rows]
+        ok = pos < self.max_model_len
+        self.token_ids[rows[ok], pos[ok]] = PLACEHOLDER_TOKEN
+        self.num_tokens[rows[ok]] += 1
+        col = step_id % PENDING_STEPS
+        if (self.pending_pos[rows, col] >= 0).any():
+            raise RuntimeError(f"step {step_id}: rows {rows.tolist()} still wait for a token of step {step_id - 2}")
+        self.pending_pos[rows, col] = np.where(ok, pos, -1)
+        self.sampling.count_sampled(rows)
+
+    def pending_rows(self, rows: np.ndarray, step_id: int) -> np.ndarray:
+        """Positions (per row; -1: none) of the listed rows' tokens sampled by `step_id` and not yet on the host."""
+        return self.pending_pos[np.asarray(rows, dtype=np.int64), step_id % PENDING_STEPS]
+
+    def fill_sampled(self, req_ids: list[str], token_ids: np.ndarray, step_id: int) -> None:
+        """Step `step_id`'s tokens reached the host: write them where their placeholders are, by request id (rows
+        move when the batch condenses). Requests removed since, or re-added with their tokens known, are skipped."""
+        col = step_id % PENDING_STEPS
+        rows, toks, out_pos = [], [], []
+        for rid, tok in zip(req_ids, np.asarray(token_ids, dtype=np.int64).tolist()):
+            row = self.req_id_to_row.get(rid)
+            if row is None:
+                continue
+            pos = int(self.pending_pos[row, col])
+            if pos < 0:
+                continue
+            self.token_ids[row, pos] = tok
+            self.pending_pos[row, col] = -1
+            rows.append(row)
+            toks.append(tok)
+            out_pos.append(pos - int(self.num_prompt_tokens[row]))
+        if rows:
+            self.sampling.record_values(np.asarray(rows, np.int64), np.asarray(toks, np.int64), np.asarray(out_pos))

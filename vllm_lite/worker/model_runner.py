@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -31,6 +31,7 @@ from vllm_lite.worker.cuda_graphs import (
     resolve_graph_keys,
 )
 from vllm_lite.worker.forward_context import set_forward_context
+from vllm_lite.worker.host_staging import PinnedRing, SampledRing
 from vllm_lite.worker.input_batch import InputBatch
 from vllm_lite.worker.kv_cache_sizing import measure_peak_allocated
 from vllm_lite.worker.lora_step import lora_call, make_lora_manager, register_new_loras
@@ -40,7 +41,13 @@ from vllm_lite.worker.parallel_state import broadcast_from_driver, get_tp_rank, 
 from vllm_lite.worker.pooler import make_pooler, pool_step, step_pooling_params
 from vllm_lite.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from vllm_lite.worker.spec_decode_step import SpecDecodeStep, record_emitted
-from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from vllm_lite.worker.step import (
+    AsyncModelRunnerOutput,
+    LogprobsTensors,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from vllm_lite.worker.step_inputs import StepInputs, build_step_inputs
 from vllm_lite.worker.token_types import build_token_type_ids, step_token_type_boundaries, takes_token_type_ids
 
@@ -90,6 +97,36 @@ class GPUModelRunner:
         self.cuda_graph_reserved: Optional[int] = None  # what the KV budget left for them (profiled CUDA budgets)
         # Reused host buffers for step inputs (no per-step allocation of large arrays).
         self._arange = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
+        self._init_async(vllm_config)
+
+    # ------------------------------------------------------------------ async scheduling
+    def _init_async(self, vllm_config: VllmConfig) -> None:
+        """Async scheduling (scheduler_config.async_scheduling): `execute_model(so, non_block=True)` launches a
+        step and returns before its tokens are on the host; the next step takes its input ids from the previous
+        step's sampled tensor on the device. Off: nothing here is used (every step as before)."""
+        self.async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        self._step_id = 0
+        self._prev: Optional[_LaunchedStep] = None  # the last step launched with non_block=True
+        self._staging: Optional[PinnedRing] = None
+        self._sampled_ring: Optional[SampledRing] = None
+        if not self.async_scheduling:
+            return
+        if self.spec_decode is not None or self.tp_size > 1 or self.pooler is not None:
+            raise ValueError("async scheduling does not support speculative decoding, tensor parallelism or pooling")
+        self._staging = PinnedRing(self.device)
+        self._sampled_ring = SampledRing(self.device, self.max_num_reqs)
+        if self.device.type == "cuda":  # pageable copies would wait for the step in flight
+            self.input_batch.sampling.stage = self._staging.stage
+
+    def _stage(self) -> Optional[Any]:
+        """The pinned-staging copy for this runner's host arrays (CUDA, async scheduling), else None."""
+        return self._staging.stage if self._staging is not None and not self._staging.passthrough else None
+
+    def _h2d(self, arr: np.ndarray, non_blocking: bool) -> torch.Tensor:
+        stage = self._stage()
+        if stage is not None:
+            return stage(arr)
+        return torch.from_numpy(arr).to(self.device, non_blocking=non_blocking)
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_block(self) -> int:
@@ -271,13 +308,27 @@ class GPUModelRunner:
                 self.swap_caches, self.kv_caches, torch.tensor(so.blocks_to_swap_in, dtype=torch.int64)
             )
         if so.blocks_to_copy:
-            self.backend.copy_blocks(
-                self.kv_caches, torch.tensor(so.blocks_to_copy, dtype=torch.int64, device=self.device)
+            stage = self._stage()
+            pairs = (
+                torch.tensor(so.blocks_to_copy, dtype=torch.int64, device=self.device)
+                if stage is None
+                else stage(np.asarray(so.blocks_to_copy, dtype=np.int64).reshape(-1, 2))
             )
+            self.backend.copy_blocks(self.kv_caches, pairs)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
+        """One step. `non_block` (async scheduling): launch it and return an AsyncModelRunnerOutput whose
+        get_output() waits for the sampled tokens; the engine calls get_output() of step N before it launches
+        step N+2, and launches a blocking step only with nothing in flight."""
+        if non_block and not self.async_scheduling:
+            raise ValueError("execute_model(non_block=True) needs scheduler_config.async_scheduling")
+        if self.async_scheduling:
+            assert self._staging is not None
+            self._staging.begin_step()
+            if not non_block:  # nothing may be in flight; a step that still is gets read here, not raced
+                self._resolve_prev()
         self._update_states(so)
         self._move_blocks(so)
         if self.spec_decode is not None:
@@ -285,20 +336,64 @@ class GPUModelRunner:
         if so.scheduled_spec_decode_tokens:
             SpecDecodeStep.write_drafts(self.input_batch, so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput.empty()
-        return self._run_step(self.input_batch, so.num_scheduled_tokens, so)
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput.empty()) if non_block else ModelRunnerOutput.empty()
+        return self._run_step(self.input_batch, so.num_scheduled_tokens, so, non_block)
+
+    def _resolve_prev(self) -> None:
+        """Wait for the last launched step's tokens and write them into the batch (if not done already)."""
+        if self._prev is not None:
+            self._prev.tokens_on_host()
+
+    def _prev_token_fix(self, batch: InputBatch, inputs: StepInputs) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """(token index in this step, index in the previous step's sampled tensor) of every scheduled token whose
+        id the previous step sampled and the host does not hold yet; host metadata only, no token values."""
+        prev = self._prev
+        if prev is None or prev.tokens is not None:
+            return None
+        pos = batch.pending_rows(inputs.rows, prev.step_id)
+        hit = np.nonzero(pos >= 0)[0]
+        if len(hit) == 0:
+            return None
+        off = pos[hit] - inputs.num_computed[hit]
+        if (off < 0).any():
+            raise RuntimeError(
+                f"requests {[inputs.req_ids[i] for i in hit[off < 0]]} were computed past a token of step "
+                f"{prev.step_id} that is not known yet"
+            )
+        here = off < inputs.num_scheduled[hit]  # a row may run without reaching its pending token (not sampled)
+        hit, off = hit[here], off[here]
+        if len(hit) == 0:
+            return None
+        dst = inputs.query_start_loc[hit] + off
+        src = np.fromiter((prev.index_of[inputs.req_ids[i]] for i in hit), dtype=np.int64, count=len(hit))
+        return dst, src
 
     def _run_step(
-        self, batch: InputBatch, num_scheduled_tokens: dict[str, int], so: Optional[SchedulerOutput] = None
-    ) -> ModelRunnerOutput:
+        self,
+        batch: InputBatch,
+        num_scheduled_tokens: dict[str, int],
+        so: Optional[SchedulerOutput] = None,
+        non_block: bool = False,
+    ) -> Any:
         """Prepare inputs, run the model, sample, and report: one forward pass over `batch`."""
+        self._step_id += 1
+        prev = self._prev
+        if prev is not None and prev.tokens is None:
+            # Penalties and multi-token bad words read the output tokens' values: wait for the previous step's.
+            rows = batch.rows_of(list(num_scheduled_tokens))
+            if batch.sampling.needs_token_values(rows[batch.pending_rows(rows, prev.step_id) >= 0]):
+                prev.tokens_on_host()
         inputs = build_step_inputs(batch, num_scheduled_tokens, self.block_size, self._arange)
+        fix = None
+        if self.async_scheduling and (idx := self._prev_token_fix(batch, inputs)) is not None:
+            assert prev is not None
+            fix = (self._h2d(idx[0], True), prev.sampled.index_select(0, self._h2d(idx[1], True)))
         if self.lora_manager is not None:  # this step's adapters in slots, and each token's slot, built once
             self.lora_manager.prepare_step(batch.lora_ids[inputs.rows], inputs.num_scheduled)
         logits_rows = self._logits_rows(batch, inputs, so)
         if self.lora_manager is not None:  # the adapters' slots of those rows (CPU only: see _logits_rows)
             self.lora_manager.keep_rows(logits_rows)
-        hidden = self._run_model(inputs, so, logits_rows)
+        hidden = self._run_model(inputs, so, logits_rows, fix)
         if self.pooler is not None:  # a pooling step: every request's whole prompt ran; pool, sample nothing
             batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
             params = step_pooling_params(so, inputs.req_ids)
@@ -309,6 +404,8 @@ class GPUModelRunner:
                 pooler_output=list(pool_step(self.pooler, hidden, inputs.query_start_loc, params)),
             )
         prompt_lp = self._prompt_logprobs(batch, inputs, hidden)
+        if non_block:
+            return self._launch_sample(batch, inputs, hidden, so, prompt_lp)
         sampled = self._sample(batch, inputs, hidden, so)
         # Advance progress locally (less rejected drafts); the scheduler re-sends the authoritative value next step.
         batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
@@ -319,22 +416,33 @@ class GPUModelRunner:
         return _build_output(inputs, sampled, prompt_lp)
 
     def _run_model(
-        self, inputs: StepInputs, so: Optional[SchedulerOutput] = None, logits_rows: Optional[np.ndarray] = None
+        self,
+        inputs: StepInputs,
+        so: Optional[SchedulerOutput] = None,
+        logits_rows: Optional[np.ndarray] = None,
+        fix: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of every scheduled token (with token types where the model takes them); with
-        `logits_rows` only those rows are computed past the last attention and the others are zeros."""
+        `logits_rows` only those rows are computed past the last attention and the others are zeros. `fix`
+        (async scheduling): (token indices, token ids) on the device, written over the input ids the host did not
+        know yet (the previous step's sampled tokens)."""
         if self.cuda_graphs is not None and so is not None:  # a uniform step (decode, verify) that fits replays
             lora_slots = self.lora_manager.step_token_slots if self.lora_manager is not None else None
-            hidden = self.cuda_graphs.run(inputs, lora_slots)
+            host = self._staging.host if self._stage() is not None and self._staging is not None else None
+            hidden = self.cuda_graphs.run(inputs, lora_slots, fix, host)
+            if host is not None and self._staging is not None:
+                self._staging.record()  # the slot's pinned arrays are read by the copies just queued
             if hidden is not None:
                 return hidden
-        input_ids, positions, md = inputs.to_device(self.device)
+        input_ids, positions, md = inputs.to_device(self.device, self._stage())
+        if fix is not None:
+            input_ids.index_copy_(0, fix[0], fix[1])
         extra: dict[str, torch.Tensor] = {}
         if self.takes_token_types and (bounds := step_token_type_boundaries(so, inputs.req_ids)) is not None:
             types = build_token_type_ids(bounds, inputs.num_scheduled, inputs.positions)
-            extra["token_type_ids"] = torch.from_numpy(types).to(self.device, non_blocking=True)
+            extra["token_type_ids"] = self._h2d(types, True)
         if logits_rows is not None:
-            extra["logits_rows"] = torch.from_numpy(logits_rows).to(self.device, non_blocking=True)
+            extra["logits_rows"] = self._h2d(logits_rows, True)
         with set_forward_context(md, self.backend):
             hidden = self.model(input_ids, positions, **extra)
         if logits_rows is None:
@@ -376,23 +484,82 @@ class GPUModelRunner:
         if so is not None and so.scheduled_spec_decode_tokens and self.spec_decode is not None:
             return self._sample_verified(batch, inputs, hidden, so, s_idx)
         s_rows = inputs.rows[s_idx]
-        if len(s_idx) == inputs.num_tokens:  # one token a request, every one samples (decode): every row, in order
-            logits = self.model.compute_logits(hidden[: inputs.num_tokens])
-        else:
-            logits_idx = torch.from_numpy(inputs.query_start_loc[1:][s_idx] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden[logits_idx])
-        out = None
-        if self.is_driver:  # under tensor parallelism only rank 0 samples; the others take its tokens
-            bitmask = _grammar_bitmask_rows(so, [inputs.req_ids[i] for i in s_idx.tolist()])
-            if bitmask is not None:
-                bitmask = bitmask.to(self.device, non_blocking=True)
-            out = self.sampler(logits, batch.sampling_metadata(s_rows), bitmask)
+        out = self._run_sampler(batch, inputs, hidden, so, s_idx)
         sampled = self._share_sampled(out, len(s_idx)).cpu().numpy()
         batch.record_sampled(s_rows, sampled)  # the scheduler records the same on its side
         logprobs = None
         if out is not None and out.logprobs_tensors is not None:
             logprobs = _scatter_rows(out.logprobs_tensors, s_idx, inputs.num_reqs)
         return _Sampled(s_idx, sampled, logprobs)
+
+    def _run_sampler(
+        self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor, so: Optional[SchedulerOutput], s_idx
+    ) -> Optional[SamplerOutput]:
+        """Logits of the sampling rows and the sampler over them (rank 0 only under tensor parallelism)."""
+        if len(s_idx) == inputs.num_tokens:  # one token a request, every one samples (decode): every row, in order
+            logits = self.model.compute_logits(hidden[: inputs.num_tokens])
+        else:
+            logits_idx = self._h2d(inputs.query_start_loc[1:][s_idx] - 1, False)
+            logits = self.model.compute_logits(hidden[logits_idx])
+        if not self.is_driver:  # under tensor parallelism only rank 0 samples; the others take its tokens
+            return None
+        bitmask = _grammar_bitmask_rows(so, [inputs.req_ids[i] for i in s_idx.tolist()])
+        if bitmask is not None:
+            bitmask = bitmask.to(self.device, non_blocking=True)
+        return self.sampler(logits, batch.sampling_metadata(inputs.rows[s_idx]), bitmask)
+
+    def _launch_sample(
+        self,
+        batch: InputBatch,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        so: Optional[SchedulerOutput],
+        prompt_lp: dict[str, Optional[LogprobsTensors]],
+    ) -> AsyncModelRunnerOutput:
+        """Async scheduling: sample on the device, queue the tokens' copy to pinned memory on a side stream and
+        return without waiting; the batch holds placeholders where the tokens go until get_output()."""
+        assert self._sampled_ring is not None and self._staging is not None
+        s_idx = np.nonzero(inputs.sampling_mask(batch.num_tokens[inputs.rows]))[0]
+        batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
+        ring = self._sampled_ring
+        if len(s_idx):
+            out = self._run_sampler(batch, inputs, hidden, so, s_idx)
+            assert out is not None
+            sampled, lp, slot = out.sampled_token_ids, out.logprobs_tensors, ring.acquire()
+        else:  # prefill chunks only: nothing to wait for but any prompt logprobs
+            sampled, lp, slot = torch.zeros(0, dtype=torch.int64, device=self.device), None, -1
+        step = _LaunchedStep(
+            runner=self,
+            step_id=self._step_id,
+            inputs=inputs,
+            s_idx=s_idx,
+            sampled=sampled,
+            index_of={inputs.req_ids[i]: j for j, i in enumerate(s_idx.tolist())},
+            slot=slot,
+        )
+        if ring.copy_stream is not None:
+            main = torch.cuda.current_stream(self.device)
+            ring.copy_stream.wait_stream(main)
+            with torch.cuda.stream(ring.copy_stream):
+                if slot >= 0:
+                    ring.buffers[slot][: len(s_idx)].copy_(sampled, non_blocking=True)
+                step.logprobs = None if lp is None else _to_host(lp)
+                step.prompt_lp = {r: None if p is None else _to_host(p) for r, p in prompt_lp.items()}
+                step.event = torch.cuda.Event()
+                step.event.record(ring.copy_stream)
+            # The copies read these on the side stream: held until its event, or the allocator could hand their
+            # memory to the next step's kernels on the main stream while the copies still read it.
+            step.device_refs = (lp, prompt_lp)
+        else:
+            if slot >= 0:
+                ring.buffers[slot][: len(s_idx)].copy_(sampled)
+            step.logprobs, step.prompt_lp = lp, prompt_lp
+        self._staging.record()
+        if slot < 0:
+            return AsyncModelRunnerOutput(step.get_output)
+        batch.note_sampled(inputs.rows[s_idx], step.step_id)
+        self._prev = step
+        return AsyncModelRunnerOutput(step.get_output)
 
     def _sample_verified(
         self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor, so: SchedulerOutput, s_idx: np.ndarray
@@ -459,10 +626,65 @@ class GPUModelRunner:
             end = min(start + int(inputs.num_scheduled[i]), n_prompt - 1)
             first = int(inputs.query_start_loc[i])
             tok_slice = torch.arange(first, first + (end - start), device=hidden.device)
-            targets = torch.from_numpy(batch.token_ids[row, start + 1 : end + 1].copy()).to(hidden.device)
+            targets = self._h2d(batch.token_ids[row, start + 1 : end + 1].copy(), False)
             logits = self.model.compute_logits(hidden[tok_slice])
             out[inputs.req_ids[i]] = compute_prompt_logprobs(logits, targets, params.prompt_logprobs)
         return out
+
+
+def _to_host(lp: LogprobsTensors) -> LogprobsTensors:
+    """Logprobs queued for the host (CUDA: into pinned memory, complete once the copy stream's event is)."""
+    return LogprobsTensors(
+        *(t.to("cpu", non_blocking=True) for t in (lp.logprob_token_ids, lp.logprobs, lp.selected_token_ranks))
+    )
+
+
+@dataclass
+class _LaunchedStep:
+    """A step launched with non_block=True: its sampled tokens on the device and in a pinned ring slot."""
+
+    runner: GPUModelRunner
+    step_id: int
+    inputs: StepInputs
+    s_idx: np.ndarray  # int64 [S] positions (in the step's request order) that sampled
+    sampled: torch.Tensor  # int64 [S] on the device: the next step's input ids read it there
+    index_of: dict[str, int]  # req_id -> its index in `sampled`
+    slot: int  # the SampledRing slot its ids are copied into
+    event: Optional[torch.cuda.Event] = None  # that copy's (CUDA)
+    logprobs: Optional[LogprobsTensors] = None  # host copies on CUDA
+    prompt_lp: dict[str, Optional[LogprobsTensors]] = field(default_factory=dict)
+    tokens: Optional[np.ndarray] = None  # int64 [S] once on the host
+    output: Optional[ModelRunnerOutput] = None
+    device_refs: Any = None  # device tensors the side stream's copies read (CUDA), dropped after its event
+
+    def tokens_on_host(self) -> np.ndarray:
+        """Wait for the ids, and write them over their placeholders in the batch (once)."""
+        if self.tokens is None:
+            ring = self.runner._sampled_ring
+            assert ring is not None
+            if self.event is not None:
+                self.event.synchronize()
+            self.device_refs = None
+            if self.slot < 0:  # sampled nothing
+                self.tokens = np.zeros(0, dtype=np.int64)
+                return self.tokens
+            self.tokens = ring.buffers[self.slot][: len(self.s_idx)].numpy().copy()
+            ring.release(self.slot)
+            req_ids = [self.inputs.req_ids[i] for i in self.s_idx.tolist()]
+            self.runner.input_batch.fill_sampled(req_ids, self.tokens, self.step_id)
+        return self.tokens
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self.output is None:
+            tokens = self.tokens_on_host()
+            logprobs = None
+            if self.logprobs is not None:
+                logprobs = _scatter_rows(self.logprobs, self.s_idx, self.inputs.num_reqs)
+            self.output = _build_output(self.inputs, _Sampled(self.s_idx, tokens, logprobs), self.prompt_lp)
+            self.sampled = self.sampled.new_empty(0)  # the device tensor is no longer needed
+            if self.runner._prev is self:
+                self.runner._prev = None
+        return self.output
 
 
 @dataclass

@@ -132,10 +132,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, _NEG_INF)
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep the k best per row, ties with the k-th kept (HF); k >= vocab disables."""
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: Optional[int] = None) -> torch.Tensor:
+    """Keep the k best per row, ties with the k-th kept (HF); k >= vocab disables. `max_top_k`: a host-side bound
+    on the enabled k (SamplingMetadata.max_top_k), which spares reading top_k's max back from the device (the
+    k-th value is the same whatever the bound, and rows with k >= vocab are disabled either way)."""
     vocab = logits.shape[-1]
-    max_k = int(top_k.clamp(max=vocab).max())
+    if max_top_k is not None and max_top_k >= 1:
+        max_k = min(int(max_top_k), vocab)
+    else:
+        max_k = int(top_k.clamp(max=vocab).max())
     kth = torch.topk(logits, max_k, dim=-1).values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
     kth.masked_fill_((top_k >= vocab).unsqueeze(1), _NEG_INF)
     return logits.masked_fill_(logits < kth, _NEG_INF)
@@ -151,13 +156,17 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def warp_dense(
-    logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor]
+    logits: torch.Tensor,
+    top_k: Optional[torch.Tensor],
+    top_p: Optional[torch.Tensor],
+    min_p: Optional[torch.Tensor],
+    max_top_k: Optional[int] = None,
 ) -> torch.Tensor:
     """min-p -> top-k -> top-p over the whole vocabulary, in place (the slow, always-exact path)."""
     if min_p is not None:
         logits = apply_min_p(logits, min_p)
     if top_k is not None:
-        logits = apply_top_k(logits, top_k)
+        logits = apply_top_k(logits, top_k, max_top_k)
     if top_p is not None:
         logits = apply_top_p(logits, top_p)
     return logits
@@ -181,6 +190,7 @@ class WarpedLogits:
     narrow_rows: Optional[torch.Tensor]  # int64 [M]
     narrow_logits: Optional[torch.Tensor]  # float32 [M, K], -inf where dropped
     narrow_ids: Optional[torch.Tensor]  # int64 [M, K] token ids of the candidates
+    dense_rows_host: Optional[np.ndarray] = None  # dense_rows on the host when known without a device read
 
     def to_dense(self) -> torch.Tensor:
         """Every row over the full vocabulary (for tests and inspection; the sampler never needs it)."""
@@ -198,11 +208,20 @@ class WarpedLogits:
         return out
 
 
-def warp(logits: torch.Tensor, md: SamplingMetadata, rows: Optional[torch.Tensor]) -> WarpedLogits:
+def warp(
+    logits: torch.Tensor,
+    md: SamplingMetadata,
+    rows: Optional[torch.Tensor],
+    rows_host: Optional[np.ndarray] = None,
+) -> WarpedLogits:
     """Temperature -> min-p -> top-k -> top-p for the batch rows `rows` (None = all), as HF's warpers chained.
 
     Temperature is applied to candidates only (positive scaling keeps the order) and to the full
-    rows only where they are needed. Returns new tensors; `logits` is not modified.
+    rows only where they are needed. Returns new tensors; `logits` is not modified. `rows_host`: `rows` on the
+    host, when the caller has them (temperature-only batches then need no device read at all).
+
+    Host syncs left (CUDA): with top-k / top-p / min-p, which rows the candidates cover is read back (nonzero),
+    and top-p checks whether any uncovered row needs the full normaliser.
     """
     n, vocab = logits.shape
     temp = md.temperature if md.temperature is not None else logits.new_ones(n)
@@ -211,7 +230,7 @@ def warp(logits: torch.Tensor, md: SamplingMetadata, rows: Optional[torch.Tensor
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         logits, temp, top_k, top_p, min_p = logits[rows], temp[rows], pick(top_k), pick(top_p), pick(min_p)
     else:
-        rows = None
+        rows, rows_host = None, None
     m = logits.shape[0]
     temp_col = temp.unsqueeze(1)
 
@@ -221,7 +240,7 @@ def warp(logits: torch.Tensor, md: SamplingMetadata, rows: Optional[torch.Tensor
         return None if local.numel() == n else local
 
     if top_k is None and top_p is None and min_p is None:
-        return WarpedLogits(n, vocab, rows, logits / temp_col, None, None, None)
+        return WarpedLogits(n, vocab, rows, logits / temp_col, None, None, None, dense_rows_host=rows_host)
 
     # Candidates: one more than the largest k, so a tie with the k-th cannot hide outside them.
     num_cand = min(vocab, max(md.max_top_k + 1, _MIN_CANDIDATES))
@@ -269,7 +288,7 @@ def warp(logits: torch.Tensor, md: SamplingMetadata, rows: Optional[torch.Tensor
     if dense.numel():
         sub = lambda t: None if t is None else t[dense]  # noqa: E731
         out.dense_rows = to_batch(dense)
-        out.dense = warp_dense(logits[dense] / temp_col[dense], sub(top_k), sub(top_p), sub(min_p))
+        out.dense = warp_dense(logits[dense] / temp_col[dense], sub(top_k), sub(top_p), sub(min_p), md.max_top_k)
     return out
 
 
@@ -299,6 +318,7 @@ def _race(
     ids: Optional[torch.Tensor],
     generators: dict[int, torch.Generator],
     vocab: int,
+    batch_rows_host: Optional[np.ndarray] = None,
 ) -> torch.Tensor:
     """Exponential race argmax(p / E) on some rows, E ~ Exp(1) i.i.d. per token, which draws token i with prob. p_i.
 
@@ -309,7 +329,7 @@ def _race(
     generator makes the [rows, vocab] noise serially, ~0.1 ms a 32K-token row, 4-5x the rest of the draw.
     """
     probs = logits.softmax(dim=-1)
-    seeded = _seeded_noise(probs.shape[0], batch_rows, ids, generators, vocab, probs.device)
+    seeded = _seeded_noise(probs.shape[0], batch_rows, ids, generators, vocab, probs.device, batch_rows_host)
     if probs.device.type == "cpu":
         choice = inverse_cdf_sample(probs)
         for local, noise_row in seeded:
@@ -329,12 +349,19 @@ def _seeded_noise(
     generators: dict[int, torch.Generator],
     vocab: int,
     device: torch.device,
+    batch_rows_host: Optional[np.ndarray] = None,
 ) -> list[tuple[int, torch.Tensor]]:
     """(local row, its noise at the row's candidates) for each seeded row: one full [vocab] draw from the row's own
-    generator, gathered at its candidate ids when narrowed. Only seeded rows do Python work."""
+    generator, gathered at its candidate ids when narrowed. Only seeded rows do Python work; `batch_rows_host`
+    (batch_rows on the host) spares reading them back from the device."""
     if not generators:
         return []
-    positions = range(num_rows) if batch_rows is None else batch_rows.tolist()
+    if batch_rows is None:
+        positions: list[int] = list(range(num_rows))
+    elif batch_rows_host is not None:
+        positions = batch_rows_host.tolist()
+    else:
+        positions = batch_rows.tolist()
     out = []
     for local, row in enumerate(positions):
         gen = generators.get(row)
@@ -352,7 +379,7 @@ def random_sample(warped: WarpedLogits, generators: dict[int, torch.Generator], 
             warped.narrow_logits, warped.narrow_rows, warped.narrow_ids, generators, warped.vocab_size
         )
     if warped.dense is not None:
-        tokens = _race(warped.dense, warped.dense_rows, None, generators, warped.vocab_size)
+        tokens = _race(warped.dense, warped.dense_rows, None, generators, warped.vocab_size, warped.dense_rows_host)
         if warped.dense_rows is None:
             out.copy_(tokens)
         else:
@@ -434,8 +461,10 @@ class Sampler(torch.nn.Module):
             else:
                 assert md.greedy_mask is not None
                 sampled = greedy_argmax(logits)
-                random_rows = (~md.greedy_mask).nonzero().squeeze(1)
-            random_sample(warp(logits, md, random_rows), md.generators, sampled)
+                random_rows = md.random_rows  # from the host's metadata: no read of greedy_mask back
+                if random_rows is None:
+                    random_rows = (~md.greedy_mask).nonzero().squeeze(1)
+            random_sample(warp(logits, md, random_rows, md.random_rows_host), md.generators, sampled)
 
         lp = None
         if raw_logprobs is not None:

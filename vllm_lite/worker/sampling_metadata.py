@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -28,6 +29,10 @@ class SamplingMetadata:
     max_top_k: int  # host-side max of top_k (no device sync needed), 0 when top_k is None
     top_p: Optional[torch.Tensor]  # float32 [N], 1.0 where disabled; None if no row uses top-p
     min_p: Optional[torch.Tensor]  # float32 [N], 0.0 where disabled; None if no row uses min-p
+    # Batch indices of the random rows when the batch mixes greedy and random rows (else None), on the device and
+    # on the host: the sampler takes them from here instead of reading greedy_mask back (no host sync).
+    random_rows: Optional[torch.Tensor] = None  # int64 [R]
+    random_rows_host: Optional[np.ndarray] = None  # int64 [R]
     # batch index -> that request's own generator (seeded rows only).
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # Largest number of top logprobs any row asked for; None when no row wants logprobs.

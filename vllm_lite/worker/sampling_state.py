@@ -12,7 +12,7 @@ needs penalties), so penalties cost O(batch x distinct tokens), not O(batch x vo
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -69,6 +69,8 @@ class SamplingState:
         self.seen: Optional[SeenTokens] = None  # penalty rows' distinct tokens and output counts
         self.history: Optional[np.ndarray] = None  # int64 [R, max_model_len] output tokens, bad-word rows only
         self._pos = np.full(max_num_reqs, -1, np.int64)
+        # Async scheduling: copies host arrays to the device without a host sync (PinnedRing.stage); None: as ever.
+        self.stage: Optional[Callable[[np.ndarray], torch.Tensor]] = None
 
     # ------------------------------------------------------------------ row lifecycle
     def _check_row(self, row: int, field: str = "row") -> int:
@@ -203,14 +205,38 @@ class SamplingState:
             raise ValueError(f"rows and token_ids must have the same length, got {len(rows)} and {len(toks)}.")
         if len(rows) == 0:
             return
-        if rows.min() < 0 or rows.max() >= self.max_num_reqs:
+        self._record_values(rows, toks, self.num_output[self._checked_rows(rows)])
+        np.add.at(self.num_output, rows, 1)
+
+    def _checked_rows(self, rows: np.ndarray) -> np.ndarray:
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.max_num_reqs):
             raise ValueError(f"rows must be in [0, {self.max_num_reqs}), got {rows!r}.")
+        return rows
+
+    def count_sampled(self, rows: np.ndarray) -> None:
+        """Async scheduling, at launch: one more output token per listed row whose value is not known yet (the
+        min_tokens bans need only the count; `record_values` adds the values once they reach the host)."""
+        rows = self._checked_rows(np.asarray(rows, dtype=np.int64).reshape(-1))
+        np.add.at(self.num_output, rows, 1)
+
+    def record_values(self, rows: np.ndarray, token_ids: np.ndarray, out_pos: np.ndarray) -> None:
+        """Async scheduling: the values of tokens `count_sampled` counted, each the row's output number `out_pos`
+        (0 = first output), into the histories penalties and multi-token bad words read."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        toks = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        out_pos = np.asarray(out_pos, dtype=np.int64).reshape(-1)
+        if not rows.shape == toks.shape == out_pos.shape:
+            raise ValueError(f"rows, token_ids and out_pos must have the same length, got {rows!r}, {toks!r}.")
+        if len(rows):
+            self._record_values(self._checked_rows(rows), toks, out_pos)
+
+    def _record_values(self, rows: np.ndarray, toks: np.ndarray, out_pos: np.ndarray) -> None:
         if toks.min() < 0 or toks.max() >= self.vocab_size:
             raise ValueError(f"token_ids must be in [0, {self.vocab_size}), got {toks!r}.")
         if self.history is not None:
             h = self.tracks_history[rows]
             if h.any():
-                r, n = rows[h], self.num_output[rows[h]]
+                r, n = rows[h], out_pos[h]
                 ok = n < self.max_model_len
                 self.history[r[ok], n[ok]] = toks[h][ok]
         p = self.penalized[rows]
@@ -219,9 +245,16 @@ class SamplingState:
             if len(np.unique(rows[p])) != int(p.sum()):
                 raise ValueError(f"rows must be distinct, got {rows!r}.")
             self.seen.append(rows[p], toks[p])
-        np.add.at(self.num_output, rows, 1)
+
+    def needs_token_values(self, rows: np.ndarray) -> bool:
+        """Whether sampling these rows reads their output tokens' values (penalties, multi-token bad words), not
+        just their count: under async scheduling such a step first waits for the previous step's tokens."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return bool(len(rows)) and bool((self.penalized[rows] | self.tracks_history[rows]).any())
 
     def _dev(self, arr: np.ndarray) -> torch.Tensor:
+        if self.stage is not None:  # async scheduling on CUDA: through pinned memory (host_staging)
+            return self.stage(arr)
         return torch.from_numpy(np.ascontiguousarray(arr)).to(self.device, non_blocking=True)
 
     def make_metadata(self, rows: np.ndarray) -> SamplingMetadata:
@@ -267,6 +300,9 @@ class SamplingState:
             generators=gens,
             max_num_logprobs=int(lp.max()) if n and lp.max() >= 0 else None,
         )
+        if not (all_greedy or all_random):
+            md.random_rows_host = np.nonzero(rnd)[0].astype(np.int64)
+            md.random_rows = self._dev(md.random_rows_host)
         if n == 0:
             return md
 

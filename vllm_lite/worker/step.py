@@ -10,7 +10,7 @@ never the reverse.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import msgspec
 
@@ -116,3 +116,29 @@ class ModelRunnerOutput:
     @staticmethod
     def empty() -> "ModelRunnerOutput":
         return ModelRunnerOutput([], {}, [])
+
+
+class AsyncModelRunnerOutput:
+    """A step launched without waiting for its sampled tokens (async scheduling; vLLM's name).
+
+    `get_output()` blocks until the tokens are on the host (CUDA: the event of their copy into pinned memory) and
+    returns the step's ModelRunnerOutput, the same the synchronous path returns; later calls return it again.
+    The engine reads step N's output before it launches step N+2.
+    """
+
+    def __init__(self, resolve: Callable[[], ModelRunnerOutput]) -> None:
+        self._resolve: Optional[Callable[[], ModelRunnerOutput]] = resolve
+        self._output: Optional[ModelRunnerOutput] = None
+
+    @staticmethod
+    def ready(output: ModelRunnerOutput) -> "AsyncModelRunnerOutput":
+        """An output already on the host (a step that sampled nothing)."""
+        done = AsyncModelRunnerOutput(lambda: output)
+        done.get_output()
+        return done
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._output is None:
+            assert self._resolve is not None
+            self._output, self._resolve = self._resolve(), None
+        return self._output

@@ -8,7 +8,7 @@ a few vectorised ops, then copied to the device once (`to_device`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -45,27 +45,38 @@ class StepInputs:
         """bool [B]: rows whose known tokens are all computed after this step, so they sample one more."""
         return self.seq_lens >= num_tokens_known
 
-    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids, positions, attention metadata) on the device, each copied once, asynchronously."""
+    def to_device(
+        self, device: torch.device, stage: Optional[Callable[[np.ndarray], torch.Tensor]] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, attention metadata) on the device, each copied once, asynchronously.
+
+        `stage` (async scheduling on CUDA: PinnedRing.stage) copies through pinned memory, so no copy waits for
+        the step still running; None copies from the arrays themselves, as ever."""
         qsl_cpu = torch.from_numpy(self.query_start_loc.astype(np.int32))
         seq_cpu = torch.from_numpy(self.seq_lens.astype(np.int32))
+        if stage is None:
+
+            def stage(arr: np.ndarray) -> torch.Tensor:
+                return torch.from_numpy(arr).to(device, non_blocking=True)
+
+            qsl_dev, seq_dev = qsl_cpu.to(device, non_blocking=True), seq_cpu.to(device, non_blocking=True)
+        else:
+            qsl_dev, seq_dev = stage(qsl_cpu.numpy()), stage(seq_cpu.numpy())
         md = AttentionMetadata(
             num_actual_tokens=self.num_tokens,
             num_reqs=self.num_reqs,
             max_query_len=int(self.num_scheduled.max()),
             max_seq_len=int(self.seq_lens.max()),
-            query_start_loc=qsl_cpu.to(device, non_blocking=True),
-            seq_lens=seq_cpu.to(device, non_blocking=True),
-            block_table=torch.from_numpy(np.ascontiguousarray(self.block_table)).to(device, non_blocking=True),
-            slot_mapping=torch.from_numpy(self.slot_mapping).to(device, non_blocking=True),
+            query_start_loc=qsl_dev,
+            seq_lens=seq_dev,
+            block_table=stage(np.ascontiguousarray(self.block_table)),
+            slot_mapping=stage(self.slot_mapping),
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_cpu,
-            num_tokens=None
-            if self.req_num_tokens is None
-            else torch.from_numpy(self.req_num_tokens.astype(np.int32)).to(device, non_blocking=True),
+            num_tokens=None if self.req_num_tokens is None else stage(self.req_num_tokens.astype(np.int32)),
         )
-        input_ids = torch.from_numpy(self.input_ids).to(device, non_blocking=True)
-        positions = torch.from_numpy(self.positions).to(device, non_blocking=True)
+        input_ids = stage(self.input_ids)
+        positions = stage(self.positions)
         return input_ids, positions, md
 
 

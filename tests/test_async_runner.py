@@ -1,0 +1,399 @@
+"""Async scheduling, the runner's side (issue #14): `execute_model(so, non_block=True)` launches a step and returns
+before its tokens are on the host; the next step's input ids for those tokens come from the previous step's
+sampled tensor on the device, while the host batch holds PLACEHOLDER_TOKEN (-1) there until get_output().
+
+A small stand-in core (`_Core`) drives a real CPU runner (the tiny float32 llama) with SchedulerOutputs that follow
+the contract the engine core keeps: at most two steps in flight, step N+1 launched before get_output(N), a
+request whose last token is a placeholder sent as a cached request with one token at the placeholder's position,
+requests finished at update(N) still in step N+1's batch, preemption while a step is in flight, re-admission with
+every token known. Each scenario runs the same plan synchronously and asynchronously: the tokens (and logprobs)
+must be identical, and the host token ids at pending positions must be -1 whenever the forward runs (the embedding
+would fail on -1, and the forward's input ids equal the synchronous run's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import runpy
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.testing.cpu_runner import cpu_runner
+from vllm_lite.testing.device_ops import DeviceOpCounter, install_stand_in_graphs
+from vllm_lite.testing.stand_in_core import StandInCore
+from vllm_lite.worker import sampler as sampler_mod
+from vllm_lite.worker.host_staging import PinnedRing, SampledRing
+from vllm_lite.worker.input_batch import PLACEHOLDER_TOKEN
+from vllm_lite.worker.step import AsyncModelRunnerOutput, CachedRequestData, SchedulerOutput
+
+BLOCK_SIZE = 16
+BLOCKS_PER_REQ = 4  # max_model_len 64
+PROMPTS = [[1, 5, 9, 20, 33], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [7, 8], [40, 41, 42], [9], [60, 61, 62, 63]]
+
+
+def _runner(async_scheduling: bool, **kwargs):
+    return cpu_runner(BLOCK_SIZE, BLOCKS_PER_REQ, "float32", 8, async_scheduling=async_scheduling, **kwargs)
+
+
+class _Core(StandInCore):
+    def add(self, i: int, params: SamplingParams, **kw) -> None:  # type: ignore[override]
+        super().add(i, PROMPTS[i], params, **kw)
+
+
+def _run(
+    async_: bool,
+    setup: Callable[[_Core], None],
+    steps: int,
+    events: Optional[dict[int, Callable[[_Core], None]]] = None,
+    graphs: Optional[list[int]] = None,
+    checks: Optional[Callable[[_Core], list]] = None,
+) -> _Core:
+    runner = _runner(async_)
+    replays: list = []
+    if graphs:
+        install_stand_in_graphs(runner, [(b, 1) for b in graphs], replays=replays)
+    core = _Core(runner, async_)
+    core.replays = replays  # type: ignore[attr-defined]
+    setup(core)
+    if checks is not None:
+        core.checks = checks(core)
+    for i in range(steps):
+        if events and i in events:
+            events[i](core)
+        core.step()
+    core.drain()
+    return core
+
+
+def _tokens(core: _Core) -> dict[str, list[int]]:
+    return {rid: r.out for rid, r in core.reqs.items()}
+
+
+def _greedy(max_tokens: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- token identity
+def _three_greedy(core: _Core) -> None:
+    for i in range(3):
+        core.add(i, _greedy())
+
+
+def test_pipelined_decode_gives_the_sync_tokens_and_the_forward_never_reads_a_placeholder() -> None:
+    sync = _run(False, _three_greedy, steps=12)  # 12 tokens each; the finished ones still in the batch after
+    asyn = _run(True, _three_greedy, steps=12)
+    assert _tokens(asyn) == _tokens(sync)
+    assert all(len(t) == 12 for t in _tokens(sync).values())
+    # Same forward inputs step by step: the previous step's tokens came from the device, none was -1.
+    assert asyn.step_inputs == sync.step_inputs
+    assert all(PLACEHOLDER_TOKEN not in ids for ids in asyn.step_inputs)
+    batch = asyn.runner.input_batch  # backfilled once read: the host batch ends with the real tokens
+    for rid, r in asyn.reqs.items():
+        row = batch.req_id_to_row[rid]
+        n = len(r.prompt) + len(r.out)
+        assert batch.token_ids[row, len(r.prompt) : n].tolist() == r.out
+
+
+def test_a_request_finished_between_steps_and_condensing_rows_keep_their_tokens() -> None:
+    """r1 stops at update(N) while step N+1 already holds it (its extra token is discarded); removing it moves the
+    last row into its hole while that row's token is still pending: placeholders follow the request, not the row."""
+
+    def setup(core: _Core) -> None:
+        for i in range(4):
+            core.add(i, _greedy(), eos_at=3 if i == 1 else None)
+
+    sync = _run(False, setup, steps=14)
+    asyn = _run(True, setup, steps=14)
+    assert _tokens(asyn) == _tokens(sync)
+    assert len(sync.reqs["r1"].out) == 3 and len(sync.reqs["r3"].out) == 12
+    # Async: r1 ran once more than sync (launched before its stop was known).
+    runs = lambda core: sum(len(ids) for ids in core.step_inputs)  # noqa: E731
+    assert runs(asyn) == runs(sync) + 1
+
+
+def test_preempted_while_in_flight_then_readded_gives_the_sync_tokens() -> None:
+    """r0 is preempted while its token is still in flight (the core still takes that token), r2 is added mid-run,
+    r0 comes back with every token known (a recompute prefill of prompt + outputs)."""
+
+    def setup(core: _Core) -> None:
+        core.add(0, _greedy())
+        core.add(1, _greedy())
+
+    events = {
+        4: lambda core: core.preempt("r0"),
+        5: lambda core: core.add(2, _greedy()),
+        7: lambda core: core.resume("r0"),
+    }
+    sync = _run(False, setup, steps=18, events=events)
+    asyn = _run(True, setup, steps=18, events=events)
+    assert _tokens(asyn) == _tokens(sync)
+    assert all(len(t) == 12 for t in _tokens(sync).values())
+
+
+def test_seeded_random_rows_give_the_sync_tokens() -> None:
+    def setup(core: _Core) -> None:
+        core.add(0, SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True))
+        core.add(1, _greedy(10))  # mixed batch: random rows come from the metadata, not greedy_mask
+        core.add(2, SamplingParams(temperature=0.8, seed=11, max_tokens=10, ignore_eos=True))
+
+    sync = _run(False, setup, steps=12)
+    asyn = _run(True, setup, steps=12)
+    assert _tokens(asyn) == _tokens(sync)
+    assert len(set(map(tuple, _tokens(sync).values()))) == 3
+
+
+def test_min_tokens_needs_only_the_count_and_gives_the_sync_tokens() -> None:
+    """The stop id is the token greedy would pick first: min_tokens holds it back for 4 tokens (counted at launch,
+    no wait for values), then it may come."""
+    first = _run(False, lambda core: core.add(0, _greedy(1)), steps=2).reqs["r0"].out[0]
+
+    def setup(core: _Core) -> None:
+        core.add(0, SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4), eos_token_id=first)
+        core.add(1, _greedy(8))
+
+    def no_wait(core: _Core) -> list:
+        return [lambda: core.assert_placeholders()]
+
+    sync = _run(False, setup, steps=10)
+    asyn = _run(True, setup, steps=10, checks=no_wait)
+    assert _tokens(asyn) == _tokens(sync)
+    assert first not in sync.reqs["r0"].out[:4]
+
+
+def test_penalties_wait_for_the_previous_tokens_and_give_the_sync_tokens() -> None:
+    """A penalized row reads its output tokens' values: the runner waits for the previous step's tokens before
+    building the sampling metadata (so right after launching step N+1 the host holds step N's tokens), and
+    the tokens equal the sync run's."""
+
+    def setup(core: _Core) -> None:
+        core.add(0, _greedy(10, repetition_penalty=1.5, frequency_penalty=0.7))
+        core.add(1, _greedy(10))
+
+    def resolved_at_launch(core: _Core) -> list:
+        def check() -> None:
+            if core.reqs["r0"].ph < 2:  # r0 in both steps in flight
+                return
+            seen.append(1)
+            batch = core.runner.input_batch
+            for rid in ("r0", "r1"):  # one wait fills the whole previous step
+                r, row = core.reqs[rid], batch.req_id_to_row[rid]
+                known = len(r.prompt) + len(r.out)
+                assert batch.token_ids[row, known] != PLACEHOLDER_TOKEN, rid  # step N's token is already here
+                assert batch.token_ids[row, known + 1] == PLACEHOLDER_TOKEN  # step N+1's is not
+
+        return [check]
+
+    seen: list = []
+    sync = _run(False, setup, steps=12)
+    asyn = _run(True, setup, steps=12, checks=resolved_at_launch)
+    assert _tokens(asyn) == _tokens(sync)
+    assert len(seen) == 9
+    plain = _run(False, lambda core: core.add(0, _greedy(10)), steps=12)
+    assert _tokens(sync)["r0"] != plain.reqs["r0"].out  # the penalties did change the tokens
+
+
+def test_unpenalized_batches_do_not_wait() -> None:
+    """Without penalties both steps in flight stay unread at the second launch: their tokens are both -1 on the
+    host (the second launch took the first's token from the device)."""
+    seen = []
+
+    def check_pending(core: _Core) -> list:
+        def check() -> None:
+            r = core.reqs["r0"]
+            if r.ph == 2:
+                row = core.runner.input_batch.req_id_to_row["r0"]
+                known = len(r.prompt) + len(r.out)
+                assert (core.runner.input_batch.token_ids[row, known : known + 2] == PLACEHOLDER_TOKEN).all()
+                seen.append(known)
+
+        return [check]
+
+    _run(True, lambda core: core.add(0, _greedy(6)), steps=8, checks=check_pending)
+    assert len(seen) == 5  # every launch after the first decode's
+
+
+def test_logprobs_and_prompt_logprobs_equal_the_sync_run() -> None:
+    def setup(core: _Core) -> None:
+        core.add(0, _greedy(6, logprobs=3, prompt_logprobs=2))
+        core.add(1, SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=0))
+        core.add(2, _greedy(6))
+
+    sync = _run(False, setup, steps=8)
+    asyn = _run(True, setup, steps=8)
+    assert _tokens(asyn) == _tokens(sync)
+    for rid in ("r0", "r1"):
+        a, s = asyn.reqs[rid], sync.reqs[rid]
+        assert len(a.logprobs) == len(s.logprobs) == 6
+        for x, y in zip(a.logprobs, s.logprobs):
+            assert all(torch.equal(u, v) for u, v in zip(x, y))
+    pa, ps = asyn.reqs["r0"].prompt_logprobs, sync.reqs["r0"].prompt_logprobs
+    assert len(pa) == len(ps) == 1 and all(torch.equal(u, v) for u, v in zip(pa[0], ps[0]))
+
+
+def test_the_graph_replay_path_writes_the_previous_tokens_into_the_persistent_buffer() -> None:
+    """With (stand-in) decode graphs the previous step's tokens go into the graphs' persistent input ids."""
+    sync = _run(False, _three_greedy, steps=14)
+    asyn = _run(True, _three_greedy, steps=14, graphs=[1, 2, 4])
+    assert _tokens(asyn) == _tokens(sync)
+    assert asyn.replays == [(4, 1)] * 11  # every decode step replayed (bucket 4), the prefill ran eager
+
+
+# ---------------------------------------------------------------------------------------------- contract
+def test_a_third_step_in_flight_is_refused() -> None:
+    runner = _runner(True)
+    core = _Core(runner, True)
+    core.add(0, _greedy())
+    runner.execute_model(core.schedule(), non_block=True)
+    runner.execute_model(core.schedule(), non_block=True)
+    with pytest.raises(RuntimeError, match="at most two steps"):
+        runner.execute_model(core.schedule(), non_block=True)
+
+
+def test_non_block_needs_async_scheduling() -> None:
+    runner = _runner(False)
+    core = _Core(runner, True)
+    core.add(0, _greedy())
+    with pytest.raises(ValueError, match="async_scheduling"):
+        runner.execute_model(core.schedule(), non_block=True)
+
+
+def test_a_blocking_step_in_async_mode_reads_any_step_left_in_flight() -> None:
+    """The sync fallback (a structured-output step) launched with a step left unread (the core never does this;
+    the runner still must not race it): it reads that step first and feeds its token from the host."""
+    runner = _runner(True)
+    core = _Core(runner, True)
+    core.add(0, _greedy())
+    handle = runner.execute_model(core.schedule(), non_block=True)  # the prefill, sampling token n
+    n = len(PROMPTS[0])
+    so = SchedulerOutput([], CachedRequestData(["r0"], [[]], [n]), {"r0": 1}, 1, set())
+    out = runner.execute_model(so)
+    assert not isinstance(out, AsyncModelRunnerOutput) and len(out.sampled_token_ids[0]) == 1
+    first = handle.get_output().sampled_token_ids[0]
+    assert core.step_inputs[-1] == first  # the blocking step's input came from the host, already filled
+    row = runner.input_batch.req_id_to_row["r0"]
+    assert runner.input_batch.token_ids[row, n : n + 2].tolist() == first + out.sampled_token_ids[0]
+
+
+# ---------------------------------------------------------------------------------------------- no host syncs
+@contextlib.contextmanager
+def _device_paths() -> Iterator[None]:
+    """The sampler's CUDA code paths on CPU (no numpy fast paths), for counting host reads."""
+    saved = sampler_mod.HOST_FAST_PATHS
+    sampler_mod.HOST_FAST_PATHS = False
+    try:
+        yield
+    finally:
+        sampler_mod.HOST_FAST_PATHS = saved
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        [_greedy(8)] * 3,
+        [SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)] * 3,  # seeded random
+        [_greedy(8), SamplingParams(temperature=0.7, seed=9, max_tokens=8, ignore_eos=True), _greedy(8)],  # mixed
+        [_greedy(8, logprobs=2)] * 2,
+    ],
+    ids=["greedy", "seeded", "mixed", "logprobs"],
+)
+def test_an_async_decode_launch_reads_nothing_back_from_the_device(params: list[SamplingParams]) -> None:
+    """Counted on CPU like tests/test_step_op_budget.py (the model forward excluded): an async decode launch,
+    the previous step still unread, makes no host read of a device tensor; the same step run synchronously reads
+    the sampled ids back (the one sync the async path removes)."""
+    for async_ in (True, False):
+        runner = _runner(async_)
+        core = _Core(runner, async_, record_inputs=False)
+        for i, p in enumerate(params):
+            core.add(i, p)
+        core.step()  # prefill
+        core.step()  # first decode (async: step 1 still unread)
+        so = core.schedule()
+        with _device_paths(), DeviceOpCounter(where=True) as c:
+            with _paused_forward(runner, c):
+                out = runner.execute_model(so, non_block=async_)
+        if async_:
+            assert c.syncs == [], c.syncs
+            core.in_flight.append(out)
+            core.drain()
+        else:
+            assert len(c.syncs) >= 1
+
+
+@contextlib.contextmanager
+def _paused_forward(runner, counter: DeviceOpCounter) -> Iterator[None]:
+    model = runner.model
+    orig = model.forward
+
+    def forward(*args, **kwargs):
+        with counter.paused():
+            return orig(*args, **kwargs)
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward
+
+
+# ---------------------------------------------------------------------------------------------- host staging
+class _HostRing(PinnedRing):
+    """The CUDA ring's bookkeeping on CPU: ordinary (not pinned) buffers, no device copy, no events."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.passthrough = False
+
+    def record(self) -> None:
+        pass
+
+
+def test_pinned_ring_stages_arrays_by_value_and_grows_without_moving_earlier_ones(monkeypatch) -> None:
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    ring = _HostRing()
+    ring.begin_step()
+    a = np.arange(5, dtype=np.int64)
+    b = np.array([1.5, 2.5], dtype=np.float32)
+    ta, tb = ring.host(a), ring.host(b)
+    a[:] = -7  # the staged copy does not alias the array
+    assert ta.tolist() == [0, 1, 2, 3, 4] and tb.tolist() == [1.5, 2.5] and tb.dtype == torch.float32
+    assert ta.data_ptr() % 64 == 0 and tb.data_ptr() % 64 == 0
+    big = np.ones((600, 300), dtype=np.int64)  # past the first buffer: a new one; the old stays alive
+    tbig = ring.host(big)
+    assert tbig.shape == (600, 300) and int(tbig.sum()) == 180000 and ta.tolist() == [0, 1, 2, 3, 4]
+    slot = ring.slot
+    ring.begin_step()
+    assert ring.slot != slot  # two slots: the next step never writes over this one's arrays
+    ring.begin_step()
+    assert ring.slot == slot and ring._retired[slot] == []
+    assert ring.host(np.array([True, False])).tolist() == [True, False]
+
+
+def test_a_cpu_ring_is_a_passthrough() -> None:
+    ring = PinnedRing(torch.device("cpu"))
+    arr = np.arange(3)
+    assert ring.stage(arr).data_ptr() == torch.from_numpy(arr).data_ptr()
+    sampled = SampledRing(torch.device("cpu"), 4)
+    assert sampled.copy_stream is None and sampled.acquire() == 0 and sampled.acquire() == 1
+    with pytest.raises(RuntimeError):
+        sampled.acquire()
+    sampled.release(0)
+    assert sampled.acquire() == 0
+
+
+# ---------------------------------------------------------------------------------------------- GPU script
+def _pending_test_gpu_check_script_smoke_runs_on_cpu(capsys, monkeypatch) -> None:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "async_gpu_check.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--device", "cpu", "--smoke"])
+    runpy.run_path(str(script), run_name="__main__")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    import json
+
+    res = json.loads(lines[-1])
+    assert res["device"] == "cpu" and res["tokens_identical"] is True, res

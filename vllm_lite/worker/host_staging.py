@@ -1,0 +1,122 @@
+"""Host -> device copies that never wait for the device, for async scheduling (issue #14).
+
+A copy from *pageable* host memory (`torch.from_numpy(a).to("cuda", non_blocking=True)`) is staged by the
+driver and returns only once the stream reached it: while step N runs, launching step N+1 would wait for step N,
+and the overlap async scheduling exists for is gone. `PinnedRing` stages every host array of a step through a
+pinned buffer first: two slots (step N+1 fills one while step N's copies may still read the other), each a
+bump allocator over one pinned byte buffer with an event recorded after its last copy; a slot is reused two
+steps later, after waiting on that event (by then its copies ran long ago: the engine keeps at most two steps in
+flight and reads step N's tokens before it launches step N+2).
+
+Off CUDA the ring is a passthrough (`torch.from_numpy`): CPU tensors need no copy, and the runner's synchronous
+path keeps its own copies unchanged (it never builds a ring).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+_ALIGN = 64  # bytes: every staged array starts on a cache line (and any dtype's alignment)
+_MIN_SLOT_BYTES = 1 << 20
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+class PinnedRing:
+    """Two pinned staging slots for one device; `begin_step` switches slot, `stage`/`host` copy arrays in."""
+
+    def __init__(self, device: torch.device, num_slots: int = 2) -> None:
+        self.device = torch.device(device)
+        self.passthrough = self.device.type != "cuda"
+        self.num_slots = num_slots
+        self.slot = 0
+        self._offset = 0
+        self._buffers: list[Optional[torch.Tensor]] = [None] * num_slots
+        self._retired: list[list[torch.Tensor]] = [[] for _ in range(num_slots)]  # outgrown, maybe still read
+        self._events: list[Optional[torch.cuda.Event]] = [None] * num_slots
+        self.steps = 0
+
+    def begin_step(self) -> None:
+        """Take the next slot for a new step: its previous copies (two steps ago) must have finished."""
+        self.steps += 1
+        if self.passthrough:
+            return
+        self.slot = (self.slot + 1) % self.num_slots
+        event = self._events[self.slot]
+        if event is not None:
+            event.synchronize()  # recorded two steps ago, after work the engine has already waited for
+        self._retired[self.slot].clear()
+        self._offset = 0
+
+    def host(self, arr: np.ndarray) -> torch.Tensor:
+        """A pinned host tensor holding a copy of `arr` (valid until this slot is reused, two steps on)."""
+        arr = np.ascontiguousarray(arr)
+        if self.passthrough:
+            return torch.from_numpy(arr)
+        nbytes = arr.nbytes
+        start = -(-self._offset // _ALIGN) * _ALIGN
+        buf = self._buffers[self.slot]
+        if buf is None or start + nbytes > buf.numel():
+            if buf is not None:
+                self._retired[self.slot].append(buf)  # earlier copies of this step may still read it
+            size = max(_MIN_SLOT_BYTES, 2 * (nbytes + _ALIGN), 0 if buf is None else 2 * buf.numel())
+            buf = self._buffers[self.slot] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            start = 0
+        self._offset = start + nbytes
+        view = buf[start : start + nbytes]
+        if nbytes:
+            view.numpy()[:] = arr.reshape(-1).view(np.uint8)
+        return view.view(_torch_dtype(arr.dtype)).view(arr.shape)
+
+    def stage(self, arr: np.ndarray) -> torch.Tensor:
+        """`arr` on the device, copied asynchronously from pinned memory (the array itself on CPU)."""
+        t = self.host(arr)
+        if self.passthrough:
+            return t
+        out = t.to(self.device, non_blocking=True)
+        self.record()
+        return out
+
+    def record(self) -> None:
+        """Mark the slot's copies issued so far (on the current stream); `begin_step` waits for the last mark."""
+        if self.passthrough:
+            return
+        event = self._events[self.slot]
+        if event is None:
+            event = self._events[self.slot] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+
+
+class SampledRing:
+    """Pinned host slots the sampled token ids of a step are copied into, one per step in flight, with the
+    event of that copy (issued on a side stream once the sampler's work is queued)."""
+
+    def __init__(self, device: torch.device, max_rows: int, num_slots: int = 2) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.num_slots = num_slots
+        self.buffers = [
+            torch.empty(max(1, max_rows), dtype=torch.int64, pin_memory=self.cuda) for _ in range(num_slots)
+        ]
+        self.in_use = [False] * num_slots
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._next = 0
+
+    def acquire(self) -> int:
+        slot = self._next
+        if self.in_use[slot]:
+            raise RuntimeError(
+                "async scheduling: a third step was launched before the first one's tokens were read "
+                "(at most two steps may be in flight)"
+            )
+        self.in_use[slot] = True
+        self._next = (slot + 1) % self.num_slots
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.in_use[slot] = False
