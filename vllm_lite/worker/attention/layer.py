@@ -35,13 +35,34 @@ class Attention(nn.Module):
             raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}.")
         self.kv_cache: Optional[torch.Tensor] = None
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query [T, H*D], key/value [T, KVH*D] -> [T, H*D]."""
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        rotary_emb: Optional[nn.Module] = None,
+    ) -> torch.Tensor:
+        """query [T, H*D], key/value [T, KVH*D] -> [T, H*D].
+
+        With `rotary_emb` (a RotaryEmbedding) and `positions`, query and key are rotated first, as
+        `rotary_emb(positions, query, key)` does; where the backend can (`fuses_rotary_kv_write`: Triton) and the
+        rotary's kernels run (CUDA), the rotation of q and k and the K/V cache write are one kernel."""
         if self.kv_cache is None:
             raise RuntimeError("Attention.kv_cache is not bound: allocate the KV cache before running the model.")
         ctx = get_forward_context()
         md = ctx.metadata
         n = md.num_actual_tokens
+        if rotary_emb is not None:
+            if positions is None:
+                raise ValueError("Attention: rotary_emb needs positions.")
+            if getattr(ctx.backend, "fuses_rotary_kv_write", False) and rotary_emb.rotate_and_write_kv(
+                positions, query[:n], key[:n], value[:n], self.kv_cache, md.slot_mapping
+            ):
+                q = query[:n].view(n, self.num_heads, self.head_size)
+                out = ctx.backend.forward(q, self.kv_cache, md, self.scale, self.sliding_window, self.logits_soft_cap)
+                return out.reshape(n, self.num_heads * self.head_size)
+            query, key = rotary_emb(positions, query, key)
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)

@@ -275,6 +275,9 @@ class TritonBackend(AttentionBackend):
     """Paged attention and KV writes as Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1)."""
 
     name = "triton"
+    # Attention(..., rotary_emb=) may rotate k while writing it to the cache (models/triton_fused.py's
+    # rotary_write_kv: the write_kv kernel's job plus the rotation, one launch) instead of calling write_kv.
+    fuses_rotary_kv_write = True
 
     def __init__(self, tile_n: int = 32) -> None:
         if not HAS_TRITON:

@@ -12,6 +12,7 @@ nothing early for Gemma 2 (its full layers need every block).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,11 @@ from vllm_lite.worker.models.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     cpu_fused_ops_for,
+    fused_activation_name,
     get_activation,
     get_rope_parameters,
+    triton_fused,
+    triton_fused_for,
 )
 from vllm_lite.worker.models.llama import STACKED  # the same fused qkv_proj and gate_up_proj as Llama's
 from vllm_lite.worker.models.loading import load_hf_weights
@@ -42,12 +46,20 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """norm(x), or add + norm(x) (the sandwich layer's residual add, fused on CUDA)."""
         ops = cpu_fused_ops_for(x)  # CPU: one C++ call with the same roundings (layers.py, csrc/fused_cpu_ops.cpp)
         if ops is not None and self.weight.dtype in (torch.float32, torch.bfloat16):
-            return ops.rms_norm(x, None, self.weight, self.eps, True)[0]
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())
-        return y.to(x.dtype)
+            y = ops.rms_norm(x, None, self.weight, self.eps, True)[0]
+            return y if add is None else add + y
+        if (
+            triton_fused_for(x)
+            and self.weight.dtype == x.dtype
+            and triton_fused.rms_norm_supported(x, self.weight, add)
+        ):
+            return triton_fused.rms_norm(x, self.weight, self.eps, gemma=True, add=add)[0]  # CUDA: one kernel
+        y = (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return y if add is None else add + y
 
 
 class Gemma2MLP(nn.Module):
@@ -56,9 +68,13 @@ class Gemma2MLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, False, [0, 1], "intermediate_size")
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, "intermediate_size")
         self.act = get_activation(act)
+        self.fused_act = fused_activation_name(self.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_act is not None and triton_fused_for(gate_up) and triton_fused.act_and_mul_supported(gate_up):
+            return self.down_proj(triton_fused.act_and_mul(gate_up, self.fused_act))  # CUDA: one kernel
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -90,8 +106,7 @@ class Gemma2Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class Gemma2DecoderLayer(nn.Module):
@@ -111,8 +126,8 @@ class Gemma2DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(d, eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(hidden)))
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        hidden = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(hidden)), add=hidden)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)), add=hidden)
 
 
 class Gemma2Model(nn.Module):

@@ -59,8 +59,7 @@ class Gemma3Attention(Gemma2Attention):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = norm_per_head(self.q_norm, q, self.num_heads, self.head_dim)
         k = norm_per_head(self.k_norm, k, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):

@@ -9,6 +9,10 @@ dispatch than in arithmetic. The kernels repeat the torch code's operations and 
 same bit for bit where torch vectorises as they do (AVX2 and AVX-512 hosts; tests/test_cpu_fused_ops.py).
 The torch code stays as the fallback: other devices, autograd, other dtypes, no extension, or
 VLLM_LITE_CPU_FUSED_OPS=0.
+
+On CUDA the same layers run Triton kernels instead (triton_fused.py): RMSNorm with its residual add (and
+Gemma's 1 + w gain), SiLU/GELU-tanh-and-mul and the rotary embedding of q and k are one launch each, where torch
+ran 4-16 small kernels per call. `fused_kernel_path(device, dtype)` says which path a layer takes.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_lite import envs
+from vllm_lite.worker.models import triton_fused
 from vllm_lite.worker.models.parallel_linear import (  # noqa: F401 -- re-exported
     ColumnParallelLinear,
     MergedLinear,
@@ -64,8 +69,35 @@ def reset_fused_cpu_ops() -> None:
 def cpu_fused_ops_for(x: torch.Tensor) -> Optional[SimpleNamespace]:
     """fused_cpu_ops() for a CPU float32/bfloat16 tensor whose last dim is contiguous, outside autograd; else None."""
     if x.is_cpu and x.dtype in _FUSED_DTYPES and not torch.is_grad_enabled() and x.stride(-1) == 1:
+        if triton_fused._cpu_under_interpreter[0]:  # the tests' interpreted run of the Triton path on CPU
+            return None
         return fused_cpu_ops()
     return None
+
+
+def fused_kernel_path(device: torch.device | str, dtype: torch.dtype, grad: bool = False) -> str:
+    """Which implementation the fused layers (RMSNorm, GemmaRMSNorm, SiluAndMul, the gated GELU, RotaryEmbedding)
+    take for tensors of this device and dtype: "triton" (CUDA: triton_fused.py), "cpu" (the C++ ops) or "torch".
+    `grad`: under autograd (always "torch"). Pure logic: asking about CUDA needs no GPU."""
+    device = torch.device(device)
+    if grad:
+        return "torch"
+    if triton_fused.runs_on(device) and dtype in triton_fused.DTYPES:
+        return "triton"
+    if device.type == "cpu" and dtype in _FUSED_DTYPES and fused_cpu_ops() is not None:
+        return "cpu"
+    return "torch"
+
+
+def triton_fused_for(x: torch.Tensor) -> bool:
+    """x goes to the Triton kernels: fused_kernel_path says "triton" and its last dim is packed."""
+    if x.is_cuda:
+        if not triton_fused.HAS_TRITON:
+            return False
+    elif not (x.is_cpu and triton_fused._cpu_under_interpreter[0]):
+        return False
+    # fused_kernel_path's rule, inlined (this sits on every layer's path)
+    return x.dtype in triton_fused.DTYPES and x.stride(-1) == 1 and not torch.is_grad_enabled()
 
 
 class RMSNorm(nn.Module):
@@ -87,6 +119,13 @@ class RMSNorm(nn.Module):
         ):
             y, new_residual = ops.rms_norm(x, residual, self.weight, self.eps, False)
             return y if residual is None else (y, new_residual)
+        if (
+            triton_fused_for(x)
+            and self.weight.dtype == x.dtype
+            and triton_fused.rms_norm_supported(x, self.weight, residual)
+        ):
+            y, new_residual = triton_fused.rms_norm(x, self.weight, self.eps, residual)
+            return y if residual is None else (y, new_residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -102,6 +141,8 @@ class SiluAndMul(nn.Module):
         ops = cpu_fused_ops_for(x)
         if ops is not None and x.shape[-1] % 2 == 0:
             return ops.silu_and_mul(x)
+        if triton_fused_for(x) and triton_fused.act_and_mul_supported(x):
+            return triton_fused.act_and_mul(x, "silu")
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
@@ -118,6 +159,15 @@ def get_activation(name: str) -> nn.Module:
     if name not in acts:
         raise ValueError(f"activation_function {name!r} is not supported; choose one of {sorted(acts)}.")
     return acts[name]
+
+
+def fused_activation_name(act: nn.Module) -> Optional[str]:
+    """The triton_fused.act_and_mul name of an activation module ("silu", "gelu_tanh"), or None (not fused)."""
+    if isinstance(act, nn.SiLU):
+        return "silu"
+    if isinstance(act, nn.GELU) and act.approximate == "tanh":
+        return "gelu_tanh"
+    return None
 
 
 def default_weight_loader(param: torch.Tensor, loaded: Any) -> None:
@@ -241,13 +291,47 @@ class RotaryEmbedding(nn.Module):
             parts.append(x[..., self.rotary_dim :])
         return torch.cat(parts, dim=-1).view(t, -1)
 
+    def table_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows of cos_sin_cache the tokens at `positions` rotate with (LongRoPE picks its short or long half)."""
+        return positions
+
+    def triton_supported(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
+        return triton_fused.rotary_supported(positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim)
+
+    def rotate_and_write_kv(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> bool:
+        """Where the Triton kernels run (CUDA): rotate query in place and write the rotated key and value to the
+        paged kv_cache at slot_mapping, in one kernel, and return True. Else do nothing and return False (the
+        caller rotates with forward() and writes the cache itself). key itself stays unrotated."""
+        if not triton_fused_for(query):
+            return False
+        rows = self.table_positions(positions)
+        if not (
+            self.triton_supported(rows, query, key)
+            and triton_fused.rotary_write_kv_supported(key, value, kv_cache, slot_mapping)
+            and kv_cache.shape[4] == self.head_dim
+        ):
+            return False
+        triton_fused.rotary_write_kv(
+            rows, query, key, value, self.cos_sin_cache, self.head_dim, self.rotary_dim, kv_cache, slot_mapping
+        )
+        return True
+
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, H*D], key [T, KVH*D] -> rotated, same shapes.
 
-        On CPU (fused_cpu_ops) query and key are rotated in place and returned; elsewhere the results are new
-        tensors. Callers use only the returned tensors."""
+        On CPU (fused_cpu_ops) and CUDA (Triton) query and key are rotated in place and returned; elsewhere the
+        results are new tensors. Callers use only the returned tensors."""
+        positions = self.table_positions(positions)
         ops = cpu_fused_ops_for(query)
         if (
             ops is not None
@@ -261,6 +345,8 @@ class RotaryEmbedding(nn.Module):
         ):
             ops.rotary(positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim)
             return query, key
+        if triton_fused_for(query) and self.triton_supported(positions, query, key):
+            return triton_fused.rotary(positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim)
         cs = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2] each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

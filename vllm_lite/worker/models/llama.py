@@ -88,8 +88,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = norm_per_head(self.q_norm, q, self.num_heads, self.head_dim)
             k = norm_per_head(self.k_norm, k, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v)
+        out = self.attn(q, k, v, positions, self.rotary_emb)  # rotates q and k (with the K/V write on CUDA)
         if keep is not None:
             out = out.index_select(0, keep)
         return self.o_proj(out)

@@ -85,9 +85,8 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
         short, long = longrope_tables(self.rotary_dim, self.params, self.max_position, self.original_max_position)
         self.cos_sin_cache = torch.cat([short, long]).to(device)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def table_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions, plus max_position for the tokens of requests in the long regime (the long half's rows)."""
         md = get_forward_context().metadata
         n, b = md.num_actual_tokens, md.num_reqs
         qsl = md.query_start_loc[: b + 1]
@@ -96,7 +95,7 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
         long_tok = torch.repeat_interleave(long_req, qsl[1:] - qsl[:-1], output_size=n)
         if positions.shape[0] > n:  # padded rows past the real tokens
             long_tok = torch.cat([long_tok, long_tok.new_zeros(positions.shape[0] - n)])
-        return super().forward(positions + long_tok * self.max_position, query, key)
+        return positions + long_tok * self.max_position
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
