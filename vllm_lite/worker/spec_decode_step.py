@@ -30,9 +30,11 @@ from vllm_lite.spec_decode.draft_budget import DraftBudget
 from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
 from vllm_lite.spec_decode.rejection_sampler import greedy_verify_host, rejection_sample_rows
+from vllm_lite.spec_decode.uniform_drafts import UniformDrafts, verify_graph_sizes
 from vllm_lite.worker.attention.backend import AttentionBackend
 from vllm_lite.worker.draft_model import DraftModel
 from vllm_lite.worker.input_batch import InputBatch
+from vllm_lite.worker.parallel_state import get_tp_size
 from vllm_lite.worker.sampler import Sampler, gather_logprobs, warp
 from vllm_lite.worker.sampling_metadata import SamplingMetadata
 from vllm_lite.worker.step import LogprobsTensors, SchedulerOutput
@@ -226,8 +228,22 @@ class SpecDecodeStep:
     # for the verify step at the engine's measured step costs, else it decodes plainly. Read at construction;
     # False leaves only disable_by_batch_size (benchmarks/spec_decode.py --no-gain-rule compares).
     gain_rule = True
+    # n-gram at batch > 1: pad every request's draft to one common length, so that the verify step replays a CUDA
+    # graph (spec_decode/uniform_drafts.py). None: where the runner captures verify graphs (CUDA, not
+    # enforce_eager, ...); True: always (CPU tests force it, with no cap by graph sizes); False: never. Read at
+    # construction (maybe_create).
+    uniform_drafts: Optional[bool] = None
+    uniform: Optional[UniformDrafts] = None  # set per instance when padding is on
+    _real_drafts: Optional[dict[str, int]] = None  # padded requests' own draft lengths, from the last proposal
 
-    def __init__(self, vllm_config: VllmConfig, draft: Optional[DraftModel] = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        draft: Optional[DraftModel] = None,
+        verify_graphs: Optional[dict[int, list[int]]] = None,
+    ) -> None:
+        """verify_graphs: {q: batch sizes} of the runner's verify graphs (uniform_drafts.verify_graph_sizes), None
+        without them."""
         sc = vllm_config.speculative_config
         assert sc is not None and sc.num_speculative_tokens is not None
         self.num_spec_tokens = sc.num_speculative_tokens
@@ -254,6 +270,15 @@ class SpecDecodeStep:
                 sc.prompt_lookup_max,
                 max_model_len=vllm_config.model_config.max_model_len,
             )
+            pad = self.uniform_drafts if self.uniform_drafts is not None else verify_graphs is not None
+            if pad:
+                sched = vllm_config.scheduler_config
+                self.uniform = UniformDrafts(
+                    sc.num_speculative_tokens,
+                    sched.max_num_batched_tokens,
+                    sched.long_prefill_token_threshold,
+                    verify_graphs,
+                )
         elif draft is None:
             raise ValueError(f"speculative_config.method {sc.method!r} needs its draft model")
         self._step_drafts = 0  # drafts verified in the current step (observe), for the budget's step times
@@ -267,7 +292,18 @@ class SpecDecodeStep:
         if sc is None:
             return None
         draft = DraftModel(vllm_config, device, backend) if sc.method == "draft_model" else None
-        return SpecDecodeStep(vllm_config, draft)
+        return SpecDecodeStep(vllm_config, draft, verify_graph_sizes(vllm_config, device, backend.name, get_tp_size()))
+
+    def set_verify_graphs(self, verify_graphs: Optional[dict[int, list[int]]]) -> None:
+        """The runner's captured verify graphs ({q: batch sizes}, q >= 2), once known; None (capture failed, or
+        none): no padding, unless `uniform_drafts` forces it."""
+        if self.uniform is None or self.uniform_drafts:  # off, or forced
+            return
+        sizes = {q: sorted(bs) for q, bs in (verify_graphs or {}).items() if q > 1}
+        if sizes:
+            self.uniform.graph_sizes = sizes
+        else:
+            self.uniform = None
 
     def forget(self, req_ids: set[str]) -> None:
         """Finished or preempted requests: drop what the proposer kept for them."""
@@ -283,8 +319,13 @@ class SpecDecodeStep:
         if self.lengths is not None:
             self.lengths.observe(req_ids, num_draft, num_accepted)
         if self.budget is not None:
+            self._step_drafts = int(num_draft.sum())  # every verified row, fillers included: the step's cost
+            real = self._real_drafts
+            if real:  # fillers are not the lookup's drafts: the acceptance averages count only its own
+                own = np.fromiter((real.get(r, -1) for r in req_ids), np.int64, len(req_ids))
+                own = np.where(own >= 0, np.minimum(own, num_draft), num_draft)
+                num_draft, num_accepted = own, np.minimum(num_accepted, own)
             self.budget.observe(req_ids, num_draft, num_accepted)
-            self._step_drafts = int(num_draft.sum())
 
     def draft_probs(
         self, req_ids: list[str], drafts: np.ndarray, num_draft: np.ndarray
@@ -410,10 +451,45 @@ class SpecDecodeStep:
         budget = self.budget
         budget.step_started(len(s_idx), inputs.num_reqs, inputs.num_tokens, self._step_drafts)
         self._step_drafts = 0
+        self._real_drafts = None
         try:
-            return self._propose_ngram(batch, inputs, s_idx)
+            out = self._propose_ngram(batch, inputs, s_idx)
+            if self.uniform is not None and 2 <= len(s_idx) == inputs.num_reqs:
+                self._pad_uniform(batch, inputs, s_idx, out)
+            return out
         finally:
             budget.step_ended()
+
+    def _pad_uniform(self, batch: InputBatch, inputs: StepInputs, s_idx: np.ndarray, out: list[list[int]]) -> None:
+        """Every request's drafts in `out` at one common length (spec_decode/uniform_drafts.py), in place, when
+        every request of the step sampled and may speculate; remembers the padded requests' own lengths. Requests
+        that this step's tokens finish (max_tokens, max_model_len) are left out: they do not run again."""
+        assert self.uniform is not None
+        rows = inputs.rows[s_idx]
+        sampling = batch.sampling
+        num_output = sampling.num_output[rows]
+        # The scheduler gives these no drafts (core/sched/spec_decode.py may_speculate): the step is mixed anyway.
+        if (num_output < sampling.min_tokens[rows]).any() or sampling.tracks_history[rows].any():
+            return
+        num_tokens = batch.num_tokens[rows]
+        room = batch.max_model_len - num_tokens  # what drafts_for keeps: max_model_len, then max_tokens
+        live = room > 0
+        for j, r in enumerate(rows.tolist()):
+            params = batch.params[r]
+            if params is not None and params.max_tokens is not None:
+                room[j] = min(room[j], params.max_tokens - num_output[j] - 1)
+                live[j] &= room[j] >= 0
+        idx = s_idx[live].tolist()
+        drafts = [out[i] for i in idx]
+        if not any(drafts):
+            return
+        last = batch.token_ids[rows[live], num_tokens[live] - 1].tolist()
+        padded = self.uniform.pad(drafts, last, room[live])
+        if padded is None:
+            return
+        self._real_drafts = {inputs.req_ids[i]: len(d) for i, d in zip(idx, drafts)}
+        for i, d in zip(idx, padded):
+            out[i] = d
 
     def _propose_ngram(self, batch: InputBatch, inputs: StepInputs, s_idx: np.ndarray) -> list[list[int]]:
         assert self.proposer is not None and self.budget is not None
