@@ -388,7 +388,7 @@ def test_a_cpu_ring_is_a_passthrough() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- GPU script
-def _pending_test_gpu_check_script_smoke_runs_on_cpu(capsys, monkeypatch) -> None:
+def test_gpu_check_script_smoke_runs_on_cpu(capsys, monkeypatch) -> None:
     script = Path(__file__).resolve().parents[1] / "scripts" / "async_gpu_check.py"
     monkeypatch.setattr(sys, "argv", [str(script), "--device", "cpu", "--smoke"])
     runpy.run_path(str(script), run_name="__main__")

@@ -416,6 +416,32 @@ def test_a_batch_past_the_largest_graph_runs_eager() -> None:
     assert replays == [2]
 
 
+def test_run_writes_the_previous_steps_tokens_into_the_persistent_input_ids() -> None:
+    """Async scheduling: run(inputs, fix=(indices, ids)) writes the ids the host does not know yet (its inputs hold
+    the placeholder -1 there) into the persistent input ids after the step's copies and before the replay; padding
+    rows keep token 0, and the hidden states are those of the real ids."""
+    runner = _runner()
+    replays: list = []
+    g = _stand_in_graphs(runner, [4], replays)
+    _prefill(runner, PROMPTS[:3])
+    live = ["r0", "r1", "r2"]
+    runner._update_states(_decode_so(runner, live))
+    inputs = build_step_inputs(runner.input_batch, {r: 1 for r in live}, runner.block_size, runner._arange)
+    real = inputs.input_ids.copy()
+    seen: list[list[int]] = []
+    hook = runner.model.register_forward_pre_hook(lambda m, args: seen.append(args[0].tolist()))
+    try:
+        with torch.inference_mode():
+            want = g.run(inputs).clone()
+            inputs.input_ids[[0, 2]] = -1  # the placeholder: the run must not read it
+            got = g.run(inputs, fix=(torch.tensor([0, 2]), torch.from_numpy(real[[0, 2]]))).clone()
+    finally:
+        hook.remove()
+    assert replays == [4, 4]
+    assert seen[1] == real.tolist() + [0] == seen[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_failed_capture_warns_and_runs_eager(caplog, monkeypatch) -> None:
     runner = _runner()
     runner.cudagraph_sizes = [1, 2]  # as on CUDA

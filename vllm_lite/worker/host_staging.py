@@ -48,8 +48,8 @@ class PinnedRing:
             return
         self.slot = (self.slot + 1) % self.num_slots
         event = self._events[self.slot]
-        if event is not None:
-            event.synchronize()  # recorded two steps ago, after work the engine has already waited for
+        if event is not None and not event.query():  # recorded two steps ago: done by the time the engine
+            event.synchronize()  # has read that step's tokens, so this wait is only a guard
         self._retired[self.slot].clear()
         self._offset = 0
 
