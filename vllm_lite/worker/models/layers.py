@@ -75,29 +75,29 @@ def cpu_fused_ops_for(x: torch.Tensor) -> Optional[SimpleNamespace]:
     return None
 
 
+def _takes_triton(device_type: str, dtype: torch.dtype, grad: bool) -> bool:
+    if grad or dtype not in triton_fused.DTYPES or not triton_fused.HAS_TRITON:
+        return False
+    return device_type == "cuda" or (device_type == "cpu" and triton_fused._cpu_under_interpreter[0])
+
+
 def fused_kernel_path(device: torch.device | str, dtype: torch.dtype, grad: bool = False) -> str:
     """Which implementation the fused layers (RMSNorm, GemmaRMSNorm, SiluAndMul, the gated GELU, RotaryEmbedding)
     take for tensors of this device and dtype: "triton" (CUDA: triton_fused.py), "cpu" (the C++ ops) or "torch".
     `grad`: under autograd (always "torch"). Pure logic: asking about CUDA needs no GPU."""
     device = torch.device(device)
-    if grad:
-        return "torch"
-    if triton_fused.runs_on(device) and dtype in triton_fused.DTYPES:
+    if _takes_triton(device.type, dtype, grad):
         return "triton"
-    if device.type == "cpu" and dtype in _FUSED_DTYPES and fused_cpu_ops() is not None:
+    if device.type == "cpu" and not grad and dtype in _FUSED_DTYPES and fused_cpu_ops() is not None:
         return "cpu"
     return "torch"
 
 
 def triton_fused_for(x: torch.Tensor) -> bool:
-    """x goes to the Triton kernels: fused_kernel_path says "triton" and its last dim is packed."""
-    if x.is_cuda:
-        if not triton_fused.HAS_TRITON:
-            return False
-    elif not (x.is_cpu and triton_fused._cpu_under_interpreter[0]):
-        return False
-    # fused_kernel_path's rule, inlined (this sits on every layer's path)
-    return x.dtype in triton_fused.DTYPES and x.stride(-1) == 1 and not torch.is_grad_enabled()
+    """x goes to the Triton kernels: fused_kernel_path says "triton" for it and its last dim is packed."""
+    if x.is_cpu and not triton_fused._cpu_under_interpreter[0]:
+        return False  # the CPU's hot path pays one check
+    return x.stride(-1) == 1 and _takes_triton(x.device.type, x.dtype, torch.is_grad_enabled())
 
 
 class RMSNorm(nn.Module):
