@@ -681,17 +681,10 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
     variants = plan_variants(s, full, set(EngineArgs.__dataclass_fields__))
     if "compare_async" in variants:
         entry["compare_async"] = {"unsupported": variants.pop("compare_async")}
-    runs = {}
-    for label, (eager, extra) in variants.items():
-        try:
-            log(f"{name}: vllm-lite, multiprocess engine, enforce_eager={eager}{f', {extra}' if extra else ''}")
-            t0 = time.perf_counter()
-            runs[label] = engine_run(path, dict(s, llm_kwargs={**s["llm_kwargs"], **extra}), eager, workload, b1)
-            entry.setdefault("part_seconds", {})[f"vllm_lite_{label}"] = round(time.perf_counter() - t0, 1)
-        except Exception as e:  # noqa: BLE001 - every part is recorded, the rest go on
-            errors.append(_err(f"vllm_lite({label}: enforce_eager={eager}, {extra})", e))
-    main = runs.get(next(iter(variants)))
-    if main is not None:
+    base = next(iter(variants))
+    runs: dict[str, dict[str, Any]] = {}
+
+    def record_main(main: dict[str, Any]) -> None:
         entry["time_to_ready_s"] = main["time_to_ready_s"]
         entry["llm_init_s"] = main["llm_init_s"]
         entry["warmup_s"] = main["warmup_s"]
@@ -709,48 +702,20 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
             entry["output_tokens"] = w["output_tokens"]
             if w["output_tokens"] != w["expected_output_tokens"]:
                 errors.append(f"vllm_lite: {w['output_tokens']} output tokens, expected {w['expected_output_tokens']}")
-    base = next(iter(variants))
-    for key, label in (("compare_eager", "eager" if base == "graphs" else "graphs"), ("compare_async", "async")):
-        if label in variants:
-            if base in runs and label in runs:
-                names = (base, label) if key == "compare_eager" else ("sync", "async")
-                entry[key] = compare_runs(names[0], runs[base], names[1], runs[label])
-            else:
-                entry[key] = {"error": f"the {base} or the {label} run failed (errors)"}
-    if not full:
-        return
 
-    prof_spec = {"model": path, "settings": s, "enforce_eager": s["enforce_eager"]}
-    jobs: dict[str, tuple[str, dict[str, Any]]] = {}
-    if "async" in variants:  # both in-process profiles say which they are
-        jobs["profile"] = ("profile", dict(prof_spec, extra_kwargs={"async_scheduling": False}))
-        jobs["profile_async"] = (
-            "profile",
-            dict(prof_spec, extra_kwargs={"async_scheduling": True}, parts=["decode"], modes=["timed", "profile"]),
-        )
-    else:
-        jobs["profile"] = ("profile", prof_spec)
-    if s["skip_hf"]:
-        entry["hf_skipped"] = "--skip-hf"
-    elif name == "llama-8b" and not s["hf_8b"]:
-        entry["hf_skipped"] = "full llama-8b: HF generate not run, it would not fit the time budget (--hf-8b runs it)"
-    else:
-        jobs["hf"] = ("hf", {"model": path, "settings": s, "batches": s["hf_batch"]})
-    results: dict[str, Any] = {}
-    for label, (kind, spec) in jobs.items():  # one after the other: each has the device to itself
-        what = "HF generate" if kind == "hf" else f"step profiles, in-process engine {spec.get('extra_kwargs') or ''}"
-        log(f"{name}: {what}, own interpreter")
-        t0 = time.perf_counter()
+    def run_engine(label: str) -> None:
+        eager, extra = variants[label]
         try:
-            results[label] = run_worker(kind, spec, s["worker_timeout_s"])
-        except Exception as e:  # noqa: BLE001 - recorded below with the part's name
-            results[label] = e
-        entry.setdefault("part_seconds", {})[label] = round(time.perf_counter() - t0, 1)
+            log(f"{name}: vllm-lite, multiprocess engine, enforce_eager={eager}{f', {extra}' if extra else ''}")
+            t0 = time.perf_counter()
+            runs[label] = engine_run(path, dict(s, llm_kwargs={**s["llm_kwargs"], **extra}), eager, workload, b1)
+            entry.setdefault("part_seconds", {})[f"vllm_lite_{label}"] = round(time.perf_counter() - t0, 1)
+            if label == base:
+                record_main(runs[label])
+        except Exception as e:  # noqa: BLE001 - every part is recorded, the rest go on
+            errors.append(_err(f"vllm_lite({label}: enforce_eager={eager}, {extra})", e))
 
-    try:
-        prof = results["profile"]
-        if isinstance(prof, BaseException):
-            raise prof
+    def record_profile(prof: dict[str, Any]) -> None:
         bn, b1p = prof["batch_n"], prof["batch_1"]
         entry["gpu_busy_fraction"] = bn["busy_fraction"]
         entry["gpu_busy_fraction_batch1"] = b1p["busy_fraction"]
@@ -767,36 +732,71 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
         for key, label in (("prefill_n", "prefill_step"), ("prefill_1", "prefill_step_batch1")):
             if key in prof:
                 entry[label] = prefill_facts(prof[key])
-    except Exception as e:  # noqa: BLE001
-        errors.append(_err("profile", e))
-    if "profile_async" in results:
-        try:
-            pa = results["profile_async"]
-            if isinstance(pa, BaseException):
-                raise pa
-            entry["decode_step_async"] = decode_facts(pa["batch_n"])
-            entry["decode_step_batch1_async"] = decode_facts(pa["batch_1"])
-            cmp = entry.setdefault("compare_async", {})
-            for label, key in (("batch_n", "decode_step"), ("batch_1", "decode_step_batch1_inprocess")):
-                sync_step, async_step = entry.get(key, {}), entry[key.replace("_inprocess", "") + "_async"]
-                cmp[f"inprocess_{label}"] = {
-                    v: {f: st.get(f) for f in ("measured_ms", "busy_fraction", "host")}
-                    for v, st in (("sync", sync_step), ("async", async_step))
-                }
-        except Exception as e:  # noqa: BLE001
-            errors.append(_err("profile_async", e))
 
-    if "hf" in results:
+    def record_profile_async(pa: dict[str, Any]) -> None:
+        entry["decode_step_async"] = decode_facts(pa["batch_n"])
+        entry["decode_step_batch1_async"] = decode_facts(pa["batch_1"])
+        cmp = entry.setdefault("compare_async", {})
+        for label, key in (("batch_n", "decode_step"), ("batch_1", "decode_step_batch1")):
+            sync_step = entry.get(key if label == "batch_n" else key + "_inprocess", {})
+            cmp[f"inprocess_{label}"] = {
+                v: {f: st.get(f) for f in ("measured_ms", "busy_fraction", "host")}
+                for v, st in (("sync", sync_step), ("async", entry[key + "_async"]))
+            }
+
+    def record_hf(hf: dict[str, Any]) -> None:
+        entry["hf_tokens_per_s"] = hf["tokens_per_s"]
+        entry["hf"] = {k: v for k, v in hf.items() if k != "tokens_per_s"}
+        if "vllm_lite_tokens_per_s" in entry:
+            entry["ratio_vs_hf"] = round(entry["vllm_lite_tokens_per_s"] / hf["tokens_per_s"], 2)
+
+    def run_job(label: str, kind: str, spec: dict[str, Any], record) -> None:
+        what = "HF generate" if kind == "hf" else f"step profiles, in-process engine {spec.get('extra_kwargs') or ''}"
+        log(f"{name}: {what}, own interpreter")
+        t0 = time.perf_counter()
         try:
-            hf = results["hf"]
-            if isinstance(hf, BaseException):
-                raise hf
-            entry["hf_tokens_per_s"] = hf["tokens_per_s"]
-            entry["hf"] = {k: v for k, v in hf.items() if k != "tokens_per_s"}
-            if "vllm_lite_tokens_per_s" in entry:
-                entry["ratio_vs_hf"] = round(entry["vllm_lite_tokens_per_s"] / hf["tokens_per_s"], 2)
-        except Exception as e:  # noqa: BLE001
-            errors.append(_err("hf", e))
+            out = run_worker(kind, spec, s["worker_timeout_s"])
+            entry.setdefault("part_seconds", {})[label] = round(time.perf_counter() - t0, 1)
+            record(out)
+        except Exception as e:  # noqa: BLE001 - recorded with the part's name, the rest go on
+            entry.setdefault("part_seconds", {})[label] = round(time.perf_counter() - t0, 1)
+            errors.append(_err(label, e))
+
+    # The main engine run, its step profiles and HF first; the comparison runs (--compare-eager, --compare-async)
+    # after them, so a comparison that fails or hangs (past --time-limit) cannot cost the main figures.
+    prof_spec = {"model": path, "settings": s, "enforce_eager": s["enforce_eager"]}
+    async_profile = None
+    if "async" in variants:  # both in-process profiles say which they are
+        prof_spec["extra_kwargs"] = {"async_scheduling": False}
+        async_profile = dict(
+            prof_spec, extra_kwargs={"async_scheduling": True}, parts=["decode"], modes=["timed", "profile"]
+        )
+    try:
+        run_engine(base)
+        if full:
+            run_job("profile", "profile", prof_spec, record_profile)
+            if s["skip_hf"]:
+                entry["hf_skipped"] = "--skip-hf"
+            elif name == "llama-8b" and not s["hf_8b"]:
+                entry["hf_skipped"] = (
+                    "full llama-8b: HF generate not run, it would not fit the time budget (--hf-8b runs it)"
+                )
+            else:
+                run_job("hf", "hf", {"model": path, "settings": s, "batches": s["hf_batch"]}, record_hf)
+        for label in list(variants)[1:]:
+            run_engine(label)
+        if async_profile is not None:
+            run_job("profile_async", "profile", async_profile, record_profile_async)
+    finally:  # also past --time-limit: whatever pair ran is compared
+        for key, label in (("compare_eager", "eager" if base == "graphs" else "graphs"), ("compare_async", "async")):
+            if label not in variants:
+                continue
+            cmp = entry.setdefault(key, {})
+            if base in runs and label in runs:
+                names = (base, label) if key == "compare_eager" else ("sync", "async")
+                cmp.update(compare_runs(names[0], runs[base], names[1], runs[label]))
+            else:
+                cmp["error"] = f"the {base} or the {label} multiprocess run did not finish (errors)"
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -102,6 +102,13 @@ class _Runner:
         return x * 2
 
 
+class _Slotted:
+    __slots__ = ()
+
+    def f(self):
+        return 1
+
+
 def test_phase_timer_nesting_self_time_and_restore():
     r = _Runner()
     mod = types.SimpleNamespace(fn=lambda: 7)
@@ -111,7 +118,8 @@ def test_phase_timer_nesting_self_time_and_restore():
     assert timer.wrap(r, "inner", "inner", on_return=seen.append)
     assert timer.wrap(mod, "fn", "module.fn")
     assert not timer.wrap(r, "renamed_away", "gone") and not timer.wrap(None, "x", "none")
-    assert timer.missing == ["gone", "none"]
+    assert not timer.wrap(_Slotted(), "f", "slotted")  # an object that takes no attributes: skipped, not raised
+    assert timer.missing == ["gone", "none", "slotted"]
     assert r.outer(3) == 7 and r.outer(1) == 3 and mod.fn() == 7
     assert seen == [6, 2]
     out = timer.summary(steps=2)

@@ -281,7 +281,11 @@ class PhaseTimer:
                 on_return(out)
             return out
 
-        setattr(obj, attr, timed)
+        try:
+            setattr(obj, attr, timed)
+        except (AttributeError, TypeError):  # __slots__, a C type: not timed, said so
+            self.missing.append(name)
+            return False
         self._undo.append((obj, attr, had, old))
         return True
 
