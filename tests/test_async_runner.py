@@ -255,6 +255,30 @@ def test_a_third_step_in_flight_is_refused() -> None:
         runner.execute_model(core.schedule(), non_block=True)
 
 
+def test_a_launch_that_fails_after_sampling_holds_no_ring_slot(monkeypatch) -> None:
+    """The engine recovers a failed launch with blocking steps and then launches again: the failed launch must not
+    keep a slot of the sampled-ids ring (two more launches in flight still fit)."""
+    runner = _runner(True)
+    core = _Core(runner, True)
+    core.add(0, _greedy())
+    batch = runner.input_batch
+    real = batch.note_sampled
+
+    def boom(rows, step_id):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(batch, "note_sampled", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.execute_model(core.schedule(), non_block=True)
+    monkeypatch.setattr(batch, "note_sampled", real)
+    runner.input_batch.remove_request("r0")
+    core = _Core(runner, True, record_inputs=False)
+    core.add(0, _greedy())
+    first = runner.execute_model(core.schedule(), non_block=True)
+    second = runner.execute_model(core.schedule(), non_block=True)
+    assert len(first.get_output().sampled_token_ids[0]) == len(second.get_output().sampled_token_ids[0]) == 1
+
+
 def test_non_block_needs_async_scheduling() -> None:
     runner = _runner(False)
     core = _Core(runner, True)

@@ -528,6 +528,26 @@ class GPUModelRunner:
             sampled, lp, slot = out.sampled_token_ids, out.logprobs_tensors, ring.acquire()
         else:  # prefill chunks only: nothing to wait for but any prompt logprobs
             sampled, lp, slot = torch.zeros(0, dtype=torch.int64, device=self.device), None, -1
+        try:
+            return self._queue_copies(batch, inputs, s_idx, sampled, lp, slot, prompt_lp)
+        except BaseException:
+            if slot >= 0:  # a launch that failed holds no slot (the engine recovers with blocking steps)
+                ring.release(slot)
+            raise
+
+    def _queue_copies(
+        self,
+        batch: InputBatch,
+        inputs: StepInputs,
+        s_idx: np.ndarray,
+        sampled: torch.Tensor,
+        lp: Optional[LogprobsTensors],
+        slot: int,
+        prompt_lp: dict[str, Optional[LogprobsTensors]],
+    ) -> AsyncModelRunnerOutput:
+        """The sampled ids (and logprobs) on their way to pinned host memory; the batch's placeholders noted."""
+        ring, staging = self._sampled_ring, self._staging
+        assert ring is not None and staging is not None
         step = _LaunchedStep(
             runner=self,
             step_id=self._step_id,
@@ -554,7 +574,7 @@ class GPUModelRunner:
             if slot >= 0:
                 ring.buffers[slot][: len(s_idx)].copy_(sampled)
             step.logprobs, step.prompt_lp = lp, prompt_lp
-        self._staging.record()
+        staging.record()
         if slot < 0:
             return AsyncModelRunnerOutput(step.get_output)
         batch.note_sampled(inputs.rows[s_idx], step.step_id)
