@@ -37,6 +37,18 @@ def test_large_cuda_gpus_take_vllms_bigger_budget(monkeypatch, name, gib, contex
     assert default_max_num_batched_tokens(torch.device("cuda", 0), 1024, context) == expected
 
 
+def test_a_cuda_device_that_cannot_be_asked_keeps_the_model_length_rule(monkeypatch):
+    """Tests fake CUDA device counts on a CPU build of torch: the budget must not ask torch.cuda then."""
+    monkeypatch.setattr(_platform, "cuda_available", lambda: True)
+    monkeypatch.setattr(_platform, "cuda_device_count", lambda: 4)
+
+    def no_cuda(*args):
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(_platform, "cuda_device_names", no_cuda)
+    assert default_max_num_batched_tokens(torch.device("cuda", 1), 1024, LLM_CLASS) == 2048
+
+
 def test_cpu_keeps_the_model_length_rule_whatever_the_context():
     cpu = torch.device("cpu")
     assert default_max_num_batched_tokens(cpu, 1024, LLM_CLASS) == 2048

@@ -57,12 +57,18 @@ def default_max_num_batched_tokens(device: Any, max_model_len: int, usage_contex
     8192 for a server: a GPU prefills thousands of tokens in the time the host spends on one step, so fewer, bigger
     prefill steps pay that host time fewer times. Elsewhere (CPU, smaller GPUs) max(2048, min(max_model_len, 8192)).
     """
-    if getattr(device, "type", None) == "cuda":
-        index = device.index or 0
-        name = _platform.cuda_device_names()[index].lower() if index < _platform.cuda_device_count() else ""
-        if _platform.cuda_device_total_memory(index) >= LARGE_GPU_BYTES and "a100" not in name:
-            return 16384 if usage_context == LLM_CLASS else 8192
-    return max(2048, min(max_model_len, 8192))
+    fallback = max(2048, min(max_model_len, 8192))
+    if getattr(device, "type", None) != "cuda":
+        return fallback
+    index = device.index or 0
+    try:
+        name = _platform.cuda_device_names()[index].lower()
+        memory = _platform.cuda_device_total_memory(index)
+    except (RuntimeError, AssertionError, IndexError):  # no device to ask (vLLM falls back the same way)
+        return fallback
+    if memory >= LARGE_GPU_BYTES and "a100" not in name:
+        return 16384 if usage_context == LLM_CLASS else 8192
+    return fallback
 
 
 # Default step budget of a pooling model when none is given (see create_engine_config).
