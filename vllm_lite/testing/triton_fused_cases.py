@@ -223,12 +223,11 @@ def check_rotary_write_kv(device: str, dtype: torch.dtype, head_dim: int, partia
 
 def check_dispatch(device: str) -> None:
     """The layers pick the Triton path on this device (and under autograd the torch code)."""
-    from vllm_lite.worker.models import triton_fused
-    from vllm_lite.worker.models.layers import fused_kernel_path
+    from vllm_lite.worker.models.layers import fused_kernel_path, triton_on_cpu_under_interpreter
 
-    if device == "cpu":  # interpreted: CPU tensors take the kernels only inside on_cpu_under_interpreter()
+    if device == "cpu":  # interpreted: CPU tensors take the kernels only inside triton_on_cpu_under_interpreter()
         assert fused_kernel_path(device, torch.bfloat16) != "triton"
-        with triton_fused.on_cpu_under_interpreter():
+        with triton_on_cpu_under_interpreter():
             check_dispatch("cuda")  # asking about CUDA needs no GPU
             assert fused_kernel_path(device, torch.bfloat16) == "triton"
         assert fused_kernel_path(device, torch.bfloat16) != "triton"
@@ -294,7 +293,7 @@ def check_model(device: str, arch: str) -> None:
     from vllm_lite.worker.attention.layer import Attention
     from vllm_lite.worker.attention.torch_ref import TorchRefBackend
     from vllm_lite.worker.attention.triton_attn import TritonBackend
-    from vllm_lite.worker.models import triton_fused
+    from vllm_lite.worker.models.layers import triton_on_cpu_under_interpreter
 
     model = _tiny_model(arch)
     attn = next(m for m in model.modules() if isinstance(m, Attention))
@@ -312,7 +311,7 @@ def check_model(device: str, arch: str) -> None:
     model = model.to(device)
     md_d = _metadata_to(md, device)
     calls: dict[str, int] = {}
-    ctx = triton_fused.on_cpu_under_interpreter() if device == "cpu" else contextlib.nullcontext()
+    ctx = triton_on_cpu_under_interpreter() if device == "cpu" else contextlib.nullcontext()
     with ctx, _counting_calls(calls):
         got = _run_model(model, TritonBackend(), device, caches, md_d, input_ids, positions)
     scale = max(want.abs().max().item(), 1.0)

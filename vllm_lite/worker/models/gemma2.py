@@ -29,8 +29,8 @@ from vllm_lite.worker.models.layers import (
     fused_activation_name,
     get_activation,
     get_rope_parameters,
-    triton_fused,
     triton_fused_for,
+    triton_fused_module,
 )
 from vllm_lite.worker.models.llama import STACKED  # the same fused qkv_proj and gate_up_proj as Llama's
 from vllm_lite.worker.models.loading import load_hf_weights
@@ -55,9 +55,9 @@ class GemmaRMSNorm(nn.Module):
         if (
             triton_fused_for(x)
             and self.weight.dtype == x.dtype
-            and triton_fused.rms_norm_supported(x, self.weight, add)
+            and triton_fused_module().rms_norm_supported(x, self.weight, add)
         ):
-            return triton_fused.rms_norm(x, self.weight, self.eps, gemma=True, add=add)[0]  # CUDA: one kernel
+            return triton_fused_module().rms_norm(x, self.weight, self.eps, gemma=True, add=add)[0]  # CUDA: one kernel
         y = (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         return y if add is None else add + y
 
@@ -72,8 +72,9 @@ class Gemma2MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused_act is not None and triton_fused_for(gate_up) and triton_fused.act_and_mul_supported(gate_up):
-            return self.down_proj(triton_fused.act_and_mul(gate_up, self.fused_act))  # CUDA: one kernel
+        tf = triton_fused_module() if self.fused_act is not None and triton_fused_for(gate_up) else None
+        if tf is not None and tf.act_and_mul_supported(gate_up):
+            return self.down_proj(tf.act_and_mul(gate_up, self.fused_act))  # CUDA: one kernel
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -17,16 +17,16 @@ ran 4-16 small kernels per call. `fused_kernel_path(device, dtype)` says which p
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllm_lite import envs
-from vllm_lite.worker.models import triton_fused
 from vllm_lite.worker.models.parallel_linear import (  # noqa: F401 -- re-exported
     ColumnParallelLinear,
     MergedLinear,
@@ -69,16 +69,44 @@ def reset_fused_cpu_ops() -> None:
 def cpu_fused_ops_for(x: torch.Tensor) -> Optional[SimpleNamespace]:
     """fused_cpu_ops() for a CPU float32/bfloat16 tensor whose last dim is contiguous, outside autograd; else None."""
     if x.is_cpu and x.dtype in _FUSED_DTYPES and not torch.is_grad_enabled() and x.stride(-1) == 1:
-        if triton_fused._cpu_under_interpreter[0]:  # the tests' interpreted run of the Triton path on CPU
+        if _TRITON_ON_CPU[0]:  # the tests' interpreted run of the Triton path on CPU
             return None
         return fused_cpu_ops()
     return None
 
 
+_triton_state: list[Any] = []  # [] until first needed, then [the triton_fused module]
+_TRITON_ON_CPU = [False]  # inside triton_on_cpu_under_interpreter()
+
+
+def triton_fused_module():
+    """vllm_lite/worker/models/triton_fused.py, imported on first use (importing triton costs ~0.2 s, which CPU
+    runs never pay)."""
+    if not _triton_state:
+        from vllm_lite.worker.models import triton_fused
+
+        _triton_state.append(triton_fused)
+    return _triton_state[0]
+
+
+@contextlib.contextmanager
+def triton_on_cpu_under_interpreter() -> Iterator[None]:
+    """Within: the layers send CPU tensors to the Triton kernels (interpreted) instead of the C++ ones; only with
+    TRITON_INTERPRET=1 (the tests' subprocess checks the layers' CUDA wiring this way)."""
+    if not envs.TRITON_INTERPRET:
+        raise RuntimeError("triton_on_cpu_under_interpreter() needs TRITON_INTERPRET=1 in this process's environment.")
+    _TRITON_ON_CPU[0] = True
+    try:
+        yield
+    finally:
+        _TRITON_ON_CPU[0] = False
+
+
 def _takes_triton(device_type: str, dtype: torch.dtype, grad: bool) -> bool:
-    if grad or dtype not in triton_fused.DTYPES or not triton_fused.HAS_TRITON:
+    if grad or not (device_type == "cuda" or (device_type == "cpu" and _TRITON_ON_CPU[0])):
         return False
-    return device_type == "cuda" or (device_type == "cpu" and triton_fused._cpu_under_interpreter[0])
+    tf = triton_fused_module()
+    return tf.HAS_TRITON and dtype in tf.DTYPES
 
 
 def fused_kernel_path(device: torch.device | str, dtype: torch.dtype, grad: bool = False) -> str:
@@ -95,7 +123,7 @@ def fused_kernel_path(device: torch.device | str, dtype: torch.dtype, grad: bool
 
 def triton_fused_for(x: torch.Tensor) -> bool:
     """x goes to the Triton kernels: fused_kernel_path says "triton" for it and its last dim is packed."""
-    if x.is_cpu and not triton_fused._cpu_under_interpreter[0]:
+    if x.is_cpu and not _TRITON_ON_CPU[0]:
         return False  # the CPU's hot path pays one check
     return x.stride(-1) == 1 and _takes_triton(x.device.type, x.dtype, torch.is_grad_enabled())
 
@@ -122,9 +150,9 @@ class RMSNorm(nn.Module):
         if (
             triton_fused_for(x)
             and self.weight.dtype == x.dtype
-            and triton_fused.rms_norm_supported(x, self.weight, residual)
+            and triton_fused_module().rms_norm_supported(x, self.weight, residual)
         ):
-            y, new_residual = triton_fused.rms_norm(x, self.weight, self.eps, residual)
+            y, new_residual = triton_fused_module().rms_norm(x, self.weight, self.eps, residual)
             return y if residual is None else (y, new_residual)
         if residual is not None:
             x = x + residual
@@ -141,8 +169,8 @@ class SiluAndMul(nn.Module):
         ops = cpu_fused_ops_for(x)
         if ops is not None and x.shape[-1] % 2 == 0:
             return ops.silu_and_mul(x)
-        if triton_fused_for(x) and triton_fused.act_and_mul_supported(x):
-            return triton_fused.act_and_mul(x, "silu")
+        if triton_fused_for(x) and triton_fused_module().act_and_mul_supported(x):
+            return triton_fused_module().act_and_mul(x, "silu")
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
@@ -296,7 +324,8 @@ class RotaryEmbedding(nn.Module):
         return positions
 
     def triton_supported(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
-        return triton_fused.rotary_supported(positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim)
+        tf = triton_fused_module()
+        return tf.rotary_supported(positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim)
 
     def rotate_and_write_kv(
         self,
@@ -315,11 +344,11 @@ class RotaryEmbedding(nn.Module):
         rows = self.table_positions(positions)
         if not (
             self.triton_supported(rows, query, key)
-            and triton_fused.rotary_write_kv_supported(key, value, kv_cache, slot_mapping)
+            and triton_fused_module().rotary_write_kv_supported(key, value, kv_cache, slot_mapping)
             and kv_cache.shape[4] == self.head_dim
         ):
             return False
-        triton_fused.rotary_write_kv(
+        triton_fused_module().rotary_write_kv(
             rows, query, key, value, self.cos_sin_cache, self.head_dim, self.rotary_dim, kv_cache, slot_mapping
         )
         return True
@@ -346,7 +375,8 @@ class RotaryEmbedding(nn.Module):
             ops.rotary(positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim)
             return query, key
         if triton_fused_for(query) and self.triton_supported(positions, query, key):
-            return triton_fused.rotary(positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim)
+            tf = triton_fused_module()
+            return tf.rotary(positions, query, key, self.cos_sin_cache, self.head_dim, self.rotary_dim)
         cs = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2] each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

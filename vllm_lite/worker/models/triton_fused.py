@@ -11,14 +11,14 @@ it here too (the residual sum; the normalised value before the weight; silu(gate
 cos/sin table and each rotary product). Only the order of float32 operations differs (the sum of squares, a
 fused multiply-add the compiler may form), so float32 results agree with torch's to a few ulps.
 
-Everything a launch needs comes from tensor shapes and strides (no host syncs, outputs from torch.empty), so
+layers.py imports this module on first use (`triton_fused_module()`): importing triton costs ~0.2 s that CPU
+runs never pay. Everything a launch needs comes from tensor shapes and strides (no host syncs, outputs from torch.empty), so
 the kernels can be captured in CUDA graphs. Runs on CPU only under TRITON_INTERPRET=1 (the tests).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -36,34 +36,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_NORM_WIDTH = 65536  # one program holds a row; wider rows fall back to torch
 ACTIVATIONS = ("silu", "gelu_tanh")
 
-_cpu_under_interpreter: list[bool] = [False]
-
 
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
     return bool(envs.TRITON_INTERPRET)
-
-
-@contextlib.contextmanager
-def on_cpu_under_interpreter() -> Iterator[None]:
-    """Within: layers.py sends CPU tensors to these kernels (interpreted) instead of the C++ ones; only with
-    TRITON_INTERPRET=1 (the tests' subprocess, which checks the layers' wiring this way)."""
-    if not interpreting():
-        raise RuntimeError("on_cpu_under_interpreter() needs TRITON_INTERPRET=1 in this process's environment.")
-    _cpu_under_interpreter[0] = True
-    try:
-        yield
-    finally:
-        _cpu_under_interpreter[0] = False
-
-
-def runs_on(device: torch.device) -> bool:
-    """These kernels run on `device`: CUDA with triton installed (or CPU inside on_cpu_under_interpreter())."""
-    if not HAS_TRITON:
-        return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and _cpu_under_interpreter[0]
 
 
 def _next_pow2(n: int) -> int:
