@@ -8,12 +8,14 @@ kernels a layer, most of them tiny elementwise ones); here each is one launch. T
 Numerics follow the torch code they replace (layers.py), rounding where it rounds: everything is computed in
 float32, and for bf16/fp16 the intermediate results torch materialises in the activation dtype are rounded to
 it here too (the residual sum; the normalised value before the weight; silu(gate) before the multiply; the
-cos/sin table and each rotary product). Only the order of float32 operations differs (the sum of squares, a
-fused multiply-add the compiler may form), so float32 results agree with torch's to a few ulps.
+cos/sin table and each rotary product). Compiled without fused multiply-adds (torch rounds each product), only
+the order of the sum of squares and, on CUDA, the fast exp and rsqrt differ, so float32 results agree with
+torch's to a few ulps (the rotary exactly).
 
 layers.py imports this module on first use (`triton_fused_module()`): importing triton costs ~0.2 s that CPU
-runs never pay. Everything a launch needs comes from tensor shapes and strides (no host syncs, outputs from torch.empty), so
-the kernels can be captured in CUDA graphs. Runs on CPU only under TRITON_INTERPRET=1 (the tests).
+runs never pay. Everything a launch needs comes from tensor shapes and strides (no host syncs, outputs from
+torch.empty), so the kernels can be captured in CUDA graphs. Runs on CPU only under TRITON_INTERPRET=1 (the
+tests).
 """
 
 from __future__ import annotations
@@ -239,7 +241,7 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor, residual: Optional
     n = x.shape[-1]
     if x.dtype not in DTYPES or x.stride(-1) != 1 or x.dim() not in (2, 3) or n > MAX_NORM_WIDTH:
         return False
-    if weight.shape != (n,) or weight.device != x.device:
+    if weight.shape != (n,) or weight.stride(0) != 1 or weight.device != x.device:
         return False
     if residual is not None:
         return x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
