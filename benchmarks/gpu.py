@@ -39,6 +39,7 @@ A "batch1" run (default for llama-8b) measures only time to ready and batch-1 ms
     python benchmarks/gpu.py --shapes llama-8b-8l,qwen2-100m   # other shapes (NAME or NAME:batch1)
     python benchmarks/gpu.py --compare-eager                   # also enforce_eager=True: both figures, same tokens?
     python benchmarks/gpu.py --compare-async                   # async_scheduling False and True: both, same tokens?
+    python benchmarks/gpu.py --trace-dir DIR                   # + Chrome traces of 3 steps of each step profile
     python benchmarks/gpu.py --device cpu --smoke              # seconds, on CPU (float32)
 
 Prints ONE JSON line on stdout (progress on stderr), also when a part fails: each failure is recorded in
@@ -237,6 +238,7 @@ def engine_run(
 # PhaseTimer), "cprofile" (cProfile of the step loop: top Python functions). Separate windows, so no mode's
 # overhead lands in another's figures.
 MODES = ("timed", "profile", "phases", "cprofile")
+TRACE_STEPS = 3  # steps in a --trace-dir window (CPU ops and kernels: the trace grows fast)
 NOTES = {
     "host": "host_ms = step_ms (unprofiled window) - gpu_busy_ms (busy fraction x profiled step time): "
     "the time a step the device waits for the host",
@@ -298,9 +300,13 @@ def _install_phases(engine, timer, sched_log: list) -> None:
     w(getattr(engine, "output_processor", None), "process_outputs", "output_processor.process_outputs")
 
 
-def _window(engine, step, steps: int, device: str, mode: str, activities=None) -> dict[str, Any]:
-    """`steps` calls of step(i) (one engine step, or one batch-1 request) under `mode` (see MODES)."""
+def _window(
+    engine, step, steps: int, device: str, mode: str, activities=None, trace_path: Optional[str] = None
+) -> dict[str, Any]:
+    """`steps` calls of step(i) (one engine step, or one batch-1 request) under `mode` (see MODES; "trace": CPU
+    and CUDA activity with the phases' ranges, written as a gzipped Chrome trace to trace_path)."""
     import cProfile
+    import gzip
     import pstats
 
     from vllm_lite.testing.gpu_bench import PhaseTimer, top_functions
@@ -310,10 +316,11 @@ def _window(engine, step, steps: int, device: str, mode: str, activities=None) -
     each: list[float] = []
     _sync(device)
     try:
-        if mode == "profile":
-            prof = torch.profiler.profile(activities=activities or _activities(device))
+        if mode in ("profile", "trace"):
+            acts = activities or _activities(device, with_cpu=mode == "trace")
+            prof = torch.profiler.profile(activities=acts)
             prof.__enter__()
-        elif mode == "phases":
+        if mode in ("phases", "trace"):
             timer = PhaseTimer()
             _install_phases(engine, timer, sched_log)
         elif mode == "cprofile":
@@ -334,8 +341,15 @@ def _window(engine, step, steps: int, device: str, mode: str, activities=None) -
         if prof is not None:
             prof.__exit__(None, None, None)
     out: dict[str, Any] = {"wall_s": wall, "step_ms_each": [round(1e3 * x, 3) for x in each]}
-    if prof is not None:
+    if prof is not None and mode == "profile":
         out["profile"] = _profile_facts(prof, wall, steps, device)
+    if prof is not None and trace_path is not None:
+        tmp = trace_path + ".tmp.json"
+        prof.export_chrome_trace(tmp)
+        with open(tmp, "rb") as src, gzip.open(trace_path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.unlink(tmp)
+        return out
     if timer is not None:
         out["phases"] = timer.summary(steps)
         if timer.missing:
@@ -387,15 +401,21 @@ def _profile_facts(prof, wall_s: float, steps: int, device: str) -> dict[str, An
     return summarize_device_events(dev, runtime, wall_s * 1e6, steps, cuda)
 
 
-def _windows(engine, make_step, steps: int, device: str, modes) -> dict[str, Any]:
+def _windows(engine, make_step, steps: int, device: str, modes, trace: Optional[str] = None) -> dict[str, Any]:
     """One window per mode (make_step(mode) -> (step, done)), merged: the timed window's step time, the profiled
-    window's device facts, host time, the phases, the cProfile top functions."""
+    window's device facts, host time, the phases, the cProfile top functions; "trace" (with `trace`, a file path)
+    writes a Chrome trace of TRACE_STEPS steps."""
     from vllm_lite.testing.gpu_bench import host_time
 
     res: dict[str, Any] = {}
     for mode in modes:
         step, done = make_step(mode)
         try:
+            if mode == "trace":
+                if trace is not None:
+                    _window(engine, step, min(steps, TRACE_STEPS), device, mode, trace_path=trace)
+                    res["trace"] = {"file": os.path.basename(trace), "steps": min(steps, TRACE_STEPS)}
+                continue
             w = _window(engine, step, steps, device, mode)
             if mode == "profile" and device.startswith("cuda") and w["profile"]["device_events"] == 0:
                 w = _window(engine, step, steps, device, mode, _activities(device, with_cpu=True))  # some builds
@@ -418,7 +438,9 @@ def _windows(engine, make_step, steps: int, device: str, modes) -> dict[str, Any
     return res
 
 
-def _measure_decode(engine, prompts: list[list[int]], out_len: int, steps: int, device: str, tag: str, modes) -> dict:
+def _measure_decode(
+    engine, prompts: list[list[int]], out_len: int, steps: int, device: str, tag: str, modes, trace=None
+) -> dict:
     """Add `prompts`, step until every one has its first token (prefills done), then one window of decode steps
     per mode; abort the rest."""
     from vllm_lite import RequestOutputKind, SamplingParams
@@ -451,7 +473,7 @@ def _measure_decode(engine, prompts: list[list[int]], out_len: int, steps: int, 
         return step, lambda: None
 
     try:
-        res = _windows(engine, make_step, k, device, modes)
+        res = _windows(engine, make_step, k, device, modes, trace)
     finally:
         engine.abort_request([r for r in state["gen"] if r not in state["done"]])
         while engine.has_unfinished_requests():
@@ -467,7 +489,9 @@ def _measure_decode(engine, prompts: list[list[int]], out_len: int, steps: int, 
     }
 
 
-def _measure_prefill(engine, s: dict[str, Any], num: int, lo: int, hi: int, steps: int, tag: str, modes) -> dict:
+def _measure_prefill(
+    engine, s: dict[str, Any], num: int, lo: int, hi: int, steps: int, tag: str, modes, trace=None
+) -> dict:
     """Prefill steps of a fresh batch: per mode, `num` new prompts (lengths lo-hi, a new seed each, so no prefix
     cache hit) are added and the first `steps` engine steps measured (chunked prefill at the step budget, with
     the decodes of requests already prefilled), then the rest aborted. num=1 with max_tokens=1 (batch-1): each
@@ -509,7 +533,7 @@ def _measure_prefill(engine, s: dict[str, Any], num: int, lo: int, hi: int, step
 
         return step, done
 
-    res = _windows(engine, make_step, steps, device, modes)
+    res = _windows(engine, make_step, steps, device, modes, trace)
     res.update(requests=num, steps=steps, input_len=[lo, hi])
     if not batch1:
         res["note"] = (
@@ -540,14 +564,23 @@ def profile_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "notes": NOTES,
     }
     steps = s["profile_steps"]
+    trace_dir = spec.get("trace_dir")
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        modes += ("trace",)
+
+    def trace(tag: str) -> Optional[str]:
+        return os.path.join(trace_dir, f"{spec.get('trace_prefix', 'trace')}-{tag}.json.gz") if trace_dir else None
+
+    dev = s["device"]
     try:
         if "decode" in parts:
-            res["batch_n"] = _measure_decode(engine, prompts, s["output_len"], steps, s["device"], "bn", modes)
-            res["batch_1"] = _measure_decode(engine, b1, s["batch1_output_len"], steps, s["device"], "b1", modes)
+            res["batch_n"] = _measure_decode(engine, prompts, s["output_len"], steps, dev, "bn", modes, trace("bn"))
+            res["batch_1"] = _measure_decode(engine, b1, s["batch1_output_len"], steps, dev, "b1", modes, trace("b1"))
         if "prefill" in parts:
-            res["prefill_n"] = _measure_prefill(engine, s, s["num_prompts"], lo, hi, steps, "pn", modes)
-            b1_len = s["batch1_input_len"]
-            res["prefill_1"] = _measure_prefill(engine, s, 1, b1_len, b1_len, s["prefill_b1_iters"], "p1", modes)
+            res["prefill_n"] = _measure_prefill(engine, s, s["num_prompts"], lo, hi, steps, "pn", modes, trace("pn"))
+            n1, b1_len = s["prefill_b1_iters"], s["batch1_input_len"]
+            res["prefill_1"] = _measure_prefill(engine, s, 1, b1_len, b1_len, n1, "p1", modes, trace("p1"))
     finally:
         llm.shutdown()
     return res
@@ -765,12 +798,16 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
     # The main engine run, its step profiles and HF first; the comparison runs (--compare-eager, --compare-async)
     # after them, so a comparison that fails or hangs (past --time-limit) cannot cost the main figures.
     prof_spec = {"model": path, "settings": s, "enforce_eager": s["enforce_eager"]}
+    if s["trace_dir"]:
+        prof_spec.update(trace_dir=os.path.abspath(s["trace_dir"]), trace_prefix=name)
     async_profile = None
     if "async" in variants:  # both in-process profiles say which they are
         prof_spec["extra_kwargs"] = {"async_scheduling": False}
         async_profile = dict(
             prof_spec, extra_kwargs={"async_scheduling": True}, parts=["decode"], modes=["timed", "profile"]
         )
+        if s["trace_dir"]:
+            async_profile["trace_prefix"] = f"{name}-async"
     try:
         run_engine(base)
         if full:
@@ -873,6 +910,7 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=args.enforce_eager,
         compare_eager=args.compare_eager,
         compare_async=args.compare_async,
+        trace_dir=args.trace_dir,
         llm_kwargs=json.loads(args.llm_kwargs) if args.llm_kwargs else {},
         skip_hf=args.skip_hf,
         hf_8b=args.hf_8b,
@@ -951,6 +989,12 @@ def main() -> int:
         action="store_true",
         help="full shapes run with async_scheduling=False and True (multiprocess figures, same tokens?, and the "
         "in-process decode profile of each); 'unsupported' where EngineArgs has no async_scheduling",
+    )
+    ap.add_argument(
+        "--trace-dir",
+        default=None,
+        help="also write gzipped Chrome traces (CPU ops, kernels, the phases' ranges) of 3 steps of each step "
+        "profile to this folder: SHAPE[-async]-{bn,b1,pn,p1}.json.gz (open in Perfetto / chrome://tracing)",
     )
     ap.add_argument("--llm-kwargs", default=None, help="extra LLM(...) arguments as JSON, e.g. '{\"seed\": 1}'")
     ap.add_argument("--skip-hf", action="store_true")

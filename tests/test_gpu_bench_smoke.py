@@ -7,6 +7,7 @@ numbers worked out by hand."""
 from __future__ import annotations
 
 import cProfile
+import gzip
 import json
 import os
 import pstats
@@ -284,11 +285,11 @@ def _check_step_profiles(t: dict, s: dict) -> None:
 
 
 @pytest.mark.slow  # five interpreters (script, two engine cores, two profile workers): ~30 s
-def test_smoke_compare_async_runs_both_and_compares_tokens(tmp_path):
+def test_smoke_compare_async_runs_both_and_compares_tokens_with_traces(tmp_path):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     argv = [sys.executable, os.path.join(REPO, "benchmarks", "gpu.py"), "--device", "cpu", "--smoke"]
     proc = subprocess.run(
-        argv + ["--compare-async", "--skip-hf"],
+        argv + ["--compare-async", "--skip-hf", "--trace-dir", str(tmp_path / "traces")],
         cwd=str(tmp_path),
         env=env,
         capture_output=True,
@@ -309,3 +310,11 @@ def test_smoke_compare_async_runs_both_and_compares_tokens(tmp_path):
     assert c["tokens_per_s_ratio"] == pytest.approx(c["async"]["tokens_per_s"] / c["sync"]["tokens_per_s"], rel=1e-2)
     assert set(t["part_seconds"]) == {"vllm_lite_graphs", "vllm_lite_async", "profile", "profile_async"}
     assert t["decode_step_async"]["batch"] == r["settings"]["num_prompts"]
+    # --trace-dir: a Chrome trace of each step profile (the async worker's decode ones too), with the phases' ranges
+    names = {"tiny-bn", "tiny-b1", "tiny-pn", "tiny-p1", "tiny-async-bn", "tiny-async-b1"}
+    assert sorted(os.listdir(tmp_path / "traces")) == sorted(f"{n}.json.gz" for n in names)
+    assert t["prefill_step"]["trace"] == {"file": "tiny-pn.json.gz", "steps": 2}
+    with gzip.open(tmp_path / "traces" / "tiny-pn.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    ranges = {e["name"] for e in events if e.get("cat") == "user_annotation"}
+    assert {"scheduler.schedule", "model.forward", "scheduler.update_from_output"} <= ranges
