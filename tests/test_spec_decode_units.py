@@ -626,12 +626,14 @@ RECORD_PARAMS = [
 def test_record_emitted_equals_one_record_sampled_per_column(reqs, data) -> None:
     """A verify step's emitted tokens recorded at once (record_emitted) leave the batch exactly as one
     record_sampled call per column does: token rows, counts (past max_model_len too), output counts, bad-word
-    history and penalty tables."""
+    history and penalty tables; both the small-batch loop and the numpy form."""
+    from vllm_lite.worker import spec_decode_step
     from vllm_lite.worker.input_batch import InputBatch
     from vllm_lite.worker.spec_decode_step import record_emitted
     from vllm_lite.worker.step import NewRequestData
 
     vocab, max_len, k = 32, 24, 3
+    small_batch = data.draw(st.sampled_from([0, 64]))
     batches = [InputBatch(4, max_len, 6, vocab, torch.device("cpu")) for _ in range(2)]
     rng = np.random.default_rng(len(reqs))
     for i, (p, n_prompt, n_out) in enumerate(reqs):
@@ -645,7 +647,11 @@ def test_record_emitted_equals_one_record_sampled_per_column(reqs, data) -> None
     num_emitted = np.array(data.draw(st.lists(st.integers(1, k + 1), min_size=len(rows), max_size=len(rows))))
     table = rng.integers(0, vocab, size=(len(rows), k + 1))
     table[np.arange(k + 1)[None, :] >= num_emitted[:, None]] = PLACEHOLDER_TOKEN_ID
-    record_emitted(batches[0], rows, table, num_emitted)
+    old, spec_decode_step.SMALL_BATCH = spec_decode_step.SMALL_BATCH, small_batch
+    try:
+        record_emitted(batches[0], rows, table, num_emitted)
+    finally:
+        spec_decode_step.SMALL_BATCH = old
     ref = batches[1]
     for j in range(int(num_emitted.max())):
         keep = num_emitted > j
@@ -712,3 +718,35 @@ def test_draft_table_lays_out_the_scheduled_drafts(lists) -> None:
     assert table.shape == (len(lists), k) and table.dtype == np.int64 and counts.dtype == np.int64
     assert counts.tolist() == [len(d) for d in lists]
     assert table.tolist() == [d + [-1] * (k - len(d)) for d in lists]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 5), min_size=1, max_size=10),
+    scheduled=st.lists(st.integers(0, 7), min_size=10, max_size=10),
+    small_batch=st.sampled_from([0, 64]),
+)
+def test_logits_positions_pick_each_verified_token(counts, scheduled, small_batch) -> None:
+    """SpecDecodeStep.logits_positions (small-batch loop and numpy form): row i lists the flat indices of request
+    s_idx[i]'s last token and drafts (the last 1 + n of its query), then repeats its last one up to K + 1."""
+    from types import SimpleNamespace
+
+    from vllm_lite.worker import spec_decode_step
+    from vllm_lite.worker.spec_decode_step import SpecDecodeStep
+
+    s_idx = np.arange(0, 2 * len(counts), 2)  # every other request samples; the others run 0-7 prompt tokens
+    num_scheduled = np.zeros(2 * len(counts), dtype=np.int64)
+    num_scheduled[s_idx] = np.array(counts) + 1
+    num_scheduled[s_idx + 1] = scheduled[: len(counts)]
+    query_start_loc = np.concatenate([[0], np.cumsum(num_scheduled)]).astype(np.int32)
+    num_draft = np.array(counts, dtype=np.int64)
+    old, spec_decode_step.SMALL_BATCH = spec_decode_step.SMALL_BATCH, small_batch
+    try:
+        got = SpecDecodeStep.logits_positions(SimpleNamespace(query_start_loc=query_start_loc), s_idx, num_draft)
+    finally:
+        spec_decode_step.SMALL_BATCH = old
+    k = max(counts)
+    assert got.shape == (len(counts), k + 1) and got.dtype == np.int64
+    for row, i, n in zip(got.tolist(), s_idx.tolist(), counts):
+        own = list(range(query_start_loc[i + 1] - 1 - n, query_start_loc[i + 1]))
+        assert row == own + [own[-1]] * (k - n)
