@@ -804,7 +804,7 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
     if "async" in variants:  # both in-process profiles say which they are
         prof_spec["extra_kwargs"] = {"async_scheduling": False}
         async_profile = dict(
-            prof_spec, extra_kwargs={"async_scheduling": True}, parts=["decode"], modes=["timed", "profile"]
+            prof_spec, extra_kwargs={"async_scheduling": True}, parts=["decode"], modes=["timed", "profile", "phases"]
         )
         if s["trace_dir"]:
             async_profile["trace_prefix"] = f"{name}-async"

@@ -310,6 +310,7 @@ def test_smoke_compare_async_runs_both_and_compares_tokens_with_traces(tmp_path)
     assert c["tokens_per_s_ratio"] == pytest.approx(c["async"]["tokens_per_s"] / c["sync"]["tokens_per_s"], rel=1e-2)
     assert set(t["part_seconds"]) == {"vllm_lite_graphs", "vllm_lite_async", "profile", "profile_async"}
     assert t["decode_step_async"]["batch"] == r["settings"]["num_prompts"]
+    assert t["decode_step_async"]["phases"]["core.finish_oldest"]["calls_per_step"] > 0  # the async step's path
     # --trace-dir: a Chrome trace of each step profile (the async worker's decode ones too), with the phases' ranges
     names = {"tiny-bn", "tiny-b1", "tiny-pn", "tiny-p1", "tiny-async-bn", "tiny-async-b1"}
     assert sorted(os.listdir(tmp_path / "traces")) == sorted(f"{n}.json.gz" for n in names)
