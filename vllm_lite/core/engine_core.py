@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from vllm_lite.config import VllmConfig
+from vllm_lite.config import VllmConfig, verify_async_scheduling
 from vllm_lite.core.lora_utilities import lora_utilities
 from vllm_lite.core.messages import (
     EngineCoreOutput,
@@ -22,10 +24,34 @@ from vllm_lite.core.sched.scheduler import Scheduler
 from vllm_lite.core.step_recovery import RecoveredStep, recover_failed_step
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.worker.executor import get_executor_class
+from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("vllm_lite.engine_core")
 # Longest a step with nothing to run waits for a compiling grammar (new input is read between steps).
 _GRAMMAR_WAIT_S = 0.01
+# Async scheduling: steps launched and not yet updated, at most (step N+1 runs while step N's output is read).
+MAX_STEPS_IN_FLIGHT = 2
+# Utility calls that only read counters: they do not wait for the steps in flight (every other one does).
+_NO_DRAIN_UTILITIES = frozenset({"ping", "get_stats", "get_model_facts"})
+
+
+@dataclass
+class _LaunchedStep:
+    """A step launched without waiting (async scheduling): its schedule and the executor's handle on its output
+    (`get_output()` blocks until it is known)."""
+
+    scheduler_output: SchedulerOutput
+    handle: Any
+
+
+class _Raise:
+    """The handle of a step whose launch raised: get_output() raises the same."""
+
+    def __init__(self, exc: Exception) -> None:
+        self._exc = exc
+
+    def get_output(self) -> ModelRunnerOutput:
+        raise self._exc
 
 
 class EngineCore:
@@ -35,6 +61,7 @@ class EngineCore:
         """``executor_class``: as vLLM's; None picks one for the parallel config (tests pass a model-free one)."""
         t0 = time.perf_counter()
         self.config = vllm_config
+        verify_async_scheduling(vllm_config)
         self.executor = (executor_class or get_executor_class(vllm_config))(vllm_config)
         num_gpu, num_cpu = self.executor.determine_num_blocks()
         vllm_config.cache_config.num_gpu_blocks = num_gpu
@@ -65,6 +92,13 @@ class EngineCore:
             "lora_config": dataclasses.asdict(lc) if (lc := vllm_config.lora_config) is not None else None,
         }
         self._stats_log = _StatsLogger(vllm_config.scheduler_config.log_stats_interval_s)
+        # Async scheduling: steps launched, oldest first, and outputs of steps finished early (a drain before a
+        # utility call), handed out one per step() call ahead of anything else.
+        self.async_scheduling = vllm_config.scheduler_config.async_scheduling
+        self.batch_queue: deque[_LaunchedStep] = deque()
+        self._ready_outputs: deque[dict[int, EngineCoreOutputs]] = deque()
+        self.max_steps_in_flight_seen = 0  # the deepest the batch queue has been (tests check the bound)
+        logger.info("async scheduling: %s", "on" if self.async_scheduling else "off")
         self.startup_time_s = time.perf_counter() - t0
         logger.info(
             "engine core ready in %.2fs: model=%s dtype=%s kv_blocks=%d (block_size=%d) swap_blocks=%d",
@@ -92,10 +126,21 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests in the scheduler, or (async scheduling) a step in flight or outputs not handed out yet."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or bool(self._ready_outputs)
 
     # ------------------------------------------------------------------ step
-    def step(self) -> dict[int, EngineCoreOutputs]:
+    def step(self, allow_overlap: bool = True) -> dict[int, EngineCoreOutputs]:
+        """One engine step's outputs. With async scheduling, step N+1 is scheduled and launched before step N's
+        output is awaited (`allow_overlap=False`, or a batch that needs it, runs the plain synchronous step
+        once the steps in flight are done)."""
+        if self._ready_outputs:
+            return self._ready_outputs.popleft()
+        if self.async_scheduling:
+            return self._step_with_batch_queue(allow_overlap)
+        return self._step_sync()
+
+    def _step_sync(self) -> dict[int, EngineCoreOutputs]:
         if not self.scheduler.has_unfinished_requests():
             return {}
         scheduler_output = self.scheduler.schedule()
@@ -118,11 +163,97 @@ class EngineCore:
         self._stats_log.record(scheduler_output.total_num_scheduled_tokens, outputs)
         return outputs
 
+    # ------------------------------------------------------------------ async scheduling
+    def _step_with_batch_queue(self, allow_overlap: bool) -> dict[int, EngineCoreOutputs]:
+        """vLLM's step_with_batch_queue: schedule and launch step N+1, then wait for step N and update from it.
+
+        Order (the executor relies on it): execute(N+1, non_block) may come before get_output(N); get_output(N)
+        always comes before execute(N+2). A batch that cannot overlap (`Scheduler.must_sync`, or
+        allow_overlap=False) first lets the steps in flight finish, one per call, then runs synchronously."""
+        sched = self.scheduler
+        if not allow_overlap or sched.must_sync():
+            if self.batch_queue:
+                return self._finish_oldest()
+            return self._step_sync()
+        if len(self.batch_queue) < MAX_STEPS_IN_FLIGHT and sched.has_unfinished_requests():
+            so = sched.schedule()
+            try:
+                handle = self.executor.execute_model(so, non_block=True)
+            except Exception as exc:
+                return self._launch_failed(so, exc)
+            self.batch_queue.append(_LaunchedStep(so, handle))
+            self.max_steps_in_flight_seen = max(self.max_steps_in_flight_seen, len(self.batch_queue))
+            if len(self.batch_queue) == 1:
+                return {}  # the pipeline just started (or refilled): the next call launches N+1, then waits on N
+        if not self.batch_queue:
+            return {}
+        return self._finish_oldest()
+
+    def _finish_oldest(self) -> dict[int, EngineCoreOutputs]:
+        """Wait for the oldest step in flight and update the scheduler from it."""
+        launched = self.batch_queue.popleft()
+        so = launched.scheduler_output
+        recovered = None
+        try:
+            model_output = launched.handle.get_output()
+        except Exception as exc:
+            model_output, recovered = self._output_failed(so, exc)
+        outputs = self.scheduler.update_from_output(so, model_output)
+        if recovered is not None:
+            _add_error_outputs(outputs, recovered)
+        self._stats_log.record(so.total_num_scheduled_tokens, outputs)
+        return outputs
+
+    def _launch_failed(self, so: SchedulerOutput, exc: Exception) -> dict[int, EngineCoreOutputs]:
+        """Launching step N+1 raised: finish step N first, then recover N+1 exactly as the synchronous step does
+        (no step in flight by then). N's outputs are this call's, N+1's (with its culprits' errors) the next's."""
+        self.batch_queue.append(_LaunchedStep(so, _Raise(exc)))
+        outputs = self._finish_oldest() if len(self.batch_queue) > 1 else {}
+        if not self.batch_queue:
+            return outputs  # step N failed too: N+1 was taken back (_output_failed) and is scheduled again
+        self.batch_queue.pop()
+        recovered = recover_failed_step(self.scheduler, self.executor, so, exc, async_step=True)
+        if recovered is None:
+            raise exc
+        later = self.scheduler.update_from_output(so, recovered.model_output)
+        _add_error_outputs(later, recovered)
+        self._stats_log.record(so.total_num_scheduled_tokens, later)
+        if not outputs:
+            return later
+        self._ready_outputs.append(later)
+        return outputs
+
+    def _output_failed(self, so: SchedulerOutput, exc: Exception) -> tuple[ModelRunnerOutput, RecoveredStep]:
+        """Reading step N's output raised. Step N+1 (launched on N's tokens) is waited for and taken back (its
+        requests rewind and go to the worker in full again), then step N is recovered as a synchronous step."""
+        if self.batch_queue:
+            newer = self.batch_queue.pop()
+            assert not self.batch_queue
+            try:
+                newer.handle.get_output()
+            except Exception:  # noqa: BLE001 -- it ran on the failed step's tokens: taken back either way
+                logger.warning("the step after a failed one failed too; both are taken back", exc_info=True)
+            if newer.scheduler_output.blocks_to_swap_out:
+                raise exc  # its swap-out copied what the failed step wrote: nothing to replay from
+            self.scheduler.unschedule_last(newer.scheduler_output)
+        recovered = recover_failed_step(self.scheduler, self.executor, so, exc, async_step=True)
+        if recovered is None:
+            raise exc
+        return recovered.model_output, recovered
+
+    def drain(self) -> None:
+        """Finish every step in flight (their outputs come with the next step() calls): before anything that
+        touches the scheduler's or the worker's state from outside the step loop."""
+        while self.batch_queue:
+            self._ready_outputs.append(self._finish_oldest())
+
     # ------------------------------------------------------------------ utility calls
     def call_utility(self, method: str, args: list[Any]) -> Any:
         fn: Callable[..., Any] | None = self._utilities().get(method)
         if fn is None:
             raise ValueError(f"unknown utility method {method!r}; known: {sorted(self._utilities())}")
+        if method not in _NO_DRAIN_UTILITIES:
+            self.drain()
         return fn(*args)
 
     def _utilities(self) -> dict[str, Callable[..., Any]]:
@@ -138,6 +269,10 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        try:
+            self.drain()
+        except Exception:  # noqa: BLE001 -- shutting down: a failed step in flight must not stop the rest
+            logger.exception("a step in flight failed during shutdown")
         self.scheduler.structured_output_manager.shutdown()
         self.executor.shutdown()
 

@@ -263,7 +263,7 @@ class EngineCoreProc:
                 ):
                     if self._adaptive_threads is not None:  # after an idle spell: measure from here
                         self._adaptive_threads.before_step()
-                    self._route_outputs(self.engine_core.step())
+                    self._route_outputs(self._step())
                     if self._adaptive_threads is not None:
                         self.num_threads = self._adaptive_threads.maybe_update()
         except BaseException:  # noqa: BLE001 -- any failure here kills the engine, loudly
@@ -272,6 +272,13 @@ class EngineCoreProc:
             return 1
         self._close(dead=False)
         return 0
+
+    def _step(self) -> dict[int, EngineCoreOutputs]:
+        """One engine step. With async scheduling, requests waiting for stop verdicts make it synchronous: each
+        such request must leave the batch at the step its verdict names, as without async scheduling."""
+        if self._verdict_ids and getattr(self.engine_core, "async_scheduling", False):
+            return self.engine_core.step(allow_overlap=False)
+        return self.engine_core.step()
 
     def _process_input(self, block: bool) -> None:
         items = self._take_input(block)

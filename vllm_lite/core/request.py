@@ -105,6 +105,9 @@ class Request:
         # Set by the scheduler for a model whose rotation switches past this length (Phi-3 LongRoPE, see
         # worker/models/rope_regime.py): past it the request's KV is a different regime, hashed apart.
         self.rope_recompute_at: Optional[int] = None
+        # Async scheduling: tokens sampled by steps still in flight, not known here yet (always 0 in sync mode).
+        # Position num_tokens + i holds the i-th; the runner feeds it to the next step from its own sampled tensor.
+        self.num_output_placeholders = 0
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, tenant_salt: Optional[bytes] = None) -> "Request":

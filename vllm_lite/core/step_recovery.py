@@ -58,9 +58,12 @@ class _Unpinnable(Exception):
 
 
 def recover_failed_step(
-    scheduler: Scheduler, executor: StepExecutor, so: SchedulerOutput, error: BaseException
+    scheduler: Scheduler, executor: StepExecutor, so: SchedulerOutput, error: BaseException, async_step: bool = False
 ) -> Optional[RecoveredStep]:
     """Pin `error` (raised by `executor.execute_model(so)`) to requests; None when it cannot be pinned.
+
+    ``async_step``: the step ran next to another (async scheduling), so a request of it may have finished or been
+    preempted since it was scheduled; such requests are left out (a synchronous step's all still run, else None).
 
     On success the culprits are finished (FINISHED_ERROR, blocks freed) and the returned model
     output answers `so` for every other request, ready for `scheduler.update_from_output`.
@@ -70,19 +73,26 @@ def recover_failed_step(
     step: dict[str, tuple[Request, int]] = {}
     for rid, n in so.num_scheduled_tokens.items():
         req = scheduler.get_request(rid)
-        if req is None:
-            return None
+        if req is None or req.status != RequestStatus.RUNNING:
+            if not async_step:
+                return None
+            # Async scheduling: finished by the step before, or preempted by the one after; the step owes it
+            # nothing (the probes drop it from the worker).
+            continue
         step[rid] = (req, n)
     for req, n in step.values():  # back to where the step started; the worker's progress is discarded
         req.num_computed_tokens -= n
     rewound = True
     try:
         prober = _Prober(scheduler, executor, so, step)
-        culprits = prober.find_culprits(list(step), error)
-        if not culprits:
+        # A step with requests left out (async scheduling) failed maybe only for them: its error proves nothing
+        # about the rest, which are probed afresh; if they all run, the step is recovered with no culprit.
+        left_out = len(step) < len(so.num_scheduled_tokens)
+        culprits = prober.find_culprits(list(step), None if left_out else error) if step else {}
+        if not culprits and not left_out:
             logger.error("A step failed, but every part of it runs alone: the failure is not one request's.")
             return None
-        if len(culprits) == len(step) and not prober.canary_runs(set(culprits)):
+        if culprits and len(culprits) == len(step) and not prober.canary_runs(set(culprits)):
             logger.error("A step failed, and so does a plain one-token request: the worker is broken.")
             return None
         failed: dict[str, tuple[int, str]] = {}
@@ -136,7 +146,7 @@ class _Prober:
         self.so = so
         self.step = step
         # Everything the worker may hold from this step (or was told to drop in it).
-        self.drop: set[str] = set(so.finished_req_ids) | set(step)
+        self.drop: set[str] = set(so.finished_req_ids) | set(so.num_scheduled_tokens)
 
     def find_culprits(self, ids: list[str], known_error: Optional[BaseException]) -> dict[str, BaseException]:
         """Bisect: the requests of `ids` that fail alone, with the error each raised."""

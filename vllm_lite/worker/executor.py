@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from vllm_lite.config import VllmConfig
 from vllm_lite.worker.gpu_worker import GPUWorker
-from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
+from vllm_lite.worker.step import SchedulerOutput
 
 if TYPE_CHECKING:
     from vllm_lite.worker.multiproc_executor import MultiprocExecutor
@@ -24,7 +24,11 @@ class UniProcExecutor:
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> Any:
+        """The step's ModelRunnerOutput; with non_block (async scheduling) a handle whose get_output() returns it,
+        so the engine core can schedule the next step while this one runs."""
+        if non_block:
+            return self.worker.execute_model(scheduler_output, non_block=True)
         return self.worker.execute_model(scheduler_output)
 
     def lora_call(self, method: str, *args: Any) -> Any:

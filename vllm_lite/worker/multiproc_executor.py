@@ -238,7 +238,9 @@ class MultiprocExecutor:
         self._broadcast(P.ToWorker.INITIALIZE_CACHE, [num_gpu_blocks, num_cpu_blocks])
         self._collect(list(range(self.world_size)), self._any_decoder, "allocating the KV cache")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> ModelRunnerOutput:
+        if non_block:  # verify_async_scheduling keeps async scheduling off with tensor_parallel_size > 1
+            raise NotImplementedError("async scheduling does not support tensor_parallel_size > 1 yet.")
         if self._closed:
             raise WorkerDiedError("the tensor-parallel executor is shut down.")
         self._broadcast(P.ToWorker.EXECUTE_MODEL, scheduler_output)

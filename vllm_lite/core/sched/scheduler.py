@@ -19,7 +19,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 import msgspec
@@ -39,6 +40,16 @@ from vllm_lite.worker.models.sliding_window import uniform_sliding_window
 from vllm_lite.worker.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger("vllm_lite.scheduler")
+
+
+@dataclass
+class _InFlightStep:
+    """One scheduled step not yet updated: the request objects it ran (guards against an id reused after an
+    abort) and, with async scheduling, which of them sample a token (each holds a placeholder for it)."""
+
+    scheduler_output: Optional[SchedulerOutput]
+    requests: dict[str, Request]
+    samplers: set[str] = field(default_factory=set)
 
 
 def new_request_data(r: Request, block_ids: list[int]) -> NewRequestData:
@@ -113,8 +124,11 @@ class Scheduler:
         # Requests the worker holds in its persistent batch, and those it must drop at the next step.
         self._in_worker: set[str] = set()
         self._finished_req_ids: set[str] = set()
-        # The request objects of the step in flight: guards against an id reused after an abort.
-        self._scheduled: dict[str, Request] = {}
+        # Steps scheduled and not yet updated, oldest first: one in sync mode, at most two with async scheduling
+        # (step N+1 is scheduled before step N's output is known; see `schedule` and `update_from_output`).
+        self.async_scheduling = bool(sc.async_scheduling)
+        self._in_flight: deque[_InFlightStep] = deque()
+        self._resend: set[str] = set()  # running requests the worker dropped (unschedule_last); always empty in sync
         self._arrival_order: dict[str, int] = {}
         self._order_counter = itertools.count()
         self._num_preemptions = 0
@@ -247,6 +261,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_output_placeholders and self._reaches_length_cap(req):
+                i += 1  # its last token is in flight and ends it (max_tokens / max_model_len): as sync, no more
+                continue
             drafts = self.spec.drafts_for(req, self.max_model_len) if self.spec.enabled else []
             if drafts and self.rope_recompute_at is not None and req.num_tokens <= self.rope_recompute_at:
                 drafts = drafts[: self.rope_recompute_at - req.num_tokens]  # none verified past the rope switch
@@ -317,6 +334,7 @@ class Scheduler:
                     if n == 0:
                         break
                 else:
+                    assert not req.num_output_placeholders, "a waiting request is re-added with known tokens only"
                     hit_blocks, num_hit = kv.get_computed_blocks(req)
                     n = self._num_new_tokens(req, num_hit, budget)
                 n_alloc = n + self.spec.lookahead(num_hit + n, self.max_model_len)
@@ -339,6 +357,11 @@ class Scheduler:
                 self.waiting.prepend(req)
 
         # 3. The diff for the worker.
+        if self._resend:  # taken back from the worker (unschedule_last): they go to it in full again
+            for r in self.running:
+                if r.request_id in self._resend and r.request_id in num_scheduled:
+                    self._resend.discard(r.request_id)
+                    to_worker_as_new.append(r)
         new_ids = {r.request_id for r in to_worker_as_new}
         new_reqs = [new_request_data(r, kv.get_block_ids(r.request_id)) for r in to_worker_as_new]
         cached = CachedRequestData()
@@ -355,18 +378,25 @@ class Scheduler:
         finished_ids, self._finished_req_ids = self._finished_req_ids, set()
         self._in_worker.update(new_ids)
 
-        self._scheduled = {}
+        step = _InFlightStep(None, {})
         for r in self.running:
             n = num_scheduled.get(r.request_id)
             if n:
                 r.num_computed_tokens += n
-                self._scheduled[r.request_id] = r
+                step.requests[r.request_id] = r
+                if self.async_scheduling and r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
+                    # It samples: the token is unknown until this step's output comes back (update_from_output).
+                    r.num_output_placeholders += 1
+                    step.samplers.add(r.request_id)
+        if not self.async_scheduling:
+            self._in_flight.clear()  # sync: the last schedule() is the step in flight (as before: replaced)
+        self._in_flight.append(step)
         for r in to_worker_as_new:  # resumed after preemption: the matcher must hold exactly the kept outputs
             sor = r.structured_output_request
             if sor is not None and sor.matcher is not None and not sor.matcher.resync(r.output_token_ids):
                 logger.error("request %s: its kept output tokens no longer match its grammar", r.request_id)
-        so_ids, bitmask = self._grammar_bitmask(spec_tokens)
-        return SchedulerOutput(
+        so_ids, bitmask = self._grammar_bitmask(step.requests, spec_tokens)
+        step.scheduler_output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
@@ -378,6 +408,55 @@ class Scheduler:
             grammar_bitmask=bitmask,
             scheduled_spec_decode_tokens=spec_tokens,
         )
+        return step.scheduler_output
+
+    # ------------------------------------------------------------------ async scheduling
+    def must_sync(self) -> bool:
+        """True when the next step must run synchronously (async scheduling cannot run it yet): a live request
+        under a grammar (or waiting for one: its bitmask needs the matcher advanced on the previous token),
+        speculative decoding (drafts need the last token), a model that recomputes at its rope switch."""
+        if self.spec.enabled or self.rope_recompute_at is not None or self._waiting_for_grammar:
+            return True
+        return any(r.structured_output_request is not None for r in self.requests.values())
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Scheduled steps whose output has not been given to update_from_output yet."""
+        return len(self._in_flight)
+
+    def _scheduled_later(self, req: Request) -> int:
+        """Tokens of `req` in the steps scheduled after the one being updated (async scheduling; 0 in sync)."""
+        rid = req.request_id
+        return sum(
+            step.scheduler_output.num_scheduled_tokens.get(rid, 0)
+            for step in self._in_flight
+            if step.requests.get(rid) is req and step.scheduler_output is not None
+        )
+
+    def _reaches_length_cap(self, req: Request) -> bool:
+        """Its tokens in flight already bring it to max_tokens or max_model_len: it finishes when they land."""
+        pending = req.num_output_placeholders
+        if req.max_tokens is not None and req.num_output_tokens + pending >= req.max_tokens:
+            return True
+        return req.num_tokens + pending >= self.max_model_len
+
+    def unschedule_last(self, scheduler_output: SchedulerOutput) -> None:
+        """Take back the newest scheduled step, which never produced an output (async scheduling, after the
+        step before it failed): its requests rewind to where it started, and each live one goes back to the
+        worker in full at the next step (the worker's copy of it may hold the unfinished step)."""
+        assert self._in_flight and self._in_flight[-1].scheduler_output is scheduler_output
+        step = self._in_flight.pop()
+        for rid, req in step.requests.items():
+            if self.requests.get(rid) is not req:
+                continue
+            if rid in step.samplers:
+                req.num_output_placeholders -= 1
+            if req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens -= scheduler_output.num_scheduled_tokens[rid]
+                if rid in self._in_worker:
+                    self._in_worker.discard(rid)
+                    self._finished_req_ids.add(rid)
+                    self._resend.add(rid)
 
     # ------------------------------------------------------------------ structured outputs
     def _admit_ready_grammars(self) -> None:
@@ -404,11 +483,13 @@ class Scheduler:
         if self._waiting_for_grammar:
             self.structured_output_manager.wait_for_grammar(timeout)
 
-    def _grammar_bitmask(self, spec_tokens: dict[str, list[int]]) -> tuple[dict[str, int], Optional[np.ndarray]]:
+    def _grammar_bitmask(
+        self, scheduled: dict[str, Request], spec_tokens: dict[str, list[int]]
+    ) -> tuple[dict[str, int], Optional[np.ndarray]]:
         """Bitmask rows for each constrained request that samples this step (its whole sequence is computed): one,
         plus one per draft it verifies (`grammar_bitmask_with_drafts`)."""
         constrained = []
-        for rid, req in self._scheduled.items():
+        for rid, req in scheduled.items():
             sor = req.structured_output_request
             if sor is None or sor.matcher is None or req.num_computed_tokens < req.num_tokens:
                 continue
@@ -469,7 +550,7 @@ class Scheduler:
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int, num_draft_tokens: int = 0) -> int:
         """Tokens to run now: what is left (plus any drafts), cut by the chunk threshold, the budget and
         max_model_len."""
-        n = req.num_tokens + num_draft_tokens - num_computed
+        n = req.num_tokens + req.num_output_placeholders + num_draft_tokens - num_computed
         if self.long_prefill_token_threshold > 0:
             n = min(n, self.long_prefill_token_threshold)
         return min(n, budget, self.max_model_len - num_computed)
@@ -486,6 +567,7 @@ class Scheduler:
         self._num_preemptions += 1
         req.num_preemptions += 1
         req.spec_token_ids = []
+        self._resend.discard(req.request_id)
         if self.preemption_mode == "swap":
             pairs = self.kv_cache_manager.swap_out(req)
             if pairs is not None:
@@ -518,19 +600,45 @@ class Scheduler:
     ) -> dict[int, EngineCoreOutputs]:
         kv = self.kv_cache_manager
         mro = model_runner_output
-        scheduled, self._scheduled = self._scheduled, {}
+        if self.async_scheduling:
+            step = self._in_flight.popleft() if self._in_flight else _InFlightStep(None, {})
+            assert step.scheduler_output is None or step.scheduler_output is scheduler_output, (
+                "update_from_output must take the steps in the order they were scheduled"
+            )
+        else:
+            step = self._in_flight.pop() if self._in_flight else _InFlightStep(None, {})
+            self._in_flight.clear()
+        scheduled = step.requests
         per_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped: list[Request] = []
+        stopped_off_device: list[Request] = []  # async: preempted while this step ran, ended by its token
         for rid in scheduler_output.num_scheduled_tokens:
             req = scheduled.get(rid)
-            if req is None or self.requests.get(rid) is not req or req.status != RequestStatus.RUNNING:
-                continue  # aborted (or preempted) while the step was in flight
+            samples = rid in step.samplers
+            if samples:  # its token is known now (or dropped with the request, or lost with the step)
+                assert req is not None and req.num_output_placeholders > 0
+                req.num_output_placeholders -= 1
+            if req is None or self.requests.get(rid) is not req:
+                continue  # aborted (or finished) while the step was in flight
+            if req.status != RequestStatus.RUNNING:
+                # Preempted while the step was in flight (async scheduling only): vLLM keeps its token.
+                if samples and req.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED):
+                    out = self._take_off_device_token(req, mro)
+                    if out is not None:
+                        per_client[req.client_index].append(out)
+                        if req.is_finished():
+                            stopped_off_device.append(req)
+                continue
             idx = mro.req_id_to_index.get(rid)
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
             if drafts:  # the rejected drafts' KV is not kept: num_computed_tokens drops back over them
                 self.spec.rollback(req, len(drafts), len(mro.sampled_token_ids[idx]) if idx is not None else 0)
             # Only blocks full of known tokens are hashed; accepted drafts' blocks are cached at the next step.
-            kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+            # Async scheduling: not the tokens of the step after this one, still in flight (it may yet fail).
+            computed = (
+                req.num_computed_tokens - self._scheduled_later(req) if self._in_flight else req.num_computed_tokens
+            )
+            kv.cache_blocks(req, min(computed, req.num_tokens))
             if req.pooling_params is not None:  # its whole prompt ran: it finishes with its pooled output
                 per_client[req.client_index].append(finish_pooling_request(req, mro, idx))
                 stopped.append(req)
@@ -539,8 +647,9 @@ class Scheduler:
             was_long_rope = req.uses_long_rope
             new_token_ids: list[int] = []
             finished = False
-            # Tokens only count once the whole known sequence ran (a mid-prompt chunk samples nothing).
-            if sampled and req.num_computed_tokens >= req.num_tokens:
+            # Tokens only count once the whole known sequence ran (a mid-prompt chunk samples nothing); with async
+            # scheduling the schedule recorded which requests sample (num_computed_tokens may include the next step).
+            if sampled and (samples if self.async_scheduling else req.num_computed_tokens >= req.num_tokens):
                 for tok in sampled:
                     req.append_output_token_ids(tok)
                     new_token_ids.append(tok)
@@ -588,6 +697,10 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in ids]
             for req in stopped:
                 self._release(req)
+        for req in stopped_off_device:
+            self.waiting.remove_requests([req])
+            self.swapped.remove_requests([req])
+            self._release(req)
         if not per_client:
             return {}
         stats = self.make_stats()
@@ -601,6 +714,35 @@ class Scheduler:
             c: EngineCoreOutputs(outputs=outs, scheduler_stats=stats if c == first else gauges_only)
             for c, outs in per_client.items()
         }
+
+    def _take_off_device_token(self, req: Request, mro: ModelRunnerOutput) -> Optional[EngineCoreOutput]:
+        """Async scheduling: the token a request sampled in a step that was in flight when it was preempted.
+        It is appended as if the step had ended before the preemption (the request then recomputes or swaps in
+        with it); its stop checks run, and a request it ends leaves the waiting or swapped queue (the caller)."""
+        idx = mro.req_id_to_index.get(req.request_id)
+        sampled = mro.sampled_token_ids[idx] if idx is not None else []
+        if not sampled:
+            return None
+        tok = sampled[0]
+        req.append_output_token_ids(tok)
+        finished = self._check_stop(req)
+        new_logprobs = None
+        if mro.logprobs is not None and req.sampling_params.logprobs is not None:
+            start = mro.logprobs_cu[idx] if mro.logprobs_cu is not None else idx
+            new_logprobs = mro.logprobs.slice(start, start + 1)
+        first = req.num_output_tokens == 1
+        prompt_lp = mro.prompt_logprobs_dict.get(req.request_id) if first else None
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[tok],
+            new_logprobs=new_logprobs,
+            new_prompt_logprobs_tensors=prompt_lp,
+            finish_reason=req.get_finish_reason() if finished else None,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            queued_ts=req.queued_ts if first else 0.0,
+            scheduled_ts=req.scheduled_ts if first else 0.0,
+        )
 
     def _check_stop(self, req: Request) -> bool:
         """Sets the finished status; EOS and stop tokens only count once min_tokens are out."""
@@ -626,6 +768,7 @@ class Scheduler:
         """Forget a finished request: free its blocks, tell the worker to drop it."""
         rid = req.request_id
         self.kv_cache_manager.free(req)
+        self._resend.discard(rid)
         if rid in self._in_worker:
             self._in_worker.discard(rid)
             self._finished_req_ids.add(rid)
