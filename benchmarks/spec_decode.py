@@ -47,6 +47,15 @@ its graph replay (the engine core steps synchronously: schedule, run, sample, wa
 this is where speculation's bookkeeping shows:
 
     python benchmarks/spec_decode.py --host-times --batch 1,2 --repeats 2
+
+Batch verify steps replay a CUDA graph only when every request carries the same number of drafts; n-gram drafts
+are padded to one length per step where the runner captures verify graphs (spec_decode/uniform_drafts.py).
+`--uniform-drafts on|off` forces that either way (on: also on the CPU, where fillers cost compute), and
+`--compare-unpadded` adds the row ngram_unpadded (padding off) to the same interleaved rounds. Each n-gram row
+reports its verify steps, how many had drafts of different lengths (eager on CUDA), and the padded steps and
+filler tokens (the acceptance counters above count fillers as drafts):
+
+    python benchmarks/spec_decode.py --device cuda --quick --compare-unpadded
 """
 
 from __future__ import annotations
@@ -76,6 +85,9 @@ PASSAGES = [
 # Engine options per device: on CUDA each engine (several share the process and the GPU) takes a small share of its
 # memory and at most 16 sequences, so capturing its CUDA graphs takes seconds.
 CUDA_ENGINE_KWARGS: dict[str, Any] = {"gpu_memory_utilization": 0.12, "max_num_seqs": 16}
+
+
+UNIFORM_DRAFTS = {"auto": None, "on": True, "off": False}  # --uniform-drafts -> SpecDecodeStep.uniform_drafts
 
 
 def engine_kwargs(device: str) -> dict[str, Any]:
@@ -116,6 +128,7 @@ def run_ours_interleaved(
     batch_prompts: list[list[int]] | None = None,
     batch_sizes: tuple[int, ...] = (),
     device: str = "cpu",
+    uniform_drafts: bool | None = None,
 ) -> dict[str, dict]:
     """One in-process engine per configuration, timed in turn on each prompt (batch 1) and then on batches of the
     first b of `batch_prompts` (default: the prompts) for each b in `batch_sizes` (and len(prompts)), `repeats`
@@ -131,6 +144,7 @@ def run_ours_interleaved(
     engines = {}
     for name, spec in specs.items():
         SpecDecodeStep.gain_rule = name != "ngram_nogain"  # "ngram_nogain": drafts at every step (the rule off)
+        SpecDecodeStep.uniform_drafts = False if name == "ngram_unpadded" else uniform_drafts
         try:
             engines[name] = LLM(
                 model=model,
@@ -144,6 +158,8 @@ def run_ours_interleaved(
             )
         finally:
             SpecDecodeStep.gain_rule = True
+            SpecDecodeStep.uniform_drafts = None
+    steps = {name: _count_verify_steps(llm) for name, llm in engines.items()}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     per_tok: dict[str, list[float]] = {name: [] for name in specs}
@@ -152,6 +168,9 @@ def run_ours_interleaved(
     for llm in engines.values():
         llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
     before = {name: _spec_totals(llm) for name, llm in engines.items()}
+    padding_before = {name: _padding_totals(llm) for name, llm in engines.items()}
+    for counts in steps.values():
+        counts.update(verify=0, mixed=0)
     for rnd in range(repeats):
         for p in prompts:  # batch 1, configurations in turn
             for name, llm in engines.items():
@@ -178,12 +197,40 @@ def run_ours_interleaved(
                 draft_acceptance_rate=round(accepted / max(draft_tokens, 1), 3),
                 mean_acceptance_length=round(1 + accepted / max(drafts, 1), 3),
                 mean_draft_tokens=round(draft_tokens / max(drafts, 1), 3),
+                verify_steps=steps[name]["verify"],
+                verify_steps_mixed_lengths=steps[name]["mixed"],
             )
+            padded_steps, fillers = np.subtract(_padding_totals(llm), padding_before[name])
+            result.update(padded_steps=int(padded_steps), filler_tokens=int(fillers))
         result["outputs"] = outputs[name]
         results[name] = result
     for llm in engines.values():
         llm.shutdown()
     return results
+
+
+def _count_verify_steps(llm: Any) -> dict[str, int]:
+    """Counts, from now on, this in-process engine's verify steps and those whose requests run different numbers
+    of tokens (drafts of different lengths: no CUDA graph fits, cuda_graphs.py; eager on CUDA)."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule, counts = sched.schedule, {"verify": 0, "mixed": 0}
+
+    def counting() -> Any:
+        so = schedule()
+        if so.scheduled_spec_decode_tokens:
+            counts["verify"] += 1
+            counts["mixed"] += len(set(so.num_scheduled_tokens.values())) > 1
+        return so
+
+    sched.schedule = counting
+    return counts
+
+
+def _padding_totals(llm: Any) -> tuple[int, int]:
+    """(padded steps, filler tokens) of this in-process engine's uniform drafts (0s when padding is off)."""
+    spec = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.spec_decode
+    uniform = None if spec is None else spec.uniform
+    return (0, 0) if uniform is None else (uniform.num_padded_steps, uniform.num_filler_tokens)
 
 
 def _spec_totals(llm: Any) -> tuple[int, int, int]:
@@ -227,6 +274,7 @@ def host_times(
     batch_sizes: tuple[int, ...],
     repeats: int,
     dtype: str,
+    uniform_drafts: bool | None = None,
 ) -> dict[str, Any]:
     """Per decode step, microseconds of the engine thread's CPU time: the whole step ("step"), the model's forward
     and LM head ("forward", "lm_head"), the rest ("host" = step - forward - lm_head) and its main parts, split by
@@ -234,19 +282,24 @@ def host_times(
     from collections import defaultdict
 
     from vllm_lite import LLM, SamplingParams
+    from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 
     clock = time.thread_time
     engines: dict[str, Any] = {}
     for name, sc in (("plain", None), ("ngram", spec)):
-        llm = LLM(
-            model=model,
-            dtype=dtype,
-            multiprocess=False,
-            max_model_len=512,
-            speculative_config=sc,
-            num_threads=1,
-            disable_log_stats=True,
-        )
+        SpecDecodeStep.uniform_drafts = uniform_drafts
+        try:
+            llm = LLM(
+                model=model,
+                dtype=dtype,
+                multiprocess=False,
+                max_model_len=512,
+                speculative_config=sc,
+                num_threads=1,
+                disable_log_stats=True,
+            )
+        finally:
+            SpecDecodeStep.uniform_drafts = None
         core = llm.llm_engine.engine_core.engine_core
         runner = core.executor.worker.model_runner
         acc: dict[str, float] = defaultdict(float)
@@ -396,6 +449,15 @@ def main() -> None:
     )
     ap.add_argument("--quick", action="store_true", help="2 prompts, no draft model, no HF (a GPU check)")
     ap.add_argument(
+        "--uniform-drafts",
+        choices=sorted(UNIFORM_DRAFTS),
+        default="auto",
+        help="pad n-gram drafts to one length per batch step (auto: where the runner captures verify CUDA graphs)",
+    )
+    ap.add_argument(
+        "--compare-unpadded", action="store_true", help="also n-gram with the padding off (row ngram_unpadded)"
+    )
+    ap.add_argument(
         "--host-times",
         action="store_true",
         help="CPU: host time per plain decode step vs n-gram verify step, model forward and LM head left out "
@@ -443,6 +505,8 @@ def main() -> None:
         specs[f"ngram_k{k}"] = ngram(k)
     if args.no_gain_rule:
         specs["ngram_nogain"] = spec
+    if args.compare_unpadded:
+        specs["ngram_unpadded"] = spec
     batch_sizes = tuple(int(x) for x in args.batch.split(",") if x.strip())
     if args.disable_by_batch_size is not None:
         specs["ngram_dbbs"] = {**spec, "disable_by_batch_size": args.disable_by_batch_size}
@@ -465,6 +529,7 @@ def main() -> None:
         "device": args.device,
         "gpu": torch.cuda.get_device_name(torch.device(args.device)) if on_cuda else None,
         "repeats": args.repeats,
+        "uniform_drafts": args.uniform_drafts,
         "load_avg_1m_start": os.getloadavg()[0],
     }
     if draft_spec is not None:
@@ -474,7 +539,16 @@ def main() -> None:
     if args.host_times:
         if on_cuda:
             raise SystemExit("--host-times measures the CPU engine (thread CPU time); use a profiler on CUDA")
-        times = host_times(model, sets, spec, args.max_tokens, batch_sizes or (1,), max(1, args.repeats), args.dtype)
+        times = host_times(
+            model,
+            sets,
+            spec,
+            args.max_tokens,
+            batch_sizes or (1,),
+            max(1, args.repeats),
+            args.dtype,
+            UNIFORM_DRAFTS[args.uniform_drafts],
+        )
         result.update(times, num_threads=1, load_avg_1m_end=os.getloadavg()[0])
         print(json.dumps(result))
         return
@@ -491,6 +565,7 @@ def main() -> None:
             batch_prompts=all_prompts,
             batch_sizes=batch_sizes,
             device=args.device,
+            uniform_drafts=UNIFORM_DRAFTS[args.uniform_drafts],
         )
         plain = runs["plain"]
         row: dict[str, Any] = {

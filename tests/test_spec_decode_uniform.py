@@ -112,6 +112,21 @@ def _inputs(n: int) -> SimpleNamespace:
     return SimpleNamespace(num_reqs=n, req_ids=[f"r{i}" for i in range(n)], rows=np.arange(n))
 
 
+def test_runner_hook_narrows_padding_to_the_captured_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """set_verify_graphs (for the runner, once its capture is done): the captured sizes replace the derived ones,
+    none captured (a failed capture) turns padding off; forced padding (tests) ignores it."""
+    step = _step()
+    step.uniform.graph_sizes = {2: [1, 2, 4], 3: [1, 2, 4]}
+    step.set_verify_graphs({1: [1, 2, 4, 8], 2: [1, 2], 4: [1, 2]})
+    assert step.uniform.graph_sizes == {2: [1, 2], 4: [1, 2]}
+    step.set_verify_graphs(None)
+    assert step.uniform is None
+    monkeypatch.setattr(SpecDecodeStep, "uniform_drafts", True)
+    forced = _step()
+    forced.set_verify_graphs(None)
+    assert forced.uniform is not None and forced.uniform.graph_sizes is None
+
+
 def test_runner_pads_only_steps_where_every_request_decodes_and_may_speculate() -> None:
     hist = [[1, 2, 3, 9], [4, 5, 6, 7]]
     step = _step()

@@ -6,6 +6,9 @@ The pieces, each unit-tested on its own:
   batched torch ops; exact greedy equality, and the target distribution kept exactly for sampled rows.
 - `draft_budget.DraftBudget`: at batch > 1, whether a step's n-gram drafts pay for a verify step (expected accepted
   tokens against the engine's measured plain/verify step times), and vLLM's `disable_by_batch_size`.
+- `uniform_drafts.UniformDrafts`: where the runner captures verify CUDA graphs, pads a batch step's n-gram drafts to
+  one length (fillers are point-mass drafts: verified, kept only when they are the target's own token), so the
+  step replays a graph instead of running eager.
 - `metrics.SpecDecodingStats`: the `vllm:spec_decode_*` counters a scheduler step carries, and the log line.
 
 How the engine uses them:
