@@ -1077,6 +1077,13 @@ def main() -> int:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
         result["elapsed_s"] = round(time.perf_counter() - T0, 1)
+        try:
+            from vllm_lite.testing.gpu_bench import summary_lines
+
+            for line in summary_lines(result):
+                log(line)
+        except Exception as e:  # noqa: BLE001 - the summary is a courtesy; the JSON below is the result
+            log(f"summary failed: {type(e).__name__}: {e}")
         print(json.dumps(result), flush=True)
     failed = result["errors"] or any(e["errors"] for e in result.get("shapes", {}).values())
     return 1 if failed else 0

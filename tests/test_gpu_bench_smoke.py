@@ -28,6 +28,7 @@ from vllm_lite.testing.gpu_bench import (
     plan_variants,
     roofline,
     summarize_device_events,
+    summary_lines,
     top_functions,
 )
 
@@ -185,6 +186,43 @@ def test_plan_variants_and_compare_runs():
     assert c["tokens_per_s_ratio"] == 1.5 and c["batch1_ms_per_token_ratio"] == 0.75
     assert not c["greedy_identical_workload"] and c["workload_sequences_differing"] == 1
     assert c["first_difference_workload"] == {"sequence": 1, "token": 1} and c["greedy_identical_batch1"]
+
+
+def test_summary_lines_headline_figures():
+    phases = {"scheduler.schedule": {"self_us_per_step": 600.0}, "model.forward": {"self_us_per_step": 900.0}}
+    result = {
+        "shapes": {
+            "llama-1b": {
+                "vllm_lite_tokens_per_s": 12522.1,
+                "batch1_ttft_ms": 166.2,
+                "errors": [],
+                "decode_step": {
+                    "measured_ms": 7.9,
+                    "busy_ms_per_step": 3.6,
+                    "kernel_ms_per_step": 3.5,
+                    "kernels_per_step": 757.0,
+                    "host": {"host_ms": 4.3},
+                    "phases": phases,
+                    "top_kernels": [{"name": "_paged_attention_kernel", "us_per_step": 1051.4}],
+                },
+                "prefill_step": {
+                    "step_ms": 31.0,
+                    "step_ms_median": 30.0,
+                    "floor": {"roofline_ms": 5.2, "tokens_per_step": 2048},
+                },
+                "compare_async": {"tokens_per_s_ratio": 1.3, "greedy_identical_workload": True},
+            },
+            "llama-8b": {"compare_async": {"unsupported": "unsupported: no field"}, "errors": ["x"]},
+        }
+    }
+    lines = summary_lines(result)
+    assert lines[0] == "llama-1b: out tok/s 12522.1 TTFT 166.2 ms"
+    assert lines[1] == "  decode_step: 7.9 ms/step, busy 3.6 ms, kernels 3.5 ms (757.0/step), host 4.3 ms"
+    assert lines[2] == "    self us/step: model.forward 900.0, scheduler.schedule 600.0"
+    assert lines[3] == "    top: _paged_attention_kernel 1051.4 us"
+    assert lines[4] == "  prefill_step: 30.0 ms/step, floor 5.2 ms (2048 tok/step)"  # the median step
+    assert lines[5].startswith("  compare_async: tok/s x1.3") and "workload True" in lines[5]
+    assert lines[6:] == ["llama-8b: 1 errors", "  compare_async: unsupported: no field"]
 
 
 def _positive(x) -> bool:

@@ -393,6 +393,66 @@ def compare_runs(la: str, a: dict[str, Any], lb: str, b: dict[str, Any]) -> dict
     return cmp
 
 
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    """A few human-readable lines of benchmarks/gpu.py's JSON (the step profiles' headline figures), for the log:
+    per shape throughput, batch 1, and per step profile its ms, device busy / kernel ms, host ms, the top phases by
+    self time and the top kernels; --compare-async's ratios."""
+    lines = []
+    for name, e in result.get("shapes", {}).items():
+        head = [f"{name}:"]
+        for key, label, unit in (
+            ("vllm_lite_tokens_per_s", "out tok/s", ""),
+            ("ratio_vs_hf", "x HF", ""),
+            ("batch1_ms_per_token", "batch-1", " ms/tok"),
+            ("batch1_ttft_ms", "TTFT", " ms"),
+            ("gpu_busy_fraction", "busy", ""),
+        ):
+            if key in e:
+                head.append(f"{label} {e[key]}{unit}")
+        if e.get("errors"):
+            head.append(f"{len(e['errors'])} errors")
+        lines.append(" ".join(head))
+        for key in (
+            "decode_step",
+            "decode_step_batch1_inprocess",
+            "prefill_step",
+            "prefill_step_batch1",
+            "decode_step_async",
+            "decode_step_batch1_async",
+        ):
+            st = e.get(key)
+            if not st:
+                continue
+            ms = st.get("step_ms_median", st.get("measured_ms", st.get("step_ms")))
+            parts = [f"  {key}: {ms} ms/step"]
+            if "busy_ms_per_step" in st:
+                parts.append(f"busy {st['busy_ms_per_step']} ms")
+            if "kernel_ms_per_step" in st:
+                parts.append(f"kernels {st['kernel_ms_per_step']} ms ({st.get('kernels_per_step')}/step)")
+            if "host" in st:
+                parts.append(f"host {st['host']['host_ms']} ms")
+            if "floor" in st:
+                parts.append(f"floor {st['floor']['roofline_ms']} ms ({st['floor']['tokens_per_step']} tok/step)")
+            lines.append(", ".join(parts))
+            phases = sorted(st.get("phases", {}).items(), key=lambda kv: -kv[1]["self_us_per_step"])[:6]
+            if phases:
+                lines.append("    self us/step: " + ", ".join(f"{k} {v['self_us_per_step']}" for k, v in phases))
+            kernels = st.get("top_kernels") or st.get("top_cpu_ops") or []
+            if kernels:
+                lines.append("    top: " + "; ".join(f"{k['name'][:48]} {k['us_per_step']} us" for k in kernels[:4]))
+        ca = e.get("compare_async")
+        if ca:
+            if "unsupported" in ca or "error" in ca:
+                lines.append(f"  compare_async: {ca.get('unsupported') or ca.get('error')}")
+            else:
+                lines.append(
+                    f"  compare_async: tok/s x{ca.get('tokens_per_s_ratio')}, batch-1 ms x"
+                    f"{ca.get('batch1_ms_per_token_ratio')}, greedy identical: workload "
+                    f"{ca.get('greedy_identical_workload')}, batch-1 {ca.get('greedy_identical_batch1')}"
+                )
+    return lines
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
