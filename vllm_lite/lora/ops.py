@@ -93,10 +93,15 @@ def add_lora_triton(
     out_offsets: list[int],
     token_slots: torch.Tensor,
 ) -> None:
-    """add_lora through the Triton kernels of ``mod`` (triton_ops): one shrink for every sub-projection, then one
-    expand for all the subs when they sit side by side and BGMV runs (``lora_expand_subs``), else one per sub reading
-    its columns of the shrink's buffer as a strided view (the kernels take strides): no copies, so a captured CUDA
-    graph holds 2 kernels (plus the buffer's memset) per projection, where the per-sub loop held 1 + n_sub."""
+    """add_lora through the Triton kernels of ``mod`` (triton_ops). A BGMV step whose subs sit side by side (every
+    decode step of a Llama-family layer) takes ``add_lora_bgmv``: a shrink storing split-K partial sums and one
+    expand for every sub that sums them, so a captured CUDA graph holds 2 kernels per projection and no memset.
+    Otherwise one shrink for every sub-projection (into a zeroed buffer), then one expand for all the subs when they
+    sit side by side and BGMV runs (``lora_expand_subs``), else one per sub reading its columns of the shrink's
+    buffer as a strided view (the kernels take strides): no copies."""
+    bgmv = getattr(mod, "add_lora_bgmv", None)
+    if bgmv is not None and bgmv(y, x, lora_a, lora_b, out_offsets, token_slots):
+        return
     buf = mod.lora_shrink(x, lora_a, token_slots)
     r = lora_a.shape[1] // len(lora_b)
     adjacent = all(out_offsets[i] + lora_b[i].shape[1] == out_offsets[i + 1] for i in range(len(lora_b) - 1))

@@ -12,6 +12,12 @@ buf[t] @ B[slot(t)]^T into a column range of y, for a batch whose tokens use dif
 - BGMV (batched gather matrix-vector, small decode batches): one program per (token, output tile)
   reads its own slot's weight tile; no grouping at all.
 
+A layer's BGMV step (``add_lora_bgmv``, what ops.add_lora_triton runs for decode) takes two launches: the shrink
+stores its split-K partial sums side by side ([split, T, R], plain stores into an uninitialised buffer) and one
+expand sums them in a fixed order and writes every fused sub-projection; the per-projection memset of the
+shrink's buffer (a graph node of its own) and the atomics are gone. ``lora_shrink`` / ``lora_expand`` below keep
+the zeroed buffer and atomics (SGMV, the fallbacks, the kernels' own tests).
+
 The shrink has a long reduction (hidden size) and a short output (rank), so it splits K over
 programs and adds its partial sums atomically into the float32 buffer; the expand's reduction is the
 rank, so it never splits and each output element is written by exactly one program (y += ... is a
@@ -313,6 +319,169 @@ if HAS_TRITON:
         out = out_ptr + t * stride_out_t + offs_n * stride_out_n
         prev = tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out, (prev + acc).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _bgmv_shrink_partials_kernel(
+        in_ptr, w_ptr, out_ptr, slots_ptr, num_slots, n_out, k_in, stride_in_t, stride_in_k, stride_w_s, stride_w_n,
+        stride_w_k, stride_out_s, stride_out_t, stride_out_n, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """out[pid_k, t, n] = sum over this program's K tiles (pid_k, pid_k + SPLIT_K, ...) of in[t, k] * w[slot(t),
+        n, k]: the BGMV shrink's split-K partial sums, each stored by exactly one program (no atomics, so the buffer
+        needs no zeroing first). Rows of tokens without an adapter are not written (their expand reads nothing)."""
+        t = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if (slot < 0) | (slot >= num_slots):
+            return
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_out
+        w_base = w_ptr + slot * stride_w_s
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if _INTERPRET:  # as in _bgmv_kernel
+            k0 = pid_k * BLOCK_K
+            while k0 < k_in:
+                acc = _bgmv_k_tile(
+                    acc, in_ptr, w_base, t, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
+                    BLOCK_K,
+                )  # fmt: skip
+                k0 += BLOCK_K * SPLIT_K
+        else:
+            for k0 in range(pid_k * BLOCK_K, k_in, BLOCK_K * SPLIT_K):
+                acc = _bgmv_k_tile(
+                    acc, in_ptr, w_base, t, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
+                    BLOCK_K,
+                )  # fmt: skip
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_out_s + t * stride_out_t + offs_n * stride_out_n, acc, mask=n_ok)
+
+    @triton.jit
+    def _bgmv_expand_partials_kernel(
+        in_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, slots_ptr, num_slots, n_out, rank, start1, start2,
+        stride_in_s, stride_in_t, stride_in_k, stride_w0_s, stride_w1_s, stride_w2_s, stride_w_n, stride_w_k,
+        stride_out_t, stride_out_n, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, N_SUB: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """y[t, n] += sum_r buf[t, sub * rank + r] * w_sub[slot(t), n - start(sub), r], buf[t] being the sum of the
+        SPLIT partial rows in[0..SPLIT-1, t] (the shrink's, summed here in a fixed order, then rounded to the
+        weights' dtype as _bgmv_k_tile rounds its input). The (up to 3) subs lie side by side in y's columns
+        [0, n_out), sub 1 from start1, sub 2 from start2 (n_out when absent); BLOCK_N divides start1 and start2, so
+        a program's columns belong to one sub and read one [rank] slice of buf."""
+        t = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if (slot < 0) | (slot >= num_slots):
+            return
+        n0 = pid_n * BLOCK_N
+        col0 = ((n0 >= start1).to(tl.int32) + (n0 >= start2).to(tl.int32)) * rank  # this tile's sub's buf columns
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_out
+        sub = (offs_n >= start1).to(tl.int32) + (offs_n >= start2).to(tl.int32)  # the same for every column here
+        local_n = offs_n - tl.where(sub == 0, 0, tl.where(sub == 1, start1, start2))
+        offs_s = tl.arange(0, SPLIT_PAD)
+        s_ok = offs_s < SPLIT
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        k0 = 0
+        while k0 < rank:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < rank
+            ok = n_ok[:, None] & k_ok[None, :]
+            w_off = local_n[:, None] * stride_w_n + offs_k[None, :] * stride_w_k
+            w = tl.load(w0_ptr + slot * stride_w0_s + w_off, mask=ok & (sub[:, None] == 0), other=0.0)
+            if N_SUB > 1:
+                w += tl.load(w1_ptr + slot * stride_w1_s + w_off, mask=ok & (sub[:, None] == 1), other=0.0)
+            if N_SUB > 2:
+                w += tl.load(w2_ptr + slot * stride_w2_s + w_off, mask=ok & (sub[:, None] == 2), other=0.0)
+            parts = tl.load(
+                in_ptr + offs_s[:, None] * stride_in_s + t * stride_in_t + (col0 + offs_k)[None, :] * stride_in_k,
+                mask=s_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            a = tl.sum(parts, axis=0).to(w.dtype).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            k0 += BLOCK_K
+        out = out_ptr + t * stride_out_t + offs_n * stride_out_n
+        prev = tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out, (prev + acc).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _uniform_block_n(sizes: list[int]) -> Optional[int]:
+    """The largest power-of-two tile in [16, 64] that divides every sub's size but the last (so no tile of output
+    columns straddles two subs), or None."""
+    block = 64
+    while block >= 16:
+        if all(n % block == 0 for n in sizes[:-1]):
+            return block
+        block //= 2
+    return None
+
+
+def add_lora_bgmv(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: list[torch.Tensor],
+    out_offsets: list[int],
+    token_slots: torch.Tensor,
+    *,
+    split_k: Optional[int] = None,
+) -> bool:
+    """ops.add_lora for a BGMV step in two launches and no memset: the shrink stores its split-K partial sums
+    ([split, T, n_sub * r], float32, uninitialised: every row a token with an adapter reads is written) and one
+    expand sums them and adds every sub's delta. Applies when the step takes BGMV, the (1-3) subs' outputs lie side
+    by side from out_offsets[0], a power-of-two tile of 16-64 columns divides every sub boundary and the B's share
+    their row/column strides; returns False (nothing done) otherwise, for the caller's shrink + expand.
+
+    Against lora_shrink + lora_expand(_subs) it drops the zeroing of the shrink's buffer (a memset node per
+    projection in a captured graph) and the split-K atomics; the partials are summed in a fixed order."""
+    n_sub = len(lora_b)
+    num_tokens = x.shape[0]
+    if not 1 <= n_sub <= 3 or num_tokens == 0 or _resolve_method(None, num_tokens) != "bgmv":
+        return False
+    b0 = lora_b[0]
+    if any(b.stride()[1:] != b0.stride()[1:] or b.shape[0] != b0.shape[0] or b.shape[2] != b0.shape[2] for b in lora_b):
+        return False
+    sizes = [b.shape[1] for b in lora_b]
+    if any(out_offsets[i] + sizes[i] != out_offsets[i + 1] for i in range(n_sub - 1)):
+        return False
+    block_n = _uniform_block_n(sizes)
+    rank = b0.shape[2]
+    if block_n is None or x.dim() != 2 or lora_a.dim() != 3 or lora_a.shape[1] != n_sub * rank:
+        return False
+    if lora_a.shape[2] != x.shape[1] or lora_a.shape[0] != b0.shape[0]:
+        raise ValueError(f"lora_a {list(lora_a.shape)} does not fit x {list(x.shape)} and lora_b {list(b0.shape)}")
+    n_out = sum(sizes)
+    off = out_offsets[0]
+    if y.dim() != 2 or y.shape[0] != num_tokens or off < 0 or off + n_out > y.shape[1]:
+        raise ValueError(f"y {list(y.shape)} does not hold {num_tokens} rows of columns [{off}, {off + n_out})")
+    if split_k is not None and not 1 <= split_k <= MAX_SPLIT_K:
+        raise ValueError(f"split_k must lie in [1, {MAX_SPLIT_K}], got {split_k}")
+    _check_slots(token_slots, num_tokens)
+    _check_device(y, x, lora_a, *lora_b, token_slots)
+    num_slots, r_all, k_in = lora_a.shape
+    shrink_n = _pow2_block(r_all, 16, 128)
+    shrink_k = _pow2_block(k_in, 16, 128)
+    tiles = triton.cdiv(r_all, shrink_n)
+    split = split_k or _split_k(num_tokens * tiles, k_in, shrink_k)
+    parts = torch.empty((split, num_tokens, r_all), dtype=torch.float32, device=x.device)
+    _bgmv_shrink_partials_kernel[(num_tokens, tiles, split)](
+        x, lora_a, parts, token_slots, num_slots, r_all, k_in, x.stride(0), x.stride(1), *lora_a.stride(),
+        *parts.stride(), SPLIT_K=split, BLOCK_N=shrink_n, BLOCK_K=shrink_k, num_warps=4,
+    )  # fmt: skip
+    w = list(lora_b) + [b0] * (3 - n_sub)  # unread past n_sub
+    start1 = sizes[0] if n_sub > 1 else n_out
+    start2 = sizes[0] + sizes[1] if n_sub > 2 else n_out
+    target = y[:, off : off + n_out]
+    _bgmv_expand_partials_kernel[(num_tokens, triton.cdiv(n_out, block_n))](
+        parts, w[0], w[1], w[2], target, token_slots, num_slots, n_out, rank, start1, start2, *parts.stride(),
+        w[0].stride(0), w[1].stride(0), w[2].stride(0), b0.stride(1), b0.stride(2), target.stride(0),
+        target.stride(1), SPLIT=split, SPLIT_PAD=max(2, triton.next_power_of_2(split)), N_SUB=n_sub,
+        BLOCK_N=block_n, BLOCK_K=_pow2_block(rank, 16, 64), num_warps=4,
+    )  # fmt: skip
+    return True
 
 
 def lora_expand_subs(y: torch.Tensor, buf: torch.Tensor, lora_b: list[torch.Tensor], token_slots: torch.Tensor,
