@@ -34,7 +34,8 @@ RANDOM = [[17, 1203, 845, 77, 1500, 9, 333, 1024, 64], [1999, 3, 1400, 250, 88]]
 def test_drafts_padded_to_the_longest_with_cyclic_and_last_token_fillers() -> None:
     u = UniformDrafts(5, max_num_batched_tokens=2048)
     room = np.full(3, 100)
-    assert u.pad([[7, 8], [], [1, 2, 3, 4]], [9, 11, 12], room) == [[7, 8, 7, 8], [11, 11, 11, 11], [1, 2, 3, 4]]
+    got = u.pad([[7, 8], [], [1, 2, 3, 4]], [9, 11, 12], room)
+    assert got == ([[7, 8, 7, 8], [11, 11, 11, 11], [1, 2, 3, 4]], [2, 0, 4])
     assert (u.num_padded_steps, u.num_filler_tokens) == (1, 6)
     # Nothing to pad: no drafts at all, or a single request (batch 1 is always uniform).
     assert u.pad([[], []], [1, 2], room[:2]) is None
@@ -61,7 +62,17 @@ def test_common_length_is_capped_by_room_budget_threshold_and_graphs() -> None:
 
 def test_padding_truncates_drafts_past_the_common_length() -> None:
     u = UniformDrafts(5, 2048)
-    assert u.pad([[1, 2, 3, 4, 5], [6]], [0, 0], np.array([2, 9])) == [[1, 2], [6, 6]]
+    assert u.pad([[1, 2, 3, 4, 5], [6]], [0, 0], np.array([2, 9])) == ([[1, 2], [6, 6]], [2, 1])
+
+
+def test_a_request_the_batch_rule_set_aside_verifies_its_own_lookup_instead_of_fillers() -> None:
+    u = UniformDrafts(5, 2048)
+    room = np.full(3, 9)
+    spare = [(), [4, 5, 6, 7, 8], [9]]
+    assert u.pad([[1, 2, 3], [], []], [0, 0, 7], room, spare) == ([[1, 2, 3], [4, 5, 6], [9, 9, 9]], [3, 3, 1])
+    # The common length still comes from what the rule kept: spares never make the step longer.
+    assert u.pad([[], [], [1]], [0, 0, 0], room, [[1, 2, 3], [], ()]) == ([[1], [0], [1]], [1, 0, 1])
+    assert u.pad([[], []], [0, 0], room[:2], [[1, 2], [3]]) is None
 
 
 def test_verify_graph_sizes_follow_the_runners_keys() -> None:
@@ -134,6 +145,11 @@ def test_runner_pads_only_steps_where_every_request_decodes_and_may_speculate() 
     step._pad_uniform(_batch(hist), _inputs(2), np.arange(2), out)
     assert out == [[1, 2, 3], [7, 7, 7]]
     assert step._real_drafts == {"r0": 3, "r1": 0}
+    step._spare = {1: [4, 5]}  # r1's lookup found [4, 5], which the batch rule set aside
+    out = [[1, 2, 3], []]
+    step._pad_uniform(_batch(hist), _inputs(2), np.arange(2), out)
+    assert out == [[1, 2, 3], [4, 5, 4]]
+    assert step._real_drafts == {"r0": 3, "r1": 2}
     # A request whose min_tokens is unmet, or with multi-token bad words, gets no drafts from the scheduler.
     for kw in ({"min_tokens": [0, 9]}, {"tracks_history": [True, False]}):
         out = [[1, 2, 3], []]
@@ -146,6 +162,25 @@ def test_runner_pads_only_steps_where_every_request_decodes_and_may_speculate() 
     out = [[1, 2, 3], [4]]
     _step()._pad_uniform(_batch(hist, max_model_len=6), _inputs(2), np.arange(2), out)
     assert out == [[1, 2], [4, 4]]
+
+
+@pytest.mark.parametrize("row_search_max_batch", [64, 0])
+def test_proposals_padded_after_the_batch_rule_with_set_aside_lookups_verified(row_search_max_batch: int) -> None:
+    """SpecDecodeStep.propose end to end on the host (per-row and vectorised lookups): the batch rule sits out r1
+    (acceptance below its floor), whose lookup is then verified in place of fillers; r2 found nothing."""
+    from vllm_lite.spec_decode.ngram_proposer import NgramProposer
+
+    step = _step()
+    step.budget = DraftBudget(3)
+    step.budget._acceptance["r1"] = 0.1
+    step.proposer = NgramProposer(3, 1, 3, 64)
+    step.proposer.row_search_max_batch = row_search_max_batch
+    step.draft, step.disable_by_batch_size, step._step_drafts = None, None, 0
+    batch = _batch([[1, 2, 3, 1, 2], [4, 5, 6, 4, 5], [7, 8, 9]])
+    inputs = SimpleNamespace(**vars(_inputs(3)), num_tokens=3)
+    out = step.propose(batch, inputs, np.arange(3))
+    assert out == [[3, 1, 2], [6, 4, 5], [9, 9, 9]]
+    assert step._real_drafts == {"r0": 3, "r1": 3, "r2": 0}
 
 
 def test_budget_learns_acceptance_from_the_lookups_own_drafts() -> None:

@@ -16,7 +16,8 @@ d_i, some d_i > 0:
   a cap below some d_i truncates those drafts (the last few steps of a request near max_tokens, in practice);
 - every request's draft is padded to L with fillers: the cyclic continuation of its own draft (filler t repeats
   draft[t mod d_i]: a lookup cut short by the end of the history implies exactly that continuation) or, without a
-  draft, its last token repeated;
+  draft, its last token repeated; a request whose lookup found a draft that the batch rule set aside (its
+  acceptance is low) verifies that draft (up to L) instead of fillers, since its rows run anyway;
 - nothing changes when L would be 0, when some request may not speculate (unmet min_tokens, multi-token bad words:
   the scheduler drops its drafts, so the step is mixed whatever this does), or when a request is mid-prompt.
 
@@ -118,22 +119,32 @@ class UniformDrafts:
                 return length
         return 0
 
-    def pad(self, drafts: list[list[int]], last_tokens: Sequence[int], room: np.ndarray) -> Optional[list[list[int]]]:
-        """Every request's draft at the common length (fillers after its own, module docstring), or None to leave
-        the drafts as they are. `last_tokens`: each request's latest token (the filler of an empty draft)."""
+    def pad(
+        self,
+        drafts: list[list[int]],
+        last_tokens: Sequence[int],
+        room: np.ndarray,
+        spare: Optional[Sequence[Sequence[int]]] = None,
+    ) -> Optional[tuple[list[list[int]], list[int]]]:
+        """(every request's draft at the common length, how many of its tokens are the lookup's own), or None to
+        leave the drafts as they are. The length comes from `drafts` (what the batch rule kept); a request without
+        a draft takes its `spare` (what the lookup found and the rule set aside: its rows are verified anyway, and
+        a real proposal beats a filler), else fillers only. `last_tokens`: each request's latest token (the filler
+        of an empty draft)."""
         lengths = np.fromiter(map(len, drafts), np.int64, len(drafts))
         length = self.common_length(lengths, np.asarray(room, dtype=np.int64))
         if length == 0:
             return None
-        out = []
-        fillers = 0
-        for d, last in zip(drafts, last_tokens):
-            n = len(d)
-            if n >= length:
+        out, own = [], []
+        for i, (d, last) in enumerate(zip(drafts, last_tokens)):
+            if not d and spare is not None:
+                d = list(spare[i][:length])
+            n = min(len(d), length)
+            own.append(n)
+            if n == length:
                 out.append(d[:length])
-                continue
-            out.append(d + [d[t % n] for t in range(n, length)] if n else [last] * length)
-            fillers += length - n
+            else:  # cyclic: a lookup cut short by the history's end continues that way; none: the last token
+                out.append(d + [d[t % n] for t in range(n, length)] if n else [last] * length)
         self.num_padded_steps += 1
-        self.num_filler_tokens += fillers
-        return out
+        self.num_filler_tokens += length * len(drafts) - sum(own)
+        return out, own

@@ -238,6 +238,7 @@ class SpecDecodeStep:
     uniform_drafts: Optional[bool] = None
     uniform: Optional[UniformDrafts] = None  # set per instance when padding is on
     _real_drafts: Optional[dict[str, int]] = None  # padded requests' own draft lengths, from the last proposal
+    _spare: Optional[dict[int, list[int]]] = None  # step index -> drafts found that the batch rule set aside
 
     def __init__(
         self,
@@ -463,7 +464,7 @@ class SpecDecodeStep:
         budget = self.budget
         budget.step_started(len(s_idx), inputs.num_reqs, inputs.num_tokens, self._step_drafts)
         self._step_drafts = 0
-        self._real_drafts = None
+        self._real_drafts = self._spare = None
         try:
             out = self._propose_ngram(batch, inputs, s_idx)
             if self.uniform is not None and 2 <= len(s_idx) == inputs.num_reqs:
@@ -498,11 +499,12 @@ class SpecDecodeStep:
         if not any(drafts):
             return
         last = batch.token_ids[rows[live], num_tokens[live] - 1].tolist()
-        padded = self.uniform.pad(drafts, last, room[live])
+        spare = None if self._spare is None else [self._spare.get(i, ()) for i in idx]
+        padded = self.uniform.pad(drafts, last, room[live], spare)
         if padded is None:
             return
-        self._real_drafts = {inputs.req_ids[i]: len(d) for i, d in zip(idx, drafts)}
-        for i, d in zip(idx, padded):
+        self._real_drafts = {inputs.req_ids[i]: n for i, n in zip(idx, padded[1])}
+        for i, d in zip(idx, padded[0]):
             out[i] = d
 
     def _propose_ngram(self, batch: InputBatch, inputs: StepInputs, s_idx: np.ndarray) -> list[list[int]]:
@@ -530,6 +532,8 @@ class SpecDecodeStep:
             for i, drafts, n in zip(idx, found, counts.tolist()):
                 if n:
                     out[i] = drafts[:n]
+            if self.uniform is not None:  # set aside by the rule: verified instead of fillers if the step pads
+                self._spare = {i: d for i, d, n in zip(idx, found, counts.tolist()) if d and not n}
             return out
         num_tokens = batch.num_tokens[rows]
         proposal = proposer.propose(batch.token_ids[rows, : int(num_tokens.max())], num_tokens)
@@ -537,4 +541,11 @@ class SpecDecodeStep:
         for i, row, n in zip(idx, proposal.draft_token_ids, counts.tolist()):
             if n:
                 out[i] = row[:n].tolist()
+        if self.uniform is not None:
+            found = proposal.num_draft_tokens.tolist()
+            self._spare = {
+                i: row[:m].tolist()
+                for i, row, m, n in zip(idx, proposal.draft_token_ids, found, counts.tolist())
+                if m and not n
+            }
         return out
