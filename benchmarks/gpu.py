@@ -396,7 +396,7 @@ def _profile_facts(prof, wall_s: float, steps: int, device: str) -> dict[str, An
         span = (e.name, e.time_range.start, e.time_range.end)  # microseconds
         if e.device_type == want:
             dev.append(span)
-        elif cuda and e.device_type == DeviceType.CPU and e.name.startswith("cuda"):
+        elif cuda and e.device_type == DeviceType.CPU and e.name.startswith("cu"):  # runtime and driver API
             runtime.append(span)
     return summarize_device_events(dev, runtime, wall_s * 1e6, steps, cuda)
 

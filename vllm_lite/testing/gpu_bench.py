@@ -174,7 +174,8 @@ def summarize_device_events(
 ) -> dict[str, Any]:
     """A profiled window of `steps` steps lasting `wall_us`: `events` are (name, start_us, end_us) of the
     device's activity (CUDA kernels and copies; on CPU the CPU operators), `runtime` the host-side CUDA API calls
-    (cudaLaunchKernel, cudaGraphLaunch, cudaMemcpyAsync, cudaStreamSynchronize, ...; empty off CUDA).
+    and driver calls (cudaLaunchKernel, cuLaunchKernel (Triton), cudaGraphLaunch, cudaMemcpyAsync,
+    cudaStreamSynchronize, ...; empty off CUDA).
     Busy fraction (union of the intervals), busy and idle ms per step, kernels per step, kernel-time fraction,
     the top kernels (or CPU ops) by time, and the top runtime calls (a long cudaMemcpyAsync / synchronize is the
     host waiting for the device)."""
