@@ -4,7 +4,7 @@ Why: the runner replays a CUDA graph for a verify step only when every request r
 number d of drafts (cuda_graphs.py, `uniform_query_len`); drafts of different lengths, or one request with drafts
 beside one without, run eager, which on CUDA costs about twice a replay on the bundled model (~30% of the batch-2
 verify steps of the random workload did, H200). With n-gram proposals the batch rule (draft_budget.py) and the
-lookup itself give each request its own length (0: nothing found, or sat out), so most batch steps were mixed.
+lookup itself give each request its own length (0: nothing found, or sat out), so many batch steps were mixed.
 
 The rule, per step whose sampling requests (B >= 2, every running request among them) carry drafts of lengths
 d_i, some d_i > 0:
@@ -18,8 +18,13 @@ d_i, some d_i > 0:
   draft[t mod d_i]: a lookup cut short by the end of the history implies exactly that continuation) or, without a
   draft, its last token repeated; a request whose lookup found a draft that the batch rule set aside (its
   acceptance is low) verifies that draft (up to L) instead of fillers, since its rows run anyway;
-- nothing changes when L would be 0, when some request may not speculate (unmet min_tokens, multi-token bad words:
-  the scheduler drops its drafts, so the step is mixed whatever this does), or when a request is mid-prompt.
+- nothing changes when L would be 0 (a request on its last token beside drafted ones: that one step stays mixed,
+  an eager verify step, rather than dropping the others' drafts), when some request may not speculate (unmet
+  min_tokens, multi-token bad words: the scheduler drops its drafts, so the step is mixed whatever this does), or
+  when a request is mid-prompt; requests this step's tokens finish (max_tokens, max_model_len) are left out.
+
+Only n-gram drafts are padded: a draft model's sampled proposals carry q per row (rejection_sample_rows), which a
+point-mass filler inside such a row would break, and its proposal passes cost per position.
 
 Exactness: a filler is a draft like any other. N-gram drafts are point-mass proposals q = delta(x), and the
 rejection sampler (rejection_sampler.py) verifies them by coupling: greedy rows accept x iff it is the position's
@@ -31,7 +36,9 @@ outputs, logprobs and the sampled distribution are those of plain decoding (test
 
 Cost: every filler is a verified row. Under a graph the step costs what its key costs, so fillers are free; on the
 CPU (no graphs) each is compute, so the rule is on only where the runner captures verify graphs
-(`SpecDecodeStep.uniform_drafts`: None = that, True forces it, for tests, False turns it off). The batch rule and
+(`SpecDecodeStep.uniform_drafts`: None = that, derived from the config as the runner derives its graph keys, and
+narrowed to what it captured through `SpecDecodeStep.set_verify_graphs`; True forces it, for tests; False turns
+it off). The batch rule and
 the acceptance averages see only the real drafts (`SpecDecodeStep.observe`); the scheduler's draft counters
 (/metrics, SpecDecodingStats) count fillers as drafts.
 """
