@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from vllm_lite.config import SpeculativeConfig, verify_async_scheduling
 from vllm_lite.core.engine_core import EngineCore
-from vllm_lite.core.messages import EngineCoreRequest
+from vllm_lite.core.messages import EngineCoreRequest, FinishReason
 from vllm_lite.core.request import Request
 from vllm_lite.core.sched.scheduler import Scheduler
 from vllm_lite.engine_args import EngineArgs
@@ -346,6 +346,33 @@ def test_a_request_ended_by_eos_is_in_the_next_step_whose_token_for_it_is_droppe
     check_drained(asyn)
 
 
+def test_an_id_reused_right_after_its_request_ended_gets_its_own_tokens() -> None:
+    """The ended request's row is still in the step in flight; the new request with its id must not take that
+    step's token (the scheduler checks the request object, the worker drops the old row and adds the new one)."""
+    prompt = prompt_of(1, 4, 0)
+    eos = paged_next_token(prompt, VOCAB)  # its first token ends it
+    core = make_core(True)
+    core.add_request(EngineCoreRequest("x", prompt, SamplingParams(max_tokens=8), eos, 0.0))
+    core.add_request(
+        EngineCoreRequest("keep", prompt_of(2, 3, 0), SamplingParams(max_tokens=8, ignore_eos=True), eos, 0.0)
+    )
+    got: list[tuple[list[int], Any]] = []
+    readded = False
+    while core.has_unfinished_requests():
+        for batch in core.step().values():
+            for o in batch.outputs:
+                if o.request_id == "x":
+                    got.append((list(o.new_token_ids), o.finish_reason))
+                    if o.finish_reason is not None and not readded:
+                        assert core.batch_queue  # the ended request's next step is in flight
+                        core.add_request(EngineCoreRequest("x", [3, 4], SamplingParams(max_tokens=3), None, 0.0))
+                        readded = True
+    second, _, _ = reference_tokens([3, 4], 3, 256, None, vocab=VOCAB)
+    assert got[0] == ([eos], FinishReason.STOP)
+    assert [t for toks, _ in got[1:] for t in toks] == second and got[-1][1] == FinishReason.LENGTH
+    assert_no_leak(core)
+
+
 # ---------------------------------------------------------------------- when the core runs synchronously
 def test_must_sync_covers_grammars_speculative_decoding_and_rope_recompute() -> None:
     s = Scheduler(make_config())
@@ -517,6 +544,20 @@ def test_a_failed_step_is_recovered_with_the_synchronous_tokens(late: bool, vict
     assert asyn.results[victim].finish == "error" and "broke" in asyn.results[victim].error
     assert all(asyn.results[s.rid].finish == "length" for s in specs if s.rid != victim)
     check_drained(asyn)
+
+
+def test_blocks_a_step_in_flight_would_fill_are_not_prefix_cached_before_it_ran() -> None:
+    """Step N's update must not cache the block step N+1 writes: N+1 may fail at launch (here: its request's second
+    prompt token), and a later request sharing the prefix would read a slot nothing ever wrote. (Found by the
+    random failure test below.)"""
+    specs = [Spec("a", [1, 6], 1), Spec("b", [1, 6, 11], 1)]
+    config = dict(num_gpu_blocks=5, block_size=1, max_num_batched_tokens=1, max_num_seqs=1, max_model_len=6)
+    kw = {"fail_when": fails_for("a", 1)}
+    for async_scheduling in (False, True):
+        r = run(specs, async_scheduling, None, executor_kw=kw, **config)
+        assert r.results["a"].finish == "error"
+        assert (r.results["b"].tokens, r.results["b"].finish) == (expected(specs[1], None, 6)[0], "length")
+        check_drained(r)
 
 
 @settings(max_examples=max_examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
