@@ -358,3 +358,81 @@ def test_sampled_token_frequencies_match_plain_decoding(base: LLM, padded: LLM) 
             a, b = got[half::2], expected[half::2]
             pvalue = chi_square_homogeneity_pvalue(token_counts(a, position), token_counts(b, position))
             assert pvalue > SIGNIFICANCE, f"prompt {half}, position {position}: p = {pvalue}"
+
+
+def _verify_steps_and_replays(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> tuple[list, list]:
+    """(batch size, some request on its last token) of the verify steps scheduled from now on, and the (requests,
+    q) of the verify steps replayed."""
+    steps = _record_verify_steps(llm, monkeypatch)
+    runner = _runner(llm)
+    run = runner.cuda_graphs.run
+    replays: list = []
+
+    def counting(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        out = run(inputs, *args, **kwargs)
+        if out is not None and int(inputs.num_scheduled[0]) > 1:
+            replays.append((inputs.num_reqs, int(inputs.num_scheduled[0])))
+        return out
+
+    monkeypatch.setattr(runner.cuda_graphs, "run", counting)
+    return steps, replays
+
+
+def _assert_batch_verify_steps_replayed(steps: list, replays: list) -> None:
+    """Every batch verify step replayed, but those with a request on its last token beside drafted ones (no room
+    for a draft: the rule leaves that step mixed)."""
+    batch = [(len(s), last) for s, last in steps if len(s) > 1]
+    assert len(batch) >= 5, steps
+    assert len([r for r in replays if r[0] > 1]) == len([b for b, last in batch if not last]), (steps, replays)
+
+
+def test_every_batch_verify_step_takes_the_graph_path_with_stand_in_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU stand-ins for the runner's graphs (testing/device_ops.py: the replay path's buffer copies) and the
+    padding as on CUDA (capped by those keys): requests with drafts of different lengths and without any verify
+    every batch step through a graph, and emit what the same engine emits unpadded."""
+    from vllm_lite.testing.device_ops import install_stand_in_graphs
+
+    monkeypatch.setattr(SpecDecodeStep, "gain_rule", False)
+    llm = _llm(speculative_config=SPEC)
+    try:
+        runner = _runner(llm)
+        keys = resolve_graph_keys([1, 2, 4, 8], 3, runner.max_num_tokens)
+        prompts = token_prompts(REPEATING + RANDOM[:1])
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        unpadded = llm.generate(prompts, params, use_tqdm=False)
+        install_stand_in_graphs(runner, keys)
+        runner.spec_decode.uniform = UniformDrafts(3, runner.max_num_tokens)
+        runner.spec_decode.set_verify_graphs(runner.cuda_graphs.by_q)
+        assert runner.spec_decode.uniform.graph_sizes == {q: [1, 2, 4, 8] for q in (2, 3, 4)}
+        steps, replays = _verify_steps_and_replays(llm, monkeypatch)
+        assert_same_outputs(unpadded, llm.generate(prompts, params, use_tqdm=False))
+        _assert_batch_verify_steps_replayed(steps, replays)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batch_verify_steps_replay_graphs_with_the_eager_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA padding is on by default: every batch verify step replays a graph, and the greedy tokens (float32)
+    are the eager engine's."""
+    monkeypatch.setattr(SpecDecodeStep, "gain_rule", False)
+    kw: dict[str, Any] = dict(
+        model=get_checkpoint("llama"),
+        dtype="float32",
+        device="cuda",
+        max_model_len=256,
+        multiprocess=False,
+        max_num_seqs=8,
+        gpu_memory_utilization=0.15,
+        speculative_config=SPEC,
+    )
+    prompts = token_prompts(REPEATING + RANDOM[:1])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(enforce_eager=True, **kw) as llm:
+        assert _runner(llm).spec_decode.uniform is None
+        eager = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(**kw) as llm:
+        assert _runner(llm).spec_decode.uniform is not None and _runner(llm).cuda_graphs is not None
+        steps, replays = _verify_steps_and_replays(llm, monkeypatch)
+        assert_same_outputs(eager, llm.generate(prompts, params, use_tqdm=False))
+    _assert_batch_verify_steps_replayed(steps, replays)
