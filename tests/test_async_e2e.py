@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+import pytest
+
 from vllm_lite import SamplingParams
 from vllm_lite.lora.request import LoRARequest
 from vllm_lite.testing.checkpoints import get_checkpoint
@@ -37,7 +39,16 @@ def _generate(
 
     args = dict(model=get_checkpoint("llama"), device="cpu", dtype="float32", max_model_len=128, multiprocess=False)
     with LLM(async_scheduling=async_scheduling, **args, **kw) as llm:
-        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.executor.worker.model_runner
+        preempt = core.scheduler._preempt
+
+        def counted_preempt(*a: Any) -> Any:
+            preemptions[0] += 1
+            return preempt(*a)
+
+        preemptions = [0]
+        core.scheduler._preempt = counted_preempt
         assert runner.async_scheduling is async_scheduling
         overlapped = [0]
         orig = runner.execute_model
@@ -50,6 +61,7 @@ def _generate(
 
         runner.execute_model = execute_model
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+    _generate.preemptions = preemptions[0]  # type: ignore[attr-defined]
     res = []
     for o in outs:
         c = o.outputs[0]
@@ -121,3 +133,20 @@ def test_lora_requests_are_identical(tmp_path) -> None:
     sync = _check_same(params, prompts=PROMPTS[:4], loras=which, **kw)
     base = _generate(False, params, prompts=PROMPTS[:4])[0]
     assert sync[0][0] != base[0][0]  # the adapters did change the tokens
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_a_small_kv_cache_is_identical(mode: str) -> None:
+    """9 blocks of 16 tokens for 6 requests of up to 92 tokens: requests are preempted (some while their token is
+    in flight) and come back by recompute or swap-in."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=70, ignore_eos=True),
+    ] * 3
+    kw = dict(kv_cache_memory_bytes=9 * 12288, preemption_mode=mode, swap_space=0.01)  # tiny llama: 12288 B a block
+    sync, _ = _generate(False, params, **kw)
+    assert _generate.preemptions > 0  # type: ignore[attr-defined]
+    asyn, overlapped = _generate(True, params, **kw)
+    assert _generate.preemptions > 0 and overlapped > 0  # type: ignore[attr-defined]
+    assert [r[:2] for r in asyn] == [r[:2] for r in sync]
+    assert all(len(r[0]) == 70 for r in sync)
