@@ -6,9 +6,8 @@ prompts the 8 adapters round-robin (rank --rank, every q/k/v/o and gate/up/down 
 in PEFT's format), so every step batches all 8. Both engines live in this process (multiprocess=False) and
 run interleaved --repeats times after a warm-up each, so load on the machine hits both alike; the ratio is
 taken per repeat and the median is reported. ``--ops`` picks the CPU LoRA ways to time in the same
-interleaving: ``auto`` (what the engine runs: csrc's ``lora_add_cpu`` called by the layer itself for steps of at
-most KERNEL_MAX_TOKENS tokens, else ``torch_ops.add_lora``'s segments), ``auto_dispatch`` (the same ways, every
-call through ``ops.add_lora`` -> ``torch_ops.add_lora``), ``segments`` (segments of one slot, two bmm's, for every step),
+interleaving: ``auto`` (what the engine runs: ``torch_ops.add_lora``, csrc's ``lora_add_cpu`` for steps of at most
+KERNEL_MAX_TOKENS tokens, else segments), ``segments`` (segments of one slot, two bmm's, for every step),
 ``grouped`` (one matmul per slot present, shrink then expand), ``gather`` (each token's A/B gathered, bmm), and
 ``none`` (no delta at all: what the wrappers and per-step slot planning cost by themselves; wrong tokens).
 ``--num-threads`` pins both engines' torch threads (1 is steadier on a shared host).
@@ -86,9 +85,6 @@ def _ways() -> dict[str, Delta]:
 
     return {
         "auto": torch_ops.add_lora,
-        # auto reached through ops.add_lora -> torch_ops.add_lora per call (the layers' path before they called
-        # csrc's kernel themselves on decode-sized steps): A/B of that Python dispatch
-        "auto_dispatch": lambda *args, **kw: torch_ops._AUTO_ADD_LORA(*args, **kw),
         "segments": lambda y, x, a, b, off, s, lora_bt=None: torch_ops.add_lora_segments(y, x, a, b, off, s),
         "grouped": _per_op(torch_ops.lora_shrink, torch_ops.lora_expand),
         "gather": _per_op(torch_ops.lora_shrink_gather, torch_ops.lora_expand_gather),
@@ -163,7 +159,7 @@ def main() -> None:
     ap.add_argument(
         "--ops",
         nargs="+",
-        choices=("auto", "auto_dispatch", "segments", "grouped", "gather", "none"),
+        choices=("auto", "segments", "grouped", "gather", "none"),
         default=["auto"],
         help="CPU LoRA ways: auto (what the engine runs), segments (bmm only), per-op grouped / gather+bmm, or none",
     )

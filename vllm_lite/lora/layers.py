@@ -23,7 +23,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from vllm_lite.lora import torch_ops
 from vllm_lite.lora.ops import add_lora
 from vllm_lite.worker.models.cpu_prepack import linear
 from vllm_lite.worker.parallel_state import tensor_model_parallel_all_reduce
@@ -77,7 +76,6 @@ class LoRALinear(nn.Module):
         )
         self.lora_b = [torch.zeros((max_loras, s.out_size, max_rank), dtype=dtype, device=device) for s in subs]
         self._offsets = [s.out_offset for s in subs]
-        self._sizes = [s.out_size for s in subs]
         # On CPU, every sub's B again, transposed into its output columns: [max_loras, max_rank, out]; csrc's
         # kernel (torch_ops.add_lora) reads it along output columns. Not kept on CUDA (Triton reads lora_b).
         out = max(s.out_offset + s.out_size for s in subs)
@@ -123,21 +121,7 @@ class LoRALinear(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def _add_delta(self, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
-        bt = self.lora_bt
-        if bt is not None and x.shape[0] <= torch_ops.KERNEL_MAX_TOKENS:
-            # Decode-sized CPU step: csrc's kernel straight from here (what ops.add_lora would pick, without its
-            # ~10-20 us of Python dispatch and checks a call; 4 calls a layer).
-            op = torch_ops.direct_kernel()
-            if (
-                op is not None
-                and x.dtype == bt.dtype == y.dtype
-                and slots.dtype == torch.int32
-                and x.stride(-1) == 1
-                and y.stride(-1) == 1
-            ):
-                op(y, x, self.lora_a, bt, slots, self._offsets, self._sizes)
-                return
-        add_lora(y, x, self.lora_a, self.lora_b, self._offsets, slots, bt)
+        add_lora(y, x, self.lora_a, self.lora_b, self._offsets, slots, self.lora_bt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         slots = self.state.token_slots

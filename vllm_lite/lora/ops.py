@@ -74,12 +74,12 @@ def add_lora(
     lora_a [S, n_sub * r, in] (sub i's A in rows i*r ... (i+1)*r), lora_b[i] [S, out_i, r]; slot -1: untouched.
     lora_bt [S, r, N]: the same B's transposed into y's columns, which CPU layers keep for csrc's kernel.
     """
+    if lora_bt is not None:  # kept by CPU layers only: csrc's kernel or segments (looked up per call: --ops swaps it)
+        torch_ops.add_lora(y, x, lora_a, lora_b, out_offsets, token_slots, lora_bt=lora_bt)
+        return
     mod = _triton_ops() if x.is_cuda else None
     if mod is None or not hasattr(mod, "lora_shrink"):
-        if lora_bt is None:
-            torch_ops.add_lora(y, x, lora_a, lora_b, out_offsets, token_slots)
-        else:
-            torch_ops.add_lora(y, x, lora_a, lora_b, out_offsets, token_slots, lora_bt=lora_bt)
+        torch_ops.add_lora(y, x, lora_a, lora_b, out_offsets, token_slots)
         return
     add_lora_triton(mod, y, x, lora_a, lora_b, out_offsets, token_slots)
 

@@ -146,34 +146,28 @@ def add_lora(
     (one call for every slot, see the module doc); otherwise, and without the kernel, ``add_lora_segments``.
     """
     if lora_bt is not None and x.shape[0] <= KERNEL_MAX_TOKENS:
-        op = kernel_op()
+        op = _KERNEL[0] if _KERNEL else kernel_op()
         if op is not None and _kernel_fits(y, x, lora_a, lora_bt, token_slots):
             op(y, x, lora_a, lora_bt, token_slots, out_offsets, [b.shape[1] for b in lora_b])
             return
     add_lora_segments(y, x, lora_a, lora_b, out_offsets, token_slots)
 
 
-def direct_kernel() -> Optional[Callable[..., None]]:
-    """csrc's op for a layer to call itself on a decode-sized CPU step (``LoRALinear._add_delta``), skipping
-    ``ops.add_lora`` -> ``add_lora`` -> checks (~10-20 us of Python a call, 48 calls a step on the 100M Qwen2);
-    None when ``add_lora`` has been swapped (benchmarks/lora_throughput.py ``--ops``) or the kernel is not built."""
-    return kernel_op() if add_lora is _AUTO_ADD_LORA else None
-
-
 def _kernel_fits(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_bt: torch.Tensor, token_slots: torch.Tensor
 ) -> bool:
+    """What csrc's op takes: CPU, float32/bfloat16 all alike, int32 slots, unit column strides (cheapest first)."""
+    dtype = y.dtype
     return (
-        y.device.type == "cpu"
-        and y.dtype in _KERNEL_DTYPES
-        and x.dtype == y.dtype == lora_a.dtype == lora_bt.dtype
-        and token_slots.dtype == torch.int32
+        x.dtype is dtype
+        and lora_bt.dtype is dtype
+        and lora_a.dtype is dtype
+        and dtype in _KERNEL_DTYPES
+        and token_slots.dtype is torch.int32
         and y.stride(-1) == 1
         and x.stride(-1) == 1
+        and not y.is_cuda
     )
-
-
-_AUTO_ADD_LORA = add_lora  # what the engine runs unless a benchmark swaps torch_ops.add_lora
 
 
 def kernel_op() -> Optional[Callable[..., None]]:
