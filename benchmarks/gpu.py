@@ -573,14 +573,33 @@ def profile_worker(spec: dict[str, Any]) -> dict[str, Any]:
         return os.path.join(trace_dir, f"{spec.get('trace_prefix', 'trace')}-{tag}.json.gz") if trace_dir else None
 
     dev = s["device"]
+    n1, b1_len = s["prefill_b1_iters"], s["batch1_input_len"]
+    measures = []
+    if "decode" in parts:
+        measures += [
+            (
+                "batch_n",
+                lambda: _measure_decode(engine, prompts, s["output_len"], steps, dev, "bn", modes, trace("bn")),
+            ),
+            (
+                "batch_1",
+                lambda: _measure_decode(engine, b1, s["batch1_output_len"], steps, dev, "b1", modes, trace("b1")),
+            ),
+        ]
+    if "prefill" in parts:
+        measures += [
+            (
+                "prefill_n",
+                lambda: _measure_prefill(engine, s, s["num_prompts"], lo, hi, steps, "pn", modes, trace("pn")),
+            ),
+            ("prefill_1", lambda: _measure_prefill(engine, s, 1, b1_len, b1_len, n1, "p1", modes, trace("p1"))),
+        ]
+    res["part_seconds"] = {}
     try:
-        if "decode" in parts:
-            res["batch_n"] = _measure_decode(engine, prompts, s["output_len"], steps, dev, "bn", modes, trace("bn"))
-            res["batch_1"] = _measure_decode(engine, b1, s["batch1_output_len"], steps, dev, "b1", modes, trace("b1"))
-        if "prefill" in parts:
-            res["prefill_n"] = _measure_prefill(engine, s, s["num_prompts"], lo, hi, steps, "pn", modes, trace("pn"))
-            n1, b1_len = s["prefill_b1_iters"], s["batch1_input_len"]
-            res["prefill_1"] = _measure_prefill(engine, s, 1, b1_len, b1_len, n1, "p1", modes, trace("p1"))
+        for key, measure in measures:
+            t0 = time.perf_counter()
+            res[key] = measure()
+            res["part_seconds"][key] = round(time.perf_counter() - t0, 2)
     finally:
         llm.shutdown()
     return res
@@ -762,6 +781,7 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
         entry["decode_step_batch1_inprocess"] = decode_facts(b1p)
         entry["host_ms_per_decode_step"] = {"batch_n": bn.get("host"), "batch_1": b1p.get("host")}
         entry["step_profile_notes"] = prof.get("notes")
+        entry["step_profile_seconds"] = prof.get("part_seconds")
         for key, label in (("prefill_n", "prefill_step"), ("prefill_1", "prefill_step_batch1")):
             if key in prof:
                 entry[label] = prefill_facts(prof[key])
