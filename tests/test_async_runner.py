@@ -198,6 +198,23 @@ def test_penalties_wait_for_the_previous_tokens_and_give_the_sync_tokens() -> No
     assert _tokens(sync)["r0"] != plain.reqs["r0"].out  # the penalties did change the tokens
 
 
+def test_multi_token_bad_words_wait_for_the_previous_tokens_and_give_the_sync_tokens() -> None:
+    """A two-token bad word is matched against the output so far (its values): such a row waits like penalties."""
+    plain = _run(False, lambda core: core.add(0, _greedy(10)), steps=10).reqs["r0"].out
+    a, b = plain[3], plain[4]
+
+    def setup(core: _Core) -> None:
+        params = _greedy(10)
+        params._bad_words_token_ids = [[a, b]]  # as the frontend sets it from bad_words
+        core.add(0, params)
+        core.add(1, _greedy(10))
+
+    sync = _run(False, setup, steps=11)
+    asyn = _run(True, setup, steps=11)
+    assert _tokens(asyn) == _tokens(sync)
+    assert sync.reqs["r0"].out[:4] == plain[:4] and sync.reqs["r0"].out[4] != b  # the word was banned
+
+
 def test_unpenalized_batches_do_not_wait() -> None:
     """Without penalties both steps in flight stay unread at the second launch: their tokens are both -1 on the
     host (the second launch took the first's token from the device)."""
@@ -363,6 +380,32 @@ def _paused_forward(runner, counter: DeviceOpCounter) -> Iterator[None]:
         yield
     finally:
         del model.forward
+
+
+def test_fill_sampled_goes_by_request_id_and_skips_removed_and_readded_requests() -> None:
+    from vllm_lite.worker.input_batch import InputBatch
+    from vllm_lite.worker.step import NewRequestData
+
+    batch = InputBatch(4, 16, 1, 100, torch.device("cpu"))
+
+    def add(rid: str, prompt: list[int], out: Optional[list[int]] = None) -> None:
+        batch.add_request(NewRequestData(rid, prompt, out or [], _greedy(8), [1], 0))
+
+    for rid in ("a", "b", "c"):
+        add(rid, [1, 2])
+    batch.note_sampled(batch.rows_of(["a", "b", "c"]), step_id=7)
+    assert (
+        batch.token_ids[:3, 2].tolist() == [PLACEHOLDER_TOKEN] * 3 and batch.sampling.num_output[:3].tolist() == [1] * 3
+    )
+    batch.remove_request("a")  # c moves into row 0, its placeholder with it
+    batch.remove_request("b")
+    add("b", [1, 2], [5])  # re-added with its token known: nothing pending
+    batch.fill_sampled(["a", "b", "c"], np.array([11, 12, 13]), step_id=7)
+    assert batch.req_id_to_row["c"] == 0 and batch.token_ids[0, :3].tolist() == [1, 2, 13]
+    assert batch.token_ids[batch.req_id_to_row["b"], :3].tolist() == [1, 2, 5]
+    assert (batch.pending_pos == -1).all()
+    batch.fill_sampled(["c"], np.array([99]), step_id=7)  # a second fill changes nothing
+    assert batch.token_ids[0, 2] == 13
 
 
 # ---------------------------------------------------------------------------------------------- host staging
