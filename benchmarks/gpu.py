@@ -595,10 +595,14 @@ def profile_worker(spec: dict[str, Any]) -> dict[str, Any]:
             ("prefill_1", lambda: _measure_prefill(engine, s, 1, b1_len, b1_len, n1, "p1", modes, trace("p1"))),
         ]
     res["part_seconds"] = {}
+    res["errors"] = []
     try:
-        for key, measure in measures:
+        for key, measure in measures:  # one failing (a CUDA-only path, say) leaves the others' figures
             t0 = time.perf_counter()
-            res[key] = measure()
+            try:
+                res[key] = measure()
+            except Exception as e:  # noqa: BLE001 - recorded, the JSON says which part
+                res["errors"].append(_err(f"step profile {key}", e))
             res["part_seconds"][key] = round(time.perf_counter() - t0, 2)
     finally:
         llm.shutdown()
@@ -768,6 +772,14 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
             errors.append(_err(f"vllm_lite({label}: enforce_eager={eager}, {extra})", e))
 
     def record_profile(prof: dict[str, Any]) -> None:
+        errors.extend(prof.get("errors", []))
+        entry["step_profile_notes"] = prof.get("notes")
+        entry["step_profile_seconds"] = prof.get("part_seconds")
+        for key, label in (("prefill_n", "prefill_step"), ("prefill_1", "prefill_step_batch1")):
+            if key in prof:
+                entry[label] = prefill_facts(prof[key])
+        if "batch_n" not in prof or "batch_1" not in prof:
+            return
         bn, b1p = prof["batch_n"], prof["batch_1"]
         entry["gpu_busy_fraction"] = bn["busy_fraction"]
         entry["gpu_busy_fraction_batch1"] = b1p["busy_fraction"]
@@ -780,13 +792,9 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
             )
         entry["decode_step_batch1_inprocess"] = decode_facts(b1p)
         entry["host_ms_per_decode_step"] = {"batch_n": bn.get("host"), "batch_1": b1p.get("host")}
-        entry["step_profile_notes"] = prof.get("notes")
-        entry["step_profile_seconds"] = prof.get("part_seconds")
-        for key, label in (("prefill_n", "prefill_step"), ("prefill_1", "prefill_step_batch1")):
-            if key in prof:
-                entry[label] = prefill_facts(prof[key])
 
     def record_profile_async(pa: dict[str, Any]) -> None:
+        errors.extend(f"async: {x}" for x in pa.get("errors", []))
         entry["decode_step_async"] = decode_facts(pa["batch_n"])
         entry["decode_step_batch1_async"] = decode_facts(pa["batch_1"])
         cmp = entry.setdefault("compare_async", {})
