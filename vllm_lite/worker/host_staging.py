@@ -28,7 +28,8 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 class PinnedRing:
-    """Two pinned staging slots for one device; `begin_step` switches slot, `stage`/`host` copy arrays in."""
+    """Two pinned staging slots for one device; `begin_step` switches slot, `stage`/`host` copy arrays in, and
+    `record` (once a step, after its last copy is queued) marks when the slot may be written again."""
 
     def __init__(self, device: torch.device, num_slots: int = 2) -> None:
         self.device = torch.device(device)
@@ -76,11 +77,7 @@ class PinnedRing:
     def stage(self, arr: np.ndarray) -> torch.Tensor:
         """`arr` on the device, copied asynchronously from pinned memory (the array itself on CPU)."""
         t = self.host(arr)
-        if self.passthrough:
-            return t
-        out = t.to(self.device, non_blocking=True)
-        self.record()
-        return out
+        return t if self.passthrough else t.to(self.device, non_blocking=True)
 
     def record(self) -> None:
         """Mark the slot's copies issued so far (on the current stream); `begin_step` waits for the last mark."""

@@ -324,11 +324,18 @@ class GPUModelRunner:
         step N+2, and launches a blocking step only with nothing in flight."""
         if non_block and not self.async_scheduling:
             raise ValueError("execute_model(non_block=True) needs scheduler_config.async_scheduling")
-        if self.async_scheduling:
-            assert self._staging is not None
-            self._staging.begin_step()
-            if not non_block:  # nothing may be in flight; a step that still is gets read here, not raced
-                self._resolve_prev()
+        if not self.async_scheduling:
+            return self._execute(so, False)
+        assert self._staging is not None
+        self._staging.begin_step()
+        if not non_block:  # nothing may be in flight; a step that still is gets read here, not raced
+            self._resolve_prev()
+        try:
+            return self._execute(so, non_block)
+        finally:
+            self._staging.record()  # after the step's last copy from the slot's pinned arrays
+
+    def _execute(self, so: SchedulerOutput, non_block: bool) -> Any:
         self._update_states(so)
         self._move_blocks(so)
         if self.spec_decode is not None:
@@ -430,8 +437,6 @@ class GPUModelRunner:
             lora_slots = self.lora_manager.step_token_slots if self.lora_manager is not None else None
             host = self._staging.host if self._stage() is not None and self._staging is not None else None
             hidden = self.cuda_graphs.run(inputs, lora_slots, fix, host)
-            if host is not None and self._staging is not None:
-                self._staging.record()  # the slot's pinned arrays are read by the copies just queued
             if hidden is not None:
                 return hidden
         input_ids, positions, md = inputs.to_device(self.device, self._stage())
@@ -546,8 +551,8 @@ class GPUModelRunner:
         prompt_lp: dict[str, Optional[LogprobsTensors]],
     ) -> AsyncModelRunnerOutput:
         """The sampled ids (and logprobs) on their way to pinned host memory; the batch's placeholders noted."""
-        ring, staging = self._sampled_ring, self._staging
-        assert ring is not None and staging is not None
+        ring = self._sampled_ring
+        assert ring is not None
         step = _LaunchedStep(
             runner=self,
             step_id=self._step_id,
@@ -574,7 +579,6 @@ class GPUModelRunner:
             if slot >= 0:
                 ring.buffers[slot][: len(s_idx)].copy_(sampled)
             step.logprobs, step.prompt_lp = lp, prompt_lp
-        staging.record()
         if slot < 0:
             return AsyncModelRunnerOutput(step.get_output)
         batch.note_sampled(inputs.rows[s_idx], step.step_id)
