@@ -162,6 +162,17 @@ def test_runner_pads_only_steps_where_every_request_decodes_and_may_speculate() 
     out = [[1, 2, 3], [4]]
     _step()._pad_uniform(_batch(hist, max_model_len=6), _inputs(2), np.arange(2), out)
     assert out == [[1, 2], [4, 4]]
+    # r1 reached its max_tokens this step (it will not run again): left out, the others padded.
+    hist3 = hist + [[8, 9]]
+    out = [[1, 2, 3], [4], []]
+    _step()._pad_uniform(_batch(hist3, max_tokens=[None, 5, None]), _inputs(3), np.arange(3), out)
+    assert out == [[1, 2, 3], [4], [9, 9, 9]]
+    # No verify graph holds 3 requests: nothing to gain.
+    step = _step()
+    step.uniform = UniformDrafts(3, 2048, graph_sizes={2: [1, 2], 4: [1, 2]})
+    out = [[1, 2, 3], [4], []]
+    step._pad_uniform(_batch(hist3), _inputs(3), np.arange(3), out)
+    assert out == [[1, 2, 3], [4], []]
 
 
 @pytest.mark.parametrize("row_search_max_batch", [64, 0])

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from vllm_lite.config import VllmConfig
@@ -109,13 +108,21 @@ class UniformDrafts:
         self.num_padded_steps = 0  # steps whose drafts this padded (counters for benchmarks)
         self.num_filler_tokens = 0
 
-    def common_length(self, lengths: np.ndarray, room: np.ndarray) -> int:
-        """The step's draft length L for drafts of `lengths` (int [B]) and each request's `room` (the most drafts
-        the scheduler keeps for it: max_model_len and max_tokens); 0: leave the drafts as they are."""
+    @property
+    def max_batch(self) -> Optional[int]:
+        """The most requests a padded step can have (the largest captured verify batch size); None: no limit."""
+        if self.graph_sizes is None:
+            return None
+        return max((max(bs) for bs in self.graph_sizes.values() if bs), default=0)
+
+    def common_length(self, lengths: Sequence[int], room: Sequence[int]) -> int:
+        """The step's draft length L for drafts of `lengths` (ints, one per request) and each request's `room` (the
+        most drafts the scheduler keeps for it: max_model_len and max_tokens); 0: leave the drafts as they are."""
         b = len(lengths)
-        if b < 2 or int(lengths.max()) == 0:
+        longest = int(max(lengths, default=0))
+        if b < 2 or longest == 0:
             return 0
-        cap = min(int(lengths.max()), int(room.min()), self.k, self.max_num_batched_tokens // b - 1)
+        cap = min(longest, int(min(room)), self.k, self.max_num_batched_tokens // b - 1)
         if self.long_prefill_token_threshold > 0:
             cap = min(cap, self.long_prefill_token_threshold - 1)
         if self.graph_sizes is None:
@@ -130,7 +137,7 @@ class UniformDrafts:
         self,
         drafts: list[list[int]],
         last_tokens: Sequence[int],
-        room: np.ndarray,
+        room: Sequence[int],
         spare: Optional[Sequence[Sequence[int]]] = None,
     ) -> Optional[tuple[list[list[int]], list[int]]]:
         """(every request's draft at the common length, how many of its tokens are the lookup's own), or None to
@@ -138,8 +145,7 @@ class UniformDrafts:
         a draft takes its `spare` (what the lookup found and the rule set aside: its rows are verified anyway, and
         a real proposal beats a filler), else fillers only. `last_tokens`: each request's latest token (the filler
         of an empty draft)."""
-        lengths = np.fromiter(map(len, drafts), np.int64, len(drafts))
-        length = self.common_length(lengths, np.asarray(room, dtype=np.int64))
+        length = self.common_length([len(d) for d in drafts], room)
         if length == 0:
             return None
         out, own = [], []

@@ -476,35 +476,43 @@ class SpecDecodeStep:
     def _pad_uniform(self, batch: InputBatch, inputs: StepInputs, s_idx: np.ndarray, out: list[list[int]]) -> None:
         """Every request's drafts in `out` at one common length (spec_decode/uniform_drafts.py), in place, when
         every request of the step sampled and may speculate; remembers the padded requests' own lengths. Requests
-        that this step's tokens finish (max_tokens, max_model_len) are left out: they do not run again."""
-        assert self.uniform is not None
-        if not any(out[i] for i in s_idx.tolist()):  # a plain step next: nothing to pad
+        that this step's tokens finish (max_tokens, max_model_len) are left out: they do not run again. A Python
+        pass over the step's requests (batches with verify graphs are small: 16 at most by default)."""
+        uniform = self.uniform
+        assert uniform is not None
+        idx = s_idx.tolist()
+        if not any(out[i] for i in idx):  # a plain step next: nothing to pad
             return
-        rows = inputs.rows[s_idx]
-        sampling = batch.sampling
-        num_output = sampling.num_output[rows]
-        # The scheduler gives these no drafts (core/sched/spec_decode.py may_speculate): the step is mixed anyway.
-        if (num_output < sampling.min_tokens[rows]).any() or sampling.tracks_history[rows].any():
+        max_batch = uniform.max_batch
+        if max_batch is not None and len(idx) > max_batch:  # no verify graph this large
             return
-        num_tokens = batch.num_tokens[rows]
-        room = batch.max_model_len - num_tokens  # what drafts_for keeps: max_model_len, then max_tokens
-        live = room > 0
-        for j, r in enumerate(rows.tolist()):
-            params = batch.params[r]
-            if params is not None and params.max_tokens is not None:
-                room[j] = min(room[j], params.max_tokens - num_output[j] - 1)
-                live[j] &= room[j] >= 0
-        idx = s_idx[live].tolist()
-        drafts = [out[i] for i in idx]
-        if not any(drafts):
-            return
-        last = batch.token_ids[rows[live], num_tokens[live] - 1].tolist()
-        spare = None if self._spare is None else [self._spare.get(i, ()) for i in idx]
-        padded = self.uniform.pad(drafts, last, room[live], spare)
+        sampling, params, max_len = batch.sampling, batch.params, batch.max_model_len
+        num_output, min_tokens, tracked = sampling.num_output, sampling.min_tokens, sampling.tracks_history
+        num_tokens, token_ids = batch.num_tokens, batch.token_ids
+        live, drafts, last, room = [], [], [], []
+        for i, r in zip(idx, inputs.rows[s_idx].tolist()):
+            done = int(num_output[r])
+            if done < min_tokens[r] or tracked[r]:  # the scheduler gives it no drafts (may_speculate): mixed anyway
+                return
+            n = int(num_tokens[r])
+            left = max_len - n  # what drafts_for keeps: max_model_len, then max_tokens
+            p = params[r]
+            if p is not None and p.max_tokens is not None:
+                if done >= p.max_tokens:
+                    continue
+                left = min(left, p.max_tokens - done - 1)
+            if n >= max_len:
+                continue
+            live.append(i)
+            drafts.append(out[i])
+            last.append(int(token_ids[r, n - 1]))
+            room.append(left)
+        spare = None if self._spare is None else [self._spare.get(i, ()) for i in live]
+        padded = uniform.pad(drafts, last, room, spare)
         if padded is None:
             return
-        self._real_drafts = {inputs.req_ids[i]: n for i, n in zip(idx, padded[1])}
-        for i, d in zip(idx, padded[0]):
+        self._real_drafts = {inputs.req_ids[i]: n for i, n in zip(live, padded[1])}
+        for i, d in zip(live, padded[0]):
             out[i] = d
 
     def _propose_ngram(self, batch: InputBatch, inputs: StepInputs, s_idx: np.ndarray) -> list[list[int]]:
