@@ -225,3 +225,40 @@ def test_kept_rows_take_their_own_slots() -> None:
     state.kept_slots = token_slots[rows].contiguous()
     torch.testing.assert_close(layer(x[rows]), full[rows])
     assert not torch.allclose(layer(x[rows]), base(x[rows]))  # the deltas are there
+
+
+def test_step_slots_reach_the_device_only_when_a_layer_reads_them(tmp_path, monkeypatch) -> None:
+    """prepare_step keeps the step's slots on the host (a replayed CUDA graph copies them into its own buffer);
+    the first read by a layer makes the tensor and declares it to the ops once; the next step starts over."""
+    from vllm_lite.lora import layers
+
+    g = torch.Generator().manual_seed(2)
+    weights = {
+        "q": torch.randn(HEADS * HEAD_DIM, HIDDEN, generator=g),
+        "k": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
+        "v": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
+        "o": torch.randn(HIDDEN, HEADS * HEAD_DIM, generator=g),
+        "gate": torch.randn(INTER, HIDDEN, generator=g),
+        "up": torch.randn(INTER, HIDDEN, generator=g),
+        "down": torch.randn(HIDDEN, INTER, generator=g),
+    }
+    model, manager = _wrapped(weights, _adapter(tmp_path), 0, 1)
+    declared: list = []
+    real = layers.set_step_slots
+    monkeypatch.setattr(layers, "set_step_slots", lambda t: (declared.append(t), real(t)))
+    made: list = []
+    from_numpy = torch.from_numpy
+    monkeypatch.setattr(torch, "from_numpy", lambda a: (made.append(len(a)), from_numpy(a))[1])
+    manager.prepare_step(np.array([1, 0]), np.array([2, 3]))
+    assert made == [] and declared == []  # nothing on the device yet
+    x = torch.randn(5, HIDDEN, generator=g)
+    model.layers[0].self_attn.qkv_proj(x)
+    model.layers[0].mlp.gate_up_proj(x)
+    slots = manager.state.token_slots
+    assert made == [5] and len(declared) == 1 and declared[0] is slots
+    assert slots.tolist() == [manager.slot_ids.index(1)] * 2 + [-1] * 3
+    manager.prepare_step(np.array([0]), np.array([4]))  # no adapter: None, declared as such
+    assert manager.state.token_slots is None and declared[-1] is None and made == [5]
+    manager.state.token_slots = slots  # a captured graph's buffer (set directly)
+    manager.prepare_step(np.array([1]), np.array([1]))
+    assert manager.state.token_slots.tolist() == [manager.slot_ids.index(1)] and made == [5, 1]

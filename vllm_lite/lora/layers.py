@@ -20,22 +20,53 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
-from vllm_lite.lora.ops import add_lora
+from vllm_lite.lora.ops import add_lora, set_step_slots
 from vllm_lite.worker.models.cpu_prepack import linear
 from vllm_lite.worker.parallel_state import tensor_model_parallel_all_reduce
 
 
-@dataclass
 class LoRAState:
-    """Shared by every wrapped layer of one model: this step's per-token slot index (None: no adapter runs)."""
+    """Shared by every wrapped layer of one model: this step's per-token slot index (None: no adapter runs).
 
-    token_slots: Optional[torch.Tensor] = None
-    # The slots of the rows a step keeps past the last attention (the runner's logits_rows: the last layer's
-    # o_proj and MLP run on those rows only, models/decoder.py); None: every row goes on.
-    kept_slots: Optional[torch.Tensor] = None
+    ``LoRAModelManager.prepare_step`` hands over the step's slots on the host (``set_host_slots``); they become a
+    device tensor (and the ops' declared step slots) when a layer first reads ``token_slots``. A step that replays
+    a CUDA graph reads them from the graph's own slot buffer, so it makes no copy of its own to the device.
+    """
+
+    __slots__ = ("_token_slots", "_host", "kept_slots")
+
+    def __init__(self) -> None:
+        self._token_slots: Optional[torch.Tensor] = None
+        self._host: Optional[tuple[np.ndarray, torch.device]] = None  # slots not yet on the device, and where to
+        # The slots of the rows a step keeps past the last attention (the runner's logits_rows: the last layer's
+        # o_proj and MLP run on those rows only, models/decoder.py); None: every row goes on.
+        self.kept_slots: Optional[torch.Tensor] = None
+
+    @property
+    def token_slots(self) -> Optional[torch.Tensor]:
+        host = self._host
+        if host is not None:
+            self._host = None
+            self._token_slots = torch.from_numpy(host[0]).to(host[1], non_blocking=True)
+            set_step_slots(self._token_slots)  # the step's segments / grouping, planned once for every layer
+        return self._token_slots
+
+    @token_slots.setter
+    def token_slots(self, slots: Optional[torch.Tensor]) -> None:
+        """These slots from now on (a captured graph's buffer, a test's tensor); the caller declares them."""
+        self._host = None
+        self._token_slots = slots
+
+    def set_host_slots(self, slots: Optional[np.ndarray], device: torch.device) -> None:
+        """This step's int32 slots on the host (None: no adapter), moved to ``device`` when first read."""
+        self._token_slots = None
+        self._host = None if slots is None else (slots, device)
+        if slots is None:
+            set_step_slots(None)
 
 
 @dataclass(frozen=True)

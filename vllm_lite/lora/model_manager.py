@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from vllm_lite.config import LoRAConfig
-from vllm_lite.lora import ops
 from vllm_lite.lora.layers import LoRALinear, LoRAState, SubProjection
 from vllm_lite.lora.peft_adapter import load_adapter_tensors
 from vllm_lite.lora.request import LoRARequest
@@ -237,9 +236,8 @@ class LoRAModelManager:
         """Slots for this step's adapters and the per-token slot index ([T] int32, -1: none), built once."""
         self.state.kept_slots = None
         if len(req_lora_ids) == 0 or not req_lora_ids.any():
-            self.state.token_slots = None
+            self.state.set_host_slots(None, self.device)
             self.step_token_slots = None
-            ops.set_step_slots(None)
             return
         uniq, inverse = np.unique(req_lora_ids, return_inverse=True)
         ids = [int(u) for u in uniq if u != 0]
@@ -247,9 +245,7 @@ class LoRAModelManager:
         slot_of_uniq = np.array([slots.get(int(u), -1) for u in uniq], dtype=np.int32)
         token_slots = np.repeat(slot_of_uniq[inverse.reshape(-1)], num_scheduled)
         self.step_token_slots = token_slots
-        t = torch.from_numpy(token_slots).to(self.device, non_blocking=True)
-        self.state.token_slots = t
-        ops.set_step_slots(t)
+        self.state.set_host_slots(token_slots, self.device)  # on the device when an eager forward first reads them
 
     def keep_rows(self, rows: Optional[np.ndarray]) -> None:
         """This step runs its last layer past attention on these token rows only (the runner's logits_rows):
