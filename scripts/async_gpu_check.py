@@ -30,6 +30,8 @@ from vllm_lite.sampling_params import SamplingParams  # noqa: E402
 from vllm_lite.testing.stand_in_core import StandInCore  # noqa: E402
 
 BLOCK_SIZE = 16
+# Run the sync check off CUDA too (the tests, with torch.cuda.set_sync_debug_mode stood in).
+CHECK_OFF_CUDA = False
 
 
 def _build_runner(model: str, device: torch.device, dtype: str, async_: bool, batch: int, max_len: int):
@@ -77,6 +79,7 @@ def _drive(
     params: list[SamplingParams],
     graphs: bool,
     sync_check_at: Optional[int] = None,
+    sync_mode: str = "error",
 ) -> dict[str, Any]:
     """Prefill then decode every request to max_tokens; returns tokens, decode seconds and the sync-check verdict."""
     saved = runner.cuda_graphs
@@ -87,7 +90,7 @@ def _drive(
     for i, (p, sp) in enumerate(zip(prompts, params)):
         core.add(i, p, sp)
     cuda = runner.device.type == "cuda"
-    verdict: Optional[str] = None
+    verdict: Any = None
     try:
         core.step()  # prefill
         if cuda:
@@ -98,8 +101,8 @@ def _drive(
             if not any(len(r.out) + r.ph < r.params.max_tokens for r in core.reqs.values()):
                 core.drain()
                 break
-            if async_ and cuda and sync_check_at is not None and steps == sync_check_at:
-                verdict = _checked_step(core)
+            if async_ and (cuda or CHECK_OFF_CUDA) and sync_check_at is not None and steps == sync_check_at:
+                verdict = _checked_step(core, sync_mode)
             else:
                 core.step()
             steps += 1
@@ -107,6 +110,11 @@ def _drive(
         if cuda:
             torch.cuda.synchronize(runner.device)
         seconds = time.perf_counter() - t0
+    except _SyncFound:
+        for handle in core.in_flight:  # read what was launched before the failed launch (frees its ring slot)
+            handle.get_output()
+        runner._prev = None
+        raise
     finally:
         runner.cuda_graphs = saved
     return {
@@ -117,21 +125,41 @@ def _drive(
     }
 
 
-def _checked_step(core: StandInCore) -> str:
-    """One async launch under set_sync_debug_mode("error"): 'ok', or the error a host sync raised."""
+class _SyncFound(Exception):
+    pass
+
+
+def _checked_step(core: StandInCore, mode: str) -> Any:
+    """One async launch under set_sync_debug_mode(mode): 'ok', or (mode 'error') _SyncFound with the first sync's
+    message, or (mode 'warn') the list of every sync warning's source line and message."""
+    import warnings
+
     so = core.schedule()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        handle = core.runner.execute_model(so, non_block=True)
-    except RuntimeError as e:
-        torch.cuda.set_sync_debug_mode(0)
-        return f"sync: {str(e).splitlines()[0][:200]}"
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            handle = core.runner.execute_model(so, non_block=True)
+        except RuntimeError as e:
+            raise _SyncFound(str(e).splitlines()[0][:300]) from None
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [f"{w.filename}:{w.lineno}: {str(w.message)[:160]}" for w in caught if "synchroniz" in str(w.message)]
     core.in_flight.append(handle)
     if len(core.in_flight) == 2:
         core.update(core.in_flight.popleft().get_output())
-    return "ok"
+    return "ok" if not syncs else syncs
+
+
+def _checked_drive(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """An async drive with the sync check at its 3rd decode launch: under mode 'error' (the verdict); when that
+    raises, the drive again under 'warn' to list every sync site (and still compare its tokens)."""
+    try:
+        return _drive(*args, sync_check_at=3, sync_mode="error", **kwargs)
+    except _SyncFound as e:
+        out = _drive(*args, sync_check_at=3, sync_mode="warn", **kwargs)
+        out["sync_check"] = {"error": str(e), "all_syncs": out["sync_check"]}
+        return out
 
 
 def main() -> None:
@@ -185,11 +213,11 @@ def main() -> None:
     for graphs in (False, True):
         key = "graphs" if graphs else "eager"
         s = _drive(runners[False], bpr, False, prompts, greedy, graphs)
-        a = _drive(runners[True], bpr, True, prompts, greedy, graphs, sync_check_at=3)
+        a = _checked_drive(runners[True], bpr, True, prompts, greedy, graphs)
         identical[key] = s["tokens"] == a["tokens"]
         sync_free[f"greedy_{key}"] = a["sync_check"]
         sr = _drive(runners[False], bpr, False, prompts, seeded, graphs)
-        ar = _drive(runners[True], bpr, True, prompts, seeded, graphs, sync_check_at=3)
+        ar = _checked_drive(runners[True], bpr, True, prompts, seeded, graphs)
         identical[f"seeded_{key}"] = sr["tokens"] == ar["tokens"]
         sync_free[f"seeded_{key}"] = ar["sync_check"]
     res["tokens_identical"] = all(identical.values())

@@ -464,3 +464,48 @@ def test_gpu_check_script_smoke_runs_on_cpu(capsys, monkeypatch) -> None:
 
     res = json.loads(lines[-1])
     assert res["device"] == "cpu" and res["tokens_identical"] is True, res
+
+
+def _load_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "async_gpu_check.py"
+    spec = importlib.util.spec_from_file_location("async_gpu_check", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_script_reports_every_sync_site_when_a_launch_syncs(monkeypatch) -> None:
+    """The script's sync check, with set_sync_debug_mode stood in: a launch that syncs raises under 'error'; the
+    script then runs the drive again under 'warn', lists the sites, and still returns the drive's tokens."""
+    import warnings
+
+    from vllm_lite.testing.checkpoints import get_checkpoint
+
+    mod = _load_script()
+    monkeypatch.setattr(mod, "CHECK_OFF_CUDA", True)
+    mode = ["default"]
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.__setitem__(0, m))
+    runner, bpr = mod._build_runner(get_checkpoint("llama"), torch.device("cpu"), "float32", True, 2, 24)
+    orig = runner.execute_model
+
+    def execute_model(so, non_block=False):
+        if mode[0] == "error":
+            raise RuntimeError("called a synchronizing CUDA operation\nmore")
+        if mode[0] == "warn":
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        return orig(so, non_block=non_block)
+
+    monkeypatch.setattr(runner, "execute_model", execute_model)
+    prompts = [[5, 6, 7], [8, 9]]
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 2
+    out = mod._checked_drive(runner, bpr, True, prompts, params, False)
+    check = out["sync_check"]
+    assert check["error"] == "called a synchronizing CUDA operation" and len(check["all_syncs"]) == 1
+    assert "synchronizing" in check["all_syncs"][0]
+    plain, _ = mod._build_runner(get_checkpoint("llama"), torch.device("cpu"), "float32", False, 2, 24)
+    assert out["tokens"] == mod._drive(plain, bpr, False, prompts, params, False)["tokens"]
+    monkeypatch.setattr(runner, "execute_model", orig)  # a clean launch passes
+    assert mod._checked_drive(runner, bpr, True, prompts, params, False)["sync_check"] == "ok"
