@@ -484,8 +484,8 @@ def _count_replays(graphs: CudaDecodeGraphs) -> list[tuple[int, int]]:
     replays: list[tuple[int, int]] = []
     real_run = graphs.run
 
-    def counting_run(inputs, lora_slots=None):
-        out = real_run(inputs, lora_slots)
+    def counting_run(inputs, *args, **kwargs):  # whatever else run takes (LoRA slots, async input fix) passes through
+        out = real_run(inputs, *args, **kwargs)
         if out is not None:
             replays.append((inputs.num_reqs, int(inputs.num_scheduled[0])))
         return out
