@@ -646,8 +646,8 @@ def test_greedy_tokens_identical_with_and_without_cuda_graphs(dtype: str, num_pr
         replays: list[int] = []
         real_run = graphs.run
 
-        def counting_run(inputs, lora_slots=None):
-            out = real_run(inputs, lora_slots)
+        def counting_run(inputs, *args, **kwargs):  # LoRA slots, the async input fix: passed through
+            out = real_run(inputs, *args, **kwargs)
             if out is not None:
                 replays.append(inputs.num_reqs)
             return out
