@@ -262,3 +262,44 @@ def test_step_slots_reach_the_device_only_when_a_layer_reads_them(tmp_path, monk
     manager.state.token_slots = slots  # a captured graph's buffer (set directly)
     manager.prepare_step(np.array([1]), np.array([1]))
     assert manager.state.token_slots.tolist() == [manager.slot_ids.index(1)] and made == [5, 1]
+
+
+def test_a_repeated_step_reuses_its_slots_until_adapters_move(tmp_path) -> None:
+    """The same batch twice gives the same slots without regrouping; removing, pinning or another step's eviction
+    in between makes the next step look its adapters up again (and reload a removed one)."""
+    g = torch.Generator().manual_seed(4)
+    weights = {
+        "q": torch.randn(HEADS * HEAD_DIM, HIDDEN, generator=g),
+        "k": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
+        "v": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
+        "o": torch.randn(HIDDEN, HEADS * HEAD_DIM, generator=g),
+        "gate": torch.randn(INTER, HIDDEN, generator=g),
+        "up": torch.randn(INTER, HIDDEN, generator=g),
+        "down": torch.randn(HIDDEN, INTER, generator=g),
+    }
+    adapter = _adapter(tmp_path)
+    _, manager = _wrapped(weights, adapter, 0, 1)
+    for lid in (2, 3):
+        manager.register(LoRARequest(f"a{lid}", lid, adapter))
+    ids, counts = np.array([1, 0, 2]), np.array([1, 1, 1])
+    manager.prepare_step(ids, counts)
+    first = manager.step_token_slots.tolist()
+    manager.prepare_step(ids.copy(), counts.copy())
+    assert manager.step_token_slots.tolist() == first
+    manager.remove_lora(1)
+    manager.prepare_step(ids, counts)  # must put adapter 1 back in a slot
+    assert 1 in manager.slot_ids and manager.step_token_slots.tolist() == [
+        manager.slot_ids.index(1),
+        -1,
+        manager.slot_ids.index(2),
+    ]
+    manager.prepare_step(np.array([3]), np.array([1]))  # evicts the least recently used of 1 and 2 (slots: 2)
+    manager.prepare_step(ids, counts)
+    assert {1, 2} <= set(manager.slot_ids)
+    assert manager.step_token_slots.tolist() == [manager.slot_ids.index(1), -1, manager.slot_ids.index(2)]
+    manager.prepare_step(ids, counts.astype(np.int32))  # other dtypes, same values: looked up again, same slots
+    assert manager.step_token_slots.tolist() == [manager.slot_ids.index(1), -1, manager.slot_ids.index(2)]
+    manager.pin_lora(3)  # takes a slot from 1 or 2 (max_loras 2) between two identical steps
+    manager.prepare_step(ids, counts.astype(np.int32))
+    assert {1, 2} <= set(manager.slot_ids)
+    assert manager.step_token_slots.tolist() == [manager.slot_ids.index(1), -1, manager.slot_ids.index(2)]

@@ -64,6 +64,9 @@ class LoRAModelManager:
         self.num_disk_loads = 0  # adapters read from disk (host-cache misses included), for tests and stats
         # This step's per-token slots on the host (None: no adapter runs), which CUDA graphs copy into their buffer.
         self.step_token_slots: Optional[np.ndarray] = None
+        # The last step's (lora ids bytes, num_scheduled bytes) -> its token slots, while no slot or LRU change
+        # happened since: a decode batch that stays the same (most steps) skips the grouping and slot lookups.
+        self._last_step: Optional[tuple[bytes, bytes, np.ndarray]] = None
 
     # ------------------------------------------------------------------ wrapping
     def _wrap(self, model: nn.Module) -> None:
@@ -180,6 +183,7 @@ class LoRAModelManager:
         return True
 
     def _drop(self, lora_id: int) -> None:
+        self._last_step = None
         self._host.pop(lora_id, None)
         self.pinned.discard(lora_id)
         slot = self._slot_lru.pop(lora_id, None)
@@ -193,6 +197,7 @@ class LoRAModelManager:
         """Slots for these adapters (at most max_loras), loading and evicting least recently used as needed."""
         if len(lora_ids) > self.max_loras:
             raise ValueError(f"{len(lora_ids)} LoRA adapters in one step, more than max_loras={self.max_loras}.")
+        self._last_step = None  # the LRU order (and maybe slots) change here
         needed = set(lora_ids)
         out: dict[int, int] = {}
         for lid in lora_ids:
@@ -239,11 +244,20 @@ class LoRAModelManager:
             self.state.set_host_slots(None, self.device)
             self.step_token_slots = None
             return
-        uniq, inverse = np.unique(req_lora_ids, return_inverse=True)
-        ids = [int(u) for u in uniq if u != 0]
-        slots = self._ensure_slots(ids)
-        slot_of_uniq = np.array([slots.get(int(u), -1) for u in uniq], dtype=np.int32)
-        token_slots = np.repeat(slot_of_uniq[inverse.reshape(-1)], num_scheduled)
+        key_ids = req_lora_ids.dtype.str + num_scheduled.dtype.str + str(len(req_lora_ids))
+        key_ids, key_counts = key_ids.encode() + req_lora_ids.tobytes(), num_scheduled.tobytes()
+        last = self._last_step
+        if last is not None and last[0] == key_ids and last[1] == key_counts:
+            # The same batch as the last step and nothing moved since: _ensure_slots would find every adapter in
+            # its slot and move them to the LRU end in the same order, changing nothing.
+            token_slots = last[2]
+        else:
+            uniq, inverse = np.unique(req_lora_ids, return_inverse=True)
+            ids = [int(u) for u in uniq if u != 0]
+            slots = self._ensure_slots(ids)
+            slot_of_uniq = np.array([slots.get(int(u), -1) for u in uniq], dtype=np.int32)
+            token_slots = np.repeat(slot_of_uniq[inverse.reshape(-1)], num_scheduled)
+            self._last_step = (key_ids, key_counts, token_slots)
         self.step_token_slots = token_slots
         self.state.set_host_slots(token_slots, self.device)  # on the device when an eager forward first reads them
 
