@@ -321,6 +321,44 @@ def test_a_blocking_step_in_async_mode_reads_any_step_left_in_flight() -> None:
     assert runner.input_batch.token_ids[row, n : n + 2].tolist() == first + out.sampled_token_ids[0]
 
 
+def test_an_id_reused_while_its_old_row_is_in_flight_gets_its_own_tokens() -> None:
+    """'x' ends at update(0) while step 1 (holding its row) is in flight; step 2 drops it and adds a new 'x'.
+    Step 1's token for the old 'x' must not land in the new one's row, and the new 'x' decodes as it would alone."""
+    from vllm_lite.worker.step import NewRequestData
+
+    runner = _runner(True)
+    blocks = lambda i: [1 + i * BLOCKS_PER_REQ + j for j in range(BLOCKS_PER_REQ)]  # noqa: E731
+    new = lambda rid, prompt, i: NewRequestData(rid, prompt, [], _greedy(), blocks(i), 0)  # noqa: E731
+    p_old, p_keep, p_new = PROMPTS[0], PROMPTS[1], PROMPTS[3]
+    cached = lambda ids, computed: CachedRequestData(ids, [[] for _ in ids], computed)  # noqa: E731
+    h0 = runner.execute_model(
+        SchedulerOutput([new("x", p_old, 0), new("keep", p_keep, 1)], cached([], []), {"x": 5, "keep": 11}, 16, set()),
+        non_block=True,
+    )
+    h1 = runner.execute_model(
+        SchedulerOutput([], cached(["x", "keep"], [5, 11]), {"x": 1, "keep": 1}, 2, set()), non_block=True
+    )
+    h0.get_output()  # the core ends 'x' here; its row is still in step 1
+    h2 = runner.execute_model(
+        SchedulerOutput([new("x", p_new, 2)], cached(["keep"], [12]), {"x": 3, "keep": 1}, 4, {"x"}), non_block=True
+    )
+    old_x = h1.get_output().sampled_token_ids[0]
+    row = runner.input_batch.req_id_to_row["x"]
+    assert runner.input_batch.token_ids[row, :4].tolist() == p_new + [PLACEHOLDER_TOKEN]  # step 1 left it alone
+    first = h2.get_output().sampled_token_ids[h2.get_output().req_id_to_index["x"]]
+    assert runner.input_batch.token_ids[row, :4].tolist() == p_new + first  # not old_x
+    h3 = runner.execute_model(SchedulerOutput([], cached(["x"], [3]), {"x": 1}, 1, set()), non_block=True)
+    second = h3.get_output().sampled_token_ids[0]
+
+    alone = _Core(_runner(False), False)
+    alone.reqs.clear()
+    alone.add(3, _greedy(2))
+    alone.step()
+    alone.step()
+    assert first + second == alone.reqs["r3"].out
+    assert len(old_x) == 1
+
+
 # ---------------------------------------------------------------------------------------------- no host syncs
 @contextlib.contextmanager
 def _device_paths() -> Iterator[None]:
