@@ -38,7 +38,7 @@ def _generate(
     from vllm_lite.entrypoints.llm import LLM
 
     args = dict(model=get_checkpoint("llama"), device="cpu", dtype="float32", max_model_len=128, multiprocess=False)
-    with LLM(async_scheduling=async_scheduling, **args, **kw) as llm:
+    with LLM(async_scheduling=async_scheduling, **{**args, **kw}) as llm:
         core = llm.llm_engine.engine_core.engine_core
         runner = core.executor.worker.model_runner
         preempt = core.scheduler._preempt
@@ -150,3 +150,13 @@ def test_preemption_under_a_small_kv_cache_is_identical(mode: str) -> None:
     assert _generate.preemptions > 0 and overlapped > 0  # type: ignore[attr-defined]
     assert [r[:2] for r in asyn] == [r[:2] for r in sync]
     assert all(len(r[0]) == 70 for r in sync)
+
+
+def test_bfloat16_same_batch_is_identical() -> None:
+    """bf16 (the CPU prefill computes only the sampling rows past the last attention, logits_rows): the same
+    batches run in both modes when nothing stops early, so the tokens are identical too."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),
+    ] * 3
+    _check_same(params, dtype="bfloat16")
