@@ -101,7 +101,7 @@ def _drive(
             if not any(len(r.out) + r.ph < r.params.max_tokens for r in core.reqs.values()):
                 core.drain()
                 break
-            if async_ and (cuda or CHECK_OFF_CUDA) and sync_check_at is not None and steps == sync_check_at:
+            if (cuda or CHECK_OFF_CUDA) and sync_check_at is not None and steps == sync_check_at:
                 verdict = _checked_step(core, sync_mode)
             else:
                 core.step()
@@ -139,12 +139,15 @@ def _checked_step(core: StandInCore, mode: str) -> Any:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode(mode)
         try:
-            handle = core.runner.execute_model(so, non_block=True)
+            handle = core.runner.execute_model(so, non_block=True) if core.async_ else core.runner.execute_model(so)
         except RuntimeError as e:
             raise _SyncFound(str(e).splitlines()[0][:300]) from None
         finally:
             torch.cuda.set_sync_debug_mode(0)
     syncs = [f"{w.filename}:{w.lineno}: {str(w.message)[:160]}" for w in caught if "synchroniz" in str(w.message)]
+    if not core.async_:  # the control: a synchronous step reads its tokens back
+        core.update(handle)
+        return syncs
     core.in_flight.append(handle)
     if len(core.in_flight) == 2:
         core.update(core.in_flight.popleft().get_output())
@@ -222,6 +225,10 @@ def main() -> None:
         sync_free[f"seeded_{key}"] = ar["sync_check"]
     res["tokens_identical"] = all(identical.values())
     res["tokens_identical_detail"] = identical
+    if device.type == "cuda":
+        # The control: the debug mode does see the synchronous step's read of its tokens (so 'ok' above means none).
+        control = _drive(runners[False], bpr, False, prompts, greedy, True, sync_check_at=3, sync_mode="warn")
+        sync_free["control_sync_step_syncs"] = len(control["sync_check"] or [])
     res["sync_free_launch"] = sync_free if device.type == "cuda" else "n/a off CUDA"
 
     # (c) speed, graphs on: out tok/s at `batch`, ms/token at batch 1 (a warm-up run each first).

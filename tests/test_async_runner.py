@@ -545,5 +545,7 @@ def test_gpu_check_script_reports_every_sync_site_when_a_launch_syncs(monkeypatc
     assert "synchronizing" in check["all_syncs"][0]
     plain, _ = mod._build_runner(get_checkpoint("llama"), torch.device("cpu"), "float32", False, 2, 24)
     assert out["tokens"] == mod._drive(plain, bpr, False, prompts, params, False)["tokens"]
+    control = mod._drive(plain, bpr, False, prompts, params, False, sync_check_at=3, sync_mode="warn")
+    assert control["tokens"] == out["tokens"] and control["sync_check"] == []  # (CPU: nothing warns)
     monkeypatch.setattr(runner, "execute_model", orig)  # a clean launch passes
     assert mod._checked_drive(runner, bpr, True, prompts, params, False)["sync_check"] == "ok"
