@@ -10,13 +10,14 @@
 // projection in the torch path (gathers, two or more bmm's, adds, each its own op and OpenMP region) for
 // ~4 MFLOP and ~1 MB of adapter weights. Here the tokens are grouped by slot (a counting sort, before any
 // parallel region); then one OpenMP region runs the shrink (work item: one slot's tokens x 8 rows of A; 4 rows
-// of A x 4 tokens share each vector load, 2 x 4 on AVX2; x rows read in place, bfloat16 widened as loaded) and,
-// after its barrier, the expand (work item: one slot's tokens x 1024 output columns, 32 at a time, each B row
-// prefetched kPrefetchCols ahead). In a decode step the adapters' weights come from DRAM (the base layers'
-// weights pass through the caches between two calls), so these calls are bound by how fast B streams in: the
-// prefetch and the longer expand items took a Zen 4 decode layer's four bf16 calls (32 tokens, 8 adapters, 2
-// threads, base linears run between calls) from ~410 to ~340 us, and reading x in place (no float32 copy, one
-// barrier less) to ~300; end to end 1.11x LoRA tok/s in the same process (the lora helper's report, 2026-11-27). The
+// of A x 4 tokens share each vector load, 2 x 4 on AVX2; x rows read in place, bfloat16 widened as loaded; the
+// next rows of A prefetched) and, after its barrier, the expand (work item: one slot's tokens x 1024 output
+// columns, 32 at a time, each B row prefetched kPrefetchCols ahead). In a decode step the adapters' weights come
+// from DRAM (the base layers' weights pass through the caches between two calls), so these calls are bound by
+// how fast A and B stream in: on Zen 4 (2 threads, 32 tokens, 8 adapters, base linears run between calls) a
+// decode layer's four bf16 calls took ~410 us with neither prefetch, 256-column items and x copied to float32;
+// ~340 with B's prefetch and 1024-column items, ~300 reading x in place (one barrier less), ~280 with A's
+// prefetch. End to end, LoRA tok/s 1.04-1.11x (bf16) and 1.06x (float32) the kernel without them. The
 // result stays float32 and each y element gets one float32 sum rounded once (bfloat16: nearest even, as
 // torch's). Every output element is computed by one work item in a fixed order, so results do not depend on
 // the thread count. float32 and bfloat16. The vector code is GCC vector extensions (16 float lanes): one
@@ -102,6 +103,10 @@ inline void shrink_dots(const T* __restrict a, const T* const* xr, int64_t k_len
   for (int64_t k0 = 0; k0 < k_vec; k0 += kLanes) {
     vf16 av[JB];
     for (int jb = 0; jb < JB; ++jb) av[jb] = load16(a + jb * k_len + k0);
+    // The next JB rows of A (this item's next block, or the next item's), one cache line each per line here:
+    // A arrives from DRAM in short rows the hardware prefetcher barely catches (a hint: harmless past the end).
+    if ((k0 * static_cast<int64_t>(sizeof(T))) % 64 == 0)
+      for (int jb = 0; jb < JB; ++jb) __builtin_prefetch(a + (JB + jb) * k_len + k0);
     for (int tb = 0; tb < TB; ++tb) {
       const vf16 xv = load16(xr[tb] + k0);
       for (int jb = 0; jb < JB; ++jb) acc[jb][tb] += av[jb] * xv;
