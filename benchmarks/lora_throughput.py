@@ -28,11 +28,17 @@ names the device and GPU. ``--quick``: 16 prompts, 2 repeats. Well under two min
 
     python benchmarks/lora_throughput.py --device cuda
     python benchmarks/lora_throughput.py --device cuda --quick
+
+``--cuda-ab`` adds a third engine, a LoRA one built, captured and run with ``triton_ops.add_lora_bgmv`` off (the
+launches before it: a zeroed buffer filled by atomics, then the expands), interleaved with the other two, so
+``lora_pre_bgmv_over_base`` and ``lora_auto_over_lora_pre_bgmv`` are the A/B in one process (each engine then
+gets a quarter of the GPU's memory instead of a third).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -72,6 +78,19 @@ def _per_op(shrink: Callable[..., Any], expand: Callable[..., Any]) -> Delta:
             expand(y, buf if len(lora_b) == 1 else buf[:, i * r : (i + 1) * r].contiguous(), b, slots, off)
 
     return add
+
+
+@contextlib.contextmanager
+def _bgmv_off() -> Any:
+    """CUDA LoRA layers take the launches before triton_ops.add_lora_bgmv while inside (ops looks it up per call)."""
+    from vllm_lite.lora import triton_ops
+
+    two_launch = triton_ops.add_lora_bgmv
+    triton_ops.add_lora_bgmv = lambda *args, **kw: False
+    try:
+        yield
+    finally:
+        triton_ops.add_lora_bgmv = two_launch
 
 
 def _graph_keys(llm: Any) -> Optional[str]:
@@ -172,6 +191,9 @@ def main() -> None:
         "--device", default="cpu", help="cpu (default) or cuda / cuda:N: both engines there, bfloat16 unless --dtype"
     )
     ap.add_argument("--quick", action="store_true", help="16 prompts, 2 repeats")
+    ap.add_argument(
+        "--cuda-ab", action="store_true", help="CUDA: also a LoRA engine without add_lora_bgmv (A/B, one process)"
+    )
     a = ap.parse_args()
     on_cuda = a.device.startswith("cuda")
     if a.output_len is None:
@@ -181,6 +203,8 @@ def main() -> None:
             a.dtype = "bfloat16"
         if a.micro or a.ops != ["auto"]:
             ap.error("--micro and --ops time the CPU LoRA ways; on CUDA the engine runs the Triton kernels")
+    elif a.cuda_ab:
+        ap.error("--cuda-ab compares the CUDA LoRA launches; it needs --device cuda")
     if a.quick:
         a.num_prompts, a.repeats = 16, 2
 
@@ -219,12 +243,15 @@ def main() -> None:
         disable_log_stats=True,
         device=a.device,
     )
-    if on_cuda:  # two engines in one process share the GPU; their CUDA graphs cover the whole batch
-        kw.update(gpu_memory_utilization=0.3, max_num_seqs=max(a.num_prompts, 1))
+    if on_cuda:  # two (three) engines in one process share the GPU; their CUDA graphs cover the whole batch
+        kw.update(gpu_memory_utilization=0.25 if a.cuda_ab else 0.3, max_num_seqs=max(a.num_prompts, 1))
+    lora_kw = dict(enable_lora=True, max_loras=a.num_adapters, max_lora_rank=a.rank, max_cpu_loras=a.num_adapters)
     base = LLM(model, **kw)
-    lora_llm = LLM(
-        model, enable_lora=True, max_loras=a.num_adapters, max_lora_rank=a.rank, max_cpu_loras=a.num_adapters, **kw
-    )
+    lora_llm = LLM(model, **lora_kw, **kw)
+    pre_bgmv = None
+    if a.cuda_ab:
+        with _bgmv_off():  # its graphs are captured with the old launches
+            pre_bgmv = LLM(model, **lora_kw, **kw)
     vocab = base.llm_engine.vllm_config.model_config.vocab_size
     prompts = _prompts(a.num_prompts, a.input_len, vocab, a.seed)
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
@@ -240,10 +267,18 @@ def main() -> None:
         finally:
             torch_ops.add_lora = auto
 
+    def run_pre_bgmv() -> tuple[float, float, int]:
+        with _bgmv_off():
+            return _timed(pre_bgmv, prompts, params, mixed)
+
     _timed(base, prompts[:4], params, None)  # warm-ups
     for name in chosen:
         run_lora(variants[name])
+    if pre_bgmv is not None:
+        run_pre_bgmv()
     runs: dict[str, list[float]] = {"base": [], **{f"lora_{n}": [] for n in chosen}}
+    if pre_bgmv is not None:
+        runs["lora_pre_bgmv"] = []
     cpu_runs: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(a.repeats):
         dt, dc, n = _timed(base, prompts, params, None)
@@ -253,6 +288,10 @@ def main() -> None:
             dt, dc, n = run_lora(variants[name])
             runs[f"lora_{name}"].append(n / dt)
             cpu_runs[f"lora_{name}"].append(n / dc)
+        if pre_bgmv is not None:
+            dt, dc, n = run_pre_bgmv()
+            runs["lora_pre_bgmv"].append(n / dt)
+            cpu_runs["lora_pre_bgmv"].append(n / dc)
     ratios = {
         f"lora_{name}_over_base": statistics.median(x / b for x, b in zip(runs[f"lora_{name}"], runs["base"]))
         for name in chosen
@@ -265,12 +304,23 @@ def main() -> None:
             for name in chosen
         }
     )
+    if pre_bgmv is not None:
+        ratios["lora_pre_bgmv_over_base"] = statistics.median(
+            x / b for x, b in zip(runs["lora_pre_bgmv"], runs["base"])
+        )
+        ratios["lora_auto_over_lora_pre_bgmv"] = statistics.median(
+            x / b for x, b in zip(runs["lora_auto"], runs["lora_pre_bgmv"])
+        )
     result = {
         "benchmark": "lora_throughput",
         "model": model,
         "device": a.device,
         "gpu": torch.cuda.get_device_name(torch.device(a.device)) if on_cuda else None,
-        "cuda_graphs": {name: _graph_keys(llm) for name, llm in (("base", base), ("lora", lora_llm))},
+        "cuda_graphs": {
+            name: _graph_keys(llm)
+            for name, llm in (("base", base), ("lora", lora_llm), ("lora_pre_bgmv", pre_bgmv))
+            if llm is not None
+        },
         "dtype": str(base.llm_engine.vllm_config.model_config.dtype).replace("torch.", ""),
         "num_prompts": a.num_prompts,
         "input_len": a.input_len,
@@ -289,6 +339,8 @@ def main() -> None:
     }
     base.shutdown()
     lora_llm.shutdown()
+    if pre_bgmv is not None:
+        pre_bgmv.shutdown()
     print(json.dumps(result))
 
 
