@@ -581,10 +581,10 @@ def test_failed_steps_in_random_workloads_recover_as_synchronously(w: dict, vict
 
 
 # ---------------------------------------------------------------------- flag and config
-def test_the_flag_is_off_by_default_and_round_trips_through_the_cli() -> None:
+def test_the_flag_defaults_to_auto_and_round_trips_through_the_cli() -> None:
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    assert EngineArgs.from_cli_args(parser.parse_args(["--model", "m"])).async_scheduling is False
+    assert EngineArgs.from_cli_args(parser.parse_args(["--model", "m"])).async_scheduling is None  # vLLM's auto
     on = EngineArgs.from_cli_args(parser.parse_args(["--model", "m", "--async-scheduling"]))
     assert on.async_scheduling is True
     off = EngineArgs.from_cli_args(parser.parse_args(["--model", "m", "--no-async-scheduling"]))
@@ -599,6 +599,8 @@ def test_engine_args_carry_the_flag_into_the_scheduler_config() -> None:
     cfg = EngineArgs(model=model, device="cpu", async_scheduling=True).create_engine_config()
     assert cfg.scheduler_config.async_scheduling is True
     assert EngineArgs(model=model, device="cpu").create_engine_config().scheduler_config.async_scheduling is False
+    off = EngineArgs(model=model, device="cpu", async_scheduling=False).create_engine_config()
+    assert off.scheduler_config.async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling.*speculative"):
         EngineArgs(
             model=model,
@@ -657,3 +659,47 @@ def test_the_tensor_parallel_executor_refuses_non_block() -> None:
     ex = MultiprocExecutor.__new__(MultiprocExecutor)
     with pytest.raises(NotImplementedError, match="async scheduling"):
         ex.execute_model(SchedulerOutput.empty(), non_block=True)
+
+
+@pytest.mark.parametrize(
+    "device, change, requested, expected",
+    [
+        ("cuda", None, None, True),  # auto: on for CUDA
+        ("cpu", None, None, False),  # auto: off on CPU (the forward holds the thread; nothing to overlap)
+        ("cuda", "spec", None, False),  # auto steps aside for what it cannot run with
+        ("cuda", "tp", None, False),
+        ("cuda", "pooling", None, False),
+        ("cuda", None, False, False),  # explicit off
+        ("cpu", None, True, True),  # explicit on, anywhere
+    ],
+)
+def test_auto_turns_async_scheduling_on_for_cuda_where_nothing_blocks_it(device, change, requested, expected) -> None:
+    """resolve_async_scheduling: vLLM's three-way flag (the device is set on a CPU-built config: nothing runs)."""
+    import torch
+
+    from vllm_lite.config import resolve_async_scheduling
+    from vllm_lite.testing.checkpoints import get_checkpoint
+
+    cfg = EngineArgs(model=get_checkpoint("llama"), device="cpu").create_engine_config()
+    cfg.device_config.device = torch.device(device)
+    if change == "spec":
+        cfg.speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    elif change == "tp":
+        cfg.parallel_config.tensor_parallel_size = 2
+    elif change == "pooling":
+        cfg.model_config.runner_type = "pooling"
+    resolve_async_scheduling(cfg, requested)
+    assert cfg.scheduler_config.async_scheduling is expected
+
+
+def test_asking_for_async_scheduling_with_what_blocks_it_still_names_the_field() -> None:
+    import torch
+
+    from vllm_lite.config import resolve_async_scheduling
+    from vllm_lite.testing.checkpoints import get_checkpoint
+
+    cfg = EngineArgs(model=get_checkpoint("llama"), device="cpu").create_engine_config()
+    cfg.device_config.device = torch.device("cuda")
+    cfg.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="async_scheduling.*tensor_parallel_size"):
+        resolve_async_scheduling(cfg, True)

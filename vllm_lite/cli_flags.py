@@ -4,8 +4,8 @@ A field's flag is its name with dashes (``max_model_len`` -> ``--max-model-len``
 ``field(metadata=...)`` may carry ``help`` (required for a documented flag), ``aliases``
 (extra spellings such as ``-tp``), ``choices`` (a fixed set of values), ``type`` (a parser
 for the text, when the annotation's type is not enough) and ``metavar``. Types come from
-the annotation: ``bool`` becomes ``--x/--no-x``, ``Optional[T]`` parses ``T`` and defaults to
-None, ``Literal[...]`` gives the choices. Only the standard library is imported here.
+the annotation: ``bool`` becomes ``--x/--no-x`` (``Optional[bool]`` too, None when absent), ``Optional[T]``
+parses ``T`` and defaults to None, ``Literal[...]`` gives the choices. Only the standard library is imported here.
 """
 
 from __future__ import annotations
@@ -56,9 +56,7 @@ def _flag_kwargs(f: dataclasses.Field, tp: Any) -> dict[str, Any]:
     default = field_default(f)
     kwargs: dict[str, Any] = {"dest": f.name, "help": meta.get("help", "")}
     kwargs["default"] = None if default is _MISSING else default
-    if base is bool:
-        if optional:
-            raise TypeError(f"field {f.name!r}: Optional[bool] has no clear flag form; use bool.")
+    if base is bool:  # Optional[bool]: absent leaves None (the field's "decide for me"), as vLLM's tri-state flags
         kwargs["action"] = argparse.BooleanOptionalAction
         return kwargs
     choices: Optional[Iterable[Any]] = meta.get("choices")

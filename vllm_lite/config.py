@@ -419,10 +419,8 @@ class VllmConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
 
 
-def verify_async_scheduling(config: VllmConfig) -> None:
-    """Reject async scheduling with what it cannot run with yet (as vLLM did): a ValueError naming the feature."""
-    if not config.scheduler_config.async_scheduling:
-        return
+def async_scheduling_blockers(config: VllmConfig) -> list[str]:
+    """What async scheduling cannot run with yet (as vLLM at first), one phrase each; empty when nothing blocks it."""
     unsupported = []
     if config.speculative_config is not None:
         unsupported.append("speculative decoding (speculative_config)")
@@ -430,6 +428,27 @@ def verify_async_scheduling(config: VllmConfig) -> None:
         unsupported.append(f"tensor_parallel_size > 1 (got {config.parallel_config.tensor_parallel_size})")
     if config.model_config.runner_type == "pooling":
         unsupported.append("pooling models (runner='pooling')")
+    return unsupported
+
+
+def resolve_async_scheduling(config: VllmConfig, requested: Optional[bool]) -> None:
+    """Set scheduler_config.async_scheduling from vLLM's three-way flag, then verify it.
+
+    None (the default) turns it on where it pays and runs: on CUDA, with nothing in async_scheduling_blockers. On
+    CPU the forward pass holds the engine's thread, so there is no idle device for the next step's host work to
+    overlap (off). True asks for it anywhere (CPU too: the tests run it there); False turns it off.
+    """
+    if requested is None:
+        requested = config.device_config.device.type == "cuda" and not async_scheduling_blockers(config)
+    config.scheduler_config.async_scheduling = bool(requested)
+    verify_async_scheduling(config)
+
+
+def verify_async_scheduling(config: VllmConfig) -> None:
+    """Reject async scheduling with what it cannot run with yet (as vLLM did): a ValueError naming the feature."""
+    if not config.scheduler_config.async_scheduling:
+        return
+    unsupported = async_scheduling_blockers(config)
     if unsupported:
         raise ValueError(f"async_scheduling: async scheduling does not support {' or '.join(unsupported)} yet.")
 

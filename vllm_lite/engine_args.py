@@ -26,7 +26,7 @@ from vllm_lite.config import (
     StructuredOutputsConfig,
     VllmConfig,
     _note_once,
-    verify_async_scheduling,
+    resolve_async_scheduling,
     verify_parallel_config,
 )
 from vllm_lite.device_layout import engine_device, verify_cuda_device_count
@@ -247,11 +247,12 @@ class EngineArgs:
             "choices": ("fcfs", "priority"),
         },
     )
-    async_scheduling: bool = field(
-        default=False,
+    async_scheduling: Optional[bool] = field(
+        default=None,
         metadata={
             "help": "Schedule and launch step N+1 while step N runs (vLLM's async scheduling); not with "
-            "speculative decoding, tensor_parallel_size > 1 or pooling models."
+            "speculative decoding, tensor_parallel_size > 1 or pooling models. Default: on for CUDA where none of "
+            "those is set, off on CPU."
         },
     )
     tensor_parallel_size: int = field(
@@ -533,7 +534,7 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
                 log_stats_interval_s=None if self.disable_log_stats else 10.0,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=bool(self.async_scheduling),
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),
@@ -542,7 +543,7 @@ class EngineArgs:
             lora_config=self._lora_config(),
             compilation_config=compilation_config,
         )
-        verify_async_scheduling(config)
+        resolve_async_scheduling(config, self.async_scheduling)
         return config
 
     def _lora_config(self) -> Optional[LoRAConfig]:
