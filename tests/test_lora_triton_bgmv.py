@@ -58,7 +58,7 @@ def _inputs(outs: list[int], tokens: int, dtype: torch.dtype, rank: int, hidden:
     lora_b = [(torch.randn(slots_total, o, rank, generator=g) / rank**0.5).to(dtype) for o in outs]
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     slots = torch.randint(-1, slots_total + 1, (tokens,), generator=g, dtype=torch.int32)  # slot 4: past the table
-    slots[0] = -1
+    slots[0] = -1 if tokens > 1 else 2  # a token without an adapter, and one with (a lone token: with)
     if tokens > 1:
         slots[1] = 2
     y0 = torch.randn(tokens, sum(outs) + 24, generator=g).to(dtype)
