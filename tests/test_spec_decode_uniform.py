@@ -252,8 +252,10 @@ def test_fillers_change_no_emitted_token(greedy: bool) -> None:
 
 # ---------------------------------------------------------------------------------------------- end to end
 def _llm(**kwargs: Any) -> LLM:
+    """On the CPU also on a GPU machine (these pin the CPU's no-graph rule; the CUDA case has its own test below)."""
     return LLM(
         model=get_checkpoint("llama"),
+        device="cpu",
         dtype="float32",
         max_model_len=128,
         multiprocess=False,
