@@ -9,10 +9,6 @@ and in a separate engine process.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,6 +23,7 @@ from vllm_lite.testing.hf_match import (
     record_prefix_hits,
 )
 from vllm_lite.testing.hf_oracle import greedy_prompts
+from vllm_lite.testing.triton_interpreter import run_interpreter_driver
 from vllm_lite.worker import parallel_state
 from vllm_lite.worker.models.fused_moe import (
     FusedMoE,
@@ -217,17 +214,7 @@ needs_triton = pytest.mark.skipif(
 @needs_triton
 def test_triton_grouped_kernel_in_the_interpreter_matches_the_torch_path() -> None:
     """The CUDA kernel's logic on CPU: TRITON_INTERPRET=1 only in a subprocess's environment."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_lite.testing.moe_triton_check", "--device", "cpu"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"the driver printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-    results = json.loads(lines[-1])["results"]
+    results = run_interpreter_driver("vllm_lite.testing.moe_triton_check")["results"]
     assert results and all(v is None for v in results.values()), results
 
 

@@ -9,8 +9,6 @@ this process never sets it. Where CUDA is present the same checks run here, comp
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import subprocess
 import sys
 
@@ -22,39 +20,18 @@ if importlib.util.find_spec("triton") is None:
 
 from vllm_lite import envs  # noqa: E402
 from vllm_lite.testing import triton_fused_cases  # noqa: E402
+from vllm_lite.testing.triton_interpreter import child_env, run_interpreter_driver  # noqa: E402
 from vllm_lite.worker.models import layers, triton_fused  # noqa: E402
 from vllm_lite.worker.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, fused_kernel_path  # noqa: E402
 
 CHECKS = list(triton_fused_cases.all_checks("cpu"))
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _child_env(**extra: str) -> dict[str, str]:
-    """This environment plus `extra`, with the source tree importable and TRITON_INTERPRET only where asked."""
-    env = dict(os.environ, **extra)
-    if "TRITON_INTERPRET" not in extra:
-        env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton kernels)")
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
     """Every check, run once in a subprocess with TRITON_INTERPRET=1 in its environment only."""
-    env = _child_env(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_lite.testing.triton_fused_cases", "--device", "cpu"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"the interpreter driver printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-    report = json.loads(lines[-1])
+    report = run_interpreter_driver("vllm_lite.testing.triton_fused_cases")
     assert report["device"] == "cpu"
     return report["results"]
 
@@ -160,7 +137,7 @@ def test_cpu_processes_do_not_import_triton():
         "    RMSNorm(8)(x, x.clone()); SiluAndMul()(x)\n"
         "print('triton' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=_child_env(), capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
 

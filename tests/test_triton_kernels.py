@@ -10,10 +10,6 @@ also checked without a GPU by compiling the kernel ahead of time for sm_90.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,8 +18,9 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("package 'triton' is not installed (pip install 'vllm-lite[triton]')", allow_module_level=True)
 
 from vllm_lite import envs  # noqa: E402
-from vllm_lite.testing import triton_cases  # noqa: E402
+from vllm_lite.testing import triton_cases
 from vllm_lite.testing.attention_oracle import random_attention_case  # noqa: E402
+from vllm_lite.testing.triton_interpreter import run_interpreter_driver  # noqa: E402
 from vllm_lite.worker.attention.selector import get_attn_backend  # noqa: E402
 from vllm_lite.worker.attention.triton_attn import TritonBackend  # noqa: E402
 
@@ -35,17 +32,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
     """Every interpreter check, run once in a subprocess with TRITON_INTERPRET=1 in its environment only."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_lite.testing.triton_cases", "--device", "cpu"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"the interpreter driver printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-    report = json.loads(lines[-1])
+    report = run_interpreter_driver("vllm_lite.testing.triton_cases")
     assert report["device"] == "cpu"
     return report["results"]
 
