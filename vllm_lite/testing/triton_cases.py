@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import sys
-import traceback
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -31,6 +30,7 @@ from vllm_lite.testing.attention_oracle import (
     random_attention_case,
     reference_paged_attention,
 )
+from vllm_lite.testing.triton_interpreter import run_named_checks
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -220,14 +220,7 @@ def suite_checks(suite: str, device: str, full: bool) -> dict[str, Callable[[], 
 
 def run_checks(device: str, full: bool, suite: str = "attention") -> dict[str, Optional[str]]:
     """Run every check; name -> None when it passed, else its failure text (one failure never hides the rest)."""
-    results: dict[str, Optional[str]] = {}
-    for name, check in suite_checks(suite, device, full).items():
-        try:
-            check()
-            results[name] = None
-        except Exception:  # noqa: BLE001 - the report carries every failure's text
-            results[name] = traceback.format_exc(limit=-6)
-    return results
+    return run_named_checks(suite_checks(suite, device, full))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -18,13 +18,13 @@ import argparse
 import contextlib
 import json
 import sys
-import traceback
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
 from vllm_lite import envs
+from vllm_lite.testing.triton_interpreter import run_named_checks
 
 FLOAT32_TOL = 2e-6  # relative to the reference's largest magnitude
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -371,16 +371,7 @@ def all_checks(device: str) -> dict[str, Callable[[], None]]:
 
 def run_checks(device: str, only: Optional[str] = None) -> dict[str, Optional[str]]:
     """Run every check (or those whose name contains `only`); name -> None when it passed, else its failure."""
-    results: dict[str, Optional[str]] = {}
-    for name, check in all_checks(device).items():
-        if only and only not in name:
-            continue
-        try:
-            check()
-            results[name] = None
-        except Exception:  # noqa: BLE001 - the report carries every failure's text
-            results[name] = traceback.format_exc(limit=-6)
-    return results
+    return run_named_checks({name: check for name, check in all_checks(device).items() if not only or only in name})
 
 
 def main(argv: Optional[list[str]] = None) -> int:

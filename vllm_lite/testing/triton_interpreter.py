@@ -11,7 +11,8 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
+import traceback
+from typing import Any, Callable, Mapping, Optional
 
 # The source tree, so a child imports this checkout's vllm_lite whether or not it is installed.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,3 +49,15 @@ def run_interpreter_driver(module: str, timeout: float = 900.0) -> dict[str, Any
         timeout=timeout,
     )
     return last_report(proc.stdout, proc.stderr, proc.returncode)
+
+
+def run_named_checks(checks: Mapping[str, Callable[[], Any]]) -> dict[str, Optional[str]]:
+    """A driver's report body: name -> None when its check passed, else its failure text (one never hides the rest)."""
+    results: dict[str, Optional[str]] = {}
+    for name, check in checks.items():
+        try:
+            check()
+            results[name] = None
+        except Exception:  # noqa: BLE001 - the report carries every failure's text
+            results[name] = traceback.format_exc(limit=-6)
+    return results
