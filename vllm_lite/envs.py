@@ -142,6 +142,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "vLLM's switch: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default off; "
         "anyone who can reach the API may then load adapters from the server's disk).",
     ),
+    "VLLM_TORCH_PROFILER_DIR": (
+        _str("VLLM_TORCH_PROFILER_DIR", None),
+        "vLLM's switch: a directory where the engine core writes a torch.profiler Chrome trace for each "
+        "start_profile()/stop_profile() (and the server's POST /start_profile, /stop_profile, served only when "
+        "set); unset: profiling is off. Read in the engine core's process.",
+    ),
     "VLLM_LITE_TEST_CACHE": (
         _str("VLLM_LITE_TEST_CACHE", None),
         "Where tests and benchmarks cache the checkpoints they build (default ~/.cache/vllm_lite_test).",

@@ -322,6 +322,19 @@ class AsyncLLM:
     async def get_stats(self) -> dict[str, Any]:
         return await self.call_utility_async("get_stats")
 
+    async def start_profile(self) -> None:
+        """vLLM's: start torch.profiler in the engine core(s); needs $VLLM_TORCH_PROFILER_DIR in the core's
+        environment (ValueError otherwise)."""
+        if self.errored:
+            raise self.dead_error
+        await self.engine_core.profile_async(True)
+
+    async def stop_profile(self) -> None:
+        """Stop it: each core writes its Chrome trace into $VLLM_TORCH_PROFILER_DIR."""
+        if self.errored:
+            raise self.dead_error
+        await self.engine_core.profile_async(False)
+
     # ------------------------------------------------------------------ LoRA adapters (vLLM's names)
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter into the engine ahead of its requests; True if it was not loaded yet."""

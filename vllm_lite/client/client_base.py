@@ -59,6 +59,14 @@ class EngineCoreClient(ABC):
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} is synchronous; use AsyncMPClient.")
 
+    def profile(self, is_start: bool = True) -> Any:
+        """vLLM's ``EngineCoreClient.profile``: start (or stop, writing a trace) torch.profiler in the engine
+        core(s) (data parallel: every rank), through the utility call ``"profile"``."""
+        return self.call_utility("profile", is_start)
+
+    async def profile_async(self, is_start: bool = True) -> Any:
+        return await self.call_utility_async("profile", is_start)
+
     @property
     def is_dead(self) -> bool:
         """True once the engine core is known to be gone (calls then raise EngineDeadError)."""

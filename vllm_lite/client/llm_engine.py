@@ -217,6 +217,16 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return bool(self.engine_core.call_utility("reset_prefix_cache"))
 
+    # ------------------------------------------------------------------ profiling (vLLM's names)
+    def start_profile(self) -> None:
+        """Start torch.profiler in the engine core (every data-parallel rank); needs $VLLM_TORCH_PROFILER_DIR
+        in the core's environment (ValueError otherwise)."""
+        self.engine_core.profile(True)
+
+    def stop_profile(self) -> None:
+        """Stop it: each core writes its Chrome trace into $VLLM_TORCH_PROFILER_DIR."""
+        self.engine_core.profile(False)
+
     # ------------------------------------------------------------------ LoRA adapters (vLLM's names)
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter into the engine's host cache ahead of its requests; True if it was not loaded yet."""

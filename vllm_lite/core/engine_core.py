@@ -18,6 +18,7 @@ from vllm_lite.core.messages import (
     FinishReason,
     SchedulerStats,
 )
+from vllm_lite.core.profiler import EngineCoreProfiler
 from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.request_validation import RequestLimits, validate_request
 from vllm_lite.core.sched.scheduler import Scheduler
@@ -98,6 +99,10 @@ class EngineCore:
         self.batch_queue: deque[_LaunchedStep] = deque()
         self._ready_outputs: deque[dict[int, EngineCoreOutputs]] = deque()
         self.max_steps_in_flight_seen = 0  # the deepest the batch queue has been (tests check the bound)
+        # vLLM's profile(is_start) utility: torch.profiler in this process, traces into $VLLM_TORCH_PROFILER_DIR.
+        self.profiler = EngineCoreProfiler(
+            vllm_config.device_config.device, lambda: self.scheduler.make_stats(reset=False).step_counter
+        )
         logger.info("async scheduling: %s", "on" if self.async_scheduling else "off")
         self.startup_time_s = time.perf_counter() - t0
         logger.info(
@@ -265,14 +270,23 @@ class EngineCore:
             "get_num_total_blocks": lambda: self.scheduler.num_total_blocks,
             "get_model_facts": lambda: dict(self.model_facts),
             "get_num_unfinished_requests": self.scheduler.get_num_unfinished_requests,
+            "profile": self.profile,
             **lora_utilities(self.executor, self.config.lora_config),
         }
+
+    def profile(self, is_start: bool = True) -> Optional[str]:
+        """vLLM's EngineCore.profile: start, or stop torch.profiler and write this core's Chrome trace into
+        $VLLM_TORCH_PROFILER_DIR (the path is returned). A utility call, so the steps in flight are drained
+        first (the window holds whole steps). ValueError when the variable is unset; RuntimeError on a start
+        while running or a stop while not."""
+        return self.profiler.profile(bool(is_start))
 
     def shutdown(self) -> None:
         try:
             self.drain()
         except Exception:  # noqa: BLE001 -- shutting down: a failed step in flight must not stop the rest
             logger.exception("a step in flight failed during shutdown")
+        self.profiler.shutdown()
         self.scheduler.structured_output_manager.shutdown()
         self.executor.shutdown()
 

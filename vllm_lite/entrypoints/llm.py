@@ -289,6 +289,15 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """vLLM's: start torch.profiler in the engine core (in-process or its own process; every data-parallel
+        rank). The core's environment must set VLLM_TORCH_PROFILER_DIR (ValueError otherwise)."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop it: the core writes one Chrome trace (.pt.trace.json.gz) into $VLLM_TORCH_PROFILER_DIR."""
+        self.llm_engine.stop_profile()
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
 

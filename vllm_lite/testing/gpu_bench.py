@@ -7,6 +7,7 @@ Tested on CPU (tests/test_gpu_bench_smoke.py).
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import pstats
@@ -205,6 +206,87 @@ def summarize_device_events(
     else:
         facts["top_cpu_ops"] = _top_by_time(events, steps, top)
     return facts
+
+
+# Chrome-trace categories (torch.profiler / Kineto) of the device's own activity and of the host's CUDA calls.
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def read_chrome_trace(path: str) -> dict[str, Any]:
+    """A torch.profiler Chrome trace (plain or .gz, as `export_chrome_trace` and the engine core's
+    $VLLM_TORCH_PROFILER_DIR traces write it) as (name, start_us, end_us) lists: `device_events` (categories
+    kernel, gpu_memcpy, gpu_memset), `runtime` (cuda_runtime, cuda_driver) and `cpu_ops`; `window_us`, the
+    profiled window (the profiler's own "Trace" span, else the extent of all events); `device_span_us`, first
+    device event start to last end (0 without any); `engine_steps` from the engine core's metadata (None
+    without it)."""
+    opener: Any = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    device: list[tuple[str, float, float]] = []
+    runtime: list[tuple[str, float, float]] = []
+    cpu: list[tuple[str, float, float]] = []
+    spans: list[tuple[float, float]] = []
+    lo, hi = float("inf"), float("-inf")
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") != "X" or "ts" not in ev:
+            continue
+        start = float(ev["ts"])
+        end = start + float(ev.get("dur", 0.0))
+        cat, name = ev.get("cat"), str(ev.get("name", ""))
+        if cat == "Trace":
+            spans.append((start, end))
+            continue
+        lo, hi = min(lo, start), max(hi, end)
+        if cat in DEVICE_CATEGORIES:
+            device.append((name, start, end))
+        elif cat in RUNTIME_CATEGORIES:
+            runtime.append((name, start, end))
+        elif cat == "cpu_op":
+            cpu.append((name, start, end))
+    if spans:
+        window = max(e for _, e in spans) - min(s for s, _ in spans)
+    else:
+        window = hi - lo if hi > lo else 0.0
+    meta = trace.get("vllm_lite_profile") or {}
+    return {
+        "device_events": device,
+        "runtime": runtime,
+        "cpu_ops": cpu,
+        "window_us": window,
+        "device_span_us": (max(e for _, _, e in device) - min(s for _, s, _ in device)) if device else 0.0,
+        "engine_steps": meta.get("engine_steps"),
+        "meta": meta,
+    }
+
+
+def trace_busy_facts(parsed: dict[str, Any], cuda: bool) -> dict[str, Any]:
+    """The busy figures of an engine core's exported trace (`read_chrome_trace`): on CUDA the union of its
+    kernel/copy intervals over the whole profiled window (`busy_fraction`: also the start and stop calls'
+    drains) and over the device's first-to-last span (`busy_fraction_device_span`), per engine step; off CUDA
+    the fraction is meaningless (CPU operators are not a device's work) and is None, with a note."""
+    steps = parsed.get("engine_steps")
+    out: dict[str, Any] = {
+        "engine_steps": steps,
+        "window_ms": round(parsed["window_us"] / 1e3, 3),
+        "cpu_ops": len(parsed["cpu_ops"]),
+        "device_events": len(parsed["device_events"]),
+    }
+    if not cuda:
+        out["busy_fraction"] = None
+        out["note"] = "no GPU: a busy fraction of CPU operators says nothing about a device; trace parsed only"
+        return out
+    intervals = [(s, e) for _, s, e in parsed["device_events"]]
+    out["busy_fraction"] = round(busy_fraction(intervals, parsed["window_us"]), 4)
+    out["busy_fraction_device_span"] = round(busy_fraction(intervals, parsed["device_span_us"]), 4)
+    if steps:
+        out["window_ms_per_step"] = round(parsed["window_us"] / 1e3 / steps, 4)
+        out["busy_ms_per_step"] = round(out["busy_fraction"] * parsed["window_us"] / 1e3 / steps, 4)
+        out["kernels_per_step"] = round(len(parsed["device_events"]) / steps, 1)
+    if parsed["runtime"]:
+        out["top_runtime_calls"] = _top_by_time(parsed["runtime"], max(steps or 1, 1), 6)
+    out["top_kernels"] = _top_by_time(parsed["device_events"], max(steps or 1, 1), 6)
+    return out
 
 
 def _top_by_time(events: list[tuple[str, float, float]], steps: int, n: int) -> list[dict[str, Any]]:

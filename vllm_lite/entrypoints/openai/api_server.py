@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vllm_lite
 from vllm_lite import envs
+from vllm_lite.client.exceptions import EngineDeadError
 from vllm_lite.entrypoints.openai.errors import (
     AuthenticationError,
     BadRequestError,
@@ -67,6 +68,9 @@ KNOWN_PATHS |= POOLING_PATHS
 # vLLM's runtime adapter routes (served with $VLLM_ALLOW_RUNTIME_LORA_UPDATING).
 LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 KNOWN_PATHS |= LORA_PATHS
+# vLLM's profiler routes (served with $VLLM_TORCH_PROFILER_DIR): torch.profiler in the engine core(s).
+PROFILE_PATHS = frozenset({"/start_profile", "/stop_profile"})
+KNOWN_PATHS |= PROFILE_PATHS
 
 
 # --max-request-body-bytes default: far more than any prompt max_model_len allows, far less than a flood.
@@ -397,6 +401,32 @@ def build_app(
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Any:
             return await respond(lambda: _as_text(models.unload_lora_adapter(request)))
+
+    if envs.VLLM_TORCH_PROFILER_DIR:
+        logger.warning(
+            "Torch profiler routes are served (POST /start_profile, /stop_profile; $VLLM_TORCH_PROFILER_DIR=%s): "
+            "for development only.",
+            envs.VLLM_TORCH_PROFILER_DIR,
+        )
+
+        async def _profile(is_start: bool) -> Response:
+            logger.info("%s the profiler...", "Starting" if is_start else "Stopping")
+            try:
+                await (engine.start_profile() if is_start else engine.stop_profile())
+            except EngineDeadError:
+                raise
+            except RuntimeError as e:  # the core's "already running" / "not running": the caller's mistake
+                raise BadRequestError(str(e)) from e
+            logger.info("Profiler %s.", "started" if is_start else "stopped")
+            return Response(status_code=200)
+
+        @app.post("/start_profile")
+        async def start_profile() -> Any:
+            return await respond(lambda: _profile(True))
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> Any:
+            return await respond(lambda: _profile(False))
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:

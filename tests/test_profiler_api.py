@@ -1,0 +1,220 @@
+"""vLLM's profiler API: $VLLM_TORCH_PROFILER_DIR, EngineCore.profile(is_start) (the "profile" utility),
+LLM / LLMEngine / AsyncLLM start_profile() and stop_profile(), and the server's POST /start_profile and
+/stop_profile (served only with the variable set). Each stop writes one Chrome trace from the engine core's
+process; misuse gives clear errors and the core keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from vllm_lite import LLM, SamplingParams
+from vllm_lite.client.async_llm import AsyncLLM
+from vllm_lite.core.engine_core import EngineCore
+from vllm_lite.core.messages import EngineCoreRequest
+from vllm_lite.core.profiler import METADATA_KEY, TRACE_SUFFIX
+from vllm_lite.engine_args import EngineArgs
+from vllm_lite.entrypoints.openai.api_server import build_app
+from vllm_lite.testing.gpu_bench import read_chrome_trace
+from vllm_lite.testing.openai_fake_engine import FakeAsyncLLM
+from vllm_lite.testing.paged_fake_executor import PagedFakeExecutor
+from vllm_lite.testing.scheduler_config import make_config
+
+ENV = "VLLM_TORCH_PROFILER_DIR"
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+LLM_KW = dict(dtype="float32", max_model_len=128, device="cpu", kv_cache_memory_bytes=4 << 20, num_threads=1)
+
+
+def traces(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"*{TRACE_SUFFIX}"))
+
+
+def load(path: Path) -> dict[str, Any]:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+def op_names(trace: dict[str, Any]) -> set[str]:
+    return {e.get("name") for e in trace["traceEvents"] if e.get("cat") == "cpu_op"}
+
+
+# ---------------------------------------------------------------------- the core, model-free
+def fake_core() -> EngineCore:
+    cfg = make_config()
+    cfg.scheduler_config.async_scheduling = True  # steps in flight: profile must drain them
+    return EngineCore(cfg, lambda c: PagedFakeExecutor(c, vocab=64))
+
+
+def add(core: EngineCore, rid: str, max_tokens: int = 8) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    core.add_request(EngineCoreRequest(rid, [1, 2, 3], params, None, 0.0))
+
+
+def run_to_end(core: EngineCore) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for batch in core.step().values():
+            for o in batch.outputs:
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return got
+
+
+def test_core_profile_drains_counts_its_steps_and_writes_one_trace(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(ENV, str(tmp_path / "traces"))
+    core = fake_core()
+    add(core, "a", max_tokens=12)
+    core.step()
+    core.step()
+    assert core.batch_queue  # a step in flight
+    core.call_utility("profile", [True])
+    assert not core.batch_queue  # drained before the profiler started
+    counter = core.scheduler.make_stats(reset=False).step_counter
+    for _ in range(3):
+        core.step()
+    steps = core.scheduler.make_stats(reset=False).step_counter - counter
+    path = core.call_utility("profile", [False])
+    assert not core.batch_queue
+    files = traces(tmp_path / "traces")
+    assert [str(p) for p in files] == [path]
+    meta = load(files[0])[METADATA_KEY]
+    assert meta["engine_steps"] == steps > 0 and meta["pid"] == os.getpid()
+    assert run_to_end(core)  # serving on
+    core.shutdown()
+
+
+def test_core_profile_misuse_errors_clearly_and_the_core_keeps_serving(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    core = fake_core()
+    ref = fake_core()
+    add(core, "a")
+    add(ref, "a")
+    core.step()
+    with pytest.raises(ValueError, match=ENV):
+        core.call_utility("profile", [True])
+    with pytest.raises(ValueError, match=ENV):
+        core.call_utility("profile", [False])
+    monkeypatch.setenv(ENV, str(tmp_path))
+    with pytest.raises(RuntimeError, match="not running"):
+        core.call_utility("profile", [False])
+    core.call_utility("profile", [True])
+    with pytest.raises(RuntimeError, match="already running"):
+        core.call_utility("profile", [True])
+    core.call_utility("profile", [False])
+    assert len(traces(tmp_path)) == 1
+    with pytest.raises(RuntimeError, match="not running"):
+        core.call_utility("profile", [False])
+    assert run_to_end(core) == run_to_end(ref)  # every token, none lost to the failed calls
+    core.shutdown()
+    ref.shutdown()
+
+
+def test_shutdown_stops_a_running_profile_without_writing(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(ENV, str(tmp_path))
+    core = fake_core()
+    core.call_utility("profile", [True])
+    core.shutdown()
+    assert not core.profiler.running and traces(tmp_path) == []
+
+
+# ---------------------------------------------------------------------- LLM: in-process and multiprocess
+def check_llm_trace(directory: Path, expect_pid_other_than_ours: bool) -> dict[str, Any]:
+    files = traces(directory)
+    assert len(files) == 1, files
+    trace = load(files[0])
+    meta = trace[METADATA_KEY]
+    assert meta["engine_steps"] >= PARAMS.max_tokens
+    assert (meta["pid"] != os.getpid()) == expect_pid_other_than_ours
+    names = op_names(trace)
+    assert "aten::embedding" in names, sorted(names)[:40]  # the model's forward ran inside the window
+    parsed = read_chrome_trace(str(files[0]))
+    assert parsed["device_events"] == [] and parsed["window_us"] > 0 and parsed["engine_steps"] == meta["engine_steps"]
+    return trace
+
+
+def test_llm_in_process_start_stop_profile(tiny_checkpoint, tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    with LLM(model=tiny_checkpoint, multiprocess=False, **LLM_KW) as llm:
+        with pytest.raises(ValueError, match=ENV):
+            llm.start_profile()
+        ref = llm.generate("The for statement", PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+        monkeypatch.setenv(ENV, str(tmp_path))  # in-process: the core reads the variable at each call
+        llm.start_profile()
+        with pytest.raises(RuntimeError, match="already running"):
+            llm.start_profile()
+        out = llm.generate("The for statement", PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+        llm.stop_profile()
+        with pytest.raises(RuntimeError, match="not running"):
+            llm.stop_profile()
+        assert out == ref
+    check_llm_trace(tmp_path, expect_pid_other_than_ours=False)
+
+
+def test_llm_multiprocess_start_stop_profile_writes_the_core_process_trace(
+    tiny_checkpoint, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv(ENV, str(tmp_path))  # the private core's environment is a copy of ours at its start
+    with LLM(model=tiny_checkpoint, multiprocess=True, **LLM_KW) as llm:
+        ref = llm.generate("The for statement", PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+        with pytest.raises(RuntimeError, match="not running"):
+            llm.stop_profile()
+        llm.start_profile()
+        with pytest.raises(RuntimeError, match="already running"):
+            llm.start_profile()
+        out = llm.generate("The for statement", PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+        llm.stop_profile()
+        assert out == ref
+        assert llm.generate("The for statement", PARAMS, use_tqdm=False)[0].outputs[0].token_ids == ref
+    check_llm_trace(tmp_path, expect_pid_other_than_ours=True)
+
+
+# ---------------------------------------------------------------------- AsyncLLM and the HTTP routes
+async def call(app: Any, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.request(method, path, **kwargs)
+
+
+@pytest.mark.parametrize("path", ["/start_profile", "/stop_profile"])
+def test_profile_routes_are_not_served_without_the_variable(tiny_checkpoint, monkeypatch, path) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    app = build_app(FakeAsyncLLM(tiny_checkpoint), "m")
+    assert asyncio.run(call(app, "POST", path)).status_code == 404
+    assert path not in {getattr(r, "path", None) for r in app.routes}
+
+
+def test_async_llm_and_the_http_routes_profile_the_core(tiny_checkpoint, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(ENV, str(tmp_path))
+
+    async def main() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_checkpoint, **LLM_KW))
+        try:
+            app = build_app(engine, "m")
+            assert {"/start_profile", "/stop_profile"} <= {getattr(r, "path", None) for r in app.routes}
+            resp = await call(app, "POST", "/stop_profile")
+            assert resp.status_code == 400 and "not running" in resp.json()["error"]["message"]
+            assert (await call(app, "POST", "/start_profile")).status_code == 200
+            resp = await call(app, "POST", "/start_profile")
+            assert resp.status_code == 400 and "already running" in resp.json()["error"]["message"]
+            body = {"model": "m", "prompt": "The for statement", "max_tokens": 6, "ignore_eos": True}
+            assert (await call(app, "POST", "/v1/completions", json=body)).status_code == 200
+            assert (await call(app, "POST", "/stop_profile")).status_code == 200
+            assert len(traces(tmp_path)) == 1
+            # AsyncLLM's own calls are awaitables, as vLLM's.
+            await engine.start_profile()
+            async for _ in engine.generate("The for statement", PARAMS, "r2"):
+                pass
+            await engine.stop_profile()
+            assert len(traces(tmp_path)) == 2
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+    for path in traces(tmp_path):
+        assert "aten::embedding" in op_names(load(path))
