@@ -585,3 +585,33 @@ def test_real_model_greedy_tokens_unchanged_by_preemption_and_prefix_hits(mode, 
     assert preemptions, "the cramped run never preempted: the test lost its point"
     if mode == "swap":
         assert any(n > 0 for n in preemptions)
+
+
+# ---------------------------------------------------------------------- host fast paths (issue #14)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_each_full_block_is_cached_exactly_when_its_step_comes_back(async_scheduling: bool) -> None:
+    """update_from_output skips cache_blocks while no new block is full: the cached count must still follow
+    the computed tokens block for block, through a chunked prompt and the decodes after it."""
+    cfg = make_config(max_num_batched_tokens=6)
+    cfg.scheduler_config.async_scheduling = async_scheduling
+    sched = Scheduler(cfg)
+    req = make_request("a", 9, max_tokens=20, ignore_eos=True)
+    sched.add_request(req)
+    kv = sched.kv_cache_manager
+    pending = []
+    seen = set()
+    while sched.has_unfinished_requests() or pending:
+        if sched.has_unfinished_requests():
+            so = sched.schedule()
+            ids = list(so.num_scheduled_tokens)
+            pending.append((so, ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[7] for _ in ids])))
+        if async_scheduling and len(pending) < 2 and sched.has_unfinished_requests():
+            continue
+        so, mro = pending.pop(0)
+        sched.update_from_output(so, mro)
+        if sched.get_request("a") is None:
+            break
+        known = min(req.num_computed_tokens - sched._scheduled_later(req), req.num_tokens)
+        assert kv.num_cached_block.get("a", 0) == known // 4
+        seen.add(known // 4)
+    assert seen >= set(range(1, 7))  # blocks 1..6 each became cached at some step

@@ -135,6 +135,15 @@ class Request:
         if self.uses_long_rope != was_long:  # its blocks' keys change regime: hashes rebuild from block 0
             self.block_hashes = []
 
+    def append_output_token(self, token_id: int) -> None:
+        """One sampled token: append_output_token_ids(token_id), without its rope check where none applies (the
+        scheduler's per-token hot path)."""
+        if self.rope_recompute_at is not None:
+            self.append_output_token_ids(token_id)
+            return
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
     @property
     def uses_long_rope(self) -> bool:
         """True once the request is longer than its model's rope switch point (never for other models)."""

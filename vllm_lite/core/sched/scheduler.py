@@ -609,18 +609,34 @@ class Scheduler:
             step = self._in_flight.pop() if self._in_flight else _InFlightStep(None, {})
             self._in_flight.clear()
         scheduled = step.requests
+        samplers = step.samplers
         per_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped: list[Request] = []
         stopped_off_device: list[Request] = []  # async: preempted while this step ran, ended by its token
+        # Loop invariants, looked up once (this loop runs once per request per step: the host's hot path).
+        live_get = self.requests.get
+        index_get = mro.req_id_to_index.get
+        drafts_get = scheduler_output.scheduled_spec_decode_tokens.get
+        prompt_lp_get = mro.prompt_logprobs_dict.get
+        all_sampled = mro.sampled_token_ids
+        # Prefix caching: a request's blocks are registered only when one more of them is full (every block_size
+        # tokens), so the call is skipped while its computed tokens stay within its cached blocks (as cache_blocks
+        # itself would return early; the bound is an upper one: with steps in flight fewer tokens count).
+        caching = kv.enable_caching
+        num_cached_get = kv.num_cached_block.get
+        block_size = self.block_size
+        spec_enabled = self.spec.enabled
+        async_scheduling = self.async_scheduling
+        RUNNING = RequestStatus.RUNNING
         for rid in scheduler_output.num_scheduled_tokens:
             req = scheduled.get(rid)
-            samples = rid in step.samplers
+            samples = rid in samplers
             if samples:  # its token is known now (or dropped with the request, or lost with the step)
                 assert req is not None and req.num_output_placeholders > 0
                 req.num_output_placeholders -= 1
-            if req is None or self.requests.get(rid) is not req:
+            if req is None or live_get(rid) is not req:
                 continue  # aborted (or finished) while the step was in flight
-            if req.status != RequestStatus.RUNNING:
+            if req.status != RUNNING:
                 # Preempted while the step was in flight (async scheduling only): vLLM keeps its token.
                 if samples and req.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED):
                     out = self._take_off_device_token(req, mro)
@@ -629,46 +645,50 @@ class Scheduler:
                         if req.is_finished():
                             stopped_off_device.append(req)
                 continue
-            idx = mro.req_id_to_index.get(rid)
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            idx = index_get(rid)
+            drafts = drafts_get(rid)
             if drafts:  # the rejected drafts' KV is not kept: num_computed_tokens drops back over them
-                self.spec.rollback(req, len(drafts), len(mro.sampled_token_ids[idx]) if idx is not None else 0)
+                self.spec.rollback(req, len(drafts), len(all_sampled[idx]) if idx is not None else 0)
             # Only blocks full of known tokens are hashed; accepted drafts' blocks are cached at the next step.
             # Async scheduling: not the tokens of the step after this one, still in flight (it may yet fail).
-            computed = (
-                req.num_computed_tokens - self._scheduled_later(req) if self._in_flight else req.num_computed_tokens
-            )
-            kv.cache_blocks(req, min(computed, req.num_tokens))
+            num_computed = req.num_computed_tokens
+            num_tokens = len(req.all_token_ids)
+            if caching and min(num_computed, num_tokens) // block_size > num_cached_get(rid, 0):
+                computed = num_computed - self._scheduled_later(req) if self._in_flight else num_computed
+                kv.cache_blocks(req, min(computed, num_tokens))
             if req.pooling_params is not None:  # its whole prompt ran: it finishes with its pooled output
                 per_client[req.client_index].append(finish_pooling_request(req, mro, idx))
                 stopped.append(req)
                 continue
-            sampled = mro.sampled_token_ids[idx] if idx is not None else []
-            was_long_rope = req.uses_long_rope
+            sampled = all_sampled[idx] if idx is not None else []
+            rope_switch = req.rope_recompute_at is not None  # only then can a token change its rope regime
+            was_long_rope = rope_switch and req.uses_long_rope
             new_token_ids: list[int] = []
             finished = False
             # Tokens only count once the whole known sequence ran (a mid-prompt chunk samples nothing); with async
             # scheduling the schedule recorded which requests sample (num_computed_tokens may include the next step).
-            if sampled and (samples if self.async_scheduling else req.num_computed_tokens >= req.num_tokens):
+            if sampled and (samples if async_scheduling else num_computed >= num_tokens):
                 for tok in sampled:
-                    req.append_output_token_ids(tok)
+                    req.append_output_token(tok)
                     new_token_ids.append(tok)
-                    if self._check_stop(req) or self._advance_grammar(req, tok):
+                    if self._check_stop(req) or (
+                        req.structured_output_request is not None and self._advance_grammar(req, tok)
+                    ):
                         finished = True
                         break
-            if self.spec.enabled and idx is not None:
+            if spec_enabled and idx is not None:
                 proposed = mro.spec_token_ids[idx] if mro.spec_token_ids is not None and not finished else []
                 req.spec_token_ids = proposed
             new_logprobs = None
             if new_token_ids and mro.logprobs is not None and req.sampling_params.logprobs is not None:
                 start = mro.logprobs_cu[idx] if mro.logprobs_cu is not None else idx
                 new_logprobs = mro.logprobs.slice(start, start + len(new_token_ids))
-            prompt_lp = mro.prompt_logprobs_dict.get(rid)
-            if prompt_lp is not None and req.num_output_tokens > len(new_token_ids):
+            prompt_lp = prompt_lp_get(rid)
+            if prompt_lp is not None and len(req.output_token_ids) > len(new_token_ids):
                 prompt_lp = None  # sent whole before this recompute (preemption, rope switch): not again
             if finished:
                 stopped.append(req)
-            elif req.uses_long_rope != was_long_rope:
+            elif rope_switch and req.uses_long_rope != was_long_rope:
                 self._recompute_for_long_rope(req)
             if new_token_ids or finished or prompt_lp is not None:
                 first = len(new_token_ids) == len(req.output_token_ids) and bool(new_token_ids)
@@ -747,19 +767,23 @@ class Scheduler:
     def _check_stop(self, req: Request) -> bool:
         """Sets the finished status; EOS and stop tokens only count once min_tokens are out."""
         sp = req.sampling_params
-        last = req.output_token_ids[-1]
-        if req.num_output_tokens >= sp.min_tokens:
+        outputs = req.output_token_ids
+        last = outputs[-1]
+        num_outputs = len(outputs)
+        if num_outputs >= sp.min_tokens:
             if not sp.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if last in sp.all_stop_token_ids:
+            # The list itself, not the all_stop_token_ids property (a copy per call): read here, never changed.
+            stop_ids = sp._all_stop_token_ids
+            if stop_ids and last in stop_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = last
                 return True
-        if req.max_tokens is not None and req.num_output_tokens >= req.max_tokens:
+        if req.max_tokens is not None and num_outputs >= req.max_tokens:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
-        if req.num_tokens >= self.max_model_len:
+        if len(req.all_token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
