@@ -257,22 +257,49 @@ class Scheduler:
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}  # drafts run after each request's last token
 
-        # 1. Running requests, in order.
+        # 1. Running requests, in order. Loop invariants are looked up once: this loop runs once per running
+        # request per step (the host's hot path at large batch).
+        running = self.running  # changed in place only (preemptions)
+        spec = self.spec
+        spec_enabled = spec.enabled
+        lookahead = spec.num_lookahead_tokens > 0  # else spec.lookahead() is 0
+        rope_at = self.rope_recompute_at
+        threshold = self.long_prefill_token_threshold
+        max_len = self.max_model_len
+        block_size = self.block_size
+        # Allocator fast path: without a sliding window (nothing to free behind it), a step whose tokens fit in the
+        # request's blocks needs nothing from allocate_slots, which would return [] (a decode, but for one step in
+        # block_size).
+        held_blocks = kv.req_to_blocks.get if kv.sliding_window is None else None
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_output_placeholders and self._reaches_length_cap(req):
+        while i < len(running) and budget > 0:
+            req = running[i]
+            placeholders = req.num_output_placeholders
+            num_tokens = len(req.all_token_ids)
+            if placeholders and (  # _reaches_length_cap, inlined
+                num_tokens + placeholders >= max_len
+                or (req.max_tokens is not None and len(req.output_token_ids) + placeholders >= req.max_tokens)
+            ):
                 i += 1  # its last token is in flight and ends it (max_tokens / max_model_len): as sync, no more
                 continue
-            drafts = self.spec.drafts_for(req, self.max_model_len) if self.spec.enabled else []
-            if drafts and self.rope_recompute_at is not None and req.num_tokens <= self.rope_recompute_at:
-                drafts = drafts[: self.rope_recompute_at - req.num_tokens]  # none verified past the rope switch
-            n = self._num_new_tokens(req, req.num_computed_tokens, budget, len(drafts))
+            drafts = spec.drafts_for(req, max_len) if spec_enabled else []
+            if drafts and rope_at is not None and num_tokens <= rope_at:
+                drafts = drafts[: rope_at - num_tokens]  # none verified past the rope switch
+            # _num_new_tokens, inlined.
+            num_computed = req.num_computed_tokens
+            n = num_tokens + placeholders + len(drafts) - num_computed
+            if threshold > 0:
+                n = min(n, threshold)
+            n = min(n, budget, max_len - num_computed)
             if n <= 0:
                 i += 1
                 continue
-            n_alloc = n + self.spec.lookahead(req.num_computed_tokens + n, self.max_model_len)
-            blocks = kv.allocate_slots(req, n_alloc)
+            n_alloc = n + spec.lookahead(num_computed + n, max_len) if lookahead else n
+            held = held_blocks(req.request_id) if held_blocks is not None else None
+            if held and (num_computed + n_alloc + block_size - 1) // block_size <= len(held):
+                blocks: Optional[list[KVCacheBlock]] = []
+            else:
+                blocks = kv.allocate_slots(req, n_alloc)
             while blocks is None:
                 victim = self._pick_victim()
                 vi = self.running.index(victim)
@@ -291,7 +318,8 @@ class Scheduler:
             if blocks is None:
                 continue  # req preempted itself; the next request now sits at index i
             num_scheduled[req.request_id] = n
-            new_blocks_of[req.request_id] = blocks
+            if blocks:
+                new_blocks_of[req.request_id] = blocks
             if drafts and n > 1:  # the budget may cut the drafts short
                 spec_tokens[req.request_id] = drafts[: n - 1]
             budget -= n
@@ -365,12 +393,17 @@ class Scheduler:
         new_ids = {r.request_id for r in to_worker_as_new}
         new_reqs = [new_request_data(r, kv.get_block_ids(r.request_id)) for r in to_worker_as_new]
         cached = CachedRequestData()
+        cached_ids = cached.req_ids
+        cached_block_ids = cached.new_block_ids
+        cached_computed = cached.num_computed_tokens
+        new_blocks_get = new_blocks_of.get  # only requests that got blocks are in it
         for r in self.running:
             rid = r.request_id
             if rid in num_scheduled and rid not in new_ids:
-                cached.req_ids.append(rid)
-                cached.new_block_ids.append([b.block_id for b in new_blocks_of.get(rid, [])])
-                cached.num_computed_tokens.append(r.num_computed_tokens)
+                cached_ids.append(rid)
+                got = new_blocks_get(rid)
+                cached_block_ids.append([b.block_id for b in got] if got else [])
+                cached_computed.append(r.num_computed_tokens)
         for r in preempted:
             if r.request_id in self._in_worker:
                 self._in_worker.discard(r.request_id)
@@ -379,15 +412,19 @@ class Scheduler:
         self._in_worker.update(new_ids)
 
         step = _InFlightStep(None, {})
+        step_requests = step.requests
+        async_scheduling = self.async_scheduling
+        scheduled_get = num_scheduled.get
         for r in self.running:
-            n = num_scheduled.get(r.request_id)
+            rid = r.request_id
+            n = scheduled_get(rid)
             if n:
                 r.num_computed_tokens += n
-                step.requests[r.request_id] = r
-                if self.async_scheduling and r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
+                step_requests[rid] = r
+                if async_scheduling and r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
                     # It samples: the token is unknown until this step's output comes back (update_from_output).
                     r.num_output_placeholders += 1
-                    step.samplers.add(r.request_id)
+                    step.samplers.add(rid)
         if not self.async_scheduling:
             self._in_flight.clear()  # sync: the last schedule() is the step in flight (as before: replaced)
         self._in_flight.append(step)
