@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from vllm_lite.config import SpeculativeConfig, verify_async_scheduling
 from vllm_lite.core.engine_core import EngineCore
 from vllm_lite.core.messages import EngineCoreRequest, FinishReason
-from vllm_lite.core.request import Request
+from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.scheduler import Scheduler
 from vllm_lite.engine_args import EngineArgs
 from vllm_lite.sampling_params import SamplingParams
@@ -377,11 +377,14 @@ def test_an_id_reused_right_after_its_request_ended_gets_its_own_tokens() -> Non
 def test_must_sync_covers_grammars_speculative_decoding_and_rope_recompute() -> None:
     s = Scheduler(make_config())
     assert not s.must_sync()
-    req = Request("g", [1, 2], SamplingParams(max_tokens=2), None, 0.0)
-    s.add_request(req)
+    s.add_request(Request("p", [1, 2], SamplingParams(max_tokens=2), None, 0.0))
     assert not s.must_sync()
+    req = Request("g", [1, 2], SamplingParams(max_tokens=2), None, 0.0)
     req.structured_output_request = object()  # type: ignore[assignment] -- only its presence matters here
+    s.add_request(req)
     assert s.must_sync()
+    s.finish_requests("g", RequestStatus.FINISHED_ABORTED)  # the last constrained request leaves: async again
+    assert not s.must_sync()
     cfg = make_config()
     cfg.speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     assert Scheduler(cfg).must_sync()

@@ -136,6 +136,9 @@ class Scheduler:
         # Structured outputs: requests whose grammar is compiling, and error messages owed to finished ones.
         self.structured_output_manager = StructuredOutputManager(vllm_config)
         self._waiting_for_grammar: dict[str, Request] = {}
+        # Live requests (in self.requests) with a structured_output_request, counted at add and release: must_sync
+        # and the step's bitmask need not scan every request when there are none.
+        self._num_constrained = 0
         self._errors: dict[str, str] = {}
         self._failed_before_running: list[Request] = []
         # Speculative decoding: drafts per request, rollback of rejected ones, acceptance counters.
@@ -172,6 +175,9 @@ class Scheduler:
             request.structured_output_request = self.structured_output_manager.grammar_init(so_params)
             request.status = RequestStatus.WAITING_FOR_FSM
             self._waiting_for_grammar[rid] = request
+        if request.structured_output_request is not None:
+            self._num_constrained += 1
+        if so_params is not None:
             return
         self.waiting.add(request)
 
@@ -452,9 +458,7 @@ class Scheduler:
         """True when the next step must run synchronously (async scheduling cannot run it yet): a live request
         under a grammar (or waiting for one: its bitmask needs the matcher advanced on the previous token),
         speculative decoding (drafts need the last token), a model that recomputes at its rope switch."""
-        if self.spec.enabled or self.rope_recompute_at is not None or self._waiting_for_grammar:
-            return True
-        return any(r.structured_output_request is not None for r in self.requests.values())
+        return self.spec.enabled or self.rope_recompute_at is not None or self._num_constrained > 0
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -525,6 +529,8 @@ class Scheduler:
     ) -> tuple[dict[str, int], Optional[np.ndarray]]:
         """Bitmask rows for each constrained request that samples this step (its whole sequence is computed): one,
         plus one per draft it verifies (`grammar_bitmask_with_drafts`)."""
+        if not self._num_constrained:
+            return {}, None
         constrained = []
         for rid, req in scheduled.items():
             sor = req.structured_output_request
@@ -833,5 +839,6 @@ class Scheduler:
         if rid in self._in_worker:
             self._in_worker.discard(rid)
             self._finished_req_ids.add(rid)
-        self.requests.pop(rid, None)
+        if self.requests.pop(rid, None) is not None and req.structured_output_request is not None:
+            self._num_constrained -= 1
         self._arrival_order.pop(rid, None)
