@@ -141,6 +141,21 @@ class _TextDetokenizer(IncrementalDetokenizer):
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> Optional[str]:
         if not new_token_ids:
             return None
+        if len(new_token_ids) == 1 and not stop_terminated and not self.min_tokens:
+            # The decode step's case (one id, no stop token, no min_tokens): the loop below, unrolled.
+            tid = new_token_ids[0]
+            self.token_ids.append(tid)
+            piece = self.decode_next(tid)
+            if not piece:  # no new text: nothing for a stop string to end in
+                self._undecoded.append(tid)
+                return None
+            if self._undecoded:
+                self._undecoded = []
+            check_from = len(self.output_text)
+            self.output_text += piece
+            if not self.stop:
+                return None
+            return self._find_stop(check_from)
         # The core ended on a stop token id (EOS / stop_token_ids): its text is not output
         # unless the caller asked to keep stop strings.
         skipped: Optional[int] = None
@@ -153,7 +168,10 @@ class _TextDetokenizer(IncrementalDetokenizer):
             self.token_ids.append(tid)
             piece = self.decode_next(tid)
             self.output_text += piece
-            self._undecoded = [] if piece else self._undecoded + [tid]
+            if piece:
+                self._undecoded = []
+            else:
+                self._undecoded.append(tid)
             if self.min_tokens and len(self.token_ids) <= self.min_tokens:
                 # Stop strings may not end before min_tokens tokens exist.
                 check_from = len(self.output_text)
@@ -162,6 +180,10 @@ class _TextDetokenizer(IncrementalDetokenizer):
 
         if not self.stop or len(self.token_ids) <= self.min_tokens:
             return None
+        return self._find_stop(check_from)
+
+    def _find_stop(self, check_from: int) -> Optional[str]:
+        """A stop string ending in the text added past `check_from`: the text is cut there and it is returned."""
         hit = find_stop_string(
             self.output_text, len(self.output_text) - check_from, self.stop, self.include_stop_str_in_output
         )
@@ -215,16 +237,23 @@ class FastIncrementalDetokenizer(_TextDetokenizer):
         try:
             return self.stream.step(self.backend, token_id)
         except Exception:
-            # An id the tokenizer cannot decode (e.g. padded model vocab) or a broken
-            # stream state: restart the stream so later tokens still decode.
-            self._prime_ids = []
-            from tokenizers.decoders import DecodeStream
-
-            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            self._restart_stream()
             return None
 
+    def _restart_stream(self) -> None:
+        # An id the tokenizer cannot decode (e.g. padded model vocab) or a broken
+        # stream state: restart the stream so later tokens still decode.
+        self._prime_ids = []
+        from tokenizers.decoders import DecodeStream
+
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+
     def decode_next(self, token_id: int) -> str:
-        piece = self._step(token_id) or ""
+        try:
+            piece = self.stream.step(self.backend, token_id) or ""
+        except Exception:  # as _step (inlined: one call less per token)
+            self._restart_stream()
+            piece = ""
         if self._added_tokens:
             content = self._added_tokens.get(token_id)
             if content is not None and self._last_was_added:

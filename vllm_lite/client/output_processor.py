@@ -10,6 +10,7 @@ core is still running those and must abort them).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -153,6 +154,31 @@ def _phase_times(m: RequestMetrics) -> tuple[Optional[float], ...]:
     )
 
 
+# The hot path builds these two positionally: their leading fields must stay in this order.
+_COMPLETION_FIELDS = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason")
+_REQUEST_OUTPUT_FIELDS = (
+    "request_id",
+    "prompt",
+    "prompt_token_ids",
+    "prompt_logprobs",
+    "outputs",
+    "finished",
+    "metrics",
+    "num_cached_tokens",
+    "error",
+)
+
+
+def _check_positional_fields() -> None:
+    for cls, names in ((CompletionOutput, _COMPLETION_FIELDS), (RequestOutput, _REQUEST_OUTPUT_FIELDS)):
+        have = tuple(f.name for f in dataclasses.fields(cls))[: len(names)]
+        if have != names:
+            raise ImportError(f"output_processor builds {cls.__name__} positionally as {names}, its fields are {have}")
+
+
+_check_positional_fields()
+
+
 class RequestState:
     """Everything the frontend tracks for one core request (one child when n > 1)."""
 
@@ -187,11 +213,12 @@ class RequestState:
         m = self.metrics
         if out.scheduled_ts:
             m.queued_ts, m.scheduled_ts = out.queued_ts, out.scheduled_ts
-        if out.new_token_ids and core_ts is not None:
-            if m.first_token_ts is None:
-                m.first_token_ts = core_ts
-            m.last_token_ts = core_ts
-        if out.new_token_ids:
+        new_ids = out.new_token_ids
+        if new_ids:
+            if core_ts is not None:
+                if m.first_token_ts is None:
+                    m.first_token_ts = core_ts
+                m.last_token_ts = core_ts
             if m.first_token_time is None:
                 m.first_token_time = now
                 self.num_cached_tokens = out.num_cached_tokens
@@ -201,44 +228,46 @@ class RequestState:
             elif stats is not None and m.last_token_time is not None:
                 stats.inter_token_latencies_s.append(now - m.last_token_time)
             m.last_token_time = now
-            m.num_generation_tokens += len(out.new_token_ids)
+            m.num_generation_tokens += len(new_ids)
             if stats is not None:
-                stats.num_generation_tokens += len(out.new_token_ids)
-        self.logprobs_processor.update_from_output(out)
+                stats.num_generation_tokens += len(new_ids)
+        if out.new_logprobs is not None or out.new_prompt_logprobs_tensors is not None:
+            self.logprobs_processor.update_from_output(out)
         # The core finishes with STOP only on EOS or a stop token id: the last id is that token.
-        return self.detokenizer.update(out.new_token_ids, out.finish_reason == FinishReason.STOP)
+        finish = out.finish_reason
+        return self.detokenizer.update(new_ids, finish is not None and finish == FinishReason.STOP)
 
     def make_completion(
         self, finish_reason: Optional[FinishReason], stop_reason: Union[int, str, None]
     ) -> Optional[CompletionOutput]:
         """This request's CompletionOutput for the caller's output kind; None when nothing is due."""
         finished = finish_reason is not None
-        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+        kind = self.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        delta = self.output_kind == RequestOutputKind.DELTA
-        text = self.detokenizer.get_next_output_text(finished, delta)
+        delta = kind == RequestOutputKind.DELTA
+        detok = self.detokenizer
+        text = detok.get_next_output_text(finished, delta)
         lp = self.logprobs_processor
         if delta:
-            ids = self.detokenizer.output_token_ids[self._delta_token_start :]
+            ids = detok.token_ids[self._delta_token_start :]
             self._delta_token_start += len(ids)
-            logprobs = lp.pop_sample_delta()
+            logprobs = None if lp.logprobs is None else lp.pop_sample_delta()
             if not ids and not text and not finished:
                 return None
         else:
-            ids = list(self.detokenizer.output_token_ids)
+            ids = list(detok.token_ids)
             logprobs = list(lp.logprobs) if lp.logprobs is not None else None
+        if not finished:  # positional: half the cost of keywords, once per request and step (fields checked below)
+            return CompletionOutput(self.request_index, text, ids, lp.cumulative_logprob, logprobs, None, None)
         return CompletionOutput(
-            index=self.request_index,
-            text=text,
-            token_ids=ids,
-            cumulative_logprob=lp.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=str(finish_reason) if finished else None,
-            stop_reason=stop_reason if finished else None,
+            self.request_index, text, ids, lp.cumulative_logprob, logprobs, str(finish_reason), stop_reason
         )
 
     def prompt_logprobs_for_output(self):
         lp = self.logprobs_processor
+        if lp.prompt_logprobs is None:  # none asked for (either kind's answer)
+            return None
         if self.output_kind == RequestOutputKind.DELTA:
             return lp.pop_prompt_delta()
         return list(lp.prompt_logprobs) if lp.prompt_logprobs is not None else None
@@ -246,16 +275,17 @@ class RequestState:
     def make_request_output(
         self, request_id: str, outputs: list[CompletionOutput], finished: bool, error: Optional[str] = None
     ) -> RequestOutput:
-        return RequestOutput(
-            request_id=request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=self.prompt_logprobs_for_output(),
-            outputs=outputs,
-            finished=finished,
-            metrics=self.metrics,
-            num_cached_tokens=self.num_cached_tokens,
-            error=error,
+        lp = None if self.logprobs_processor.prompt_logprobs is None else self.prompt_logprobs_for_output()
+        return RequestOutput(  # positional, as in make_completion
+            request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            lp,
+            outputs,
+            finished,
+            self.metrics,
+            self.num_cached_tokens,
+            error,
         )
 
 
@@ -365,8 +395,9 @@ class OutputProcessor:
         # Parents touched in this batch, with the child state that represents them.
         touched_parents: dict[str, tuple[ParentRequest, RequestState]] = {}
 
+        get_state = self.request_states.get
         for out in engine_core_outputs:
-            state = self.request_states.get(out.request_id)
+            state = get_state(out.request_id)
             if state is None:  # aborted or stop-string-finished already: late outputs are dropped
                 continue
             if isinstance(state, PoolingRequestState):  # its one output: the pooled data (or its error)
@@ -405,7 +436,10 @@ class OutputProcessor:
                 if completion is None:
                     continue
                 ro = state.make_request_output(out.request_id, [completion], finished, out.error)
-                self._emit(state, ro, request_outputs)
+                if state.queue is not None:  # _emit, inlined
+                    state.queue.put(ro)
+                else:
+                    request_outputs.append(ro)
                 continue
             if completion is not None:
                 parent.add_child_output(out.request_id, completion)
