@@ -334,7 +334,8 @@ class Scheduler:
         # 2. Swapped, then waiting requests, unless this step had to preempt (no room to grow).
         if not preempted:
             blocked = False
-            loras = self._running_loras()
+            # Only read when a request may be admitted below, and empty without LoRA (no request has an adapter).
+            loras = self._running_loras() if self.max_loras and (self.swapped or self.waiting) else set()
             skipped: list[Request] = []  # waiting requests whose adapter would be one too many this step
             while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.swapped.peek()
@@ -398,18 +399,6 @@ class Scheduler:
                     to_worker_as_new.append(r)
         new_ids = {r.request_id for r in to_worker_as_new}
         new_reqs = [new_request_data(r, kv.get_block_ids(r.request_id)) for r in to_worker_as_new]
-        cached = CachedRequestData()
-        cached_ids = cached.req_ids
-        cached_block_ids = cached.new_block_ids
-        cached_computed = cached.num_computed_tokens
-        new_blocks_get = new_blocks_of.get  # only requests that got blocks are in it
-        for r in self.running:
-            rid = r.request_id
-            if rid in num_scheduled and rid not in new_ids:
-                cached_ids.append(rid)
-                got = new_blocks_get(rid)
-                cached_block_ids.append([b.block_id for b in got] if got else [])
-                cached_computed.append(r.num_computed_tokens)
         for r in preempted:
             if r.request_id in self._in_worker:
                 self._in_worker.discard(r.request_id)
@@ -417,6 +406,13 @@ class Scheduler:
         finished_ids, self._finished_req_ids = self._finished_req_ids, set()
         self._in_worker.update(new_ids)
 
+        # One pass over the running requests: the worker's diff for those it holds (their num_computed_tokens as
+        # the step starts), then the step's progress.
+        cached = CachedRequestData()
+        cached_ids = cached.req_ids
+        cached_block_ids = cached.new_block_ids
+        cached_computed = cached.num_computed_tokens
+        new_blocks_get = new_blocks_of.get  # only requests that got blocks are in it
         step = _InFlightStep(None, {})
         step_requests = step.requests
         async_scheduling = self.async_scheduling
@@ -424,6 +420,13 @@ class Scheduler:
         for r in self.running:
             rid = r.request_id
             n = scheduled_get(rid)
+            if n is None:
+                continue
+            if rid not in new_ids:
+                cached_ids.append(rid)
+                got = new_blocks_get(rid)
+                cached_block_ids.append([b.block_id for b in got] if got else [])
+                cached_computed.append(r.num_computed_tokens)
             if n:
                 r.num_computed_tokens += n
                 step_requests[rid] = r
