@@ -15,9 +15,14 @@ a "full" run measures, all in this one invocation:
     of 2 requests with different prompts; 1 on batch-1-only shapes);
   - time to ready: LLM(...) construction plus the first one-token request;
   - GPU-busy fraction during decode at batch 256 (and at batch 1) from torch.profiler: union of the CUDA
-    kernel/copy intervals over the wall time of a window of decode steps. The engine core runs in another
-    process in multiprocess mode, so this is measured on an in-process engine (LLM(multiprocess=False)) in a
-    fresh interpreter;
+    kernel/copy intervals over the wall time of a window of decode steps, on an in-process engine
+    (LLM(multiprocess=False)) in a fresh interpreter (gpu_busy_fraction: there the frontend's output processing
+    shares the core's thread), and at batch 256 ALSO on the default multiprocess engine with vLLM's profiler API
+    (gpu_busy_fraction_multiprocess, decode_step_multiprocess): a worker interpreter sets
+    VLLM_TORCH_PROFILER_DIR for its private engine core, calls llm.start_profile() / stop_profile() around
+    decode steps of the 256 prompts, and reads the core's Chrome trace back (the window's engine steps in
+    gpu_busy_multiprocess_steps; null with a note on CPU; --skip-mp-profile skips it, --mp-trace-dir keeps the
+    core's trace);
   - per decode step: the measured step time (same in-process engine, unprofiled window) against a roofline,
     max(bytes moved / copy bandwidth, FLOPs / matmul rate): bytes = matmul weights + every sequence's K/V,
     FLOPs = 2 x weights x batch + attention; both rates measured at the start of this run (a device-to-device
@@ -609,6 +614,99 @@ def profile_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+# ------------------------------------------------------------------------- multiprocess profile worker
+
+MP_PROFILE_NOTE = (
+    "the default multiprocess engine (frontend and engine core in separate processes), profiled with vLLM's API: "
+    "VLLM_TORCH_PROFILER_DIR set for this worker's private core, llm.start_profile() / stop_profile() around "
+    "decode steps of the workload's prompts (all prefilled); the core's trace read back: union of the CUDA "
+    "kernel/copy intervals over the profiled window (busy_fraction; the start/stop calls drain the steps in "
+    "flight, so the window's edges hold a pipeline refill) and over the first-to-last kernel span "
+    "(busy_fraction_device_span); engine_steps: the core's steps inside the window (it ends once the core's step "
+    "counter, read with get_stats, has moved target_engine_steps)"
+)
+
+
+def mp_profile_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Decode busy fraction of the multiprocess engine at the workload's batch (see MP_PROFILE_NOTE)."""
+    from vllm_lite import RequestOutputKind, SamplingParams
+    from vllm_lite.core.profiler import TRACE_SUFFIX
+    from vllm_lite.testing.gpu_bench import read_chrome_trace, trace_busy_facts
+
+    s = spec["settings"]
+    trace_dir = os.path.abspath(spec["profiler_dir"])
+    os.makedirs(trace_dir, exist_ok=True)
+    # This interpreter is the benchmark's own worker: its private engine core starts with a copy of this
+    # environment, so the variable reaches the core (and nothing else of the run).
+    os.environ["VLLM_TORCH_PROFILER_DIR"] = trace_dir
+    lo, hi = s["input_len"]
+    prompts = make_prompts(s["num_prompts"], lo, hi, s["vocab"], s["seed"])
+    warm = make_prompts(8, lo, hi, s["vocab"], s["seed"] + 2)
+    s = dict(s, llm_kwargs={**s["llm_kwargs"], **spec.get("extra_kwargs", {})})
+    out_len = s["output_len"]
+    llm, facts = start_llm(spec["model"], s, spec["enforce_eager"], multiprocess=True, warm=warm)
+    res: dict[str, Any] = {"engine": "multiprocess (LLM(...) default), fresh interpreter", "method": MP_PROFILE_NOTE}
+    try:
+        engine = llm.llm_engine
+        params = SamplingParams(
+            temperature=0.0, max_tokens=out_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
+        state: dict[str, Any] = {"gen": {}, "done": set()}
+        for i, p in enumerate(prompts):
+            state["gen"][f"mp-{i}"] = 0
+            engine.add_request(f"mp-{i}", {"prompt_token_ids": p}, params)
+        prefill_steps = 0
+        while min(state["gen"].values()) == 0 and engine.has_unfinished_requests():
+            _engine_step(engine, state)
+            prefill_steps += 1
+        for _ in range(2):  # past the last prefill's step: decode only from here
+            _engine_step(engine, state)
+        # The core runs ahead of this frontend: leave it enough tokens that no request ends inside the window.
+        k = min(s["mp_profile_steps"], (out_len - max(state["gen"].values())) // 2 - 2)
+        if k < 1:
+            raise RuntimeError(f"no decode steps left to profile after {prefill_steps} prefill steps")
+        live = len([r for r in state["gen"] if r not in state["done"]])
+        before = set(os.listdir(trace_dir))
+        t0 = time.perf_counter()
+        llm.start_profile()
+        # The window ends once the core has run k steps (its own counter: outputs this frontend reads may have
+        # been queued before the start); the frontend reads outputs meanwhile, as a frontend does.
+        start_step = engine.call_utility("get_stats")["step_counter"]
+        fe_steps = 0
+        while not state["done"] and fe_steps < 8 * k:
+            _engine_step(engine, state)
+            fe_steps += 1
+            if engine.call_utility("get_stats")["step_counter"] - start_step >= k:
+                break
+        llm.stop_profile()
+        wall = time.perf_counter() - t0
+        ended_inside = len(state["done"])
+        engine.abort_request([r for r in state["gen"] if r not in state["done"]])
+        while engine.has_unfinished_requests():
+            engine.step()
+        new = sorted(f for f in os.listdir(trace_dir) if f not in before and f.endswith(TRACE_SUFFIX))
+        if len(new) != 1:
+            raise RuntimeError(f"expected one new trace in {trace_dir}, found {new}")
+        path = os.path.join(trace_dir, new[0])
+        parsed = read_chrome_trace(path)
+        res.update(trace_busy_facts(parsed, s["device"].startswith("cuda")))
+        res.update(
+            batch=live,
+            requests_finished_in_window=ended_inside,
+            target_engine_steps=k,
+            frontend_steps=fe_steps,
+            frontend_window_ms=round(1e3 * wall, 2),
+            prefill_steps=prefill_steps,
+            trace_file=new[0],
+            trace_bytes=os.path.getsize(path),
+            time_to_ready_s=facts["time_to_ready_s"],
+            trace_dir=trace_dir,
+        )
+    finally:
+        llm.shutdown()
+    return res
+
+
 # ------------------------------------------------------------------------------------------ HF worker
 
 
@@ -805,6 +903,29 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
                 for v, st in (("sync", sync_step), ("async", entry[key + "_async"]))
             }
 
+    def record_mp_profile(mp: dict[str, Any]) -> None:
+        entry["gpu_busy_fraction_multiprocess"] = mp["busy_fraction"]
+        entry["gpu_busy_multiprocess_steps"] = mp["engine_steps"]
+        entry["decode_step_multiprocess"] = mp
+        if mp["busy_fraction"] is None:
+            entry["gpu_busy_multiprocess_note"] = mp.get("note")
+        elif device.startswith("cuda") and mp.get("kernels_per_step", 0) < facts["num_layers"]:
+            entry["gpu_busy_multiprocess_note"] = (
+                f"only {mp.get('kernels_per_step')} kernels per step traced for {facts['num_layers']} layers: "
+                "kernels inside CUDA graphs may be missing from the trace, so the busy fraction may be low"
+            )
+
+    def run_mp_profile(spec: dict[str, Any], record) -> None:
+        """run_job for the multiprocess busy fraction: its seconds go into its own figures (worker_s)."""
+        log(f"{name}: decode busy fraction, multiprocess engine (start_profile/stop_profile), own interpreter")
+        t0 = time.perf_counter()
+        try:
+            out = run_worker("mp_profile", spec, s["worker_timeout_s"])
+            out["worker_s"] = round(time.perf_counter() - t0, 1)
+            record(out)
+        except Exception as e:  # noqa: BLE001 - recorded with the part's name, the rest go on
+            errors.append(_err("profile_mp", e))
+
     def record_hf(hf: dict[str, Any]) -> None:
         entry["hf_tokens_per_s"] = hf["tokens_per_s"]
         entry["hf"] = {k: v for k, v in hf.items() if k != "tokens_per_s"}
@@ -840,6 +961,19 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
         run_engine(base)
         if full:
             run_job("profile", "profile", prof_spec, record_profile)
+            if s["skip_mp_profile"]:
+                entry["gpu_busy_multiprocess_skipped"] = "--skip-mp-profile"
+            else:
+                # The main multiprocess run's engine (its variant's arguments), profiled through vLLM's API.
+                # The main multiprocess run's engine (its variant's arguments), profiled through vLLM's API; the
+                # core's traces go to --mp-trace-dir/SHAPE (kept), else a folder of the run's (deleted).
+                keep = s["mp_trace_dir"]
+                profiler_dir = os.path.join(os.path.abspath(keep) if keep else workdir, f"{name}-multiprocess")
+                mp_spec = dict(prof_spec, profiler_dir=profiler_dir, extra_kwargs=variants[base][1])
+                mp_spec.pop("trace_dir", None)
+                run_mp_profile(mp_spec, record_mp_profile)
+                if not keep:
+                    shutil.rmtree(profiler_dir, ignore_errors=True)
             if s["skip_hf"]:
                 entry["hf_skipped"] = "--skip-hf"
             elif name == "llama-8b" and not s["hf_8b"]:
@@ -941,6 +1075,9 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
         trace_dir=args.trace_dir,
         llm_kwargs=json.loads(args.llm_kwargs) if args.llm_kwargs else {},
         skip_hf=args.skip_hf,
+        skip_mp_profile=args.skip_mp_profile,
+        mp_profile_steps=args.mp_profile_steps or 3 * int(d["profile_steps"]),
+        mp_trace_dir=args.mp_trace_dir,
         hf_8b=args.hf_8b,
         multiprocess=True,
         worker_timeout_s=args.worker_timeout,
@@ -1026,6 +1163,19 @@ def main() -> int:
     )
     ap.add_argument("--llm-kwargs", default=None, help="extra LLM(...) arguments as JSON, e.g. '{\"seed\": 1}'")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--skip-mp-profile",
+        action="store_true",
+        help="skip the multiprocess engine's decode busy fraction (start_profile/stop_profile, its own interpreter)",
+    )
+    ap.add_argument(
+        "--mp-profile-steps", type=int, default=None, help="frontend decode steps in that window (default 3x profile)"
+    )
+    ap.add_argument(
+        "--mp-trace-dir",
+        default=None,
+        help="keep the multiprocess engine core's Chrome traces (VLLM_TORCH_PROFILER_DIR) in DIR/SHAPE-multiprocess",
+    )
     ap.add_argument("--hf-8b", action="store_true", help="run HF generate on the full llama-8b shape too")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="checkpoint folder, kept and reused (default: a temp dir)")
@@ -1043,7 +1193,8 @@ def main() -> int:
         kind, spec_file = args.worker
         with open(spec_file) as f:
             spec = json.load(f)
-        out = profile_worker(spec) if kind == "profile" else hf_worker(spec)
+        workers = {"profile": profile_worker, "mp_profile": mp_profile_worker, "hf": hf_worker}
+        out = workers[kind](spec)
         print(json.dumps(out), flush=True)
         return 0
 

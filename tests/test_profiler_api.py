@@ -9,6 +9,8 @@ import asyncio
 import gzip
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from vllm_lite.core.messages import EngineCoreRequest
 from vllm_lite.core.profiler import METADATA_KEY, TRACE_SUFFIX
 from vllm_lite.engine_args import EngineArgs
 from vllm_lite.entrypoints.openai.api_server import build_app
-from vllm_lite.testing.gpu_bench import read_chrome_trace
+from vllm_lite.testing.gpu_bench import read_chrome_trace, trace_busy_facts
 from vllm_lite.testing.openai_fake_engine import FakeAsyncLLM
 from vllm_lite.testing.paged_fake_executor import PagedFakeExecutor
 from vllm_lite.testing.scheduler_config import make_config
@@ -218,3 +220,73 @@ def test_async_llm_and_the_http_routes_profile_the_core(tiny_checkpoint, tmp_pat
     asyncio.run(main())
     for path in traces(tmp_path):
         assert "aten::embedding" in op_names(load(path))
+
+
+# ---------------------------------------------------------------------- benchmarks/gpu.py's multiprocess figure
+def test_gpu_benchmark_multiprocess_busy_worker_on_cpu_writes_and_parses_the_core_trace(tiny_checkpoint, tmp_path):
+    with open(os.path.join(tiny_checkpoint, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    settings = dict(
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=None,
+        llm_kwargs={"num_threads": 1},
+        input_len=[8, 24],
+        num_prompts=8,
+        vocab=vocab,
+        seed=0,
+        output_len=24,
+        mp_profile_steps=4,
+    )
+    spec = {"model": tiny_checkpoint, "settings": settings, "enforce_eager": False}
+    spec["profiler_dir"] = str(tmp_path / "profiler")
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != ENV}  # the worker sets it for its own core
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--worker", "mp_profile", str(spec_file)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["busy_fraction"] is None and "no GPU" in res["note"]  # CPU: no device figure, said so
+    assert res["batch"] == 8 and res["target_engine_steps"] == 4 and res["engine_steps"] >= 4
+    assert res["requests_finished_in_window"] == 0 and res["cpu_ops"] > 0 and res["window_ms"] > 0
+    trace = tmp_path / "profiler" / res["trace_file"]
+    assert "aten::embedding" in op_names(load(trace))
+    assert load(trace)[METADATA_KEY]["engine_steps"] == res["engine_steps"]
+    assert res["trace_dir"] == str(tmp_path / "profiler") and traces(tmp_path / "profiler") == [trace]
+
+
+def test_trace_busy_facts_on_a_cuda_trace_worked_by_hand(tmp_path) -> None:
+    def x(cat: str, name: str, ts: float, dur: float) -> dict[str, Any]:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+    # A 100 us window of 2 steps: kernels 0-10 and 5-20 (overlap: 20 us), 50-60, a copy 70-80: 40 us busy.
+    events = [
+        x("Trace", "PyTorch Profiler (0)", 0, 100),
+        x("kernel", "gemm", 0, 10),
+        x("kernel", "rmsnorm", 5, 15),
+        x("kernel", "gemm", 50, 10),
+        x("gpu_memcpy", "Memcpy DtoH", 70, 10),
+        x("cuda_runtime", "cudaGraphLaunch", 1, 3),
+        x("cpu_op", "aten::embedding", 2, 1),
+        {"ph": "M", "name": "process_name", "pid": 1},
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events, METADATA_KEY: {"engine_steps": 2}}))
+    parsed = read_chrome_trace(str(path))
+    assert parsed["window_us"] == 100 and parsed["device_span_us"] == 80 and parsed["engine_steps"] == 2
+    f = trace_busy_facts(parsed, cuda=True)
+    assert f["busy_fraction"] == pytest.approx(0.4) and f["busy_fraction_device_span"] == pytest.approx(0.5)
+    assert f["busy_ms_per_step"] == pytest.approx(0.02) and f["window_ms_per_step"] == pytest.approx(0.05)
+    assert f["kernels_per_step"] == 2.0 and f["top_runtime_calls"][0]["name"] == "cudaGraphLaunch"
+    assert f["top_kernels"][0] == {"name": "gemm", "per_step": 1.0, "us_per_step": 10.0}
+    cpu = trace_busy_facts(parsed, cuda=False)
+    assert cpu["busy_fraction"] is None and cpu["cpu_ops"] == 1

@@ -19,6 +19,7 @@ from vllm_lite.core.messages import (
     SchedulerStats,
 )
 from vllm_lite.core.profiler import EngineCoreProfiler
+from vllm_lite.core.profiler import warm_up as profiler_warm_up
 from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.request_validation import RequestLimits, validate_request
 from vllm_lite.core.sched.scheduler import Scheduler
@@ -63,6 +64,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self.config = vllm_config
         verify_async_scheduling(vllm_config)
+        profiler_warm_up(vllm_config.device_config.device)  # CUDA + $VLLM_TORCH_PROFILER_DIR only
         self.executor = (executor_class or get_executor_class(vllm_config))(vllm_config)
         num_gpu, num_cpu = self.executor.determine_num_blocks()
         vllm_config.cache_config.num_gpu_blocks = num_gpu

@@ -42,6 +42,19 @@ def profiler_dir() -> str:
     return path
 
 
+def warm_up(device: torch.device) -> None:
+    """With $VLLM_TORCH_PROFILER_DIR set and a CUDA core: start and stop torch.profiler once before the model
+    is loaded and its CUDA graphs captured. CUPTI, up before the capture, traces the graphs' kernels one by
+    one (as benchmarks/gpu.py's in-process profile does); its slow first start is also out of the windows."""
+    if not envs.VLLM_TORCH_PROFILER_DIR or device.type != "cuda" or not torch.cuda.is_available():
+        return
+    from torch.profiler import ProfilerActivity
+
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        torch.ones(16, device=device).add_(1).sum().item()
+    torch.cuda.synchronize(device)
+
+
 class EngineCoreProfiler:
     """One torch.profiler.profile at a time, started and stopped between engine steps (the caller drains the
     steps in flight first, so the window holds whole steps)."""

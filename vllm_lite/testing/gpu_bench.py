@@ -489,6 +489,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
             ("batch1_ms_per_token", "batch-1", " ms/tok"),
             ("batch1_ttft_ms", "TTFT", " ms"),
             ("gpu_busy_fraction", "busy", ""),
+            ("gpu_busy_fraction_multiprocess", "busy (multiprocess)", ""),
         ):
             if key in e:
                 head.append(f"{label} {e[key]}{unit}")
