@@ -57,6 +57,8 @@ class InputBatch:
         # Async scheduling: pending_pos[row, step % 2] = the position of the row's token sampled by that launched
         # step while it is still on its way to the host (token_ids holds PLACEHOLDER_TOKEN there); -1: none.
         self.pending_pos = np.full((max_num_reqs, PENDING_STEPS), -1, dtype=np.int64)
+        # Requests in the batch whose parameters ask for prompt logprobs (the runner skips that work at 0).
+        self.num_prompt_logprob_reqs = 0
 
     @property
     def num_reqs(self) -> int:
@@ -92,6 +94,7 @@ class InputBatch:
         self.req_ids[row] = req_id
         self.req_id_to_row[req_id] = row
         self.params[row] = new.sampling_params
+        self.num_prompt_logprob_reqs += _wants_prompt_logprobs(new.sampling_params)
         self.token_ids[row, :n_prompt] = new.prompt_token_ids
         self.token_ids[row, n_prompt : n_prompt + n_out] = new.output_token_ids
         self.num_prompt_tokens[row] = n_prompt
@@ -108,6 +111,22 @@ class InputBatch:
         row = self.req_id_to_row[req_id]
         self.append_block_ids(row, new_block_ids)
         self.num_computed_tokens[row] = num_computed_tokens
+
+    def update_requests(
+        self, req_ids: list[str], new_block_ids: list[list[int]], num_computed_tokens: list[int]
+    ) -> None:
+        """`update_request` for many requests at once: the progress in one numpy write, blocks where any came."""
+        if len(req_ids) != len(new_block_ids) or len(req_ids) != len(num_computed_tokens):
+            # zip's truncation, as the one-at-a-time loop had it
+            k = min(len(req_ids), len(new_block_ids), len(num_computed_tokens))
+            req_ids, new_block_ids, num_computed_tokens = req_ids[:k], new_block_ids[:k], num_computed_tokens[:k]
+        if not req_ids:
+            return
+        rows = self.rows_of(req_ids)
+        for row, blocks in zip(rows.tolist(), new_block_ids):
+            if blocks:
+                self.append_block_ids(row, blocks)
+        self.num_computed_tokens[rows] = num_computed_tokens
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:
@@ -126,6 +145,7 @@ class InputBatch:
             return False
         last = self.num_reqs  # index of the last occupied row before removal
         self.sampling.remove_request(row)
+        self.num_prompt_logprob_reqs -= _wants_prompt_logprobs(self.params[row])
         self.req_ids[row] = None
         self.params[row] = None
         self.pending_pos[row] = -1
@@ -209,3 +229,7 @@ class InputBatch:
             out_pos.append(pos - int(self.num_prompt_tokens[row]))
         if rows:
             self.sampling.record_values(np.asarray(rows, np.int64), np.asarray(toks, np.int64), np.asarray(out_pos))
+
+
+def _wants_prompt_logprobs(params: Optional[SamplingParams]) -> int:
+    return int(params is not None and params.prompt_logprobs is not None)

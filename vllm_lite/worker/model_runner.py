@@ -291,8 +291,7 @@ class GPUModelRunner:
             batch.remove_request(new.req_id)  # re-sent after preemption without a finish notice
             batch.add_request(new)
         cached = so.scheduled_cached_reqs
-        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-            batch.update_request(req_id, new_blocks, num_computed)
+        batch.update_requests(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)
 
     def lora_call(self, method: str, *args: Any) -> Any:
         """vLLM's worker LoRA API (add_lora, remove_lora, list_loras, pin_lora), on this runner's adapters."""
@@ -508,7 +507,9 @@ class GPUModelRunner:
             logits = self.model.compute_logits(hidden[logits_idx])
         if not self.is_driver:  # under tensor parallelism only rank 0 samples; the others take its tokens
             return None
-        bitmask = _grammar_bitmask_rows(so, [inputs.req_ids[i] for i in s_idx.tolist()])
+        bitmask = None
+        if so is not None and so.grammar_bitmask is not None:  # the ids list only when some row has a grammar
+            bitmask = _grammar_bitmask_rows(so, [inputs.req_ids[i] for i in s_idx.tolist()])
         if bitmask is not None:
             bitmask = bitmask.to(self.device, non_blocking=True)
         return self.sampler(logits, batch.sampling_metadata(inputs.rows[s_idx]), bitmask)
@@ -638,6 +639,8 @@ class GPUModelRunner:
     ) -> dict[str, Optional[LogprobsTensors]]:
         """Logprobs of each prompt token given its prefix, for requests that asked for them."""
         out: dict[str, Optional[LogprobsTensors]] = {}
+        if not batch.num_prompt_logprob_reqs:  # no request asks for them (the usual step): nothing to look at
+            return out
         for i, row in enumerate(inputs.rows.tolist()):
             params = batch.params[row]
             if params is None or params.prompt_logprobs is None:
@@ -729,22 +732,32 @@ class _Sampled:
 def _build_output(
     inputs: StepInputs, sampled: _Sampled, prompt_lp: dict[str, Optional[LogprobsTensors]]
 ) -> ModelRunnerOutput:
-    sampled_lists: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
-    if sampled.token_lists is not None:
-        for i, toks in zip(sampled.index.tolist(), sampled.token_lists):
-            sampled_lists[i] = toks
+    n = inputs.num_reqs
+    if sampled.token_lists is None and len(sampled.index) == n:  # every request sampled one token (decode)
+        # index is the step's request order, ascending (np.nonzero of the sampling mask): 0..n-1.
+        sampled_lists = [[tok] for tok in sampled.token_ids.tolist()]
     else:
-        for i, tok in zip(sampled.index.tolist(), sampled.token_ids.tolist()):
-            sampled_lists[i] = [tok]
+        sampled_lists = _sampled_lists(sampled, n)
     return ModelRunnerOutput(
         req_ids=inputs.req_ids,
-        req_id_to_index={r: i for i, r in enumerate(inputs.req_ids)},
+        req_id_to_index=dict(zip(inputs.req_ids, range(n))),
         sampled_token_ids=sampled_lists,
         logprobs=sampled.logprobs,
         prompt_logprobs_dict=prompt_lp,
         spec_token_ids=sampled.spec_token_ids,
         logprobs_cu=sampled.logprobs_cu,
     )
+
+
+def _sampled_lists(sampled: _Sampled, num_reqs: int) -> list[list[int]]:
+    sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
+    if sampled.token_lists is not None:
+        for i, toks in zip(sampled.index.tolist(), sampled.token_lists):
+            sampled_lists[i] = toks
+    else:
+        for i, tok in zip(sampled.index.tolist(), sampled.token_ids.tolist()):
+            sampled_lists[i] = [tok]
+    return sampled_lists
 
 
 def _grammar_bitmask_rows(so: Optional[SchedulerOutput], sampled_req_ids: list[str]) -> Optional[torch.Tensor]:

@@ -85,20 +85,28 @@ def build_step_inputs(
 ) -> StepInputs:
     """Flatten the scheduled requests' tokens; `arange` is a reused 0..N int64 buffer (N >= tokens)."""
     req_ids = list(num_scheduled_tokens)
+    n = len(req_ids)
     rows = batch.rows_of(req_ids)
-    order = np.argsort(rows, kind="stable")
-    rows = rows[order]
-    req_ids = [req_ids[i] for i in order]
-    num_sched = np.fromiter((num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+    num_sched = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=n)
+    if n > 1 and not bool((rows[1:] > rows[:-1]).all()):  # already in row order (as after condensing): kept
+        order = np.argsort(rows, kind="stable")
+        rows = rows[order]
+        num_sched = num_sched[order]
+        req_ids = [req_ids[i] for i in order.tolist()]
     total = int(num_sched.sum())
 
     computed = batch.num_computed_tokens[rows]
-    cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
-    np.cumsum(num_sched, out=cu[1:])
-    # Position of every token: its request's computed count + its offset within this step.
-    req_of_tok = np.repeat(np.arange(len(req_ids)), num_sched)
-    positions = computed[req_of_tok] + arange[:total] - np.repeat(cu[:-1], num_sched)
-    tok_rows = rows[req_of_tok]
+    if total == n and (n == 0 or int(num_sched.min()) == 1):  # one token a request (decode): no repeats
+        cu = arange[: n + 1].copy()
+        positions = computed.copy()
+        tok_rows = rows
+    else:
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=cu[1:])
+        # Position of every token: its request's computed count + its offset within this step.
+        req_of_tok = np.repeat(np.arange(n), num_sched)
+        positions = computed[req_of_tok] + arange[:total] - np.repeat(cu[:-1], num_sched)
+        tok_rows = rows[req_of_tok]
     block_idx = batch.block_table[tok_rows, positions // block_size].astype(np.int64)
     seq_lens = computed + num_sched
     max_blocks = int(-(-seq_lens.max() // block_size))

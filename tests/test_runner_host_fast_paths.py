@@ -1,0 +1,141 @@
+"""The runner's per-step host fast paths (issue #14) give exactly what the general code gives.
+
+build_step_inputs: a decode step (one token a request) skips the repeats, and requests already in row order
+skip the sort; both are checked against the general algorithm, kept here as the reference. InputBatch counts
+the requests that want prompt logprobs (the runner skips that work at zero) through add, remove and condensing,
+and update_requests equals update_request one at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.worker.input_batch import InputBatch
+from vllm_lite.worker.step import NewRequestData
+from vllm_lite.worker.step_inputs import StepInputs, build_step_inputs
+
+BLOCK = 16
+
+
+def reference_step_inputs(batch: InputBatch, sched: dict[str, int], arange: np.ndarray) -> StepInputs:
+    """The general algorithm (argsort, repeats), as build_step_inputs had it before its fast paths."""
+    req_ids = list(sched)
+    rows = batch.rows_of(req_ids)
+    order = np.argsort(rows, kind="stable")
+    rows = rows[order]
+    req_ids = [req_ids[i] for i in order]
+    num_sched = np.fromiter((sched[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+    total = int(num_sched.sum())
+    computed = batch.num_computed_tokens[rows]
+    cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
+    np.cumsum(num_sched, out=cu[1:])
+    req_of_tok = np.repeat(np.arange(len(req_ids)), num_sched)
+    positions = computed[req_of_tok] + arange[:total] - np.repeat(cu[:-1], num_sched)
+    tok_rows = rows[req_of_tok]
+    block_idx = batch.block_table[tok_rows, positions // BLOCK].astype(np.int64)
+    seq_lens = computed + num_sched
+    max_blocks = int(-(-seq_lens.max() // BLOCK))
+    return StepInputs(
+        req_ids=req_ids,
+        rows=rows,
+        num_scheduled=num_sched,
+        query_start_loc=cu,
+        num_computed=computed,
+        seq_lens=seq_lens,
+        input_ids=batch.token_ids[tok_rows, positions],
+        positions=positions,
+        slot_mapping=block_idx * BLOCK + positions % BLOCK,
+        block_table=batch.block_table[rows, :max_blocks],
+        req_num_tokens=batch.num_tokens[rows],
+    )
+
+
+def assert_same(a: StepInputs, b: StepInputs) -> None:
+    for f in dataclasses.fields(StepInputs):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+def make_batch(n: int, seed: int = 0, params: SamplingParams | None = None, spare: int = 0) -> InputBatch:
+    rng = np.random.default_rng(seed)
+    batch = InputBatch(n + spare, 256, 256 // BLOCK, 100, torch.device("cpu"))
+    for i in range(n):
+        plen = int(rng.integers(3, 60))
+        batch.add_request(
+            NewRequestData(
+                req_id=f"r{i}",
+                prompt_token_ids=rng.integers(0, 100, plen).tolist(),
+                output_token_ids=rng.integers(0, 100, 2).tolist(),
+                sampling_params=params or SamplingParams(temperature=0.0),
+                block_ids=list(range(i * 16, i * 16 + (plen + 2) // BLOCK + 1)),
+                num_computed_tokens=plen + 1,
+            )
+        )
+    return batch
+
+
+@pytest.mark.parametrize("order", ["rows", "shuffled", "reversed"])
+def test_decode_step_inputs_equal_the_general_algorithm(order):
+    batch = make_batch(12)
+    batch.remove_request("r3")  # condensing moves the last row into the hole: rows no longer follow ids
+    ids = [r for r in batch.req_ids if r is not None]
+    if order == "shuffled":
+        ids = [ids[i] for i in np.random.default_rng(1).permutation(len(ids))]
+    elif order == "reversed":
+        ids = ids[::-1]
+    arange = np.arange(1024, dtype=np.int64)
+    sched = {r: 1 for r in ids}
+    assert_same(build_step_inputs(batch, sched, BLOCK, arange), reference_step_inputs(batch, sched, arange))
+
+
+@pytest.mark.parametrize("counts", [[2, 1, 1, 1], [1, 1, 0, 2], [3, 0, 1, 0], [1], [5]])
+def test_mixed_step_inputs_equal_the_general_algorithm(counts):
+    batch = make_batch(len(counts), seed=2)
+    for r in range(len(counts)):  # room for the scheduled tokens
+        batch.num_computed_tokens[r] = min(batch.num_computed_tokens[r], batch.num_tokens[r] - max(counts[r], 1))
+    ids = [r for r in batch.req_ids if r is not None]
+    sched = {ids[::-1][i]: c for i, c in enumerate(counts)}
+    arange = np.arange(1024, dtype=np.int64)
+    assert_same(build_step_inputs(batch, sched, BLOCK, arange), reference_step_inputs(batch, sched, arange))
+
+
+def test_prompt_logprob_request_count_follows_add_remove_and_condensing():
+    batch = make_batch(4, spare=3)
+    assert batch.num_prompt_logprob_reqs == 0
+    lp = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    new = NewRequestData("p0", [1, 2, 3], [], lp, [100], 0)
+    batch.add_request(new)
+    batch.add_request(dataclasses.replace(new, req_id="p1", block_ids=[101]))
+    assert batch.num_prompt_logprob_reqs == 2
+    batch.remove_request("r0")  # p1 (the last row) moves into row 0
+    assert batch.num_prompt_logprob_reqs == 2
+    batch.remove_request("p1")
+    assert batch.num_prompt_logprob_reqs == 1
+    batch.remove_request("p0")
+    batch.remove_request("p0")  # not there: no change
+    assert batch.num_prompt_logprob_reqs == 0
+    with pytest.raises(ValueError):  # a failed add leaves the count alone
+        batch.add_request(dataclasses.replace(new, req_id="bad", prompt_token_ids=[1] * 300))
+    assert batch.num_prompt_logprob_reqs == 0
+
+
+def test_update_requests_equals_one_at_a_time():
+    a, b = make_batch(6), make_batch(6)
+    ids = ["r4", "r1", "r5", "r0"]
+    blocks = [[200, 201], [], [202], []]
+    computed = [7, 9, 11, 13]
+    a.update_requests(ids, blocks, computed)
+    for r, bl, c in zip(ids, blocks, computed):
+        b.update_request(r, bl, c)
+    for name in ("num_computed_tokens", "num_blocks", "block_table"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    with pytest.raises(KeyError):
+        a.update_requests(["nope"], [[]], [1])
