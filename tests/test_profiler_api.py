@@ -176,6 +176,21 @@ def test_llm_multiprocess_start_stop_profile_writes_the_core_process_trace(
     check_llm_trace(tmp_path, expect_pid_other_than_ours=True)
 
 
+def test_llm_data_parallel_profiles_every_rank(tiny_checkpoint, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(ENV, str(tmp_path))
+    kw = dict(LLM_KW, max_num_seqs=8)
+    kw.pop("num_threads")
+    with LLM(model=tiny_checkpoint, data_parallel_size=2, **kw) as llm:
+        llm.start_profile()
+        with pytest.raises(RuntimeError, match="already running"):
+            llm.start_profile()
+        llm.generate(["The for statement", "def main():", "A class", "Exceptions"], PARAMS, use_tqdm=False)
+        llm.stop_profile()
+    files = traces(tmp_path)
+    pids = {load(p)[METADATA_KEY]["pid"] for p in files}
+    assert len(files) == 2 and len(pids) == 2 and os.getpid() not in pids  # one trace per rank, by name
+
+
 # ---------------------------------------------------------------------- AsyncLLM and the HTTP routes
 async def call(app: Any, method: str, path: str, **kwargs: Any) -> httpx.Response:
     transport = httpx.ASGITransport(app=app)
