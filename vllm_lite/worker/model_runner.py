@@ -227,8 +227,12 @@ class GPUModelRunner:
             graphs.capture()
         except Exception as e:
             logger.warning("CUDA graph capture failed, running eager: %s: %s", type(e).__name__, e)
+            if self.spec_decode is not None:  # no verify graphs: speculative steps stop padding for them
+                self.spec_decode.set_verify_graphs(None)
             return
         self.cuda_graphs = graphs
+        if self.spec_decode is not None:  # the verify graphs captured ({q: batch sizes}): uniform steps pad to them
+            self.spec_decode.set_verify_graphs(graphs.by_q)
         logger.info(graphs.describe(self.cuda_graph_reserved))
 
     # ------------------------------------------------------------------ profiling
