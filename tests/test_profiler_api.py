@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from vllm_lite import LLM, SamplingParams
 from vllm_lite.client.async_llm import AsyncLLM
@@ -305,3 +306,28 @@ def test_trace_busy_facts_on_a_cuda_trace_worked_by_hand(tmp_path) -> None:
     assert f["top_kernels"][0] == {"name": "gemm", "per_step": 1.0, "us_per_step": 10.0}
     cpu = trace_busy_facts(parsed, cuda=False)
     assert cpu["busy_fraction"] is None and cpu["cpu_ops"] == 1
+
+
+# ---------------------------------------------------------------------- CUDA: kernels in the core's trace
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_cuda_trace_has_the_steps_kernels_and_a_busy_fraction(tiny_checkpoint, tmp_path, monkeypatch, multiprocess):
+    """On CUDA (CUDA graphs on, the default) the core's trace holds its kernels, those replayed from graphs
+    included (the core warms CUPTI before capturing them): at least one a layer a step."""
+    monkeypatch.setenv(ENV, str(tmp_path))
+    with open(os.path.join(tiny_checkpoint, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    kw = dict(LLM_KW, device="cuda", dtype="bfloat16")
+    kw.pop("num_threads")
+    with LLM(model=tiny_checkpoint, multiprocess=multiprocess, **kw) as llm:
+        llm.generate(["warm up"] * 4, PARAMS, use_tqdm=False)
+        llm.start_profile()
+        llm.generate(["The for statement", "def main():", "A class", "Exceptions"], PARAMS, use_tqdm=False)
+        llm.stop_profile()
+    (path,) = traces(tmp_path)
+    facts = trace_busy_facts(read_chrome_trace(str(path)), cuda=True)
+    assert facts["engine_steps"] >= PARAMS.max_tokens and 0 < facts["busy_fraction"] <= 1
+    assert facts["kernels_per_step"] >= layers, facts
