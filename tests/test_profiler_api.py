@@ -177,6 +177,18 @@ def test_llm_multiprocess_start_stop_profile_writes_the_core_process_trace(
     check_llm_trace(tmp_path, expect_pid_other_than_ours=True)
 
 
+def test_llm_multiprocess_without_the_variable_refuses_and_serves_on(tiny_checkpoint, tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    with LLM(model=tiny_checkpoint, multiprocess=True, **LLM_KW) as llm:
+        ref = llm.generate("The for statement", PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+        monkeypatch.setenv(ENV, str(tmp_path))  # too late: the core's environment was copied at its start
+        for call in (llm.start_profile, llm.stop_profile):
+            with pytest.raises(ValueError, match=ENV):
+                call()
+        assert llm.generate("The for statement", PARAMS, use_tqdm=False)[0].outputs[0].token_ids == ref
+    assert traces(tmp_path) == []
+
+
 def test_llm_data_parallel_profiles_every_rank(tiny_checkpoint, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(ENV, str(tmp_path))
     kw = dict(LLM_KW, max_num_seqs=8)
