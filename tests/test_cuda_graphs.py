@@ -700,3 +700,28 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--triton-padded-check"]:
         torch.set_num_threads(1)
         print(json.dumps(_triton_padded_check()))
+
+
+def test_run_fills_every_buffer_with_two_copies() -> None:
+    """The per-token and per-request buffers are views of one packed buffer: a replay stages two arrays (that
+    buffer's head and the block table), and every buffer a graph reads holds the padded step's values."""
+    runner = _runner()
+    replays: list = []
+    g = _stand_in_graphs(runner, [4], replays)
+    _prefill(runner, PROMPTS[:3])
+    live = ["r0", "r1", "r2"]
+    runner._update_states(_decode_so(runner, live))
+    inputs = build_step_inputs(runner.input_batch, {r: 1 for r in live}, runner.block_size, runner._arange)
+    staged: list[np.ndarray] = []
+
+    def host(arr: np.ndarray) -> torch.Tensor:
+        staged.append(arr)
+        return torch.from_numpy(np.ascontiguousarray(arr))
+
+    with torch.inference_mode():
+        g.run(inputs, host=host)
+    assert replays == [4] and len(staged) == 2
+    p = pad_decode_inputs(inputs, 4, runner.block_size)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "num_tokens"):
+        assert getattr(g, name)[: len(getattr(p, name))].tolist() == getattr(p, name).tolist(), name
+    assert g.block_table[:4, : p.block_table.shape[1]].tolist() == p.block_table.tolist()

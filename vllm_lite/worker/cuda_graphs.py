@@ -346,15 +346,27 @@ class CudaDecodeGraphs:
         # Initialised as padding rows of the longest q: a warm-up or capture over them touches only the null block.
         q_max = max(self.by_q)
         pad_pos = torch.arange(t, **i64) % q_max
-        self.input_ids = torch.zeros(t, **i64)
-        self.positions = pad_pos.clone()
-        self.slot_mapping = NULL_BLOCK * block_size + pad_pos % block_size
-        self.seq_lens = torch.full((n,), q_max, **i32)
+        # The per-token and per-request buffers are views of one packed byte buffer (int64 input ids, positions,
+        # slot mapping; then int32 seq lens, known token counts, LoRA slots): `run` fills them with one copy.
+        self._max_tokens, self._max_reqs = t, n
+        self._i64_bytes = 3 * t * 8
+        i32_len = 2 * n + (t if lora_state is not None else 0)
+        self.packed = torch.zeros(self._i64_bytes + 4 * i32_len, dtype=torch.uint8, device=device)
+        p64 = self.packed[: self._i64_bytes].view(torch.int64)
+        p32 = self.packed[self._i64_bytes :].view(torch.int32)
+        self.input_ids = p64[:t]
+        self.positions = p64[t : 2 * t]
+        self.positions.copy_(pad_pos)
+        self.slot_mapping = p64[2 * t :]
+        self.slot_mapping.copy_(NULL_BLOCK * block_size + pad_pos % block_size)
+        self.seq_lens = p32[:n]
+        self.seq_lens.fill_(q_max)
+        self.num_tokens = p32[n : 2 * n]
+        self.num_tokens.fill_(q_max)
+        self.lora_slots = p32[2 * n :].fill_(-1) if lora_state is not None else None
         # Constant per q (never written after this): 0, q, 2q, ...
         self.query_start_loc = {q: torch.arange(n + 1, **i32) * q for q in self.by_q}
         self.block_table = torch.full((n, max(1, max_blocks_per_req)), NULL_BLOCK, **i32)
-        self.num_tokens = torch.full((n,), q_max, **i32)
-        self.lora_slots = torch.full((t,), -1, **i32) if lora_state is not None else None
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
         self.pool = None
@@ -471,24 +483,36 @@ class CudaDecodeGraphs:
         if width > self.block_table.shape[1]:
             return None
         t = bucket * q
+        packed = self.pack_inputs(p, bucket, t)
+        self.packed[: len(packed)].copy_(torch.from_numpy(packed) if host is None else host(packed), non_blocking=True)
         # Columns past `width` keep older ids: a row reads only ceil(seq_len / block_size) <= width of them.
-        copies = [
-            (self.input_ids[:t], p.input_ids),
-            (self.positions[:t], p.positions),
-            (self.slot_mapping[:t], p.slot_mapping),
-            (self.seq_lens[:bucket], p.seq_lens),
-            (self.num_tokens[:bucket], p.num_tokens),
-            (self.block_table[:bucket, :width], p.block_table),
-        ]
-        if self.lora_slots is not None:
-            assert p.lora_slots is not None
-            copies.append((self.lora_slots[:t], p.lora_slots))
-        for buf, arr in copies:
-            buf.copy_(torch.from_numpy(arr) if host is None else host(arr), non_blocking=True)
+        arr = p.block_table
+        self.block_table[:bucket, :width].copy_(torch.from_numpy(arr) if host is None else host(arr), non_blocking=True)
         if fix is not None:  # real rows only: every index < num_real * q, padding untouched
             self.input_ids[:t].index_copy_(0, fix[0], fix[1])
         self.graphs[key].replay()
         return self.outputs[key][: p.num_real * q]
+
+    def pack_inputs(self, p: PaddedDecode, bucket: int, t: int) -> np.ndarray:
+        """The step's padded arrays laid out as `packed` is, up to the last byte the step writes (one copy).
+
+        Each array fills the head of its region (t tokens, `bucket` requests); the rest of a region, which this
+        graph does not read (it reads [:t] and [:bucket]; every graph writes its own before it replays), is zeros.
+        """
+        T, N = self._max_tokens, self._max_reqs
+        end = self._i64_bytes + 4 * (2 * N + t if self.lora_slots is not None else N + bucket)
+        out = np.zeros(end, dtype=np.uint8)
+        h64 = out[: self._i64_bytes].view(np.int64)
+        h64[:t] = p.input_ids
+        h64[T : T + t] = p.positions
+        h64[2 * T : 2 * T + t] = p.slot_mapping
+        h32 = out[self._i64_bytes :].view(np.int32)
+        h32[:bucket] = p.seq_lens
+        h32[N : N + bucket] = p.num_tokens
+        if self.lora_slots is not None:
+            assert p.lora_slots is not None
+            h32[2 * N : 2 * N + t] = p.lora_slots
+        return out
 
     def describe(self, reserved_bytes: Optional[int] = None) -> str:
         """The start-up INFO line: sizes per q, seconds, GiB (and the KV reserve it was sized against)."""
