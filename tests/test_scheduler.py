@@ -615,3 +615,52 @@ def test_each_full_block_is_cached_exactly_when_its_step_comes_back(async_schedu
         assert kv.num_cached_block.get("a", 0) == known // 4
         seen.add(known // 4)
     assert seen >= set(range(1, 7))  # blocks 1..6 each became cached at some step
+
+
+def test_full_blocks_are_cached_exactly_when_they_fill_through_preemption_and_recompute():
+    """The cache_blocks fast path with preemption (recompute) and prefix-cache hits on readmission: after each
+    step every running request has exactly its full computed blocks registered, no fewer (skipped) and the
+    recomputed request gets its earlier blocks back from the cache."""
+    s = Scheduler(make_config(num_gpu_blocks=9, block_size=4, max_model_len=32, max_num_batched_tokens=64))
+    kv = s.kv_cache_manager
+    for i, rid in enumerate("abc"):
+        s.add_request(make_request(rid, 6, start=10 * i, max_tokens=14, ignore_eos=True))
+    preemptions = hits = 0
+    while s.has_unfinished_requests():
+        _, outs = step(s)
+        preemptions += sum(o.scheduler_stats.num_preemptions for o in outs.values())
+        hits += sum(o.scheduler_stats.prefix_cache_hits for o in outs.values())
+        for req in s.running:
+            full = min(req.num_computed_tokens, req.num_tokens) // 4
+            assert kv.num_cached_block.get(req.request_id, 0) == min(full, len(kv.get_blocks(req.request_id)))
+    assert preemptions > 0
+    assert hits > 0  # a preempted request found its own blocks again
+
+
+def test_full_blocks_are_cached_exactly_when_they_fill_through_spec_decode_rollbacks():
+    """Speculative decoding: each verified step keeps one of its three drafts and rolls the others back; a block
+    counts as full only over the accepted tokens, so after each step exactly the blocks full of kept tokens are
+    registered (none holding a rejected draft, none skipped by the cache_blocks fast path)."""
+    from vllm_lite.config import SpeculativeConfig
+
+    cfg = make_config(block_size=4, max_model_len=64)
+    cfg.speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    s = Scheduler(cfg)
+    kv = s.kv_cache_manager
+    s.add_request(make_request("a", 5, max_tokens=30, ignore_eos=True))
+    verified = 0
+    while s.has_unfinished_requests():
+        so = s.schedule()
+        ids = list(so.num_scheduled_tokens)
+        sampled, proposals = [], []
+        for rid in ids:
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            verified += bool(drafts)
+            sampled.append(drafts[:1] + [9])  # the first draft accepted, the rest rejected, one bonus token
+            proposals.append([5, 6, 7])
+        mro = ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled, spec_token_ids=proposals)
+        s.update_from_output(so, mro)
+        req = s.get_request("a")
+        if req is not None:
+            assert kv.num_cached_block.get("a", 0) == min(req.num_computed_tokens, req.num_tokens) // 4
+    assert verified > 3
