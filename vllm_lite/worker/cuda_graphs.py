@@ -478,41 +478,59 @@ class CudaDecodeGraphs:
         bucket, q = key
         if self.lora_slots is not None and lora_slots is None:
             lora_slots = np.full(inputs.num_tokens, -1, dtype=np.int32)
-        p = pad_decode_inputs(inputs, bucket, self.block_size, lora_slots if self.lora_slots is not None else None)
-        width = p.block_table.shape[1]
+        if self.lora_slots is not None and lora_slots is not None and len(lora_slots) != inputs.num_tokens:
+            raise ValueError(f"lora_slots has {len(lora_slots)} entries for {inputs.num_tokens} tokens.")
+        width = max(1, inputs.block_table.shape[1])
         if width > self.block_table.shape[1]:
             return None
         t = bucket * q
-        packed = self.pack_inputs(p, bucket, t)
+        packed, block_table = self.pack_step(inputs, bucket, q, lora_slots if self.lora_slots is not None else None)
         self.packed[: len(packed)].copy_(torch.from_numpy(packed) if host is None else host(packed), non_blocking=True)
         # Columns past `width` keep older ids: a row reads only ceil(seq_len / block_size) <= width of them.
-        arr = p.block_table
-        self.block_table[:bucket, :width].copy_(torch.from_numpy(arr) if host is None else host(arr), non_blocking=True)
+        self.block_table[:bucket, :width].copy_(
+            torch.from_numpy(block_table) if host is None else host(block_table), non_blocking=True
+        )
         if fix is not None:  # real rows only: every index < num_real * q, padding untouched
             self.input_ids[:t].index_copy_(0, fix[0], fix[1])
         self.graphs[key].replay()
-        return self.outputs[key][: p.num_real * q]
+        return self.outputs[key][: inputs.num_reqs * q]
 
-    def pack_inputs(self, p: PaddedDecode, bucket: int, t: int) -> np.ndarray:
-        """The step's padded arrays laid out as `packed` is, up to the last byte the step writes (one copy).
+    def pack_step(
+        self, inputs: StepInputs, bucket: int, q: int, lora_slots: Optional[np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(packed, block table): the step padded to `bucket` requests of q tokens as pad_decode_inputs pads it,
+        written straight into `packed`'s layout up to the last byte the step writes (one copy), and the padded
+        block table [bucket, width].
 
-        Each array fills the head of its region (t tokens, `bucket` requests); the rest of a region, which this
-        graph does not read (it reads [:t] and [:bucket]; every graph writes its own before it replays), is zeros.
-        """
+        Each array fills the head of its region (t = bucket * q tokens, `bucket` requests); the rest of a region,
+        which this graph does not read (it reads [:t] and [:bucket]; every graph writes its own before it
+        replays), is zeros."""
         T, N = self._max_tokens, self._max_reqs
+        n = inputs.num_reqs
+        real, t = n * q, bucket * q
         end = self._i64_bytes + 4 * (2 * N + t if self.lora_slots is not None else N + bucket)
         out = np.zeros(end, dtype=np.uint8)
         h64 = out[: self._i64_bytes].view(np.int64)
-        h64[:t] = p.input_ids
-        h64[T : T + t] = p.positions
-        h64[2 * T : 2 * T + t] = p.slot_mapping
+        h64[:real] = inputs.input_ids  # padding rows: token 0
+        h64[T : T + real] = inputs.positions
+        h64[2 * T : 2 * T + real] = inputs.slot_mapping
+        if bucket > n:  # each padding row: positions 0 .. q-1, in the null block
+            pad_pos = np.tile(np.arange(q, dtype=np.int64), bucket - n)
+            h64[T + real : T + t] = pad_pos
+            h64[2 * T + real : 2 * T + t] = NULL_BLOCK * self.block_size + pad_pos % self.block_size
         h32 = out[self._i64_bytes :].view(np.int32)
-        h32[:bucket] = p.seq_lens
-        h32[N : N + bucket] = p.num_tokens
+        known = inputs.req_num_tokens if inputs.req_num_tokens is not None else inputs.seq_lens
+        h32[:n] = inputs.seq_lens
+        h32[n:bucket] = q
+        h32[N : N + n] = known
+        h32[N + n : N + bucket] = q
         if self.lora_slots is not None:
-            assert p.lora_slots is not None
-            h32[2 * N : 2 * N + t] = p.lora_slots
-        return out
+            h32[2 * N : 2 * N + t] = -1
+            if lora_slots is not None:
+                h32[2 * N : 2 * N + real] = lora_slots
+        block_table = np.full((bucket, max(1, inputs.block_table.shape[1])), NULL_BLOCK, dtype=np.int32)
+        block_table[:n, : inputs.block_table.shape[1]] = inputs.block_table
+        return out, block_table
 
     def describe(self, reserved_bytes: Optional[int] = None) -> str:
         """The start-up INFO line: sizes per q, seconds, GiB (and the KV reserve it was sized against)."""
