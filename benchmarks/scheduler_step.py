@@ -3,9 +3,11 @@
 A real Scheduler over a fake model: `--batch` requests of random 128-512 token prompts (block_size 16, prefix
 caching on) run to steady decode; then `--steps` decode steps are timed, `schedule` and `update_from_output`
 separately (the fake runner output is built outside the timed region). Sync and async scheduling are both
-measured (async: step N+1 is scheduled before step N's update, as the engine core does). Prints one JSON line.
+measured (async: step N+1 is scheduled before step N's update, as the engine core does). With --cold, a 64 MiB
+buffer is written before each timed call (untimed), as a CPU model forward evicts the caches between the
+scheduler's calls in a real step. Prints one JSON line.
 
-    python benchmarks/scheduler_step.py [--batch 256] [--steps 200] [--reps 5]
+    python benchmarks/scheduler_step.py [--batch 256] [--steps 200] [--reps 5] [--cold]
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import random
 import statistics
 import sys
 import time
+
+import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -34,7 +38,7 @@ def _mro(so: SchedulerOutput) -> ModelRunnerOutput:
     return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[7] for _ in ids], None)
 
 
-def run(batch: int, steps: int, async_scheduling: bool, seed: int) -> dict:
+def run(batch: int, steps: int, async_scheduling: bool, seed: int, cold: bool = False) -> dict:
     cfg = make_config(
         num_gpu_blocks=batch * (512 + 16 + 4 * steps) // 16 + 64,
         block_size=16,
@@ -54,7 +58,10 @@ def run(batch: int, steps: int, async_scheduling: bool, seed: int) -> dict:
     pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
     warm = 0
     clock = time.perf_counter
+    flush = np.zeros(16 << 20, dtype=np.float32) if cold else None
     while len(t_upd) < steps:
+        if flush is not None:
+            flush += 1.0
         t0 = clock()
         so = sched.schedule()
         t1 = clock()
@@ -63,6 +70,8 @@ def run(batch: int, steps: int, async_scheduling: bool, seed: int) -> dict:
         if async_scheduling and len(pending) < 2:
             continue
         so_u, mro_u = pending.pop(0)
+        if flush is not None:
+            flush += 1.0
         t2 = clock()
         sched.update_from_output(so_u, mro_u)
         t3 = clock()
@@ -85,10 +94,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cold", action="store_true", help="evict the caches before each timed call")
     args = ap.parse_args()
     out: dict = {"benchmark": "scheduler_step", "batch": args.batch, "steps": args.steps, "reps": args.reps}
+    out["cold"] = args.cold
     for mode in ("sync", "async"):
-        runs = [run(args.batch, args.steps, mode == "async", args.seed + r) for r in range(args.reps)]
+        runs = [run(args.batch, args.steps, mode == "async", args.seed + r, args.cold) for r in range(args.reps)]
         out[mode] = {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}
         out[mode]["step_us"] = round(out[mode]["schedule_us"] + out[mode]["update_us"], 1)
     out["load"] = os.getloadavg()[0]
