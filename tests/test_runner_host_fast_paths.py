@@ -139,3 +139,44 @@ def test_update_requests_equals_one_at_a_time():
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     with pytest.raises(KeyError):
         a.update_requests(["nope"], [[]], [1])
+
+
+def reference_fill_sampled(batch: InputBatch, req_ids: list[str], token_ids: np.ndarray, step_id: int) -> None:
+    """fill_sampled as a loop over requests (before it was vectorized)."""
+    col = step_id % 2
+    rows, toks, out_pos = [], [], []
+    for rid, tok in zip(req_ids, np.asarray(token_ids, dtype=np.int64).tolist()):
+        row = batch.req_id_to_row.get(rid)
+        if row is None:
+            continue
+        pos = int(batch.pending_pos[row, col])
+        if pos < 0:
+            continue
+        batch.token_ids[row, pos] = tok
+        batch.pending_pos[row, col] = -1
+        rows.append(row)
+        toks.append(tok)
+        out_pos.append(pos - int(batch.num_prompt_tokens[row]))
+    if rows:
+        batch.sampling.record_values(np.asarray(rows, np.int64), np.asarray(toks, np.int64), np.asarray(out_pos))
+
+
+def test_fill_sampled_equals_the_loop():
+    """Placeholders filled by request id: removed requests and rows with nothing pending skipped, a request listed
+    twice filled once (its first entry), penalty histories recorded, as the per-request loop did."""
+    params = SamplingParams(temperature=1.0, presence_penalty=0.5)
+    batches = [make_batch(8, params=params) for _ in range(2)]
+    ids = [f"r{i}" for i in range(8)]
+    for b in batches:
+        b.note_sampled(b.rows_of(ids[:6]), step_id=3)  # r6, r7: nothing pending
+        b.remove_request("r2")  # condensing: r7 moves into r2's row
+    listed = ["r5", "r2", "r0", "r7", "r1", "r0", "r3", "r6", "r4"]
+    toks = np.arange(10, 10 + len(listed), dtype=np.int64)
+    batches[0].fill_sampled(listed, toks, step_id=3)
+    reference_fill_sampled(batches[1], listed, toks, step_id=3)
+    a, b = batches
+    for name in ("token_ids", "pending_pos", "num_tokens"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.sampling.seen is not None and b.sampling.seen is not None
+    for name in ("tokens", "counts", "lens"):
+        assert np.array_equal(getattr(a.sampling.seen, name), getattr(b.sampling.seen, name)), name

@@ -174,7 +174,7 @@ class InputBatch:
     # ------------------------------------------------------------------ per step
     def rows_of(self, req_ids: list[str]) -> np.ndarray:
         """int64 rows of the given requests, in the given order."""
-        return np.fromiter((self.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        return np.fromiter(map(self.req_id_to_row.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
 
     def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         """The sampler's batched inputs for these rows, in this order (row i -> logits row i)."""
@@ -214,21 +214,24 @@ class InputBatch:
         """Step `step_id`'s tokens reached the host: write them where their placeholders are, by request id (rows
         move when the batch condenses). Requests removed since, or re-added with their tokens known, are skipped."""
         col = step_id % PENDING_STEPS
-        rows, toks, out_pos = [], [], []
-        for rid, tok in zip(req_ids, np.asarray(token_ids, dtype=np.int64).tolist()):
-            row = self.req_id_to_row.get(rid)
-            if row is None:
-                continue
-            pos = int(self.pending_pos[row, col])
-            if pos < 0:
-                continue
-            self.token_ids[row, pos] = tok
-            self.pending_pos[row, col] = -1
-            rows.append(row)
-            toks.append(tok)
-            out_pos.append(pos - int(self.num_prompt_tokens[row]))
-        if rows:
-            self.sampling.record_values(np.asarray(rows, np.int64), np.asarray(toks, np.int64), np.asarray(out_pos))
+        toks = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        k = min(len(req_ids), len(toks))  # zip's length, as the one-at-a-time loop had it
+        get = self.req_id_to_row.get
+        rows = np.fromiter((get(rid, -1) for rid in req_ids[:k]), dtype=np.int64, count=k)
+        live = rows >= 0
+        rows, toks = rows[live], toks[:k][live]
+        pos = self.pending_pos[rows, col]
+        wait = pos >= 0
+        if not wait.all():
+            rows, toks, pos = rows[wait], toks[wait], pos[wait]
+        if len(np.unique(rows)) != len(rows):  # a request listed twice: its first entry only, as the loop did
+            _, first = np.unique(rows, return_index=True)
+            keep = np.sort(first)
+            rows, toks, pos = rows[keep], toks[keep], pos[keep]
+        if len(rows):
+            self.token_ids[rows, pos] = toks
+            self.pending_pos[rows, col] = -1
+            self.sampling.record_values(rows, toks, pos - self.num_prompt_tokens[rows])
 
 
 def _wants_prompt_logprobs(params: Optional[SamplingParams]) -> int:
