@@ -152,6 +152,29 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def _bgmv_k_loop(
+        acc, in_ptr, w_base, t, offs_n, n_ok, pid_k, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
+        SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """acc plus this program's K tiles (pid_k, pid_k + SPLIT_K, ...) of one token's BGMV product. As in
+        _sgmv_kernel: a while loop under the interpreter, the for loop (scf.for) compiled."""
+        if _INTERPRET:
+            k0 = pid_k * BLOCK_K
+            while k0 < k_in:
+                acc = _bgmv_k_tile(
+                    acc, in_ptr, w_base, t, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
+                    BLOCK_K,
+                )  # fmt: skip
+                k0 += BLOCK_K * SPLIT_K
+        else:
+            for k0 in range(pid_k * BLOCK_K, k_in, BLOCK_K * SPLIT_K):
+                acc = _bgmv_k_tile(
+                    acc, in_ptr, w_base, t, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
+                    BLOCK_K,
+                )  # fmt: skip
+        return acc
+
+    @triton.jit
     def _sgmv_kernel(
         in_ptr,
         w_ptr,
@@ -252,21 +275,10 @@ if HAS_TRITON:
         n_ok = offs_n < n_out
         w_base = w_ptr + slot * stride_w_s
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if _INTERPRET:
-            # As in _sgmv_kernel: a while loop under the interpreter, the for loop (scf.for) compiled.
-            k0 = pid_k * BLOCK_K
-            while k0 < k_in:
-                acc = _bgmv_k_tile(
-                    acc, in_ptr, w_base, t, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
-                    BLOCK_K,
-                )  # fmt: skip
-                k0 += BLOCK_K * SPLIT_K
-        else:
-            for k0 in range(pid_k * BLOCK_K, k_in, BLOCK_K * SPLIT_K):
-                acc = _bgmv_k_tile(
-                    acc, in_ptr, w_base, t, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
-                    BLOCK_K,
-                )  # fmt: skip
+        acc = _bgmv_k_loop(
+            acc, in_ptr, w_base, t, offs_n, n_ok, pid_k, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
+            SPLIT_K, BLOCK_K,
+        )  # fmt: skip
         out = out_ptr + t * stride_out_t + offs_n * stride_out_n
         if ACCUMULATE:
             prev = tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
@@ -342,20 +354,10 @@ if HAS_TRITON:
         n_ok = offs_n < n_out
         w_base = w_ptr + slot * stride_w_s
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if _INTERPRET:  # as in _bgmv_kernel
-            k0 = pid_k * BLOCK_K
-            while k0 < k_in:
-                acc = _bgmv_k_tile(
-                    acc, in_ptr, w_base, t, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
-                    BLOCK_K,
-                )  # fmt: skip
-                k0 += BLOCK_K * SPLIT_K
-        else:
-            for k0 in range(pid_k * BLOCK_K, k_in, BLOCK_K * SPLIT_K):
-                acc = _bgmv_k_tile(
-                    acc, in_ptr, w_base, t, offs_n, n_ok, k0, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
-                    BLOCK_K,
-                )  # fmt: skip
+        acc = _bgmv_k_loop(
+            acc, in_ptr, w_base, t, offs_n, n_ok, pid_k, k_in, stride_in_t, stride_in_k, stride_w_n, stride_w_k,
+            SPLIT_K, BLOCK_K,
+        )  # fmt: skip
         tl.store(out_ptr + pid_k.to(tl.int64) * stride_out_s + t * stride_out_t + offs_n * stride_out_n, acc, mask=n_ok)
 
     @triton.jit
