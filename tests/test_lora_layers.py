@@ -99,10 +99,15 @@ BASE_SHAPES = dict(
 )
 
 
+def _base_weights(g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random float32 base weights of the seven wrapped projections, drawn from g in BASE_SHAPES' order."""
+    return {k: torch.randn(s, generator=g) for k, s in BASE_SHAPES.items()}
+
+
 def test_tp2_shards_sum_to_the_unsharded_lora_layers(tmp_path) -> None:
     g = torch.Generator().manual_seed(0)
 
-    weights = {k: torch.randn(s, generator=g) for k, s in BASE_SHAPES.items()}
+    weights = _base_weights(g)
     adapter = _adapter(tmp_path)
     lora_ids, num_scheduled = np.array([1, 0]), np.array([3, 2])  # 3 tokens with the adapter, 2 without
     x = torch.randn(5, HIDDEN, generator=g)
@@ -145,15 +150,7 @@ def test_tp2_shards_sum_to_the_unsharded_lora_layers(tmp_path) -> None:
 
 def test_slots_evict_least_recently_used_and_pinned_stay(tmp_path) -> None:
     g = torch.Generator().manual_seed(1)
-    weights = {
-        "q": torch.randn(HEADS * HEAD_DIM, HIDDEN, generator=g),
-        "k": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
-        "v": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
-        "o": torch.randn(HIDDEN, HEADS * HEAD_DIM, generator=g),
-        "gate": torch.randn(INTER, HIDDEN, generator=g),
-        "up": torch.randn(INTER, HIDDEN, generator=g),
-        "down": torch.randn(HIDDEN, INTER, generator=g),
-    }
+    weights = _base_weights(g)
     adapter = _adapter(tmp_path)
     _, manager = _wrapped(weights, adapter, 0, 1)
     for lid in (2, 3):
@@ -233,15 +230,7 @@ def test_step_slots_reach_the_device_only_when_a_layer_reads_them(tmp_path, monk
     from vllm_lite.lora import layers
 
     g = torch.Generator().manual_seed(2)
-    weights = {
-        "q": torch.randn(HEADS * HEAD_DIM, HIDDEN, generator=g),
-        "k": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
-        "v": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
-        "o": torch.randn(HIDDEN, HEADS * HEAD_DIM, generator=g),
-        "gate": torch.randn(INTER, HIDDEN, generator=g),
-        "up": torch.randn(INTER, HIDDEN, generator=g),
-        "down": torch.randn(HIDDEN, INTER, generator=g),
-    }
+    weights = _base_weights(g)
     model, manager = _wrapped(weights, _adapter(tmp_path), 0, 1)
     declared: list = []
     real = layers.set_step_slots
@@ -268,15 +257,7 @@ def test_a_repeated_step_reuses_its_slots_until_adapters_move(tmp_path) -> None:
     """The same batch twice gives the same slots without regrouping; removing, pinning or another step's eviction
     in between makes the next step look its adapters up again (and reload a removed one)."""
     g = torch.Generator().manual_seed(4)
-    weights = {
-        "q": torch.randn(HEADS * HEAD_DIM, HIDDEN, generator=g),
-        "k": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
-        "v": torch.randn(KV_HEADS * HEAD_DIM, HIDDEN, generator=g),
-        "o": torch.randn(HIDDEN, HEADS * HEAD_DIM, generator=g),
-        "gate": torch.randn(INTER, HIDDEN, generator=g),
-        "up": torch.randn(INTER, HIDDEN, generator=g),
-        "down": torch.randn(HIDDEN, INTER, generator=g),
-    }
+    weights = _base_weights(g)
     adapter = _adapter(tmp_path)
     _, manager = _wrapped(weights, adapter, 0, 1)
     for lid in (2, 3):
