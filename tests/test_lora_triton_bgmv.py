@@ -27,6 +27,7 @@ if importlib.util.find_spec("triton") is None:
 
 from vllm_lite.lora import ops, triton_ops  # noqa: E402
 from vllm_lite.testing.devices import requires_cuda_devices  # noqa: E402
+from vllm_lite.testing.triton_interpreter import compile_for_sm90  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -230,27 +231,13 @@ def test_uniform_tile_divides_every_sub_boundary() -> None:
 # ------------------------------------------------------------------------ compiled for sm_90 without a GPU
 
 
-def _compile_sm90(fn, signature: dict, constexprs: dict):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    try:
-        return triton.compile(
-            ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
-        )
-    except (ImportError, FileNotFoundError) as e:  # a Triton build without the CUDA backend or its ptxas
-        pytest.skip(f"this Triton cannot compile for CUDA here: {e}")
-
-
 def test_partials_shrink_compiles_for_sm90_without_atomics() -> None:
     sig = {"in_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "slots_ptr": "*i32"}
     for name in ("num_slots", "n_out", "k_in", "stride_in_t", "stride_w_s", "stride_w_n", "stride_out_s"):
         sig[name] = "i32"
     sig["stride_out_t"] = "i32"
     consts = dict(stride_in_k=1, stride_w_k=1, stride_out_n=1, SPLIT_K=4, BLOCK_N=64, BLOCK_K=128)
-    compiled = _compile_sm90(triton_ops._bgmv_shrink_partials_kernel, sig, consts)
+    compiled = compile_for_sm90(triton_ops._bgmv_shrink_partials_kernel, sig, consts)
     atomics = re.findall(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.\S*", compiled.asm["ptx"], re.M)
     assert compiled.asm["cubin"] and not atomics, atomics
 
@@ -265,7 +252,7 @@ def test_partials_expand_compiles_for_sm90(n_sub: int) -> None:
         sig[name] = "i32"
     consts = dict(stride_in_k=1, stride_w_k=1, stride_out_n=1, SPLIT=4, SPLIT_PAD=4, N_SUB=n_sub, BLOCK_N=64)
     consts["BLOCK_K"] = 16
-    compiled = _compile_sm90(triton_ops._bgmv_expand_partials_kernel, sig, consts)
+    compiled = compile_for_sm90(triton_ops._bgmv_expand_partials_kernel, sig, consts)
     assert compiled.asm["cubin"]
 
 

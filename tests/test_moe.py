@@ -23,7 +23,7 @@ from vllm_lite.testing.hf_match import (
     record_prefix_hits,
 )
 from vllm_lite.testing.hf_oracle import greedy_prompts
-from vllm_lite.testing.triton_interpreter import run_interpreter_driver
+from vllm_lite.testing.triton_interpreter import compile_for_sm90, run_interpreter_driver
 from vllm_lite.worker import parallel_state
 from vllm_lite.worker.models.fused_moe import (
     FusedMoE,
@@ -231,9 +231,6 @@ def test_compiled_triton_grouped_kernel_on_cuda_matches_the_torch_path() -> None
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_triton_grouped_kernel_compiles_for_sm90_ahead_of_time(dtype: str) -> None:
     """Without a GPU, compile the CUDA path to a cubin: catches Triton that only the interpreter accepts."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from vllm_lite.worker.models import fused_moe_triton
 
@@ -262,14 +259,7 @@ def test_triton_grouped_kernel_compiles_for_sm90_ahead_of_time(dtype: str) -> No
         }
     )
     consts = dict(A_BY_TOKEN=True, SCALE=True, IEEE=dtype == "fp32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)
-    sig.update({n: "constexpr" for n in consts})
-    try:
-        kernel = triton.compile(
-            ASTSource(fn=fused_moe_triton._expert_gemm, signature=sig, constexprs=consts),
-            target=GPUTarget("cuda", 90, 32),
-        )
-    except (ImportError, FileNotFoundError) as e:  # a Triton build without the CUDA backend or its ptxas
-        pytest.skip(f"this Triton cannot compile for CUDA here: {e}")
+    kernel = compile_for_sm90(fused_moe_triton._expert_gemm, sig, consts)
     assert kernel.asm["cubin"]
 
 

@@ -20,7 +20,7 @@ if importlib.util.find_spec("triton") is None:
 
 from vllm_lite import envs  # noqa: E402
 from vllm_lite.testing import triton_fused_cases  # noqa: E402
-from vllm_lite.testing.triton_interpreter import child_env, run_interpreter_driver  # noqa: E402
+from vllm_lite.testing.triton_interpreter import child_env, compile_for_sm90, run_interpreter_driver  # noqa: E402
 from vllm_lite.worker.models import layers, triton_fused  # noqa: E402
 from vllm_lite.worker.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, fused_kernel_path  # noqa: E402
 
@@ -171,16 +171,7 @@ def test_supported_checks_refuse_what_the_kernels_cannot_take():
 
 
 def _compile_for_sm90(fn, sig: dict, consts: dict):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = dict(sig, **{name: "constexpr" for name in consts})
-    try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-    except (ImportError, FileNotFoundError) as e:  # a Triton build without the CUDA backend or its ptxas
-        pytest.skip(f"this Triton cannot compile for CUDA here: {e}")
-    assert kernel.asm["cubin"]
+    assert compile_for_sm90(fn, sig, consts).asm["cubin"]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])

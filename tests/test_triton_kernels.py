@@ -20,7 +20,7 @@ if importlib.util.find_spec("triton") is None:
 from vllm_lite import envs  # noqa: E402
 from vllm_lite.testing import triton_cases
 from vllm_lite.testing.attention_oracle import random_attention_case  # noqa: E402
-from vllm_lite.testing.triton_interpreter import run_interpreter_driver  # noqa: E402
+from vllm_lite.testing.triton_interpreter import compile_for_sm90, run_interpreter_driver  # noqa: E402
 from vllm_lite.worker.attention.selector import get_attn_backend  # noqa: E402
 from vllm_lite.worker.attention.triton_attn import TritonBackend  # noqa: E402
 
@@ -70,9 +70,6 @@ def test_cpu_tensors_without_interpreter_raise_a_clear_error():
 @pytest.mark.parametrize("num_reqs", [1, 5])
 def test_attention_kernel_compiles_for_sm90_ahead_of_time(dtype, num_reqs):
     # Without a GPU, compile the CUDA path to a cubin: catches Triton that only the interpreter accepts.
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from vllm_lite.worker.attention import triton_attn
 
@@ -104,14 +101,7 @@ def test_attention_kernel_compiles_for_sm90_ahead_of_time(dtype, num_reqs):
     )  # the windowed, soft-capped variant too
     if num_reqs == 1:  # Triton specialises an int argument equal to 1 to a constant
         consts["num_reqs"] = 1
-    sig.update({name: "constexpr" for name in consts})
-    try:
-        kernel = triton.compile(
-            ASTSource(fn=triton_attn._paged_attention_kernel, signature=sig, constexprs=consts),
-            target=GPUTarget("cuda", 90, 32),
-        )
-    except (ImportError, FileNotFoundError) as e:  # a Triton build without the CUDA backend or its ptxas
-        pytest.skip(f"this Triton cannot compile for CUDA here: {e}")
+    kernel = compile_for_sm90(triton_attn._paged_attention_kernel, sig, consts)
     assert "scf.for" in kernel.asm["ttir"], "the compiled kernel should loop over key tiles with scf.for"
     assert kernel.asm["cubin"]
 

@@ -8,8 +8,6 @@ compile checks so the two overlap. Where CUDA is present the full matrix runs he
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import subprocess
 import sys
 
@@ -25,6 +23,7 @@ from vllm_lite.quantization import packing, triton_int4  # noqa: E402
 from vllm_lite.testing import lora_int4_oracle as oracle  # noqa: E402
 from vllm_lite.testing import triton_lora_int4_cases as cases  # noqa: E402
 from vllm_lite.testing.devices import requires_cuda_devices  # noqa: E402
+from vllm_lite.testing.triton_interpreter import compile_for_sm90, interpreter_env, last_report  # noqa: E402
 
 INTERPRETER_CHECKS = list(cases.all_checks("cpu", full=False))
 NATIVE_CHECKS = list(cases.all_checks("cuda", full=True))
@@ -33,9 +32,8 @@ NATIVE_CHECKS = list(cases.all_checks("cuda", full=True))
 @pytest.fixture(scope="module", autouse=True)
 def interpreter_proc():
     """The interpreter subprocess, started once when the module begins (TRITON_INTERPRET in its env only)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "vllm_lite.testing.triton_cases", "--device", "cpu", "--suite", "lora_int4"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=interpreter_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield proc
     if proc.poll() is None:
         proc.kill()
@@ -45,9 +43,7 @@ def interpreter_proc():
 @pytest.fixture(scope="module")
 def interpreter_results(interpreter_proc) -> dict:
     out, err = interpreter_proc.communicate(timeout=900)
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    assert lines, f"the interpreter driver printed no result (exit {interpreter_proc.returncode}):\n{err[-4000:]}"
-    report = json.loads(lines[-1])
+    report = last_report(out, err, interpreter_proc.returncode)
     assert report["device"] == "cpu" and report["suite"] == "lora_int4"
     return report["results"]
 
@@ -67,20 +63,6 @@ def test_compiled_kernel_on_cuda_matches_oracle(name):
 
 
 # ------------------------------------------------------------------------ compiled for sm_90 without a GPU
-
-
-def _compile_sm90(fn, signature: dict, constexprs: dict):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    try:
-        return triton.compile(
-            ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
-        )
-    except (ImportError, FileNotFoundError) as e:  # a Triton build without the CUDA backend or its ptxas
-        pytest.skip(f"this Triton cannot compile for CUDA here: {e}")
 
 
 def _lora_sig(kernel: str, w: str, out: str) -> dict:
@@ -106,7 +88,7 @@ def test_lora_kernel_compiles_for_sm90_ahead_of_time(kernel, role, w):
     else:
         consts.update(BLOCK_N=16 if not expand else 64, BLOCK_K=128 if not expand else 16)
     fn = triton_ops._sgmv_kernel if kernel == "sgmv" else triton_ops._bgmv_kernel
-    compiled = _compile_sm90(fn, sig, consts)
+    compiled = compile_for_sm90(fn, sig, consts)
     assert compiled.asm["cubin"]
     ptx = compiled.asm["ptx"]
     if not expand:
@@ -123,7 +105,7 @@ def test_fused_sub_expand_compiles_for_sm90_ahead_of_time():
         sig[name] = "i32"
     sig.update(stride_w2_s="i32", stride_w_n="i32", stride_out_t="i32")
     consts = dict(stride_in_k=1, stride_w_k=1, stride_out_n=1, BLOCK_N=64, BLOCK_K=16)
-    compiled = _compile_sm90(triton_ops._bgmv_expand_subs_kernel, sig, consts)
+    compiled = compile_for_sm90(triton_ops._bgmv_expand_subs_kernel, sig, consts)
     assert compiled.asm["cubin"]
 
 
@@ -149,7 +131,7 @@ def test_int4_kernel_compiles_for_sm90_ahead_of_time(fmt, dtype, g_idx, block_m)
         BLOCK_K=block_k,
         WIDE_LOAD=True,
     )
-    compiled = _compile_sm90(triton_int4._int4_gemm_kernel, sig, consts)
+    compiled = compile_for_sm90(triton_int4._int4_gemm_kernel, sig, consts)
     assert compiled.asm["cubin"]
     assert "mma" in compiled.asm["ptx"], "the dequantized tile should meet the activations in a tensor-core dot"
 

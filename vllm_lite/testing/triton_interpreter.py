@@ -1,8 +1,9 @@
-"""Triton check drivers run once under the interpreter, in a child process.
+"""Triton kernels checked without a GPU: check drivers under the interpreter, and ahead-of-time sm_90 compiles.
 
 TRITON_INTERPRET must be set before triton is imported, so a test never sets it in its own process: it runs a
 driver module (``python -m vllm_lite.testing.<driver> --device cpu``, printing one JSON report as its last
-``{``-line) in a child whose environment alone carries it.
+``{``-line) in a child whose environment alone carries it. The interpreter accepts code the CUDA compiler would
+not, so the same kernels are also compiled for an H100/H200 (sm_90) here, with no device.
 """
 
 from __future__ import annotations
@@ -61,3 +62,20 @@ def run_named_checks(checks: Mapping[str, Callable[[], Any]]) -> dict[str, Optio
         except Exception:  # noqa: BLE001 - the report carries every failure's text
             results[name] = traceback.format_exc(limit=-6)
     return results
+
+
+def compile_for_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> Any:
+    """``fn`` compiled for sm_90 without a GPU (the constexprs join the signature); skips the calling test where
+    this Triton has no CUDA backend or ptxas."""
+    import pytest
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    try:
+        return triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
+        )
+    except (ImportError, FileNotFoundError) as e:  # a Triton build without the CUDA backend or its ptxas
+        pytest.skip(f"this Triton cannot compile for CUDA here: {e}")
