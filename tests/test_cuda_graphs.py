@@ -416,10 +416,9 @@ def test_a_batch_past_the_largest_graph_runs_eager() -> None:
     assert replays == [2]
 
 
-def test_run_writes_the_previous_steps_tokens_into_the_persistent_input_ids() -> None:
-    """Async scheduling: run(inputs, fix=(indices, ids)) writes the ids the host does not know yet (its inputs hold
-    the placeholder -1 there) into the persistent input ids after the step's copies and before the replay; padding
-    rows keep token 0, and the hidden states are those of the real ids."""
+def _three_decoding_on_stand_in_graphs():
+    """A runner with stand-in graphs for bucket 4 and three prefilled requests scheduled for one decode step:
+    (runner, replays, graphs, live request ids, the step's inputs)."""
     runner = _runner()
     replays: list = []
     g = _stand_in_graphs(runner, [4], replays)
@@ -427,6 +426,14 @@ def test_run_writes_the_previous_steps_tokens_into_the_persistent_input_ids() ->
     live = ["r0", "r1", "r2"]
     runner._update_states(_decode_so(runner, live))
     inputs = build_step_inputs(runner.input_batch, {r: 1 for r in live}, runner.block_size, runner._arange)
+    return runner, replays, g, live, inputs
+
+
+def test_run_writes_the_previous_steps_tokens_into_the_persistent_input_ids() -> None:
+    """Async scheduling: run(inputs, fix=(indices, ids)) writes the ids the host does not know yet (its inputs hold
+    the placeholder -1 there) into the persistent input ids after the step's copies and before the replay; padding
+    rows keep token 0, and the hidden states are those of the real ids."""
+    runner, replays, g, live, inputs = _three_decoding_on_stand_in_graphs()
     real = inputs.input_ids.copy()
     seen: list[list[int]] = []
     hook = runner.model.register_forward_pre_hook(lambda m, args: seen.append(args[0].tolist()))
@@ -705,13 +712,7 @@ if __name__ == "__main__":
 def test_run_fills_every_buffer_with_two_copies() -> None:
     """The per-token and per-request buffers are views of one packed buffer: a replay stages two arrays (that
     buffer's head and the block table), and every buffer a graph reads holds the padded step's values."""
-    runner = _runner()
-    replays: list = []
-    g = _stand_in_graphs(runner, [4], replays)
-    _prefill(runner, PROMPTS[:3])
-    live = ["r0", "r1", "r2"]
-    runner._update_states(_decode_so(runner, live))
-    inputs = build_step_inputs(runner.input_batch, {r: 1 for r in live}, runner.block_size, runner._arange)
+    runner, replays, g, live, inputs = _three_decoding_on_stand_in_graphs()
     staged: list[np.ndarray] = []
 
     def host(arr: np.ndarray) -> torch.Tensor:
