@@ -15,6 +15,7 @@ to be the start of a stop string.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 from vllm_lite.core.messages import EngineCoreRequest
@@ -89,13 +90,21 @@ class IncrementalDetokenizer:
 
     @staticmethod
     def from_new_request(
-        tokenizer: Any, request: EngineCoreRequest, use_fast_decode: bool = True
+        tokenizer: Any, request: EngineCoreRequest, use_fast_decode: bool = True, use_byte_table: bool = True
     ) -> "IncrementalDetokenizer":
-        """Pick the right detokenizer for a request and tokenizer."""
+        """Pick the right detokenizer for a request and tokenizer.
+
+        A fast tokenizer whose decoder is plain byte-level (GPT-2, Llama 3, Qwen) decodes from a table of
+        token bytes (ByteLevelIncrementalDetokenizer: the same text as its DecodeStream, a quarter of the
+        cost a token); `use_byte_table=False` keeps the DecodeStream.
+        """
         if tokenizer is None or not request.sampling_params.detokenize:
             return IncrementalDetokenizer()
         backend = _rust_backend(tokenizer) if use_fast_decode else None
         if backend is not None:
+            table = byte_level_table(backend) if use_byte_table else None
+            if table is not None:
+                return ByteLevelIncrementalDetokenizer(table, request)
             return FastIncrementalDetokenizer(tokenizer, backend, request)
         return SlowIncrementalDetokenizer(tokenizer, request)
 
@@ -280,6 +289,145 @@ def _prompt_tail_for_context(backend: Any, prompt_ids: list[int]) -> list[int]:
         except Exception:
             return []
     return list(prompt_ids[-_MIN_PRIME_TOKENS:])
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte <-> printable character map (tokenizers' `bytes_char`), inverted: character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_CHAR_BYTE = _byte_decoder()
+
+
+class ByteLevelTable:
+    """Token id -> the bytes a byte-level decoder turns it into, filled as ids are met (shared per tokenizer).
+
+    The byte-level decoder maps each token's characters back to bytes (a token with a character outside the
+    map, e.g. an added token with a space, stays its UTF-8 bytes), joins them and decodes them as UTF-8 with
+    replacement; special tokens drop out when skipped and ids the tokenizer does not know give nothing. A
+    decode of ids is therefore the lossy UTF-8 decode of their bytes joined, and it splits at every point
+    where the text so far does not end in an incomplete character: DecodeStream's steps are pieces of it.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        self.added = {tid: t.content for tid, t in backend.get_added_tokens_decoder().items()}
+        self.by_skip: dict[bool, dict[int, bytes]] = {True: {}, False: {}}
+
+    def bytes_of(self, token_id: int, skip_special_tokens: bool) -> Optional[bytes]:
+        """The id's bytes (cached); None for an id the tokenizer rejects (DecodeStream raises on it)."""
+        try:
+            tok = self.backend.id_to_token(token_id)
+        except Exception:
+            return None
+        if tok is None or (skip_special_tokens and tok in self.special):
+            b = b""
+        else:
+            try:
+                b = bytes([_CHAR_BYTE[c] for c in tok])
+            except KeyError:
+                b = tok.encode()
+        self.by_skip[skip_special_tokens][token_id] = b
+        return b
+
+
+_BYTE_TABLES: "weakref.WeakKeyDictionary[Any, Optional[ByteLevelTable]]" = weakref.WeakKeyDictionary()
+
+
+def byte_level_table(backend: Any) -> Optional[ByteLevelTable]:
+    """The shared table of a `tokenizers.Tokenizer` whose decoder is exactly ByteLevel, else None."""
+    try:
+        return _BYTE_TABLES[backend]
+    except KeyError:
+        pass
+    except TypeError:  # not weak-referenceable: no sharing
+        return _new_byte_level_table(backend)
+    table = _new_byte_level_table(backend)
+    try:
+        _BYTE_TABLES[backend] = table
+    except TypeError:
+        pass
+    return table
+
+
+def _new_byte_level_table(backend: Any) -> Optional[ByteLevelTable]:
+    try:
+        from tokenizers.decoders import ByteLevel
+    except ImportError:
+        return None
+    if type(backend.decoder) is not ByteLevel:
+        return None
+    return ByteLevelTable(backend)
+
+
+class ByteLevelIncrementalDetokenizer(FastIncrementalDetokenizer):
+    """The byte-level decoder's stream as bytes: each id appends its bytes to the undecoded tail, which is
+    emitted as soon as it decodes to text that does not end in a replacement character (DecodeStream's rule).
+
+    The same pieces as FastIncrementalDetokenizer (primed with the same prompt tail), without a call into the
+    Rust tokenizer per token: a dict lookup and a bytes decode. (A FastIncrementalDetokenizer without its
+    DecodeStream: only the decode methods differ.)
+    """
+
+    def __init__(self, table: ByteLevelTable, request: EngineCoreRequest) -> None:
+        _TextDetokenizer.__init__(self, request)
+        self.table = table
+        self.backend = table.backend
+        self._bytes = table.by_skip[bool(self.skip_special_tokens)]
+        self._pending = b""
+        # As FastIncrementalDetokenizer: with special tokens kept and no spaces between them, consecutive
+        # added tokens are glued as their contents.
+        self._added_tokens: dict[int, str] = {}
+        self._last_was_added = False
+        if not self.skip_special_tokens and not self.spaces_between_special_tokens:
+            self._added_tokens = table.added
+        for tid in _prompt_tail_for_context(self.backend, request.prompt_token_ids):
+            self._piece(tid)
+
+    def _piece(self, token_id: int) -> str:
+        b = self._bytes.get(token_id)
+        if b is None:
+            b = self.table.bytes_of(token_id, bool(self.skip_special_tokens))
+            if b is None:  # DecodeStream raised: its stream restarts empty
+                self._pending = b""
+                return ""
+        if self._pending:
+            b = self._pending + b
+        if not b:
+            return ""
+        try:
+            text = b.decode()
+        except UnicodeDecodeError:
+            text = b.decode("utf-8", "replace")
+        if text[-1] == _INCOMPLETE:
+            self._pending = b
+            return ""
+        self._pending = b""
+        return text
+
+    def decode_next(self, token_id: int) -> str:
+        piece = self._piece(token_id)
+        if self._added_tokens:
+            content = self._added_tokens.get(token_id)
+            if content is not None and self._last_was_added:
+                piece = content
+            self._last_was_added = content is not None
+        return piece
+
+    def decode_ids(self, token_ids: list[int]) -> str:
+        try:
+            return self.backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        except Exception:  # ids the tokenizer cannot decode gave no text while streaming either
+            return ""
 
 
 class SlowIncrementalDetokenizer(_TextDetokenizer):
