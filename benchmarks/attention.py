@@ -10,8 +10,11 @@ alike: read the ratios, and the load average printed at start and end.
 Batches (the bench checkpoint's attention: 12 query heads / 4 KV heads, head 64):
 decode_32x300 (32 sequences of 280-320 tokens, one new token each: the offline workload's decode
 step) and prefill_4x512 (four 512-token prompts from scratch).
+--shape moe: moe_throughput.py's checkpoint (8 query heads / 2 KV heads, head 32) at its decode step,
+decode_64x240 (64 sequences of 160-320 tokens), and prefill_4x512.
 
     python benchmarks/attention.py [--threads 1] [--dtype float32|bfloat16] [--block-size 16] [--rounds 7]
+        [--shape bench|moe]
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 from vllm_lite.worker.attention.torch_ref import TorchRefBackend
 
 HEADS, KV_HEADS, HEAD_SIZE = 12, 4, 64  # the bench checkpoint's attention
+# (heads, KV heads, head size) per --shape: the bench checkpoint's, and moe_throughput.py's moe-small Mixtral.
+SHAPES = {"bench": (HEADS, KV_HEADS, HEAD_SIZE), "moe": (8, 2, 32)}
 
 
 def build_batch(
@@ -61,25 +66,43 @@ def attention_gflop(query_lens: list[int], seq_lens: list[int], heads: int, head
     return 4.0 * head_size * heads * pairs / 1e9
 
 
-def time_call(fn: Callable[[], object], min_seconds: float) -> float:
-    """Mean seconds per call over enough calls to fill min_seconds (at least 3)."""
-    calls, start = 0, time.perf_counter()
+_EVICT = torch.zeros(0)
+
+
+def evict_caches() -> None:
+    """Writes a 64 MiB buffer, so the next call reads its KV cache from DRAM as in an engine step (whose expert
+    and linear weights pass through the caches between two attention calls)."""
+    global _EVICT
+    if _EVICT.numel() == 0:
+        _EVICT = torch.empty(16 << 20, dtype=torch.float32)
+    _EVICT.fill_(1.0)
+
+
+def time_call(fn: Callable[[], object], min_seconds: float, cold: bool = False) -> float:
+    """Mean seconds per call over enough calls to fill min_seconds (at least 3); cold: caches evicted before
+    each call, outside the timed span."""
+    calls, total, start = 0, 0.0, time.perf_counter()
     while True:
+        if cold:
+            evict_caches()
+        t0 = time.perf_counter()
         fn()
+        total += time.perf_counter() - t0
         calls += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds and calls >= 3:
-            return elapsed / calls
+        if time.perf_counter() - start >= min_seconds and calls >= 3:
+            return total / calls
 
 
-def interleaved(fns: dict[str, Callable[[], object]], rounds: int, min_seconds: float) -> dict[str, float]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], rounds: int, min_seconds: float, cold: bool = False
+) -> dict[str, float]:
     """Median seconds per call of each function, the functions alternating round by round."""
     for fn in fns.values():  # warm-up
         fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            samples[name].append(time_call(fn, min_seconds))
+            samples[name].append(time_call(fn, min_seconds, cold))
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -93,12 +116,12 @@ def bench_batch(
     dtype: torch.dtype,
 ) -> dict[str, float]:
     """Times one batch on every backend (interleaved) and its KV write; returns the JSON fields."""
-    heads, kv_heads, head_size = HEADS, KV_HEADS, HEAD_SIZE
+    heads, kv_heads, head_size = SHAPES[args.shape]
     query, cache, md = build_batch(qlens, slens, heads, kv_heads, head_size, args.block_size, dtype)
     scale = 1.0 / math.sqrt(head_size)
     gflop = attention_gflop(qlens, slens, heads, head_size)
     fns = {name: (lambda b=b: b.forward(query, cache, md, scale)) for name, b in backends.items()}
-    times = interleaved(fns, args.rounds, args.seconds)
+    times = interleaved(fns, args.rounds, args.seconds, args.cold)
     out: dict[str, float] = {}
     for name, sec in times.items():
         out[f"{batch_name}_{name}_us"] = round(sec * 1e6, 1)
@@ -128,15 +151,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the median is reported)")
     ap.add_argument("--seconds", type=float, default=0.3, help="minimum timed duration per round and implementation")
     ap.add_argument("--skip-torch", action="store_true", help="leave out the (slow) torch reference")
+    ap.add_argument("--cold", action="store_true", help="evict the caches before each timed call (KV from DRAM)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="bench", help="attention shape and decode batch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    heads, head_size = HEADS, HEAD_SIZE
+    heads, kv_heads, head_size = SHAPES[args.shape]
 
     gen = torch.Generator().manual_seed(1)
-    decode_ctx = (280 + torch.randint(0, 41, (32,), generator=gen)).tolist()
+    if args.shape == "moe":
+        decode_name, decode_ctx = "decode_64x240", (160 + torch.randint(0, 161, (64,), generator=gen)).tolist()
+    else:
+        decode_name, decode_ctx = "decode_32x300", (280 + torch.randint(0, 41, (32,), generator=gen)).tolist()
     batches = {
-        "decode_32x300": ([1] * 32, decode_ctx),
+        decode_name: ([1] * len(decode_ctx), decode_ctx),
         "prefill_4x512": ([512] * 4, [512] * 4),
     }
     native = {impl: CpuNativeBackend(impl) for impl in CpuNativeBackend().built_impls()}
@@ -149,9 +177,11 @@ def main() -> None:
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
         "dtype": args.dtype,
         "threads": args.threads,
+        "shape": args.shape,
+        "cold": args.cold,
         "block_size": args.block_size,
         "heads": heads,
-        "kv_heads": KV_HEADS,
+        "kv_heads": kv_heads,
         "head_size": head_size,
         "rounds": args.rounds,
         "key_loops": {impl: b.key_loop(head_size) for impl, b in native.items()},

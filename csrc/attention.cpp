@@ -237,6 +237,17 @@ void key_loop_avx2(const ItemView<T>& it, int64_t D, Scratch& s) {
 #if defined(__AVX512F__)
 template <typename T>
 void key_loop_avx512(const ItemView<T>& it, int64_t D, Scratch& s) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (it.rows == it.group) {  // one query token (a decode): attention_avx512.h's chunked decode path
+      switch (D) {
+        case 32: return attn::decode_f32<2>(it, s);
+        case 64: return attn::decode_f32<4>(it, s);
+        case 128: return attn::decode_f32<8>(it, s);
+        case 256: return attn::decode_f32<16>(it, s);
+        default: break;
+      }
+    }
+  }
   switch (D) {
     case 32: return attn::key_loop_avx512<T, 2>(it, s);
     case 64: return attn::key_loop_avx512<T, 4>(it, s);
