@@ -111,6 +111,17 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "On CPU, run RMSNorm (with its residual add), rotary embedding and SiLU-and-mul as fused C++ kernels "
         "(csrc/fused_cpu_ops.cpp; the torch code's results, bit for bit on AVX2/AVX-512 hosts; default on; 0 turns them off).",
     ),
+    "VLLM_LITE_GC_FREEZE": (
+        _flag("VLLM_LITE_GC_FREEZE", True),
+        "Freeze the engine core's start-up heap (gc.freeze, as vLLM's freeze_gc_heap) so the cyclic garbage "
+        "collector never walks the model and other long-lived objects during steps (default on; 0 turns it off). "
+        "The core's own process collects first; an in-process core unfreezes at shutdown.",
+    ),
+    "VLLM_LITE_GC_GEN0_THRESHOLD": (
+        _float("VLLM_LITE_GC_GEN0_THRESHOLD", 10000.0),
+        "The engine core's youngest-generation gc threshold while its heap is frozen (Python's default is 700, "
+        "which a decode step at batch 256 crosses about twice; default 10000; 0 keeps the interpreter's).",
+    ),
     "VLLM_LITE_CACHE_DIR": (
         _str("VLLM_LITE_CACHE_DIR", None),
         "Where built native kernels are cached (default ~/.cache/vllm_lite).",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from vllm_lite.config import VllmConfig, verify_async_scheduling
+from vllm_lite.core.gc_heap import freeze_gc_heap, gc_state, release_gc_heap
 from vllm_lite.core.lora_utilities import lora_utilities
 from vllm_lite.core.messages import (
     EngineCoreOutput,
@@ -34,7 +35,7 @@ _GRAMMAR_WAIT_S = 0.01
 # Async scheduling: steps launched and not yet updated, at most (step N+1 runs while step N's output is read).
 MAX_STEPS_IN_FLIGHT = 2
 # Utility calls that only read counters: they do not wait for the steps in flight (every other one does).
-_NO_DRAIN_UTILITIES = frozenset({"ping", "get_stats", "get_model_facts"})
+_NO_DRAIN_UTILITIES = frozenset({"ping", "get_stats", "get_model_facts", "get_gc_state"})
 
 
 @dataclass
@@ -106,6 +107,8 @@ class EngineCore:
             vllm_config.device_config.device, lambda: self.scheduler.make_stats(reset=False).step_counter
         )
         logger.info("async scheduling: %s", "on" if self.async_scheduling else "off")
+        # The start-up heap (model, tokenizer, CUDA graphs) is never garbage: no collection walks it from here.
+        self._gc_frozen = freeze_gc_heap(collect=False)
         self.startup_time_s = time.perf_counter() - t0
         logger.info(
             "engine core ready in %.2fs: model=%s dtype=%s kv_blocks=%d (block_size=%d) swap_blocks=%d",
@@ -271,6 +274,7 @@ class EngineCore:
             "get_num_free_blocks": lambda: self.scheduler.num_free_blocks,
             "get_num_total_blocks": lambda: self.scheduler.num_total_blocks,
             "get_model_facts": lambda: dict(self.model_facts),
+            "get_gc_state": gc_state,
             "get_num_unfinished_requests": self.scheduler.get_num_unfinished_requests,
             "profile": self.profile,
             **lora_utilities(self.executor, self.config.lora_config),
@@ -288,9 +292,14 @@ class EngineCore:
             self.drain()
         except Exception:  # noqa: BLE001 -- shutting down: a failed step in flight must not stop the rest
             logger.exception("a step in flight failed during shutdown")
-        self.profiler.shutdown()
-        self.scheduler.structured_output_manager.shutdown()
-        self.executor.shutdown()
+        try:
+            self.profiler.shutdown()
+            self.scheduler.structured_output_manager.shutdown()
+            self.executor.shutdown()
+        finally:
+            if getattr(self, "_gc_frozen", False):  # once, however often shutdown is called
+                self._gc_frozen = False
+                release_gc_heap()
 
 
 def _add_error_outputs(outputs: dict[int, EngineCoreOutputs], recovered: RecoveredStep) -> None:

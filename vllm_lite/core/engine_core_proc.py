@@ -58,6 +58,7 @@ from vllm_lite import envs, process_watch
 from vllm_lite.config import VllmConfig, decode_vllm_config
 from vllm_lite.core.client_registry import AttachedClient, ClientRegistry
 from vllm_lite.core.core_sockets import CoreSockets, InputItem, SocketEvent, max_input_message_bytes
+from vllm_lite.core.gc_heap import freeze_gc_heap, gc_state
 from vllm_lite.core.messages import (
     EngineCoreArgs,
     EngineCoreOutput,
@@ -455,6 +456,8 @@ class EngineCoreProc:
         try:
             if call.method == "list_frontends":  # the serving process's own facts, not the engine's
                 value: Any = self.registry.list_frontends()
+            elif call.method == "get_gc_state":  # this process's garbage collector (frozen at start-up)
+                value = gc_state()
             else:
                 value = self.engine_core.call_utility(call.method, list(call.args))
             result = UtilityOutput(call.call_id, result=value)
@@ -583,4 +586,7 @@ def run_engine_core(args: EngineCoreArgs, channel: "ChildChannel", proc_cls: typ
         return 1
     proc.install_signal_handlers()
     channel.ready(proc.ready_message(vllm_config))
+    # This process is the core's alone: its whole start-up heap, collected first, is frozen for good (the
+    # frontend is told it is ready first; what it sends meanwhile waits in the input queue).
+    freeze_gc_heap(collect=True)
     return proc.run_busy_loop()

@@ -1,0 +1,128 @@
+"""The engine core's garbage-collector policy (vllm_lite/core/gc_heap.py, issue #14).
+
+An engine-core process freezes its start-up heap (collected first) before it serves and raises the youngest
+generation's threshold; $VLLM_LITE_GC_FREEZE=0 leaves the collector as Python set it. An in-process core freezes
+while it lives and gives everything back, thresholds included, at shutdown.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any, Optional
+
+import pytest
+import zmq
+
+from vllm_lite import launcher
+from vllm_lite.config import encode_vllm_config
+from vllm_lite.core import gc_heap
+from vllm_lite.core.messages import EngineCoreArgs, EngineCoreReady
+from vllm_lite.testing.fake_core import FAKE_CORE_MODULE, RawFrontend, fake_config, make_addresses
+
+
+def _core_gc_state(tmpdir: str, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """A fake engine-core process started by the launcher (as `vllm-lite serve` starts real ones): its gc state,
+    read with the get_gc_state utility call once it serves."""
+    addresses = make_addresses(tmpdir)
+    args = EngineCoreArgs(
+        vllm_config=encode_vllm_config(fake_config()),
+        input_address=addresses.input,
+        output_address=addresses.output,
+    )
+    proc = launcher.start_child(FAKE_CORE_MODULE, args, EngineCoreReady, name="fake-core", env=env)
+    ctx = zmq.Context()
+    try:
+        proc.wait_ready(120)
+        fe = RawFrontend(ctx, addresses)
+        assert fe.hello().accepted
+        out = fe.utility("get_gc_state")
+        assert out.failure_message is None, out.failure_message
+        return out.result
+    finally:
+        proc.stop()
+        ctx.destroy(linger=0)
+
+
+def test_core_process_freezes_its_heap_and_raises_the_young_threshold(tmp_path):
+    state = _core_gc_state(str(tmp_path), env={"VLLM_LITE_GC_FREEZE": "1", "VLLM_LITE_GC_GEN0_THRESHOLD": "12345"})
+    assert state["enabled"]
+    assert state["freeze_count"] > 1000  # torch, zmq, the core: thousands of objects
+    assert state["threshold"][0] == 12345
+
+
+def test_core_process_leaves_the_collector_alone_when_turned_off(tmp_path):
+    state = _core_gc_state(str(tmp_path), env={"VLLM_LITE_GC_FREEZE": "0", "VLLM_LITE_GC_GEN0_THRESHOLD": "12345"})
+    assert state["freeze_count"] == 0
+    assert state["threshold"][0] != 12345
+
+
+@pytest.fixture
+def clean_gc(monkeypatch):
+    """No freeze held before or after; the thresholds restored whatever the test does."""
+    before = gc.get_threshold()
+    assert gc_heap._gc_holders == 0
+    monkeypatch.setenv("VLLM_LITE_GC_FREEZE", "1")
+    monkeypatch.setenv("VLLM_LITE_GC_GEN0_THRESHOLD", "9999")
+    try:
+        yield before
+    finally:
+        while gc_heap._gc_holders:
+            gc_heap.release_gc_heap()
+        gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_freeze_holds_cyclic_garbage_until_the_last_release_and_restores_thresholds(clean_gc):
+    before = clean_gc
+    obj = _Cycle()
+    ref = weakref.ref(obj)
+    assert gc_heap.freeze_gc_heap(collect=False)
+    assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] == 9999
+    assert gc_heap.freeze_gc_heap(collect=False)  # a second core in this process
+    del obj
+    gc.collect()
+    assert ref() is not None  # frozen: no collection reaches it
+    gc_heap.release_gc_heap()
+    assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] == 9999  # the other core still holds the threshold
+    gc.collect()
+    assert ref() is None  # released: the next full collection reclaims it
+    gc_heap.release_gc_heap()
+    assert gc.get_threshold() == before
+    gc_heap.release_gc_heap()  # more releases than freezes: nothing happens
+    assert gc.get_threshold() == before
+
+
+def test_collect_first_reclaims_garbage_an_earlier_freeze_kept(clean_gc):
+    obj = _Cycle()
+    ref = weakref.ref(obj)
+    assert gc_heap.freeze_gc_heap(collect=False)
+    del obj
+    assert gc_heap.freeze_gc_heap(collect=True)  # the core process, before it serves
+    assert ref() is None
+    assert gc.get_freeze_count() > 0
+
+
+def test_turned_off_freezes_nothing(clean_gc, monkeypatch):
+    monkeypatch.setenv("VLLM_LITE_GC_FREEZE", "0")
+    assert not gc_heap.freeze_gc_heap(collect=True)
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == clean_gc
+
+
+def test_in_process_engine_core_freezes_while_it_lives(clean_gc):
+    from vllm_lite.testing.core_harness import tiny_engine_core
+
+    core = tiny_engine_core()
+    try:
+        assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] == 9999
+        assert core.call_utility("get_gc_state", [])["freeze_count"] == gc.get_freeze_count()
+    finally:
+        core.shutdown()
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == clean_gc
+    core.shutdown()  # a second shutdown releases nothing more
+    assert gc_heap._gc_holders == 0
