@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 #include <omp.h>
 
@@ -364,6 +365,304 @@ at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at
   return out;
 }
 
+// ------------------------------------------------------------------------------------------------ bfloat16
+// The same expert path for bfloat16 layers where the build targets AVX512-BF16 (Zen 4, Sapphire Rapids, ...;
+// elsewhere moe_cpu_bf16_built() is false and bfloat16 experts stay on oneDNN, PackedExperts):
+//   moe_cpu_pack_bf16(w13 [E, 2I, H], w2 [E, H, I]) -> (w13p [E, Ip/16, H/2, 64], w2p [E, Hp/32, Ip/2, 64])
+//       per pair of inputs (k, k+1) one 64-element row: gate then up (w13p) or output columns 0-15 then 16-31 of
+//       the block (w2p), each as 16 (column) x 2 (k, k+1) bf16: one VDPBF16PS operand. H must be even.
+//   moe_cpu_experts_bf16(x [T, H] bf16, w13p, w2p, topk_weights [T, k] float32, topk_ids, inter) -> out [T, H]
+// VDPBF16PS multiplies bf16 pairs exactly and sums in float32 (in pair order, as oneDNN's bf16 matmuls on this
+// CPU do, in their own order). Roundings are the torch path's (grouped_experts on bf16): gate and up rounded to
+// bf16, SiLU of the rounded gate in float32 rounded to bf16, its product with up rounded; the down projection
+// rounded to bf16; each token's contributions weighted in float32, rounded, and summed in bf16 in ascending
+// expert id.
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kMoeBf16 = true;
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+inline __m512i as_i(__m256bh v) { return _mm512_castsi256_si512(reinterpret_cast<__m256i&>(v)); }
+// float32 -> bf16 (round to nearest even, as c10::BFloat16) -> float32.
+inline __m512 round_bf16(__m512 v) {
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
+}
+inline __m256i to_bf16(__m512 v) {
+  const __m256bh h = _mm512_cvtneps_pbh(v);
+  return reinterpret_cast<const __m256i&>(h);
+}
+
+// act rows[r][0, 16) = bf16(silu(bf16(x_r . gate)) * bf16(x_r . up)) for R rows; wp: [H/2][64]; xr: rows as pairs.
+template <int R>
+inline void gate_up_tile_bf16(const uint32_t* const* xr, const uint16_t* wp, int64_t h2, uint16_t* act,
+                              int64_t ld_act, int64_t valid_cols) {
+  __m512 g[R], u[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) g[r] = u[r] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < h2; ++kp) {
+    const __m512i wg = _mm512_loadu_si512(wp + kp * 64), wu = _mm512_loadu_si512(wp + kp * 64 + 32);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(xr[r][kp]));
+      g[r] = _mm512_dpbf16_ps(g[r], as_bh(wg), as_bh(xb));
+      u[r] = _mm512_dpbf16_ps(u[r], as_bh(wu), as_bh(xb));
+    }
+  }
+  const __mmask16 m = static_cast<__mmask16>(valid_cols >= 16 ? 0xFFFF : (1u << valid_cols) - 1u);
+  for (int r = 0; r < R; ++r) {
+    const __m512 gr = round_bf16(g[r]), ur = round_bf16(u[r]);
+    const __m512 e = vector_exp() ? Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), gr))
+                                  : [&] {
+                                      alignas(64) float t[16];
+                                      _mm512_store_ps(t, gr);
+                                      for (float& v : t) v = std::exp(-v);
+                                      return _mm512_load_ps(t);
+                                    }();
+    const __m512 silu = round_bf16(_mm512_div_ps(gr, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    const __m512 a = _mm512_maskz_mov_ps(m, _mm512_mul_ps(silu, ur));  // padding columns: 0
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + r * ld_act), to_bf16(a));
+  }
+}
+
+// y rows[r][0, 32) = bf16(act_r . w2 cols) (as float32) for R rows; wp: [Ip/2][64].
+template <int R>
+inline void down_tile_bf16(const uint16_t* act, int64_t ld_act, const uint16_t* wp, int64_t ip2, float* y,
+                           int64_t ld_y) {
+  __m512 a[R], b[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < ip2; ++kp) {
+    const __m512i w0 = _mm512_loadu_si512(wp + kp * 64), w1 = _mm512_loadu_si512(wp + kp * 64 + 32);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, act + r * ld_act + 2 * kp, sizeof(pair));
+      const __m512i ab = _mm512_set1_epi32(static_cast<int>(pair));
+      a[r] = _mm512_dpbf16_ps(a[r], as_bh(w0), as_bh(ab));
+      b[r] = _mm512_dpbf16_ps(b[r], as_bh(w1), as_bh(ab));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(y + r * ld_y, round_bf16(a[r]));
+    _mm512_storeu_ps(y + r * ld_y + 16, round_bf16(b[r]));
+  }
+}
+
+template <int R>
+void gate_up_rows_bf16(const uint32_t* const* xr, const uint16_t* wp, int64_t h2, uint16_t* act, int64_t ld_act,
+                       int64_t valid_cols, int64_t n) {
+  int64_t r = 0;
+  for (; r + R <= n; r += R) gate_up_tile_bf16<R>(xr + r, wp, h2, act + r * ld_act, ld_act, valid_cols);
+  if (r == n) return;
+  if constexpr (R > 1) gate_up_rows_bf16<(R + 1) / 2>(xr + r, wp, h2, act + r * ld_act, ld_act, valid_cols, n - r);
+}
+
+template <int R>
+void down_rows_bf16(const uint16_t* act, int64_t ld_act, const uint16_t* wp, int64_t ip2, float* y, int64_t ld_y,
+                    int64_t n) {
+  int64_t r = 0;
+  for (; r + R <= n; r += R) down_tile_bf16<R>(act + r * ld_act, ld_act, wp, ip2, y + r * ld_y, ld_y);
+  if (r == n) return;
+  if constexpr (R > 1) down_rows_bf16<(R + 1) / 2>(act + r * ld_act, ld_act, wp, ip2, y + r * ld_y, ld_y, n - r);
+}
+
+// out (bf16) = sum over j of bf16(y_j * w_j), added in order with a bf16 rounding after each add.
+void combine_row_bf16(const float* const* y, const float* w, int64_t k, int64_t h, c10::BFloat16* out) {
+  for (int64_t i = 0; i < h; ++i) {
+    float acc = static_cast<float>(c10::BFloat16(y[0][i] * w[0]));
+    for (int64_t j = 1; j < k; ++j) acc = static_cast<float>(c10::BFloat16(acc + static_cast<float>(c10::BFloat16(y[j][i] * w[j]))));
+    out[i] = c10::BFloat16(acc);
+  }
+}
+#else
+constexpr bool kMoeBf16 = false;
+#endif
+
+bool moe_cpu_bf16_built() { return kMoeBf16; }
+
+std::tuple<at::Tensor, at::Tensor> moe_cpu_pack_bf16(const at::Tensor& w13, const at::Tensor& w2) {
+  TORCH_CHECK(kMoeBf16, "moe_cpu_pack_bf16: not built here (the compiler does not target AVX512-BF16)");
+  check_cpu(w13, "w13");
+  check_cpu(w2, "w2");
+  check_dim(w13, 3, "w13");
+  check_dim(w2, 3, "w2");
+  check_dtype(w13, at::kBFloat16, "w13");
+  check_dtype(w2, at::kBFloat16, "w2");
+  const int64_t e = w13.size(0), h = w13.size(2), inter = w13.size(1) / 2;
+  TORCH_CHECK_VALUE(w13.size(1) % 2 == 0 && inter > 0 && h > 0 && e > 0 && h % 2 == 0,
+                    msg("moe_cpu_pack_bf16: w13 must be [E, 2I, H] with E, I, H > 0 and H even, got shape ",
+                        w13.sizes()));
+  TORCH_CHECK_VALUE(w2.size(0) == e && w2.size(1) == h && w2.size(2) == inter,
+                    msg("moe_cpu_pack_bf16: w2 must be [E, H, I] = [", e, ", ", h, ", ", inter, "], got shape ",
+                        w2.sizes()));
+  const int64_t nb = (inter + 15) / 16, ip = nb * 16, hb = (h + 31) / 32, h2 = h / 2;
+  at::Tensor a = w13.contiguous(), b = w2.contiguous();
+  at::Tensor p13 = at::zeros({e, nb, h2, 64}, w13.options());
+  at::Tensor p2 = at::zeros({e, hb, ip / 2, 64}, w2.options());
+  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  const uint16_t* bp = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
+  uint16_t* p13p = reinterpret_cast<uint16_t*>(p13.data_ptr<at::BFloat16>());
+  uint16_t* p2p = reinterpret_cast<uint16_t*>(p2.data_ptr<at::BFloat16>());
+  at::parallel_for(0, e, 1, [&](int64_t e0, int64_t e1) {
+    for (int64_t x = e0; x < e1; ++x) {
+      const uint16_t* src = ap + x * 2 * inter * h;
+      for (int64_t j = 0; j < inter; ++j) {  // gate row j -> block j / 16, column j % 16; up 32 elements after
+        uint16_t* dst = p13p + (x * nb + j / 16) * h2 * 64 + (j % 16) * 2;
+        const uint16_t* gate = src + j * h;
+        const uint16_t* up = src + (inter + j) * h;
+        for (int64_t k = 0; k < h; ++k) {
+          dst[(k / 2) * 64 + k % 2] = gate[k];
+          dst[(k / 2) * 64 + 32 + k % 2] = up[k];
+        }
+      }
+      const uint16_t* src2 = bp + x * h * inter;
+      for (int64_t o = 0; o < h; ++o) {  // down row o -> block o / 32, half (o % 32) / 16, column o % 16
+        uint16_t* dst = p2p + (x * hb + o / 32) * (ip / 2) * 64 + ((o % 32) / 16) * 32 + (o % 16) * 2;
+        const uint16_t* row = src2 + o * inter;
+        for (int64_t k = 0; k < inter; ++k) dst[(k / 2) * 64 + k % 2] = row[k];
+      }
+    }
+  });
+  return {p13, p2};
+}
+
+at::Tensor moe_cpu_experts_bf16(const at::Tensor& x, const at::Tensor& w13p, const at::Tensor& w2p,
+                                const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t inter) {
+  TORCH_CHECK(kMoeBf16, "moe_cpu_experts_bf16: not built here (the compiler does not target AVX512-BF16)");
+  check_cpu(x, "x");
+  check_cpu(w13p, "w13p");
+  check_cpu(w2p, "w2p");
+  check_cpu(topk_weights, "topk_weights");
+  check_cpu(topk_ids, "topk_ids");
+  check_dim(x, 2, "x");
+  check_dim(w13p, 4, "w13p");
+  check_dim(w2p, 4, "w2p");
+  check_dim(topk_weights, 2, "topk_weights");
+  check_dim(topk_ids, 2, "topk_ids");
+  check_dtype(x, at::kBFloat16, "x");
+  check_dtype(w13p, at::kBFloat16, "w13p");
+  check_dtype(w2p, at::kBFloat16, "w2p");
+  check_dtype(topk_weights, at::kFloat, "topk_weights");
+  check_dtype(topk_ids, at::kLong, "topk_ids");
+  check_contiguous(w13p, "w13p");
+  check_contiguous(w2p, "w2p");
+  check_contiguous(topk_weights, "topk_weights");
+  check_contiguous(topk_ids, "topk_ids");
+  TORCH_CHECK_VALUE(x.stride(1) == 1 || x.size(1) <= 1,
+                    msg("moe_cpu_experts_bf16: x's rows must be contiguous (got strides ", x.strides(), ")"));
+  const int64_t t = x.size(0), h = x.size(1), k = topk_ids.size(1), e = w13p.size(0);
+  const int64_t nb = w13p.size(1), ip = nb * 16, hb = w2p.size(1), hp = hb * 32, h2 = h / 2;
+  TORCH_CHECK_VALUE(h % 2 == 0 && w13p.size(2) == h2 && w13p.size(3) == 64,
+                    msg("moe_cpu_experts_bf16: w13p must be [E, Ip/16, H/2=", h2, ", 64] (moe_cpu_pack_bf16, H even), "
+                        "got ", w13p.sizes()));
+  TORCH_CHECK_VALUE(inter > 0 && inter <= ip && ip - inter < 16,
+                    msg("moe_cpu_experts_bf16: inter=", inter, " does not fit w13p's ", ip, " packed columns"));
+  TORCH_CHECK_VALUE(w2p.size(0) == e && w2p.size(2) == ip / 2 && w2p.size(3) == 64 && hp >= h && hp - h < 32,
+                    msg("moe_cpu_experts_bf16: w2p must be [", e, ", ", (h + 31) / 32, ", ", ip / 2,
+                        ", 64] (moe_cpu_pack_bf16), got ", w2p.sizes()));
+  TORCH_CHECK_VALUE(topk_ids.size(0) == t && topk_weights.size(0) == t && topk_weights.size(1) == k && k > 0,
+                    msg("moe_cpu_experts_bf16: topk_ids ", topk_ids.sizes(), " and topk_weights ",
+                        topk_weights.sizes(), " must both be [T=", t, ", k >= 1]"));
+  TORCH_CHECK_VALUE(k <= 64, msg("moe_cpu_experts_bf16: at most 64 experts per token, got k=", k));
+  at::Tensor out = at::empty({t, h}, x.options());
+  if (t == 0 || h == 0) return out;
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  const int64_t pairs = t * k;
+  for (int64_t p = 0; p < pairs; ++p)
+    TORCH_CHECK_VALUE(ids[p] >= 0 && ids[p] < e,
+                      msg("moe_cpu_experts_bf16: topk_ids holds ", ids[p], ", outside [0, ", e, ")"));
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  std::vector<int64_t> start(e + 1, 0), slot(pairs), src_tok(pairs);
+  for (int64_t p = 0; p < pairs; ++p) ++start[ids[p] + 1];
+  for (int64_t x2 = 0; x2 < e; ++x2) start[x2 + 1] += start[x2];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t s = fill[ids[p]]++;
+      slot[p] = s;
+      src_tok[s] = p / k;
+    }
+  }
+  std::vector<std::pair<int64_t, int64_t>> up_items, down_items;
+  for (int64_t x2 = 0; x2 < e; ++x2) {
+    if (start[x2 + 1] == start[x2]) continue;
+    for (int64_t b = 0; b < nb; ++b) up_items.emplace_back(x2, b);
+    for (int64_t b = 0; b < hb; ++b) down_items.emplace_back(x2, b);
+  }
+  std::unique_ptr<uint16_t[]> act_buf(new uint16_t[static_cast<size_t>(pairs * ip)]);
+  std::unique_ptr<float[]> y_buf(new float[static_cast<size_t>(pairs * hp)]);
+  uint16_t* const act = act_buf.get();
+  float* const y = y_buf.get();
+  std::vector<const uint32_t*> xrows(pairs);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int64_t ldx = x.stride(0);
+  for (int64_t s = 0; s < pairs; ++s) xrows[s] = reinterpret_cast<const uint32_t*>(xp + src_tok[s] * ldx);
+  const uint16_t* w13 = reinterpret_cast<const uint16_t*>(w13p.data_ptr<at::BFloat16>());
+  const uint16_t* w2 = reinterpret_cast<const uint16_t*>(w2p.data_ptr<at::BFloat16>());
+  const float* wts = topk_weights.data_ptr<float>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t n_up = static_cast<int64_t>(up_items.size()), n_down = static_cast<int64_t>(down_items.size());
+  const int64_t macs = pairs * ip * (2 * h + hp);
+  const int num_threads =
+      macs < (1 << 18) ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_up)));
+  std::vector<int64_t> up_cost(n_up + 1, 0), down_cost(n_down + 1, 0);
+  for (int64_t i = 0; i < n_up; ++i)
+    up_cost[i + 1] = up_cost[i] + (start[up_items[i].first + 1] - start[up_items[i].first]);
+  for (int64_t i = 0; i < n_down; ++i)
+    down_cost[i + 1] = down_cost[i] + (start[down_items[i].first + 1] - start[down_items[i].first]);
+  auto run_of = [](const std::vector<int64_t>& cost, int64_t tid, int64_t nt) {
+    const int64_t n = static_cast<int64_t>(cost.size()) - 1, total = cost[n];
+    auto at = [&](int64_t j) {
+      const int64_t target = (total * j + nt / 2) / nt;
+      return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end(), target) - cost.begin());
+    };
+    return std::make_pair(std::min(at(tid), n), std::min(at(tid + 1), n));
+  };
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const auto up_run = run_of(up_cost, tid, nt);
+    for (int64_t i = up_run.first; i < up_run.second; ++i) {
+      const int64_t ex = up_items[i].first, b = up_items[i].second;
+      const int64_t s0 = start[ex], n = start[ex + 1] - s0;
+      const int64_t valid = std::clamp<int64_t>(inter - b * 16, 0, 16);
+      gate_up_rows_bf16<8>(xrows.data() + s0, w13 + (ex * nb + b) * h2 * 64, h2, act + s0 * ip + b * 16, ip, valid,
+                           n);
+    }
+#pragma omp barrier
+    const auto down_run = run_of(down_cost, tid, nt);
+    for (int64_t i = down_run.first; i < down_run.second; ++i) {
+      const int64_t ex = down_items[i].first, b = down_items[i].second;
+      const int64_t s0 = start[ex], n = start[ex + 1] - s0;
+      down_rows_bf16<8>(act + s0 * ip, ip, w2 + (ex * hb + b) * (ip / 2) * 64, ip / 2, y + s0 * hp + b * 32, hp, n);
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t tok = 0; tok < t; ++tok) {
+      int64_t order[64];
+      const int64_t kk = std::min<int64_t>(k, 64);
+      for (int64_t j = 0; j < kk; ++j) {
+        int64_t v = j, i = j;
+        while (i > 0 && ids[tok * k + order[i - 1]] > ids[tok * k + v]) {
+          order[i] = order[i - 1];
+          --i;
+        }
+        order[i] = v;
+      }
+      const float* rows[64];
+      float w[64];
+      for (int64_t j = 0; j < kk; ++j) {
+        rows[j] = y + slot[tok * k + order[j]] * hp;
+        w[j] = wts[tok * k + order[j]];
+      }
+      combine_row_bf16(rows, w, kk, h, op + tok * h);
+    }
+  }
+#endif
+  return out;
+}
+
 }  // namespace
 }  // namespace vllm_lite
 
@@ -373,9 +672,16 @@ TORCH_LIBRARY_FRAGMENT(vllm_lite, m) {
   m.def(
       "moe_cpu_experts(Tensor x, Tensor w13p, Tensor w2p, Tensor topk_weights, Tensor topk_ids, int inter) -> "
       "Tensor");
+  m.def("moe_cpu_bf16_built() -> bool", &vllm_lite::moe_cpu_bf16_built);
+  m.def("moe_cpu_pack_bf16(Tensor w13, Tensor w2) -> (Tensor, Tensor)");
+  m.def(
+      "moe_cpu_experts_bf16(Tensor x, Tensor w13p, Tensor w2p, Tensor topk_weights, Tensor topk_ids, int inter) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
   m.impl("moe_cpu_pack", &vllm_lite::moe_cpu_pack);
   m.impl("moe_cpu_experts", &vllm_lite::moe_cpu_experts);
+  m.impl("moe_cpu_pack_bf16", &vllm_lite::moe_cpu_pack_bf16);
+  m.impl("moe_cpu_experts_bf16", &vllm_lite::moe_cpu_experts_bf16);
 }

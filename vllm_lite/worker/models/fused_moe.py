@@ -9,8 +9,8 @@ rank computes a partial down projection for its slice and one all-reduce sums th
 The expert matmuls are grouped: token-expert pairs are sorted by expert and each expert that received
 tokens runs two matmuls over all of its tokens (a loop over experts, never over tokens); on CPU, float32
 layers run the whole expert path as one C++ op on blocked copies of the weights (KernelExperts,
-csrc/moe_cpu.cpp), bfloat16 ones on oneDNN-packed copies of each expert's weights (PackedExperts); both are
-made after loading. On CUDA, with
+csrc/moe_cpu.cpp), bfloat16 ones too where the build targets AVX512-BF16 (Bf16KernelExperts), else on
+oneDNN-packed copies of each expert's weights (PackedExperts); all are made after loading. On CUDA, with
 Triton installed, one Triton kernel per projection does the grouped matmuls without a host sync
 (fused_moe_triton.py).
 """
@@ -114,15 +114,53 @@ class KernelExperts:
         )
 
 
-def pack_experts_for_cpu(w13: torch.Tensor, w2: torch.Tensor) -> tuple[Optional[PackedExperts | KernelExperts], str]:
+@functools.cache
+def _cpu_moe_bf16_kernel() -> bool:
+    """Whether csrc's bfloat16 expert op is built here (the compiler targets AVX512-BF16: Zen 4, Sapphire Rapids)."""
+    from vllm_lite.worker.attention.cpu_kernels import cpu_op
+
+    built = cpu_op("moe_cpu_bf16_built")
+    return built is not None and bool(built())
+
+
+class Bf16KernelExperts:
+    """Bfloat16 experts in csrc/moe_cpu.cpp's VDPBF16PS layout (moe_cpu_pack_bf16); one call runs a layer's whole
+    expert path as KernelExperts does for float32, with the torch path's bf16 roundings (gate/up, SiLU, product,
+    down, each weighted contribution and each add). Why: oneDNN took two calls per active expert plus a dozen
+    small torch ops per layer, ~1.1 s of a 2.2-s bf16 pass of moe_throughput.py on Zen 4 (benchmarks/PROFILE.md).
+    Its matmul sums run in another order than oneDNN's: outputs move by about one bf16 rounding."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.inter = w2.shape[-1]
+        self.w13, self.w2 = torch.ops.vllm_lite.moe_cpu_pack_bf16(w13.detach(), w2.detach())
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.vllm_lite.moe_cpu_experts_bf16(
+            x, self.w13, self.w2, topk_weights.float().contiguous(), topk_ids.contiguous(), self.inter
+        )
+
+
+CpuExperts = PackedExperts | KernelExperts | Bf16KernelExperts
+
+
+def pack_experts_for_cpu(w13: torch.Tensor, w2: torch.Tensor) -> tuple[Optional[CpuExperts], str]:
     """(packed experts, "") where one of the CPU expert paths takes this dtype here: the C++ op for float32
-    when built (VLLM_LITE_CPU_MOE_KERNEL), else oneDNN packing where it agrees with F.linear; else (None, why)."""
+    when built (VLLM_LITE_CPU_MOE_KERNEL), and for bfloat16 where the build targets AVX512-BF16 (and the hidden
+    size is even), else oneDNN packing where it agrees with F.linear; else (None, why)."""
     if not envs.VLLM_LITE_CPU_MOE_PACK:
         return None, "VLLM_LITE_CPU_MOE_PACK=0"
     if w13.device.type != "cpu" or w13.dtype not in (torch.float32, torch.bfloat16):
         return None, f"{w13.dtype} on {w13.device.type}"
     if w13.dtype == torch.float32 and envs.VLLM_LITE_CPU_MOE_KERNEL and _cpu_moe_kernel():
         return KernelExperts(w13, w2), ""
+    if (
+        w13.dtype == torch.bfloat16
+        and envs.VLLM_LITE_CPU_MOE_KERNEL
+        and w13.shape[-1] % 2 == 0
+        and _cpu_moe_kernel()
+        and _cpu_moe_bf16_kernel()
+    ):
+        return Bf16KernelExperts(w13, w2), ""
     if not torch.backends.mkldnn.is_available():
         return None, "torch was built without oneDNN"
     if w13.dtype == torch.bfloat16:
@@ -147,7 +185,7 @@ def grouped_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    packed: Optional[PackedExperts | KernelExperts] = None,
+    packed: Optional[CpuExperts] = None,
 ) -> torch.Tensor:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = ids[t, k]; out [T, H] in x's dtype.
 
@@ -158,7 +196,7 @@ def grouped_experts(
     With `packed` (CPU), the two matmuls run on oneDNN-packed copies of each expert's weights instead, or the
     whole path in csrc/moe_cpu.cpp's op (KernelExperts, float32) with the same order of the final sums.
     """
-    if isinstance(packed, KernelExperts):
+    if isinstance(packed, (KernelExperts, Bf16KernelExperts)):
         return packed(x, topk_weights, topk_ids)
     t, k = topk_ids.shape
     if t == 0:
@@ -230,7 +268,7 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
         # Which (expert, projection) shards have arrived, so a half-loaded expert set is reported missing.
         self._shards_seen: set[tuple[int | None, str]] = set()
-        self.cpu_packed: Optional[PackedExperts | KernelExperts] = None
+        self.cpu_packed: Optional[CpuExperts] = None
 
     def process_weights_after_loading(self) -> str:
         """On CPU, move the experts onto oneDNN-packed weights (the plain ones are released); "" or why not."""
