@@ -6,6 +6,13 @@
 //       NeoX-style (rotate-half) RoPE of q and k in place, cos/sin read from the float32 cache by position.
 //   fused_silu_and_mul(x [.., 2d]) -> silu(x[.., :d]) * x[.., d:]
 // bfloat16 and float32 inputs.
+//   cpu_decoder_layers(weights, hidden, residual?, positions, kv_caches, ...) -> (hidden, residual)
+//       a whole stack of Llama-family decoder layers (pre-norm attention + gated SiLU MLP) in one call: the ops
+//       above, the q/k/v, o, gate_up and down linears through the kernels cpu_prepack.linear picks for the row
+//       count (bf16_linear_small_m / bf16_linear_vnni / oneDNN's packed linear, or F.linear), the K/V write and
+//       paged attention (ops.h). Each layer's tensors are held by a CpuDecoderWeights object built once per model
+//       (vllm_lite/worker/models/llama.py). Same operations in the same order as the Python layers, so the same
+//       results bit for bit; what goes is ~20 Python-level calls and their dispatch a layer.
 //
 // Numerics: each op reproduces the torch code it replaces operation by operation, rounding where torch rounds
 // (bfloat16 after every elementwise op, products never fused into an FMA, the norm's sum of squares in torch's
@@ -17,9 +24,12 @@
 // Vector paths by compile-time dispatch (-march=native): AVX-512F, else AVX2, else portable scalar loops.
 // Rows go over torch's intra-op threads only when there are many (grain sized to ~16K elements).
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -32,6 +42,7 @@
 #endif
 
 #include "cpu_common.h"
+#include "ops.h"
 
 #if defined(__AVX512F__)
 extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));  // exported by libtorch_cpu
@@ -595,6 +606,346 @@ at::Tensor fused_silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+
+// ------------------------------------------------------------------ a stack of Llama decoder layers
+
+// Per layer, in CpuDecoderWeights::t (a 0-element tensor stands for "absent"):
+enum LayerTensor : int64_t {
+  kInNorm = 0,    // input_layernorm.weight [hidden]
+  kPostNorm,      // post_attention_layernorm.weight [hidden]
+  kQNorm,         // q_norm.weight [head_dim] (Qwen3) or absent
+  kKNorm,         // k_norm.weight [head_dim] or absent
+  kCosSin,        // rotary cos_sin_cache, float32 [max_position, rotary_dim]
+  kLinears,       // then 4 linears (qkv, o, gate_up, down), kLinearSlots each:
+  kPerLayer = kLinears + 4 * 5,
+};
+// A linear's slots: the small-m copy [N/4, K/32, 4, 32], the VNNI copy [N/32, K/2, 32, 2], oneDNN's packed
+// weight, the plain weight [N, K] (layers that are not prepacked), the bias.
+enum LinearSlot : int64_t { kSmall = 0, kVnni, kPacked, kPlain, kBias, kLinearSlots };
+enum LinearIndex : int64_t { kQkv = 0, kO, kGateUp, kDown };
+// Per layer, in CpuDecoderWeights::ints / floats:
+enum LayerInt : int64_t { kNumHeads = 0, kNumKvHeads, kHeadDim, kRotaryDim, kSlidingWindow, kIntsPerLayer };
+enum LayerFloat : int64_t { kEpsIn = 0, kEpsPost, kEpsQk, kScale, kSoftCap, kFloatsPerLayer };
+
+struct CpuDecoderWeights : torch::CustomClassHolder {
+  std::vector<at::Tensor> t;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+  int64_t num_layers = 0;
+
+  CpuDecoderWeights(std::vector<at::Tensor> t_, std::vector<int64_t> ints_, std::vector<double> floats_)
+      : t(std::move(t_)), ints(std::move(ints_)), floats(std::move(floats_)) {
+    const int64_t n = static_cast<int64_t>(t.size()) / kPerLayer;
+    TORCH_CHECK_VALUE(n > 0 && static_cast<int64_t>(t.size()) == n * kPerLayer &&
+                          static_cast<int64_t>(ints.size()) == n * kIntsPerLayer &&
+                          static_cast<int64_t>(floats.size()) == n * kFloatsPerLayer,
+                      msg("CpuDecoderWeights: ", static_cast<int64_t>(kPerLayer), " tensors, ",
+                          static_cast<int64_t>(kIntsPerLayer), " ints and ", static_cast<int64_t>(kFloatsPerLayer),
+                          " floats a layer; got ", static_cast<int64_t>(t.size()), ", ",
+                          static_cast<int64_t>(ints.size()), ", ", static_cast<int64_t>(floats.size())));
+    num_layers = n;
+    for (int64_t l = 0; l < n; ++l) check_layer(l);
+  }
+
+  const at::Tensor& get(int64_t layer, int64_t i) const { return t[layer * kPerLayer + i]; }
+  const at::Tensor& lin(int64_t layer, int64_t which, int64_t slot) const {
+    return t[layer * kPerLayer + kLinears + which * kLinearSlots + slot];
+  }
+  int64_t iv(int64_t layer, int64_t i) const { return ints[layer * kIntsPerLayer + i]; }
+  double fv(int64_t layer, int64_t i) const { return floats[layer * kFloatsPerLayer + i]; }
+  static bool has(const at::Tensor& x) { return x.defined() && x.numel() > 0; }
+
+  // Metadata only (shapes, dtypes, layouts): the checks the per-op entry points make, once per model.
+  void check_layer(int64_t l) const {
+    for (int64_t i = 0; i < kPerLayer; ++i) check_cpu(t[l * kPerLayer + i], "CpuDecoderWeights tensor");
+    const at::Tensor& w_in = get(l, kInNorm);
+    check_float_dtype(w_in, "input_layernorm.weight");
+    check_dim(w_in, 1, "input_layernorm.weight");
+    check_contiguous(w_in, "input_layernorm.weight");
+    const auto dt = w_in.scalar_type();
+    const int64_t hidden = w_in.size(0);
+    const int64_t h = iv(l, kNumHeads), kvh = iv(l, kNumKvHeads), d = iv(l, kHeadDim), rot = iv(l, kRotaryDim);
+    TORCH_CHECK_VALUE(h > 0 && kvh > 0 && h % kvh == 0 && d > 0 && rot > 0 && rot % 2 == 0 && rot <= d,
+                      msg("CpuDecoderWeights: layer ", l, ": bad heads ", h, "/", kvh, ", head_dim ", d,
+                          ", rotary_dim ", rot));
+    const at::Tensor& w_post = get(l, kPostNorm);
+    check_dtype(w_post, dt, "post_attention_layernorm.weight");
+    check_contiguous(w_post, "post_attention_layernorm.weight");
+    TORCH_CHECK_VALUE(w_post.dim() == 1 && w_post.size(0) == hidden,
+                      msg("post_attention_layernorm.weight must be [", hidden, "], got ", w_post.sizes()));
+    TORCH_CHECK_VALUE(has(get(l, kQNorm)) == has(get(l, kKNorm)), "q_norm and k_norm come together");
+    for (int64_t i : {kQNorm, kKNorm}) {
+      const at::Tensor& w = get(l, i);
+      if (!has(w)) continue;
+      check_dtype(w, dt, "q/k norm weight");
+      check_contiguous(w, "q/k norm weight");
+      TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == d, msg("q/k norm weight must be [", d, "], got ", w.sizes()));
+    }
+    const at::Tensor& cs = get(l, kCosSin);
+    check_dtype(cs, at::kFloat, "cos_sin_cache");
+    check_dim(cs, 2, "cos_sin_cache");
+    check_contiguous(cs, "cos_sin_cache");
+    TORCH_CHECK_VALUE(cs.size(1) == rot, msg("cos_sin_cache must be [max_position, ", rot, "], got ", cs.sizes()));
+    const int64_t qkv_n = (h + 2 * kvh) * d;
+    // Widths the weights tell (oneDNN's packed layout alone does not: -1, and oneDNN checks those itself).
+    const int64_t inter = lin_in(l, kDown);
+    const int64_t want[4][2] = {{hidden, qkv_n}, {h * d, hidden}, {hidden, 2 * inter}, {inter, hidden}};
+    for (int64_t which = 0; which < 4; ++which) {
+      const int64_t k_in = lin_in(l, which), n_out = lin_out(l, which, -1);
+      TORCH_CHECK_VALUE((k_in < 0 || want[which][0] < 0 || k_in == want[which][0]) &&
+                            (n_out < 0 || want[which][1] < 0 || n_out == want[which][1]),
+                        msg("CpuDecoderWeights: layer ", l, " linear ", which, " is ", k_in, " -> ", n_out,
+                            ", expected ", want[which][0], " -> ", want[which][1]));
+      for (int64_t s = 0; s < kLinearSlots; ++s) {
+        const at::Tensor& w = lin(l, which, s);
+        if (!has(w)) continue;
+        if (s != kPacked) check_contiguous(w, "linear weight");
+        if (s == kBias) {
+          check_dtype(w, dt, "linear bias");
+          TORCH_CHECK_VALUE(w.dim() == 1 && (want[which][1] < 0 || w.size(0) == want[which][1]),
+                            "linear bias has the wrong size");
+        } else {
+          check_dtype(w, dt, "linear weight");
+        }
+      }
+      TORCH_CHECK_VALUE(has(lin(l, which, kPacked)) || has(lin(l, which, kPlain)),
+                        "every linear needs a packed or a plain weight");
+      TORCH_CHECK_VALUE(!(has(lin(l, which, kSmall)) || has(lin(l, which, kVnni))) || has(lin(l, which, kPacked)),
+                        "the small-m and VNNI copies come with a packed weight");
+    }
+  }
+  // A linear's input width (K) and output width (N); `fallback` when only the packed weight tells.
+  int64_t lin_in(int64_t l, int64_t which) const {
+    const at::Tensor& p = lin(l, which, kPlain);
+    if (has(p)) return p.size(1);
+    const at::Tensor& s = lin(l, which, kSmall);
+    if (has(s)) return s.size(1) * 32;
+    const at::Tensor& v = lin(l, which, kVnni);
+    if (has(v)) return v.size(1) * 2;
+    return -1;
+  }
+  int64_t lin_out(int64_t l, int64_t which, int64_t fallback) const {
+    const at::Tensor& p = lin(l, which, kPlain);
+    if (has(p)) return p.size(0);
+    const at::Tensor& s = lin(l, which, kSmall);
+    if (has(s)) return s.size(0) * 4;
+    const at::Tensor& v = lin(l, which, kVnni);
+    if (has(v)) return v.size(0) * 32;
+    const at::Tensor& b = lin(l, which, kBias);
+    if (has(b)) return b.size(0);
+    return fallback;
+  }
+};
+
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& b) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("vllm_lite::bf16_linear_small_m", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&)>();
+  return op.call(x, w, n, b);
+}
+
+at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& b) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("vllm_lite::bf16_linear_vnni", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&)>();
+  return op.call(x, w, n, b);
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& b) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack st;
+  st.reserve(6);
+  st.emplace_back(x);
+  st.emplace_back(packed);
+  st.emplace_back(b);
+  st.emplace_back(std::string("none"));
+  st.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  st.emplace_back(std::string(""));
+  op.callBoxed(&st);
+  return st[0].toTensor();
+}
+
+// cpu_prepack.linear's choice for x's row count (then cpu_linear.linear's F.linear for unpacked weights, which
+// the caller only sends at row counts where cpu_linear takes F.linear).
+at::Tensor stack_linear(const CpuDecoderWeights& w, int64_t l, int64_t which, const at::Tensor& x, int64_t small_max,
+                        int64_t vnni_max) {
+  const at::Tensor& bias_t = w.lin(l, which, kBias);
+  const c10::optional<at::Tensor> bias = CpuDecoderWeights::has(bias_t) ? c10::optional<at::Tensor>(bias_t)
+                                                                         : c10::optional<at::Tensor>();
+  const at::Tensor& packed = w.lin(l, which, kPacked);
+  if (!CpuDecoderWeights::has(packed)) return at::linear(x, w.lin(l, which, kPlain), bias);
+  const int64_t rows = x.size(0);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (rows <= small_max && bf16) {
+    const at::Tensor& s = w.lin(l, which, kSmall);
+    if (CpuDecoderWeights::has(s)) return small_m_linear(x, s, s.size(0) * 4, bias);
+  } else if (rows <= vnni_max && bf16) {
+    const at::Tensor& v = w.lin(l, which, kVnni);
+    if (CpuDecoderWeights::has(v)) return vnni_linear(x, v, v.size(0) * 32, bias);
+  }
+  return onednn_linear(x, packed, bias);
+}
+
+at::Tensor stack_norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                      at::Tensor* res_out) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat) {
+    norm_rows<float>(x, residual, weight, eps, false, out, res_out);
+  } else {
+    norm_rows<c10::BFloat16>(x, residual, weight, eps, false, out, res_out);
+  }
+  return out;
+}
+
+void stack_rotary(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cache,
+                  int64_t head_size, int64_t rotary_dim) {
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const float* c = cache.data_ptr<float>();
+  const int64_t ps = positions.stride(0);
+  if (positions.scalar_type() == at::kLong) {
+    const int64_t* p = positions.data_ptr<int64_t>();
+    if (bf16) {
+      rotary_rows<c10::BFloat16>(p, ps, q, k, c, head_size, rotary_dim);
+    } else {
+      rotary_rows<float>(p, ps, q, k, c, head_size, rotary_dim);
+    }
+  } else {
+    const int32_t* p = positions.data_ptr<int32_t>();
+    if (bf16) {
+      rotary_rows<c10::BFloat16>(p, ps, q, k, c, head_size, rotary_dim);
+    } else {
+      rotary_rows<float>(p, ps, q, k, c, head_size, rotary_dim);
+    }
+  }
+}
+
+template <typename P>
+int64_t max_position(const at::Tensor& positions) {
+  const P* p = positions.data_ptr<P>();
+  const int64_t n = positions.size(0), s = positions.stride(0);
+  int64_t lo = 0, hi = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min<int64_t>(lo, p[i * s]);
+    hi = std::max<int64_t>(hi, p[i * s]);
+  }
+  return lo < 0 ? -1 : hi;
+}
+
+std::tuple<at::Tensor, at::Tensor> cpu_decoder_layers(
+    const c10::intrusive_ptr<CpuDecoderWeights>& weights, const at::Tensor& hidden_in,
+    const c10::optional<at::Tensor>& residual_in, const at::Tensor& positions, at::TensorList kv_caches,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+    const at::Tensor& slots, c10::string_view impl, const c10::optional<at::Tensor>& keep, int64_t small_m_max,
+    int64_t vnni_max) {
+  const CpuDecoderWeights& w = *weights;
+  const int64_t nl = w.num_layers;
+  check_cpu(hidden_in, "hidden");
+  check_dim(hidden_in, 2, "hidden");
+  check_contiguous(hidden_in, "hidden");
+  const auto dt = w.get(0, kInNorm).scalar_type();
+  check_dtype(hidden_in, dt, "hidden");
+  const int64_t t = hidden_in.size(0), hidden = hidden_in.size(1);
+  TORCH_CHECK_VALUE(hidden == w.get(0, kInNorm).size(0),
+                    msg("cpu_decoder_layers: hidden must be [T, ", w.get(0, kInNorm).size(0), "], got ",
+                        hidden_in.sizes()));
+  TORCH_CHECK_VALUE(static_cast<int64_t>(kv_caches.size()) == nl,
+                    msg("cpu_decoder_layers: ", nl, " layers but ", static_cast<int64_t>(kv_caches.size()),
+                        " KV caches"));
+  if (residual_in.has_value()) {
+    check_dtype(*residual_in, dt, "residual");
+    check_contiguous(*residual_in, "residual");
+    TORCH_CHECK_VALUE(residual_in->sizes() == hidden_in.sizes(), "cpu_decoder_layers: residual must be hidden's shape");
+  }
+  check_cpu(positions, "positions");
+  check_dim(positions, 1, "positions");
+  TORCH_CHECK_TYPE(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt,
+                   msg("positions must be int64 or int32, got ", positions.scalar_type()));
+  TORCH_CHECK_VALUE(positions.size(0) == t, msg("cpu_decoder_layers: ", t, " rows but ", positions.size(0),
+                                                " positions"));
+  check_dtype(slots, at::kLong, "slots");
+  TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) >= t && slots.is_contiguous(),
+                    msg("cpu_decoder_layers: slots must be int64 [>= ", t, "] contiguous"));
+  if (keep.has_value()) {
+    check_dtype(*keep, at::kLong, "keep");
+    check_dim(*keep, 1, "keep");
+  }
+  if (t == 0) {
+    return {hidden_in, residual_in.has_value() ? *residual_in : hidden_in};
+  }
+  const int64_t top = positions.scalar_type() == at::kLong ? max_position<int64_t>(positions)
+                                                           : max_position<int32_t>(positions);
+  for (int64_t l = 0; l < nl; ++l) {
+    TORCH_CHECK_INDEX(top >= 0 && top < w.get(l, kCosSin).size(0),
+                      msg("cpu_decoder_layers: a position is outside the cos/sin table of ", w.get(l, kCosSin).size(0),
+                          " rows"));
+    const at::Tensor& kv = kv_caches[l];
+    check_cpu(kv, "kv_cache");
+    TORCH_CHECK_VALUE(kv.dim() == 5 && kv.size(3) == w.iv(l, kNumKvHeads) && kv.size(4) == w.iv(l, kHeadDim),
+                      msg("cpu_decoder_layers: layer ", l, "'s kv_cache has shape ", kv.sizes()));
+  }
+  const at::Tensor slot_rows = slots.narrow(0, 0, t);
+  at::Tensor x = hidden_in;
+  at::Tensor res;
+  bool have_res = residual_in.has_value();
+  if (have_res) res = *residual_in;
+  for (int64_t l = 0; l < nl; ++l) {
+    const int64_t h = w.iv(l, kNumHeads), kvh = w.iv(l, kNumKvHeads), d = w.iv(l, kHeadDim);
+    // input_layernorm (adds the carried residual)
+    at::Tensor hn;
+    if (!have_res) {
+      res = x;
+      hn = stack_norm(x, nullptr, w.get(l, kInNorm), w.fv(l, kEpsIn), nullptr);
+      have_res = true;
+    } else {
+      at::Tensor new_res = at::empty(x.sizes(), x.options());
+      hn = stack_norm(x, &res, w.get(l, kInNorm), w.fv(l, kEpsIn), &new_res);
+      res = new_res;
+    }
+    // attention: qkv, (q/k norm), rotary in place, K/V write, paged attention
+    at::Tensor qkv = stack_linear(w, l, kQkv, hn, small_m_max, vnni_max);
+    at::Tensor q = qkv.narrow(1, 0, h * d);
+    at::Tensor k = qkv.narrow(1, h * d, kvh * d);
+    at::Tensor v = qkv.narrow(1, (h + kvh) * d, kvh * d);
+    if (CpuDecoderWeights::has(w.get(l, kQNorm))) {
+      q = stack_norm(q.view({t, h, d}), nullptr, w.get(l, kQNorm), w.fv(l, kEpsQk), nullptr).view({t, h * d});
+      k = stack_norm(k.view({t, kvh, d}), nullptr, w.get(l, kKNorm), w.fv(l, kEpsQk), nullptr).view({t, kvh * d});
+    }
+    stack_rotary(positions, q, k, w.get(l, kCosSin), d, w.iv(l, kRotaryDim));
+    at::Tensor kv = kv_caches[l];
+    at::Tensor k3 = k.view({t, kvh, d}), v3 = v.view({t, kvh, d});
+    if (k3.scalar_type() != kv.scalar_type()) {
+      k3 = k3.to(kv.scalar_type());
+      v3 = v3.to(kv.scalar_type());
+    }
+    write_kv(k3, v3, kv, slot_rows);
+    at::Tensor attn = at::empty({t, h, d}, q.options());
+    paged_attention(attn, q.view({t, h, d}), kv, block_table, seq_lens, query_start_loc, w.fv(l, kScale),
+                    w.iv(l, kSlidingWindow), w.fv(l, kSoftCap), impl);
+    at::Tensor a2 = attn.view({t, h * d});
+    if (l == nl - 1 && keep.has_value()) {  // past the last attention only the kept rows go on
+      a2 = a2.index_select(0, *keep);
+      res = res.index_select(0, *keep);
+      if (keep->numel() == 0) return {at::empty({0, hidden}, x.options()), res};
+    }
+    at::Tensor o = stack_linear(w, l, kO, a2, small_m_max, vnni_max);
+    // post_attention_layernorm (adds the residual), gate_up, SiLU-and-mul, down
+    at::Tensor new_res = at::empty(o.sizes(), o.options());
+    at::Tensor hn2 = stack_norm(o, &res, w.get(l, kPostNorm), w.fv(l, kEpsPost), &new_res);
+    res = new_res;
+    at::Tensor gu = stack_linear(w, l, kGateUp, hn2, small_m_max, vnni_max);
+    at::Tensor act = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+    if (gu.scalar_type() == at::kFloat) {
+      silu_rows<float>(gu, act);
+    } else {
+      silu_rows<c10::BFloat16>(gu, act);
+    }
+    x = stack_linear(w, l, kDown, act, small_m_max, vnni_max);
+  }
+  return {x, res};
+}
+
 // Floats per vector of this build's elementwise loops: 16 (AVX-512), 8 (AVX2), 1 (portable).
 int64_t fused_cpu_ops_vector_width() { return kVecWidth; }
 
@@ -618,10 +969,19 @@ TORCH_LIBRARY_FRAGMENT(vllm_lite, m) {
       "fused_rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
       "int head_size, int rotary_dim) -> ()");
   m.def("fused_silu_and_mul(Tensor x) -> Tensor");
+  m.class_<vllm_lite::CpuDecoderWeights>("CpuDecoderWeights")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
+      .def("num_layers", [](const c10::intrusive_ptr<vllm_lite::CpuDecoderWeights>& self) { return self->num_layers; });
+  m.def(
+      "cpu_decoder_layers(__torch__.torch.classes.vllm_lite.CpuDecoderWeights weights, Tensor hidden, "
+      "Tensor? residual, Tensor positions, Tensor(a!)[] kv_caches, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, Tensor slots, str impl, Tensor? keep, int small_m_max, int vnni_max) "
+      "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
   m.impl("fused_rms_norm", &vllm_lite::fused_rms_norm);
   m.impl("fused_rotary_embedding", &vllm_lite::fused_rotary_embedding);
   m.impl("fused_silu_and_mul", &vllm_lite::fused_silu_and_mul);
+  m.impl("cpu_decoder_layers", &vllm_lite::cpu_decoder_layers);
 }

@@ -28,6 +28,11 @@ def get_forward_context() -> ForwardContext:
     return _CONTEXT
 
 
+def current_forward_context() -> Optional[ForwardContext]:
+    """The step's context, or None outside set_forward_context() (callers that have another way to go)."""
+    return _CONTEXT
+
+
 @contextlib.contextmanager
 def set_forward_context(metadata: AttentionMetadata, backend: AttentionBackend) -> Iterator[None]:
     global _CONTEXT

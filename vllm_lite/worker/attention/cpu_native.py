@@ -49,8 +49,13 @@ class CpuNativeBackend(AttentionBackend):
         """The key loop ("avx512", "avx2" or "portable") that forward runs for this head size."""
         return str(self._ops.paged_attention_impl(int(head_size), float(logits_soft_cap or 0.0), self.impl))
 
+    def announce(self, head_size: int, logits_soft_cap: Optional[float]) -> None:
+        """Logs, once per head size and soft-cap setting, which key loop the kernel runs (forward does this; a
+        caller that runs the kernel itself, csrc's cpu_decoder_layers, calls it)."""
+        if (head_size, bool(logits_soft_cap)) not in self._announced:
+            self._announce(head_size, logits_soft_cap)
+
     def _announce(self, head_size: int, logits_soft_cap: Optional[float]) -> None:
-        """Logs, once per head size and soft-cap setting, which key loop the kernel runs."""
         key = (head_size, bool(logits_soft_cap))
         if key in self._announced:
             return
@@ -62,6 +67,11 @@ class CpuNativeBackend(AttentionBackend):
             ", soft-capped" if logits_soft_cap else "",
             self.impl,
         )
+
+    def step_args(self, md: AttentionMetadata, n: int) -> tuple[torch.Tensor, ...]:
+        """(block_table, seq_lens, query_start_loc, slots int64) for `n` tokens, as forward and write_kv_step pass
+        them to the kernels (built once a step: _step_args)."""
+        return self._step_args(md, n)
 
     def _step_args(self, md: AttentionMetadata, n: int) -> tuple[torch.Tensor, ...]:
         """(block_table, seq_lens, query_start_loc, slots): the batch's rows of the metadata as the kernels take

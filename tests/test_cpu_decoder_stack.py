@@ -1,0 +1,262 @@
+"""The Llama decoder layers as one C++ call on CPU (cpu_decoder_stack.py, csrc's cpu_decoder_layers) give the
+Python layers' results bit for bit: hidden states and the K/V written to the cache, on every linear path the row
+count picks (bf16 small-m 1-12 rows, VNNI 13-64, oneDNN above; float32 F.linear below 8 rows), for Llama, Qwen2
+(q/k/v bias), Qwen3 (q/k norm) and Mistral (sliding window), mixed prefill + decode batches and the last layer's
+kept rows. Where the op does not apply (float32 at 8+ rows, a replaced module), the Python layers run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from vllm_lite.testing.paged import make_attention_metadata, random_block_tables
+from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
+from vllm_lite.worker.forward_context import set_forward_context
+from vllm_lite.worker.models import cpu_decoder_stack as cds
+from vllm_lite.worker.models import cpu_prepack
+from vllm_lite.worker.models.layers import RotaryEmbedding
+from vllm_lite.worker.models.llama import LlamaForCausalLM, MistralForCausalLM
+from vllm_lite.worker.models.qwen2 import Qwen2ForCausalLM
+from vllm_lite.worker.models.qwen3 import Qwen3ForCausalLM
+
+pytestmark = pytest.mark.skipif(
+    not (load_cpu_ops() and hasattr(torch.ops.vllm_lite, "cpu_decoder_layers")), reason="CPU kernels not built here"
+)
+
+BLOCK = 16
+
+
+def _config(arch: str) -> transformers.PretrainedConfig:
+    common = dict(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )
+    if arch == "qwen3":
+        return transformers.Qwen3Config(head_dim=32, **common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "mistral":
+        return transformers.MistralConfig(sliding_window=20, **common)
+    return transformers.LlamaConfig(**common)
+
+
+CLASSES = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "mistral": MistralForCausalLM,
+}
+
+
+def _model(arch: str, dtype: torch.dtype, prepack: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    model = CLASSES[arch](_config(arch)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))  # not all ones: a wrong weight shows
+            elif p.dim() == 1:  # biases
+                p.copy_(0.1 * torch.randn_like(p))
+    model.to(dtype)
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.init_buffers()  # float32 table, as the loader leaves it
+    if prepack and dtype == torch.bfloat16:
+        assert cpu_prepack.prepack_linear_weights(model) > 0, "oneDNN bf16 prepacking must work on this host"
+    return model
+
+
+def _step(model: nn.Module, query_lens: list[int], seq_lens: list[int], seed: int = 0):
+    """(input_ids, positions, metadata, caches) of one step: query_lens new tokens a request, seq_lens in all."""
+    g = torch.Generator().manual_seed(seed)
+    tables, num_blocks = random_block_tables(seq_lens, BLOCK, seed=seed)
+    md = make_attention_metadata(query_lens, seq_lens, tables, BLOCK)
+    n = md.num_actual_tokens
+    ids = torch.randint(0, 256, (n,), generator=g)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
+    attn = model.model.layers[0].self_attn
+    dtype = model.model.embed_tokens.weight.dtype
+    caches = [
+        torch.randn(2, num_blocks, BLOCK, attn.num_kv_heads, attn.head_dim, generator=g).to(dtype)
+        for _ in model.model.layers
+    ]
+    return ids, positions, md, caches
+
+
+def _run(model, backend, ids, positions, md, caches, python: bool, logits_rows=None):
+    layers = model.model.layers
+    for layer, c in zip(layers, caches):
+        layer.self_attn.attn.kv_cache = c
+    with torch.inference_mode(), set_forward_context(md, backend):
+        if python:
+            with cds.python_layers():
+                out = model(ids, positions, logits_rows=logits_rows)
+        else:
+            out = model(ids, positions, logits_rows=logits_rows)
+    return out
+
+
+def _both(model, query_lens, seq_lens, seed=0, logits_rows=None):
+    """(stack result, caches after), (Python result, caches after) for the same step from the same caches."""
+    backend = CpuNativeBackend("auto")
+    ids, positions, md, caches = _step(model, query_lens, seq_lens, seed)
+    c1 = [c.clone() for c in caches]
+    c2 = [c.clone() for c in caches]
+    a = _run(model, backend, ids, positions, md, c1, python=False, logits_rows=logits_rows)
+    b = _run(model, backend, ids, positions, md, c2, python=True, logits_rows=logits_rows)
+    return (a, c1), (b, c2)
+
+
+def _assert_same(x, y):
+    (a, c1), (b, c2) = x, y
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a, b), f"hidden states differ: max |diff| {(a.float() - b.float()).abs().max().item()}"
+    for i, (p, q) in enumerate(zip(c1, c2)):
+        assert torch.equal(p, q), f"layer {i}'s KV cache differs"
+
+
+def _calls(monkeypatch) -> list[int]:
+    """Counts the forwards that went through the C++ stack."""
+    n = [0]
+    real = cds.run_stack
+
+    def counting(*a, **k):
+        out = real(*a, **k)
+        n[0] += out is not None
+        return out
+
+    monkeypatch.setattr("vllm_lite.worker.models.llama.run_stack", counting)
+    return n
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize(
+    "query_lens,seq_lens",
+    [
+        ([1], [40]),  # batch-1 decode: small-m kernel
+        ([1] * 3, [17, 33, 5]),
+        ([1] * 12, list(range(20, 32))),  # the small-m kernel's last row count
+        ([1] * 13, list(range(20, 33))),  # the VNNI kernel's first
+        ([1] * 64, [30 + i % 7 for i in range(64)]),  # the VNNI kernel's last
+        ([1] * 65, [30 + i % 7 for i in range(65)]),  # oneDNN
+        ([37, 1, 1, 5], [37, 50, 9, 25]),  # prefill chunks beside decodes
+    ],
+    ids=["b1", "b3", "b12", "b13", "b64", "b65", "mixed"],
+)
+def test_bf16_stack_matches_python_layers(arch, query_lens, seq_lens, monkeypatch):
+    model = _model(arch, torch.bfloat16)
+    n = _calls(monkeypatch)
+    x, y = _both(model, query_lens, seq_lens)
+    assert n[0] == 1, "the bf16 forward must take the C++ stack"
+    _assert_same(x, y)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_float32_stack_matches_python_layers(arch, rows, monkeypatch):
+    model = _model(arch, torch.float32)
+    n = _calls(monkeypatch)
+    x, y = _both(model, [1] * rows, [9 + 5 * i for i in range(rows)], seed=rows)
+    assert n[0] == 1, "a float32 forward of < 8 rows must take the C++ stack"
+    _assert_same(x, y)
+
+
+def test_float32_from_8_rows_stays_on_the_python_layers(monkeypatch):
+    """cpu_linear's own kernels take float32 linears of 8+ rows; the C++ stack (F.linear only) leaves them."""
+    assert cds.plain_linear_max_rows() == 7
+    model = _model("llama", torch.float32)
+    n = _calls(monkeypatch)
+    x, y = _both(model, [8], [8])
+    assert n[0] == 0
+    _assert_same(x, y)
+
+
+def test_unpacked_bf16_takes_f_linear_below_8_rows(monkeypatch):
+    model = _model("qwen2", torch.bfloat16, prepack=False)
+    n = _calls(monkeypatch)
+    _assert_same(*_both(model, [1, 1], [20, 30]))
+    assert n[0] == 1
+
+
+@pytest.mark.parametrize("keep", [[2, 5], [0], []])
+def test_last_layer_kept_rows(keep, monkeypatch):
+    """logits_rows: past the last attention only those rows go on (decoder.py), in the op as in Python."""
+    model = _model("qwen2", torch.bfloat16)
+    n = _calls(monkeypatch)
+    x, y = _both(model, [4, 2], [30, 12], logits_rows=torch.tensor(keep, dtype=torch.int64))
+    assert n[0] == 1
+    assert x[0].shape == (len(keep), 128)
+    _assert_same(x, y)
+
+
+def test_a_replaced_module_sends_the_forward_back_to_python(monkeypatch):
+    """A module swapped in after the stack was built (as a LoRA wrap does) is seen: the stack is rebuilt, finds a
+    layer it cannot run and leaves the forward to the Python layers, which run the new module."""
+
+    class Doubling(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    model = _model("llama", torch.bfloat16)
+    n = _calls(monkeypatch)
+    _both(model, [1], [10])
+    assert n[0] == 1
+    mlp = model.model.layers[1].mlp
+    mlp.down_proj = Doubling(mlp.down_proj)
+    x, y = _both(model, [1], [10])
+    assert n[0] == 1, "the replaced module must send the forward to the Python layers"
+    _assert_same(x, y)
+
+
+def test_prepacking_after_a_forward_rebuilds_the_stack(monkeypatch):
+    """The stack built over plain weights is not reused once the weights are packed (the plain ones are gone)."""
+    model = _model("llama", torch.bfloat16, prepack=False)
+    n = _calls(monkeypatch)
+    before = _both(model, [1], [10])
+    _assert_same(*before)
+    cpu_prepack.prepack_linear_weights(model)
+    after = _both(model, [1], [10])
+    assert n[0] == 2
+    _assert_same(*after)
+
+
+def test_weights_object_rejects_inconsistent_layers():
+    model = _model("llama", torch.bfloat16)
+    stack = cds.build_stack(list(model.model.layers), torch.bfloat16)
+    assert stack is not None and stack.weights.num_layers() == 3
+    with pytest.raises(ValueError, match="tensors"):
+        torch.classes.vllm_lite.CpuDecoderWeights([torch.ones(3)], [1], [1.0])
+
+
+def test_a_forward_hook_inside_the_layers_keeps_the_python_layers(monkeypatch):
+    """Hooks run: with one on a module the op would run past, the forward takes the Python layers."""
+    model = _model("qwen2", torch.bfloat16)
+    n = _calls(monkeypatch)
+    seen = []
+    h = model.model.layers[2].mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+    try:
+        _both(model, [1, 1], [10, 20])
+    finally:
+        h.remove()
+    assert n[0] == 0 and seen == [2, 2]
+    _both(model, [1, 1], [10, 20])
+    assert n[0] == 1 and seen == [2, 2]
+    g = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append(0))
+    try:
+        _both(model, [1], [10])
+    finally:
+        g.remove()
+    assert n[0] == 1
