@@ -1,8 +1,8 @@
 """The engine core's garbage-collector policy (vllm_lite/core/gc_heap.py, issue #14).
 
 An engine-core process freezes its start-up heap (collected first) before it serves and raises the youngest
-generation's threshold; $VLLM_LITE_GC_FREEZE=0 leaves the collector as Python set it. An in-process core freezes
-while it lives and gives everything back, thresholds included, at shutdown.
+generation's threshold; $VLLM_LITE_GC_FREEZE=0 leaves the collector as Python set it. An in-process core only
+raises the threshold while it lives (the last one to shut down restores it) and freezes nothing.
 """
 
 from __future__ import annotations
@@ -59,16 +59,17 @@ def test_core_process_leaves_the_collector_alone_when_turned_off(tmp_path):
 
 @pytest.fixture
 def clean_gc(monkeypatch):
-    """No freeze held before or after; the thresholds restored whatever the test does."""
+    """No in-process holder yet (cores other tests never shut down keep theirs: set aside here), nothing frozen;
+    the collector as it was afterwards, whatever the test does."""
     before = gc.get_threshold()
-    assert gc_heap._gc_holders == 0
+    monkeypatch.setattr(gc_heap, "_gc_holders", 0)
+    monkeypatch.setattr(gc_heap, "_gc_saved_threshold", None)
     monkeypatch.setenv("VLLM_LITE_GC_FREEZE", "1")
     monkeypatch.setenv("VLLM_LITE_GC_GEN0_THRESHOLD", "9999")
+    gc.set_threshold(700, *before[1:])
     try:
-        yield before
+        yield gc.get_threshold()
     finally:
-        while gc_heap._gc_holders:
-            gc_heap.release_gc_heap()
         gc.unfreeze()
         gc.set_threshold(*before)
 
@@ -78,51 +79,51 @@ class _Cycle:
         self.me = self
 
 
-def test_freeze_holds_cyclic_garbage_until_the_last_release_and_restores_thresholds(clean_gc):
+def test_raised_threshold_is_held_until_the_last_in_process_core_restores_it(clean_gc):
     before = clean_gc
-    obj = _Cycle()
-    ref = weakref.ref(obj)
-    assert gc_heap.freeze_gc_heap(collect=False)
-    assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] == 9999
-    assert gc_heap.freeze_gc_heap(collect=False)  # a second core in this process
-    del obj
-    gc.collect()
-    assert ref() is not None  # frozen: no collection reaches it
-    gc_heap.release_gc_heap()
-    assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] == 9999  # the other core still holds the threshold
-    gc.collect()
-    assert ref() is None  # released: the next full collection reclaims it
-    gc_heap.release_gc_heap()
+    assert gc_heap.raise_gc_threshold()
+    assert gc.get_threshold() == (9999, *before[1:]) and gc.get_freeze_count() == 0  # in-process: never frozen
+    assert gc_heap.raise_gc_threshold()  # a second core in this process
+    gc_heap.restore_gc_threshold()
+    assert gc.get_threshold()[0] == 9999  # the other core still holds it
+    gc_heap.restore_gc_threshold()
     assert gc.get_threshold() == before
-    gc_heap.release_gc_heap()  # more releases than freezes: nothing happens
+    gc_heap.restore_gc_threshold()  # more restores than raises: nothing happens
     assert gc.get_threshold() == before
 
 
-def test_collect_first_reclaims_garbage_an_earlier_freeze_kept(clean_gc):
+def test_freeze_collects_first_then_freezes_and_raises_the_threshold(clean_gc):
     obj = _Cycle()
     ref = weakref.ref(obj)
-    assert gc_heap.freeze_gc_heap(collect=False)
+    gc.freeze()  # garbage an earlier freeze kept is reclaimed too
     del obj
-    assert gc_heap.freeze_gc_heap(collect=True)  # the core process, before it serves
-    assert ref() is None
-    assert gc.get_freeze_count() > 0
+    assert gc_heap.freeze_gc_heap()
+    assert ref() is None  # collected before the freeze, not kept for good
+    assert gc.get_freeze_count() > 1000 and gc.get_threshold()[0] == 9999
+    kept = _Cycle()
+    ref = weakref.ref(kept)
+    gc.freeze()
+    del kept
+    gc.collect()
+    assert ref() is not None  # what is frozen no collection reaches (why the in-process core does not freeze)
 
 
-def test_turned_off_freezes_nothing(clean_gc, monkeypatch):
+def test_turned_off_changes_nothing(clean_gc, monkeypatch):
     monkeypatch.setenv("VLLM_LITE_GC_FREEZE", "0")
-    assert not gc_heap.freeze_gc_heap(collect=True)
+    assert not gc_heap.freeze_gc_heap()
+    assert not gc_heap.raise_gc_threshold()
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == clean_gc
 
 
-def test_in_process_engine_core_freezes_while_it_lives(clean_gc):
+def test_in_process_engine_core_raises_the_threshold_while_it_lives(clean_gc):
     from vllm_lite.testing.core_harness import tiny_engine_core
 
     core = tiny_engine_core()
     try:
-        assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] == 9999
-        assert core.call_utility("get_gc_state", [])["freeze_count"] == gc.get_freeze_count()
+        assert gc.get_threshold()[0] == 9999 and gc.get_freeze_count() == 0
+        assert core.call_utility("get_gc_state", [])["threshold"][0] == 9999
     finally:
         core.shutdown()
-    assert gc.get_freeze_count() == 0 and gc.get_threshold() == clean_gc
-    core.shutdown()  # a second shutdown releases nothing more
+    assert gc.get_threshold() == clean_gc
+    core.shutdown()  # a second shutdown restores nothing more
     assert gc_heap._gc_holders == 0

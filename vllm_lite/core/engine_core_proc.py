@@ -588,5 +588,5 @@ def run_engine_core(args: EngineCoreArgs, channel: "ChildChannel", proc_cls: typ
     channel.ready(proc.ready_message(vllm_config))
     # This process is the core's alone: its whole start-up heap, collected first, is frozen for good (the
     # frontend is told it is ready first; what it sends meanwhile waits in the input queue).
-    freeze_gc_heap(collect=True)
+    freeze_gc_heap()
     return proc.run_busy_loop()

@@ -1,4 +1,5 @@
-"""The engine core's garbage-collector policy: its start-up heap frozen, the youngest generation's threshold raised.
+"""The engine core's garbage-collector policy: its start-up heap frozen (its own process), the youngest
+generation's threshold raised (there and in-process).
 
 Python's cyclic collector runs a young collection every 700 net container allocations and, as survivors pile up,
 a full one that walks every tracked object. In an engine core the heap is mostly the model, the tokenizer, torch
@@ -14,47 +15,59 @@ from typing import Any, Optional
 
 from vllm_lite import envs
 
-# Cores holding the heap frozen in this process, and the thresholds the first of them found (restored by the last).
+# In-process cores holding the raised threshold, and the thresholds the first of them found (restored by the last).
 _gc_holders = 0
 _gc_saved_threshold: Optional[tuple[int, int, int]] = None
 
 
-def freeze_gc_heap(collect: bool) -> bool:
-    """vLLM's freeze_gc_heap: move every object alive now into the permanent generation, which collections never
-    walk, and raise the youngest generation's threshold ($VLLM_LITE_GC_GEN0_THRESHOLD). A decode step at batch 256
-    allocates ~1,300 short-lived containers (lists, dicts, outputs) net of what it frees: at Python's 700 that is
-    ~2 young collections a step (~110 us in-process), and the objects they promote trigger a full collection every
-    few hundred steps, which walked the whole heap (model, tokenizer, torch) for 150-190 ms (Zen 4, CPU tiny
-    model); frozen, it walks a few hundred objects. `collect` (the core's own process, before it serves):
-    unfreeze, collect everything, then freeze, so start-up garbage is reclaimed rather than kept for good; an
-    in-process core freezes as it finds the heap (O(1); garbage frozen meanwhile comes back at release). False
-    when $VLLM_LITE_GC_FREEZE turns it off. Each True must be paired with release_gc_heap()."""
-    global _gc_holders, _gc_saved_threshold
+def _young_threshold() -> int:
+    return int(envs.VLLM_LITE_GC_GEN0_THRESHOLD)
+
+
+def freeze_gc_heap() -> bool:
+    """vLLM's freeze_gc_heap, for a process that is the engine core's alone (run_engine_core, before it serves):
+    collect everything (start-up garbage is reclaimed, not kept for good), move every object alive into the
+    permanent generation, which collections never walk, and raise the youngest generation's threshold
+    ($VLLM_LITE_GC_GEN0_THRESHOLD). Measured at batch 256 (CPU tiny model, Zen 4): Python's 700 gave ~1.8 young
+    collections a step (~110 us) and, every ~300 steps, a full collection that walked the whole heap (340k objects:
+    model, tokenizer, torch) for 155-186 ms; frozen with 10000, none in 300 steps. False (nothing done) when
+    $VLLM_LITE_GC_FREEZE turns it off. Never undone: the process ends with the core."""
     if not envs.VLLM_LITE_GC_FREEZE:
         return False
-    if collect:
-        gc.unfreeze()
-        gc.collect()
+    gc.unfreeze()
+    gc.collect()
     gc.freeze()
-    if _gc_holders == 0:
-        _gc_saved_threshold = gc.get_threshold()
-    _gc_holders += 1
-    gen0 = int(envs.VLLM_LITE_GC_GEN0_THRESHOLD)
+    gen0 = _young_threshold()
     if gen0 > 0:
         _, gen1, gen2 = gc.get_threshold()
         gc.set_threshold(gen0, gen1, gen2)
     return True
 
 
-def release_gc_heap() -> None:
-    """Undo one freeze_gc_heap: everything frozen goes back to the oldest generation (another live core in this
-    process loses its freeze too: only speed, never memory, is at stake), and the last holder restores the
-    thresholds the first one found."""
+def raise_gc_threshold() -> bool:
+    """An in-process core (LLM(multiprocess=False), tests): only the youngest generation's threshold is raised, so
+    its steps trigger (almost) no collections, and with them no full one. Its heap is not frozen: it shares the
+    process with the caller's objects, and a core never shut down (tests build hundreds) would keep whatever was
+    frozen alive for good. False when $VLLM_LITE_GC_FREEZE is off or the threshold is 0. Each True must be paired
+    with restore_gc_threshold(); the last one restores the thresholds the first found."""
+    global _gc_holders, _gc_saved_threshold
+    gen0 = _young_threshold()
+    if not envs.VLLM_LITE_GC_FREEZE or gen0 <= 0:
+        return False
+    if _gc_holders == 0:
+        _gc_saved_threshold = gc.get_threshold()
+    _gc_holders += 1
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(gen0, gen1, gen2)
+    return True
+
+
+def restore_gc_threshold() -> None:
+    """Undo one raise_gc_threshold (extra calls do nothing)."""
     global _gc_holders, _gc_saved_threshold
     if _gc_holders <= 0:
         return
     _gc_holders -= 1
-    gc.unfreeze()
     if _gc_holders == 0 and _gc_saved_threshold is not None:
         gc.set_threshold(*_gc_saved_threshold)
         _gc_saved_threshold = None
