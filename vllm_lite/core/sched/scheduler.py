@@ -69,6 +69,9 @@ def new_request_data(r: Request, block_ids: list[int]) -> NewRequestData:
 
 
 class Scheduler:
+    # update_from_output's decode fast path (False: every request takes the general path; tests compare the two).
+    decode_fast_path = True
+
     def __init__(self, vllm_config: VllmConfig) -> None:
         cc = vllm_config.cache_config
         sc = vllm_config.scheduler_config
@@ -674,6 +677,24 @@ class Scheduler:
         spec_enabled = self.spec.enabled
         async_scheduling = self.async_scheduling
         RUNNING = RequestStatus.RUNNING
+        # Decode fast path: in a step with no drafts, logprobs, prompt logprobs, grammars or rope switch, a request
+        # that sampled at most one token (every decode) is updated below without the general path's branches.
+        # Same effects, same outputs, same order: only the checks that cannot apply are skipped, and a token that
+        # may end the request (EOS, a stop id, a length cap) goes through _check_stop as before.
+        fast = (
+            self.decode_fast_path
+            and not spec_enabled
+            and mro.logprobs is None
+            and not mro.prompt_logprobs_dict
+            and not self._num_constrained
+            and self.rope_recompute_at is None
+            and not scheduler_output.scheduled_spec_decode_tokens
+        )
+        check_stop = self._check_stop
+        max_len = self.max_model_len
+        errors = self._errors
+        last_client = -1
+        last_outs: list[EngineCoreOutput] = []
         for rid in scheduler_output.num_scheduled_tokens:
             req = scheduled.get(rid)
             samples = rid in samplers
@@ -692,6 +713,51 @@ class Scheduler:
                             stopped_off_device.append(req)
                 continue
             idx = index_get(rid)
+            if fast and idx is not None and req.pooling_params is None:
+                sampled = all_sampled[idx]
+                if len(sampled) <= 1:
+                    num_computed = req.num_computed_tokens
+                    all_ids = req.all_token_ids
+                    num_tokens = len(all_ids)
+                    if caching and min(num_computed, num_tokens) // block_size > num_cached_get(rid, 0):
+                        computed = num_computed - self._scheduled_later(req) if self._in_flight else num_computed
+                        kv.cache_blocks(req, min(computed, num_tokens))
+                    if not sampled or not (samples if async_scheduling else num_computed >= num_tokens):
+                        continue  # a prompt chunk: nothing to report
+                    tok = sampled[0]
+                    out_ids = req.output_token_ids
+                    out_ids.append(tok)
+                    all_ids.append(tok)
+                    n_out = len(out_ids)
+                    max_tokens = req.max_tokens
+                    stop_ids = req.sampling_params._all_stop_token_ids
+                    finished = (
+                        tok == req.eos_token_id
+                        or (stop_ids and tok in stop_ids)
+                        or (max_tokens is not None and n_out >= max_tokens)
+                        or num_tokens >= max_len - 1
+                    ) and check_stop(req)
+                    num_cached = req.num_cached_tokens
+                    out = EngineCoreOutput(
+                        rid,
+                        [tok],
+                        None,
+                        None,
+                        req.get_finish_reason() if finished else None,
+                        req.stop_reason,
+                        num_cached if num_cached > 0 else 0,
+                        errors.pop(rid, None) if finished else None,
+                        req.queued_ts if n_out == 1 else 0.0,
+                        req.scheduled_ts if n_out == 1 else 0.0,
+                    )
+                    if finished:
+                        stopped.append(req)
+                    client = req.client_index
+                    if client != last_client:
+                        last_outs = per_client[client]
+                        last_client = client
+                    last_outs.append(out)
+                    continue
             drafts = drafts_get(rid)
             if drafts:  # the rejected drafts' KV is not kept: num_computed_tokens drops back over them
                 self.spec.rollback(req, len(drafts), len(all_sampled[idx]) if idx is not None else 0)
@@ -770,6 +836,9 @@ class Scheduler:
         if not per_client:
             return {}
         stats = self.make_stats()
+        if len(per_client) == 1:
+            ((c, outs),) = per_client.items()
+            return {c: EngineCoreOutputs(outputs=outs, scheduler_stats=stats)}
         # The step's counters go to one frontend only, so frontends' metrics sum to the core's totals;
         # every frontend gets the gauges (running, waiting, KV usage).
         gauges_only = msgspec.structs.replace(

@@ -1,0 +1,206 @@
+"""Hypothesis: the scheduler's decode fast paths change nothing a caller can see (issue #14).
+
+Each random workload (prompt lengths, EOS, stop token ids, min_tokens, ignore_eos, max_tokens, a small
+max_model_len, two frontends, aborts, prefix caching, preemption, sync and async scheduling) runs twice, on a
+Scheduler with its fast paths and on one with them off (`decode_fast_path = False`: every request takes the
+general path). Every step's SchedulerOutput and outputs, and every request's tokens and status, must be equal.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from vllm_lite.core.request import Request, RequestStatus
+from vllm_lite.core.sched.scheduler import Scheduler
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.testing.hypothesis_profiles import max_examples
+from vllm_lite.testing.scheduler_config import make_config
+from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput
+
+EOS = 7
+
+
+class TokenWorker:
+    """Runs what it is told: samples once a request's known tokens are all computed; the token is a function of
+    the request and the position (so both runs see the same tokens, whatever their timing), EOS now and then.
+    Half the prompt chunks that do not finish their prompt come back with a token the scheduler must ignore."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.known: dict[str, int] = {}  # tokens the worker knows (prompt + outputs), sampled ones included
+        self.computed: dict[str, int] = {}
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            self.known.pop(rid, None)
+            self.computed.pop(rid, None)
+        for nr in so.scheduled_new_reqs:
+            self.known[nr.req_id] = len(nr.prompt_token_ids) + len(nr.output_token_ids)
+            self.computed[nr.req_id] = nr.num_computed_tokens
+        c = so.scheduled_cached_reqs
+        for rid, computed in zip(c.req_ids, c.num_computed_tokens):
+            self.computed[rid] = computed
+        ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            n = so.num_scheduled_tokens[rid]
+            done = self.computed[rid] + n
+            self.computed[rid] = done
+            if done >= self.known[rid]:
+                self.known[rid] = done + 1
+                sampled.append([zlib.crc32(f"{rid}:{done}".encode()) % self.vocab or EOS])
+            else:  # a prompt chunk: nothing, or (as a runner that samples every row may) a token to be ignored
+                sampled.append([] if zlib.crc32(f"{rid}:{done}".encode()) % 2 else [EOS])
+        return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled)
+
+
+def _so_view(so: SchedulerOutput) -> tuple:
+    c = so.scheduled_cached_reqs
+    return (
+        dict(so.num_scheduled_tokens),
+        [(n.req_id, n.block_ids, n.num_computed_tokens, n.output_token_ids) for n in so.scheduled_new_reqs],
+        (list(c.req_ids), [list(b) for b in c.new_block_ids], list(c.num_computed_tokens)),
+        sorted(so.finished_req_ids),
+        list(so.blocks_to_swap_out),
+        list(so.blocks_to_swap_in),
+    )
+
+
+def _outs_view(outs: dict) -> dict:
+    view: dict[int, Any] = {}
+    for client, eco in outs.items():
+        stats = eco.scheduler_stats
+        view[client] = (
+            [
+                (
+                    o.request_id,
+                    list(o.new_token_ids),
+                    o.finish_reason,
+                    o.stop_reason,
+                    o.num_cached_tokens,
+                    o.error,
+                    o.queued_ts != 0.0,
+                    o.scheduled_ts != 0.0,
+                    o.new_logprobs,
+                    o.new_prompt_logprobs_tensors,
+                )
+                for o in eco.outputs
+            ],
+            (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_free_blocks, stats.num_preemptions)
+            if stats is not None
+            else None,
+        )
+    return view
+
+
+request_spec = st.tuples(
+    st.integers(1, 24),  # prompt length
+    st.integers(0, 2),  # shared-prefix family
+    st.one_of(st.none(), st.integers(1, 12)),  # max_tokens (None: up to max_model_len)
+    st.integers(0, 3),  # min_tokens
+    st.booleans(),  # ignore_eos
+    st.lists(st.integers(1, 12), max_size=2),  # stop_token_ids
+    st.integers(0, 1),  # client index
+)
+
+workloads = st.fixed_dictionaries(
+    {
+        "async": st.booleans(),
+        "block_size": st.sampled_from([1, 2, 4]),
+        "num_blocks": st.integers(4, 20),
+        "budget": st.integers(4, 40),
+        "max_num_seqs": st.integers(1, 6),
+        "max_model_len": st.integers(16, 40),
+        "mode": st.sampled_from(["recompute", "swap"]),
+        "prefix": st.booleans(),
+        "vocab": st.sampled_from([8, 13, 50]),
+        "ops": st.lists(
+            st.one_of(
+                st.tuples(st.just("add"), request_spec),
+                st.tuples(st.just("abort"), st.integers(0, 30)),
+                st.tuples(st.just("step"), st.integers(1, 5)),
+            ),
+            min_size=1,
+            max_size=30,
+        ),
+    }
+)
+
+
+def _run(w: dict, fast: bool) -> list:
+    cfg = make_config(
+        num_gpu_blocks=w["num_blocks"],
+        block_size=w["block_size"],
+        max_num_batched_tokens=w["budget"],
+        max_num_seqs=w["max_num_seqs"],
+        max_model_len=w["max_model_len"],
+        preemption_mode=w["mode"],
+        enable_prefix_caching=w["prefix"],
+        num_cpu_blocks=8,
+    )
+    cfg.scheduler_config.async_scheduling = w["async"]
+    s = Scheduler(cfg)
+    s.decode_fast_path = fast
+    worker = TokenWorker(w["vocab"])
+    trace: list = []
+    pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+    added: list[str] = []
+
+    def step() -> None:
+        if s.has_unfinished_requests():
+            so = s.schedule()
+            trace.append(("schedule", _so_view(so)))
+            pending.append((so, worker.execute(so)))
+        if pending and (not w["async"] or len(pending) == 2 or not s.has_unfinished_requests()):
+            so, mro = pending.pop(0)
+            outs = s.update_from_output(so, mro)
+            trace.append(("update", _outs_view(outs)))
+
+    for op in w["ops"]:
+        if op[0] == "add":
+            plen, family, max_tokens, min_tokens, ignore_eos, stop_ids, client = op[1]
+            plen = min(plen, s.max_model_len - 1)
+            if max_tokens is not None:
+                min_tokens = min(min_tokens, max_tokens)
+            rid = f"r{len(added)}"
+            sp = SamplingParams(
+                max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_ids
+            )
+            req = Request(rid, [family * 100 + i for i in range(plen)], sp, EOS, float(len(added)), client_index=client)
+            s.add_request(req)
+            added.append(rid)
+        elif op[0] == "abort":
+            if added:
+                rid = added[op[1] % len(added)]
+                trace.append(("abort", [r.request_id for r in s.finish_requests(rid, RequestStatus.FINISHED_ABORTED)]))
+        else:
+            for _ in range(op[1]):
+                step()
+    for _ in range(500):
+        if not s.has_unfinished_requests() and not pending:
+            break
+        step()
+    assert not s.has_unfinished_requests() and not pending, "requests stuck"
+    trace.append(("free", s.num_free_blocks))
+    return trace
+
+
+@settings(max_examples=max_examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=workloads)
+def test_decode_fast_paths_match_the_general_path(w):
+    fast = _run(w, True)
+    general = _run(w, False)
+    assert fast == general
+    reasons = {o[2] for kind, view in fast if kind == "update" for outs, _ in view.values() for o in outs}
+    for r in reasons:
+        event(f"finish reason {r}")
+    if w["async"]:
+        event("async")
+    if any(kind == "update" and len(view) > 1 for kind, view in fast):
+        event("two frontends in one step")
+    if any(stats and stats[3] for kind, view in fast if kind == "update" for _, stats in view.values()):
+        event("preemption")
