@@ -291,15 +291,18 @@ class Scheduler:
             ):
                 i += 1  # its last token is in flight and ends it (max_tokens / max_model_len): as sync, no more
                 continue
-            drafts = spec.drafts_for(req, max_len) if spec_enabled else []
+            drafts = spec.drafts_for(req, max_len) if spec_enabled else ()
             if drafts and rope_at is not None and num_tokens <= rope_at:
                 drafts = drafts[: rope_at - num_tokens]  # none verified past the rope switch
-            # _num_new_tokens, inlined.
+            # _num_new_tokens, inlined (comparisons, not min(): a builtin call per request).
             num_computed = req.num_computed_tokens
             n = num_tokens + placeholders + len(drafts) - num_computed
-            if threshold > 0:
-                n = min(n, threshold)
-            n = min(n, budget, max_len - num_computed)
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            if n > max_len - num_computed:
+                n = max_len - num_computed
             if n <= 0:
                 i += 1
                 continue
@@ -719,7 +722,9 @@ class Scheduler:
                     num_computed = req.num_computed_tokens
                     all_ids = req.all_token_ids
                     num_tokens = len(all_ids)
-                    if caching and min(num_computed, num_tokens) // block_size > num_cached_get(rid, 0):
+                    if caching and (
+                        num_computed if num_computed < num_tokens else num_tokens
+                    ) // block_size > num_cached_get(rid, 0):
                         computed = num_computed - self._scheduled_later(req) if self._in_flight else num_computed
                         kv.cache_blocks(req, min(computed, num_tokens))
                     if not sampled or not (samples if async_scheduling else num_computed >= num_tokens):
