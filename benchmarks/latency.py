@@ -1,6 +1,7 @@
 """Single-request latency: batch 1, 128-token prompt, 128 new tokens, vs Hugging Face in the same run.
 
-Reports milliseconds per output token (decode), time to first token, and time from `LLM(...)` to ready.
+Reports milliseconds per output token (decode), time to first token, and time from `LLM(...)` to ready, with the
+host's load average before and after (on a shared host the load moves both sides' numbers by 10-25%).
 Hugging Face runs in its own interpreter at torch's default thread count, warmed up; the JSON records
 each side's dtype, warm-up, threads and batch, and the run fails if they differ without a stated
 reason (vllm_lite.testing.baselines.check_fair). It also prints the host's CPU model and capability.
@@ -110,6 +111,7 @@ def main() -> None:
         vocab = json.load(f)["vocab_size"]
     prompt = np.random.default_rng(0).integers(10, vocab - 10, size=args.input_len).tolist()
     host = host_description()  # before the engine starts: this process's default torch threads
+    load_before = [round(x, 2) for x in os.getloadavg()]
     ours = run_ours(args.model, prompt, args.output_len, args.dtype, not args.inprocess, args.iters, args.num_threads)
     spec = dict(model=args.model, prompt=prompt, output_len=args.output_len, dtype=args.dtype, iters=args.iters)
     hf = run_json_subprocess([os.path.abspath(__file__), "--hf-worker", json.dumps(spec)])
@@ -136,6 +138,8 @@ def main() -> None:
                 "vllm_lite_ttft_ms": round(ours["ttft_ms"], 1),
                 "hf_ttft_ms": round(hf["ttft_ms"], 1),
                 "vllm_lite_startup_s": round(ours["startup_s"], 2),
+                "load_avg_before": load_before,
+                "load_avg_after": [round(x, 2) for x in os.getloadavg()],
             }
         )
     )

@@ -260,3 +260,19 @@ def test_a_forward_hook_inside_the_layers_keeps_the_python_layers(monkeypatch):
     finally:
         g.remove()
     assert n[0] == 1
+
+
+def test_a_model_that_ran_the_stack_can_be_copied_and_pickled():
+    import copy
+    import io
+
+    model = _model("llama", torch.float32)
+    x = _both(model, [1], [10])
+    twin = copy.deepcopy(model)
+    assert model.model._cpu_stack and twin.model._cpu_stack == []
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for m in (twin, loaded):
+        _assert_same(_both(m, [1], [10])[0], x[0])

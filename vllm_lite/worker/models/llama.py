@@ -132,6 +132,13 @@ class LlamaModel(PreNormDecoder):
                     return hidden
         return super().forward(input_ids, positions, logits_rows)
 
+    def __getstate__(self) -> dict:
+        """A copy or pickle decides its own stack (the C++ weights object is neither copyable nor picklable)."""
+        state = super().__getstate__()
+        state = dict(state) if state is not None else dict(self.__dict__)
+        state["_cpu_stack"] = []
+        return state
+
 
 class LlamaForCausalLM(CausalLM):
     """Llama decoder + LM head. Subclasses set the bias / qk-norm variations via class attributes."""
