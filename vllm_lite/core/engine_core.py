@@ -331,10 +331,12 @@ class _StatsLogger:
         self.spec: Optional[SpecDecodingStats] = None  # speculative decoding counters since the last line
 
     def record(self, num_scheduled_tokens: int, outputs: dict[int, EngineCoreOutputs]) -> None:
+        if self.interval_s is None:  # no log line: nothing to count (a pass over every output a step)
+            return
         stats = None
         gen = 0
         for o in outputs.values():
-            gen += sum(len(x.new_token_ids) for x in o.outputs)
+            gen += sum([len(x.new_token_ids) for x in o.outputs])  # a list: faster than a generator here
             stats = o.scheduler_stats or stats
             if o.scheduler_stats is not None:  # the step's counters ride on one frontend's batch only
                 self.queries += o.scheduler_stats.prefix_cache_queries

@@ -423,23 +423,26 @@ class Scheduler:
         step_requests = step.requests
         async_scheduling = self.async_scheduling
         scheduled_get = num_scheduled.get
+        samplers_add = step.samplers.add
         for r in self.running:
             rid = r.request_id
             n = scheduled_get(rid)
             if n is None:
                 continue
+            num_computed = r.num_computed_tokens
             if rid not in new_ids:
                 cached_ids.append(rid)
-                got = new_blocks_get(rid)
+                got = new_blocks_get(rid) if new_blocks_of else None
                 cached_block_ids.append([b.block_id for b in got] if got else [])
-                cached_computed.append(r.num_computed_tokens)
+                cached_computed.append(num_computed)
             if n:
-                r.num_computed_tokens += n
+                num_computed += n
+                r.num_computed_tokens = num_computed
                 step_requests[rid] = r
-                if async_scheduling and r.num_computed_tokens >= len(r.all_token_ids) + r.num_output_placeholders:
+                if async_scheduling and num_computed >= len(r.all_token_ids) + r.num_output_placeholders:
                     # It samples: the token is unknown until this step's output comes back (update_from_output).
                     r.num_output_placeholders += 1
-                    step.samplers.add(rid)
+                    samplers_add(rid)
         if not self.async_scheduling:
             self._in_flight.clear()  # sync: the last schedule() is the step in flight (as before: replaced)
         self._in_flight.append(step)
