@@ -88,6 +88,14 @@ class IncrementalDetokenizer:
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         return ""
 
+    # No stop strings: a one-id update can neither stop nor hold text back (the output processor's fast path).
+    plain = True
+
+    def step_plain(self, token_id: int) -> str:
+        """`update([token_id], False)` then `get_next_output_text(False, True)` in one call; only when `plain`."""
+        self.token_ids.append(token_id)
+        return ""
+
     @staticmethod
     def from_new_request(
         tokenizer: Any, request: EngineCoreRequest, use_fast_decode: bool = True, use_byte_table: bool = True
@@ -135,6 +143,7 @@ class _TextDetokenizer(IncrementalDetokenizer):
         self.spaces_between_special_tokens = params.spaces_between_special_tokens
         # Hold-back only matters when a stop string would be cut out of the text.
         self._hold_back = bool(self.stop) and not self.include_stop_str_in_output
+        self.plain = not self.stop
         self._streamed_upto = 0  # chars of output_text already handed out as deltas
         # Ids that gave no text yet (the start of a character that later ids complete): at the
         # finish they decode as they are, as the tokenizer's own decode of the whole output does.
@@ -190,6 +199,21 @@ class _TextDetokenizer(IncrementalDetokenizer):
         if not self.stop or len(self.token_ids) <= self.min_tokens:
             return None
         return self._find_stop(check_from)
+
+    def step_plain(self, token_id: int) -> str:
+        # update()'s one-id branch with no stop strings (min_tokens only delays stop strings), then
+        # get_next_output_text(finished=False, delta=True) with nothing held back.
+        self.token_ids.append(token_id)
+        piece = self.decode_next(token_id)
+        if not piece:
+            self._undecoded.append(token_id)
+            return ""
+        if self._undecoded:
+            self._undecoded = []
+        start = self._streamed_upto
+        text = self.output_text = self.output_text + piece
+        end = self._streamed_upto = len(text)
+        return piece if end - len(piece) == start else text[start:end]
 
     def _find_stop(self, check_from: int) -> Optional[str]:
         """A stop string ending in the text added past `check_from`: the text is cut there and it is returned."""
@@ -422,6 +446,30 @@ class ByteLevelIncrementalDetokenizer(FastIncrementalDetokenizer):
                 piece = content
             self._last_was_added = content is not None
         return piece
+
+    def step_plain(self, token_id: int) -> str:
+        # _TextDetokenizer.step_plain with the common case of _piece inlined: a known id, nothing pending.
+        self.token_ids.append(token_id)
+        b = self._bytes.get(token_id)
+        if not b or self._pending or self._added_tokens:
+            piece = self.decode_next(token_id)
+        else:
+            try:
+                piece = b.decode()
+            except UnicodeDecodeError:
+                piece = b.decode("utf-8", "replace")
+            if piece[-1] == _INCOMPLETE:
+                self._pending = b
+                piece = ""
+        if not piece:
+            self._undecoded.append(token_id)
+            return ""
+        if self._undecoded:
+            self._undecoded = []
+        start = self._streamed_upto
+        text = self.output_text = self.output_text + piece
+        end = self._streamed_upto = len(text)
+        return piece if end - len(piece) == start else text[start:end]
 
     def decode_ids(self, token_ids: list[int]) -> str:
         try:

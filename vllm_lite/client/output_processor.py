@@ -205,6 +205,16 @@ class RequestState:
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self._delta_token_start = 0  # output ids already returned as deltas
+        # process_outputs' one-token fast path: 1 = a DELTA output a step, 2 = FINAL_ONLY (nothing until the
+        # finish), 0 = the general path (parent of n > 1, logprobs, CUMULATIVE). Stop strings are the detokenizer's
+        # `plain`, checked at each step.
+        lp = self.logprobs_processor
+        self.fast = 0
+        if parent_req is None and lp.logprobs is None and lp.prompt_logprobs is None:
+            if self.output_kind == RequestOutputKind.DELTA:
+                self.fast = 1
+            elif self.output_kind == RequestOutputKind.FINAL_ONLY:
+                self.fast = 2
 
     def update(
         self, out: EngineCoreOutput, now: float, stats: Optional[IterationStats], core_ts: Optional[float] = None
@@ -399,6 +409,49 @@ class OutputProcessor:
         for out in engine_core_outputs:
             state = get_state(out.request_id)
             if state is None:  # aborted or stop-string-finished already: late outputs are dropped
+                continue
+            if (
+                state.__class__ is RequestState
+                and state.fast
+                and out.finish_reason is None
+                and len(new_ids := out.new_token_ids) == 1
+                and state.metrics.first_token_time is not None
+                and state.detokenizer.plain
+            ):
+                # The decode step's case: one more token of a running request with no stop strings, logprobs or
+                # parent. State.update, make_completion and make_request_output, unrolled for it.
+                m = state.metrics
+                if out.scheduled_ts:
+                    m.queued_ts, m.scheduled_ts = out.queued_ts, out.scheduled_ts
+                if engine_core_timestamp is not None:
+                    if m.first_token_ts is None:
+                        m.first_token_ts = engine_core_timestamp
+                    m.last_token_ts = engine_core_timestamp
+                if stats is not None:
+                    stats.inter_token_latencies_s.append(now - m.last_token_time)  # type: ignore[operator]
+                    stats.num_generation_tokens += 1
+                m.last_token_time = now
+                m.num_generation_tokens += 1
+                tid = new_ids[0]
+                text = state.detokenizer.step_plain(tid)
+                if state.fast == 2:  # FINAL_ONLY: nothing before the finish
+                    continue
+                state._delta_token_start += 1
+                ro = RequestOutput(  # positional, as in make_request_output
+                    out.request_id,
+                    state.prompt,
+                    state.prompt_token_ids,
+                    None,
+                    [CompletionOutput(state.request_index, text, [tid], None, None, None, None)],
+                    False,
+                    m,
+                    state.num_cached_tokens,
+                    out.error,
+                )
+                if state.queue is not None:
+                    state.queue.put(ro)
+                else:
+                    request_outputs.append(ro)
                 continue
             if isinstance(state, PoolingRequestState):  # its one output: the pooled data (or its error)
                 if out.finish_reason is not None:
