@@ -28,7 +28,7 @@ from vllm_lite.entrypoints.openai.serving_engine import OpenAIServing
 from vllm_lite.entrypoints.openai.structured_outputs import build_structured_outputs
 from vllm_lite.entrypoints.openai.tool_choice import ToolPlan, plan_tools
 from vllm_lite.entrypoints.openai.tool_parsers import StreamDelta, ToolCallStreamer, ToolParser, ToolParserManager
-from vllm_lite.entrypoints.openai.utils import SSE_DONE, DisconnectWatcher, shielded, sse
+from vllm_lite.entrypoints.openai.utils import SSE_DONE, DisconnectWatcher, StreamChunkWriter, shielded, sse
 from vllm_lite.outputs import RequestOutput
 
 
@@ -202,6 +202,11 @@ class OpenAIServingChat(OpenAIServing):
         parser = plan.parser
         streamers = [ToolCallStreamer(parser) for _ in range(n)] if parser is not None else None
 
+        # Text-only chunks (the usual stream) are written from prebuilt JSON, not pydantic models each.
+        writer = None
+        if streamers is None and num_logprobs is None and not request.return_token_ids and not request.continuous_usage:
+            writer = StreamChunkWriter(True, request_id, created, model)
+
         def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> ChatCompletionStreamResponse:
             c = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices)
             if request.continuous_usage:
@@ -229,6 +234,9 @@ class OpenAIServingChat(OpenAIServing):
                         # A failed request ends with its error event, never with a finish_reason of its own.
                         ended = None if out.error else c.finish_reason
                         completion_tokens[c.index] += len(c.token_ids)
+                        if writer is not None:
+                            yield writer.event(c.index, c.text, ended, None if out.error else c.stop_reason)
+                            continue
                         logprobs = None
                         if num_logprobs is not None:
                             logprobs = self.chat_logprobs(c.token_ids, c.logprobs or [], num_logprobs)

@@ -21,7 +21,14 @@ from vllm_lite.entrypoints.openai.protocol import (
 )
 from vllm_lite.entrypoints.openai.serving_engine import OpenAIServing
 from vllm_lite.entrypoints.openai.structured_outputs import build_structured_outputs
-from vllm_lite.entrypoints.openai.utils import SSE_DONE, DisconnectWatcher, merge_async_iterators, shielded, sse
+from vllm_lite.entrypoints.openai.utils import (
+    SSE_DONE,
+    DisconnectWatcher,
+    StreamChunkWriter,
+    merge_async_iterators,
+    shielded,
+    sse,
+)
 from vllm_lite.outputs import RequestOutput
 
 
@@ -205,6 +212,10 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = [0] * num_choices
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         prompt_lps_by_prompt: dict[int, list] = {}
+        # Text-only chunks (the usual stream) are written from prebuilt JSON, not a pydantic model each.
+        writer = None
+        if request.logprobs is None and not request.return_token_ids and not request.continuous_usage:
+            writer = StreamChunkWriter(False, base_id, created, model)
         try:
             async with DisconnectWatcher(raw_request, lambda: self.abort_all(request_ids)):
                 async for i, out in merged:
@@ -229,6 +240,14 @@ class OpenAIServingCompletion(OpenAIServing):
                             logprobs = self.completion_logprobs(ids, lps, request.logprobs, text_offsets[idx])
                         text_offsets[idx] += len(text)
                         completion_tokens[idx] += len(gen_ids)
+                        if writer is not None:
+                            yield writer.event(
+                                idx,
+                                text,
+                                _stream_finish_reason(out, c, echo_only),
+                                None if echo_only or out.error else c.stop_reason,
+                            )
+                            continue
                         chunk = CompletionStreamResponse(
                             id=base_id,
                             created=created,

@@ -66,6 +66,44 @@ def sse(payload: BaseModel | dict[str, Any] | str) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 
+# The C string encoder json.dumps(s, ensure_ascii=False) uses: the same escapes as pydantic's JSON (", \\,
+# \b \f \n \r \t, other control characters as \u00xx) and every other character as it is.
+_json_str = json.encoder.encode_basestring  # type: ignore[attr-defined]
+
+
+def _json_scalar(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, str):
+        return _json_str(v)
+    return str(int(v))
+
+
+class StreamChunkWriter:
+    """The SSE event of a plain streamed choice (text only: no logprobs, token ids or usage), written from
+    prebuilt JSON fragments instead of a pydantic model a chunk. Byte for byte what `sse()` of the
+    CompletionStreamResponse / ChatCompletionStreamResponse with that one choice gives (tests compare them)."""
+
+    def __init__(self, chat: bool, response_id: str, created: int, model: str) -> None:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self._head = (
+            f'data: {{"id":{_json_str(response_id)},"object":"{kind}","created":{int(created)},'
+            f'"model":{_json_str(model)},"choices":[{{"index":'
+        )
+        self._text_key = ',"delta":{"role":null,"content":' if chat else ',"text":'
+        self._after_text = '},"logprobs":null,"finish_reason":' if chat else ',"logprobs":null,"finish_reason":'
+        self._tail = (
+            ',"token_ids":null}],"usage":null,"prompt_token_ids":null}\n\n'
+            if chat
+            else ',"token_ids":null,"prompt_token_ids":null}],"usage":null}\n\n'
+        )
+
+    def event(self, index: int, text: str, finish_reason: Optional[str], stop_reason: Any) -> str:
+        return (
+            f"{self._head}{int(index)}{self._text_key}{_json_str(text)}{self._after_text}"
+            f'{_json_scalar(finish_reason)},"stop_reason":{_json_scalar(stop_reason)}{self._tail}'
+        )
+
 
 class DisconnectWatcher:
     """Polls the HTTP connection and runs `on_disconnect` once when the client has gone.
