@@ -65,6 +65,15 @@ def plain_linear_max_rows() -> int:
     return min(cpu_linear.KERNEL_MIN_ROWS, cpu_linear.MIN_ROWS) - 1
 
 
+def _weights_class() -> Any:
+    """torch.classes.vllm_lite.CpuDecoderWeights, or None where the loaded library lacks it (torch.classes raises
+    RuntimeError, not AttributeError, for an unknown class)."""
+    try:
+        return torch.classes.vllm_lite.CpuDecoderWeights
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _op() -> Any:
     ops = fused_cpu_ops()
     if ops is None:
@@ -75,7 +84,7 @@ def _op() -> Any:
 class CpuDecoderStack:
     """A model's layers as the C++ op takes them, and the identities that say they are still the model's."""
 
-    def __init__(self, layers: list[nn.Module], dtype: torch.dtype) -> None:
+    def __init__(self, layers: list[nn.Module], dtype: torch.dtype, weights_class: Any) -> None:
         from vllm_lite.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
         tensors: list[torch.Tensor] = []
@@ -158,7 +167,7 @@ class CpuDecoderStack:
                 float(a.logits_soft_cap or 0.0),
             ]
             self.attns.append(a)
-        self.weights = torch.classes.vllm_lite.CpuDecoderWeights(tensors, ints, floats)
+        self.weights = weights_class(tensors, ints, floats)
         self.head_size = self.attns[0].head_size
         self.soft_cap = self.attns[0].logits_soft_cap
         self._dicts = tuple(d for d, _, _ in watch)
@@ -185,10 +194,11 @@ def build_stack(layers: list[nn.Module], dtype: torch.dtype) -> Optional[CpuDeco
     """The stack for these layers, or None where the C++ op does not apply (see the module doc)."""
     if dtype not in (torch.float32, torch.bfloat16) or not layers or _op() is None:
         return None
-    if not hasattr(torch.classes.vllm_lite, "CpuDecoderWeights"):
+    cls = _weights_class()
+    if cls is None:
         return None
     try:
-        return CpuDecoderStack(layers, dtype)
+        return CpuDecoderStack(layers, dtype, cls)
     except _Ineligible:
         return None
 
