@@ -1,10 +1,12 @@
 """Frontend host cost per decode step: OutputProcessor.process_outputs over B requests, one token each.
 
     python benchmarks/output_processor_step.py [--batch 256] [--steps 200] [--kind delta|cumulative|final]
-    [--tokenizer PATH] [--no-detokenize] [--profile]
+    [--tokenizer PATH] [--no-detokenize] [--queues] [--profile]
 
 A byte-level BPE tokenizer (vllm_lite.testing.checkpoints.build_tokenizer, 2000 ids) unless --tokenizer; random
-token ids (seeded). Prints one JSON line: us per step (median of steps after the first 10) and us per request.
+token ids (seeded). --queues: each request has an AsyncLLM mailbox (RequestOutputCollector; outputs go there, as in
+the server, and are taken after each step, untimed). Prints one JSON line: us per step (median of steps after the
+first 10) and us per request.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> None:
     ap.add_argument("--kind", default="delta", choices=["delta", "cumulative", "final"])
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--no-detokenize", action="store_true")
+    ap.add_argument("--queues", action="store_true")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
 
@@ -34,7 +37,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from vllm_lite import RequestOutputKind, SamplingParams
-    from vllm_lite.client.output_processor import OutputProcessor
+    from vllm_lite.client.output_processor import OutputProcessor, RequestOutputCollector
     from vllm_lite.core.messages import EngineCoreOutput, EngineCoreRequest
 
     path = a.tokenizer
@@ -55,9 +58,10 @@ def main() -> None:
     vocab = min(len(tok), 2000)
     op = OutputProcessor(tok, log_stats=False)
     ids = [f"r{i}" for i in range(a.batch)]
-    for rid in ids:
+    queues = [RequestOutputCollector(kind) for _ in ids] if a.queues else None
+    for i, rid in enumerate(ids):
         prompt = rng.integers(0, vocab, 32).tolist()
-        op.add_request(EngineCoreRequest(rid, prompt, params, None, time.time()), None)
+        op.add_request(EngineCoreRequest(rid, prompt, params, None, time.time()), None, queue=queues and queues[i])
     toks = rng.integers(0, vocab, (a.steps, a.batch)).tolist()
     times = []
     prof = None
@@ -74,6 +78,9 @@ def main() -> None:
         if prof is not None:
             prof.disable()
         times.append(time.perf_counter() - t0)
+        if queues is not None:
+            for q in queues:
+                q.get_nowait()
     us = statistics.median(times[10:]) * 1e6
     print(
         json.dumps(
@@ -81,6 +88,7 @@ def main() -> None:
                 "batch": a.batch,
                 "kind": a.kind,
                 "detokenize": not a.no_detokenize,
+                "queues": a.queues,
                 "us_per_step": round(us, 1),
                 "us_per_request": round(us / a.batch, 2),
             }
