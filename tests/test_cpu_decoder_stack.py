@@ -16,7 +16,7 @@ from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 from vllm_lite.worker.forward_context import set_forward_context
 from vllm_lite.worker.models import cpu_decoder_stack as cds
-from vllm_lite.worker.models import cpu_prepack
+from vllm_lite.worker.models import cpu_prepack, llama
 from vllm_lite.worker.models.layers import RotaryEmbedding
 from vllm_lite.worker.models.llama import LlamaForCausalLM, MistralForCausalLM
 from vllm_lite.worker.models.qwen2 import Qwen2ForCausalLM
@@ -235,7 +235,7 @@ def test_prepacking_after_a_forward_rebuilds_the_stack(monkeypatch):
 
 def test_weights_object_rejects_inconsistent_layers():
     model = _model("llama", torch.bfloat16)
-    stack = cds.build_stack(list(model.model.layers), torch.bfloat16)
+    stack = cds.build_stack(list(model.model.layers), torch.bfloat16, llama.STACK_KINDS)
     assert stack is not None and stack.weights.num_layers() == 3
     with pytest.raises(ValueError, match="tensors"):
         torch.classes.vllm_lite.CpuDecoderWeights([torch.ones(3)], [1], [1.0])

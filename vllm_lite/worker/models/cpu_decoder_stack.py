@@ -84,8 +84,11 @@ def _op() -> Any:
 class CpuDecoderStack:
     """A model's layers as the C++ op takes them, and the identities that say they are still the model's."""
 
-    def __init__(self, layers: list[nn.Module], dtype: torch.dtype, weights_class: Any) -> None:
-        from vllm_lite.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    def __init__(
+        self, layers: list[nn.Module], dtype: torch.dtype, weights_class: Any, kinds: tuple[type, type, type]
+    ) -> None:
+        # The layer, attention and MLP classes the op mirrors, handed in by the model file (it imports this module).
+        LlamaDecoderLayer, LlamaAttention, LlamaMLP = kinds  # noqa: N806
 
         tensors: list[torch.Tensor] = []
         ints: list[int] = []
@@ -190,15 +193,18 @@ class _Ineligible(Exception):
     pass
 
 
-def build_stack(layers: list[nn.Module], dtype: torch.dtype) -> Optional[CpuDecoderStack]:
-    """The stack for these layers, or None where the C++ op does not apply (see the module doc)."""
+def build_stack(
+    layers: list[nn.Module], dtype: torch.dtype, kinds: tuple[type, type, type]
+) -> Optional[CpuDecoderStack]:
+    """The stack for these layers, or None where the C++ op does not apply (see the module doc). `kinds`: the
+    (decoder layer, attention, MLP) classes whose exact instances the op stands in for."""
     if dtype not in (torch.float32, torch.bfloat16) or not layers or _op() is None:
         return None
     cls = _weights_class()
     if cls is None:
         return None
     try:
-        return CpuDecoderStack(layers, dtype, cls)
+        return CpuDecoderStack(layers, dtype, cls, kinds)
     except _Ineligible:
         return None
 

@@ -111,6 +111,10 @@ class LlamaDecoderLayer(PreNormResidualLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+# The classes whose exact instances the CPU decoder stack's C++ op stands in for (cpu_decoder_stack.py).
+STACK_KINDS = (LlamaDecoderLayer, LlamaAttention, LlamaMLP)
+
+
 class LlamaModel(PreNormDecoder):
     """On CPU the layers run as one C++ call where it applies (cpu_decoder_stack.py); the same results."""
 
@@ -124,7 +128,7 @@ class LlamaModel(PreNormDecoder):
     ) -> torch.Tensor:
         if input_ids.is_cpu:
             if not self._cpu_stack or (self._cpu_stack[0] is not None and not self._cpu_stack[0].unchanged()):
-                self._cpu_stack[:] = [build_stack(list(self.layers), self.embed_tokens.weight.dtype)]
+                self._cpu_stack[:] = [build_stack(list(self.layers), self.embed_tokens.weight.dtype, STACK_KINDS)]
             stack = self._cpu_stack[0]
             if stack is not None and stack.runnable():
                 hidden = run_stack(stack, self, input_ids, positions, logits_rows)
