@@ -120,6 +120,9 @@ def _eos_ids(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+_PLAIN_INT = frozenset((int,))
+
+
 class Processor:
     """Turns (prompt, SamplingParams) into a validated `EngineCoreRequest`."""
 
@@ -278,6 +281,8 @@ class Processor:
             ids = ids.tolist()
         if not isinstance(ids, (list, tuple)):
             raise TypeError(f"{field} must be a list of ints, got {type(ids).__name__}.")
+        if set(map(type, ids)) <= _PLAIN_INT:  # the usual case, checked in C: no ABC isinstance per id
+            return list(ids)
         if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in ids):
             raise TypeError(f"{field} must contain only ints, got {list(ids)[:8]!r}...")
         return [int(t) for t in ids]  # numpy ints become plain ints for msgpack
