@@ -97,8 +97,9 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "VLLM_LITE_CPU_MOE_KERNEL": (
         _flag("VLLM_LITE_CPU_MOE_KERNEL", True),
-        "Run a float32 mixture-of-experts layer's whole CPU expert path (grouped gate/up, SiLU-and-mul, down, "
-        "weighted sum) as one C++ op (csrc/moe_cpu.cpp) instead of oneDNN calls per expert (default on; 0 turns "
+        "Run a mixture-of-experts layer's whole CPU expert path (grouped gate/up, SiLU-and-mul, down, weighted "
+        "sum) as one C++ op (csrc/moe_cpu.cpp; float32, and bf16 where the build targets AVX512-BF16) instead of "
+        "oneDNN calls per expert (default on; 0 turns "
         "it off; VLLM_LITE_CPU_MOE_PACK=0 turns off both).",
     ),
     "VLLM_LITE_CPU_BF16_SMALL_M": (
