@@ -170,6 +170,120 @@ __attribute__((optimize("fp-contract=off"), noinline)) void combine_row(const fl
   }
 }
 
+// ------------------------------------------------------------------------------------------------ shared
+// What the float32 and bfloat16 expert ops share: their arguments' checks, the (token, choice) pairs grouped by
+// expert, the work items per phase with one contiguous run per thread, and each token's choices in expert order.
+
+// x, w13p, w2p, topk_weights, topk_ids as both ops take them (`dt`: x's and the packed weights' dtype).
+void check_expert_args(const char* op, const at::Tensor& x, const at::Tensor& w13p, const at::Tensor& w2p,
+                       const at::Tensor& topk_weights, const at::Tensor& topk_ids, at::ScalarType dt) {
+  check_cpu(x, "x");
+  check_cpu(w13p, "w13p");
+  check_cpu(w2p, "w2p");
+  check_cpu(topk_weights, "topk_weights");
+  check_cpu(topk_ids, "topk_ids");
+  check_dim(x, 2, "x");
+  check_dim(w13p, 4, "w13p");
+  check_dim(w2p, 4, "w2p");
+  check_dim(topk_weights, 2, "topk_weights");
+  check_dim(topk_ids, 2, "topk_ids");
+  check_dtype(x, dt, "x");
+  check_dtype(w13p, dt, "w13p");
+  check_dtype(w2p, dt, "w2p");
+  check_dtype(topk_weights, at::kFloat, "topk_weights");
+  check_dtype(topk_ids, at::kLong, "topk_ids");
+  check_contiguous(w13p, "w13p");
+  check_contiguous(w2p, "w2p");
+  check_contiguous(topk_weights, "topk_weights");
+  check_contiguous(topk_ids, "topk_ids");
+  TORCH_CHECK_VALUE(x.stride(1) == 1 || x.size(1) <= 1,
+                    msg(op, ": x's rows must be contiguous (got strides ", x.strides(), ")"));
+}
+
+// The routing checks after the layouts': topk shapes, k <= 64, every id an expert.
+void check_routing(const char* op, const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t t,
+                   int64_t e) {
+  const int64_t k = topk_ids.size(1);
+  TORCH_CHECK_VALUE(topk_ids.size(0) == t && topk_weights.size(0) == t && topk_weights.size(1) == k && k > 0,
+                    msg(op, ": topk_ids ", topk_ids.sizes(), " and topk_weights ", topk_weights.sizes(),
+                        " must both be [T=", t, ", k >= 1]"));
+  TORCH_CHECK_VALUE(k <= 64, msg(op, ": at most 64 experts per token, got k=", k));
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  for (int64_t p = 0; p < t * k; ++p)
+    TORCH_CHECK_VALUE(ids[p] >= 0 && ids[p] < e, msg(op, ": topk_ids holds ", ids[p], ", outside [0, ", e, ")"));
+}
+
+struct ExpertSchedule {
+  // Pairs grouped by expert (counting sort): expert x's rows are [start[x], start[x+1]); slot[p] = pair p's row
+  // in the act/y buffers, src_tok[row] = its token.
+  std::vector<int64_t> start, slot, src_tok;
+  // Work items: (expert, column block), each over all of the expert's rows; cost = prefix sums of their rows.
+  std::vector<std::pair<int64_t, int64_t>> up_items, down_items;
+  std::vector<int64_t> up_cost, down_cost;
+
+  // nb / hb: column blocks of the gate/up and of the down phase.
+  ExpertSchedule(const int64_t* ids, int64_t pairs, int64_t k, int64_t e, int64_t nb, int64_t hb)
+      : start(e + 1, 0), slot(pairs), src_tok(pairs) {
+    for (int64_t p = 0; p < pairs; ++p) ++start[ids[p] + 1];
+    for (int64_t x = 0; x < e; ++x) start[x + 1] += start[x];
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t s = fill[ids[p]]++;
+      slot[p] = s;
+      src_tok[s] = p / k;
+    }
+    for (int64_t x = 0; x < e; ++x) {
+      if (start[x + 1] == start[x]) continue;
+      for (int64_t b = 0; b < nb; ++b) up_items.emplace_back(x, b);
+      for (int64_t b = 0; b < hb; ++b) down_items.emplace_back(x, b);
+    }
+    up_cost = costs(up_items);
+    down_cost = costs(down_items);
+  }
+
+  int64_t rows(int64_t ex) const { return start[ex + 1] - start[ex]; }
+
+  // Each phase's items split into one contiguous run per thread, balanced by rows (an item's cost): a thread then
+  // streams one contiguous stretch of the packed weights (consecutive items' blocks are adjacent), which the
+  // hardware prefetcher follows, where dynamic scheduling had the threads take alternate blocks.
+  static std::pair<int64_t, int64_t> run_of(const std::vector<int64_t>& cost, int64_t tid, int64_t nt) {
+    const int64_t n = static_cast<int64_t>(cost.size()) - 1, total = cost[n];
+    auto at = [&](int64_t j) {
+      const int64_t target = (total * j + nt / 2) / nt;
+      return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end(), target) - cost.begin());
+    };
+    return std::make_pair(std::min(at(tid), n), std::min(at(tid + 1), n));
+  }
+
+ private:
+  std::vector<int64_t> costs(const std::vector<std::pair<int64_t, int64_t>>& items) const {
+    std::vector<int64_t> c(items.size() + 1, 0);
+    for (size_t i = 0; i < items.size(); ++i) c[i + 1] = c[i] + rows(items[i].first);
+    return c;
+  }
+};
+
+// Token tok's k choices by ascending expert id (k <= 64 is small: insertion sort): their rows of y and weights.
+inline int64_t token_rows_in_expert_order(const int64_t* ids, const float* wts, const std::vector<int64_t>& slot,
+                                          const float* y, int64_t hp, int64_t tok, int64_t k, const float** rows,
+                                          float* w) {
+  int64_t order[64];
+  const int64_t kk = std::min<int64_t>(k, 64);
+  for (int64_t j = 0; j < kk; ++j) {
+    int64_t v = j, i = j;
+    while (i > 0 && ids[tok * k + order[i - 1]] > ids[tok * k + v]) {
+      order[i] = order[i - 1];
+      --i;
+    }
+    order[i] = v;
+  }
+  for (int64_t j = 0; j < kk; ++j) {
+    rows[j] = y + slot[tok * k + order[j]] * hp;
+    w[j] = wts[tok * k + order[j]];
+  }
+  return kk;
+}
+
 int64_t moe_cpu_block_width() { return kW; }
 
 std::tuple<at::Tensor, at::Tensor> moe_cpu_pack(const at::Tensor& w13, const at::Tensor& w2) {
@@ -218,27 +332,7 @@ std::tuple<at::Tensor, at::Tensor> moe_cpu_pack(const at::Tensor& w13, const at:
 
 at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at::Tensor& w2p,
                            const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t inter) {
-  check_cpu(x, "x");
-  check_cpu(w13p, "w13p");
-  check_cpu(w2p, "w2p");
-  check_cpu(topk_weights, "topk_weights");
-  check_cpu(topk_ids, "topk_ids");
-  check_dim(x, 2, "x");
-  check_dim(w13p, 4, "w13p");
-  check_dim(w2p, 4, "w2p");
-  check_dim(topk_weights, 2, "topk_weights");
-  check_dim(topk_ids, 2, "topk_ids");
-  check_dtype(x, at::kFloat, "x");
-  check_dtype(w13p, at::kFloat, "w13p");
-  check_dtype(w2p, at::kFloat, "w2p");
-  check_dtype(topk_weights, at::kFloat, "topk_weights");
-  check_dtype(topk_ids, at::kLong, "topk_ids");
-  check_contiguous(w13p, "w13p");
-  check_contiguous(w2p, "w2p");
-  check_contiguous(topk_weights, "topk_weights");
-  check_contiguous(topk_ids, "topk_ids");
-  TORCH_CHECK_VALUE(x.stride(1) == 1 || x.size(1) <= 1,
-                    msg("moe_cpu_experts: x's rows must be contiguous (got strides ", x.strides(), ")"));
+  check_expert_args("moe_cpu_experts", x, w13p, w2p, topk_weights, topk_ids, at::kFloat);
   const int64_t t = x.size(0), h = x.size(1), k = topk_ids.size(1), e = w13p.size(0);
   const int64_t nb = w13p.size(1), ip = nb * kW, hb = w2p.size(1), hp = hb * 2 * kW;
   TORCH_CHECK_VALUE(w13p.size(2) == h && w13p.size(3) == 2 * kW,
@@ -249,37 +343,14 @@ at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at
   TORCH_CHECK_VALUE(w2p.size(0) == e && w2p.size(2) == ip && w2p.size(3) == 2 * kW && hp >= h && hp - h < 2 * kW,
                     msg("moe_cpu_experts: w2p must be [", e, ", ", (h + 2 * kW - 1) / (2 * kW), ", ", ip, ", ", 2 * kW,
                         "] (moe_cpu_pack), got ", w2p.sizes()));
-  TORCH_CHECK_VALUE(topk_ids.size(0) == t && topk_weights.size(0) == t && topk_weights.size(1) == k && k > 0,
-                    msg("moe_cpu_experts: topk_ids ", topk_ids.sizes(), " and topk_weights ", topk_weights.sizes(),
-                        " must both be [T=", t, ", k >= 1]"));
-  TORCH_CHECK_VALUE(k <= 64, msg("moe_cpu_experts: at most 64 experts per token, got k=", k));
+  check_routing("moe_cpu_experts", topk_weights, topk_ids, t, e);
   at::Tensor out = at::empty({t, h}, x.options());
   if (t == 0 || h == 0) return out;
   const int64_t* ids = topk_ids.data_ptr<int64_t>();
   const int64_t pairs = t * k;
-  for (int64_t p = 0; p < pairs; ++p)
-    TORCH_CHECK_VALUE(ids[p] >= 0 && ids[p] < e,
-                      msg("moe_cpu_experts: topk_ids holds ", ids[p], ", outside [0, ", e, ")"));
-
-  // Pairs grouped by expert (counting sort); slot[p] = the pair's row in the act/y buffers.
-  std::vector<int64_t> start(e + 1, 0), slot(pairs), src_tok(pairs);
-  for (int64_t p = 0; p < pairs; ++p) ++start[ids[p] + 1];
-  for (int64_t x2 = 0; x2 < e; ++x2) start[x2 + 1] += start[x2];
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t s = fill[ids[p]]++;
-      slot[p] = s;
-      src_tok[s] = p / k;
-    }
-  }
-  // Work items: (expert, column block), each over all of the expert's rows.
-  std::vector<std::pair<int64_t, int64_t>> up_items, down_items;
-  for (int64_t x2 = 0; x2 < e; ++x2) {
-    if (start[x2 + 1] == start[x2]) continue;
-    for (int64_t b = 0; b < nb; ++b) up_items.emplace_back(x2, b);
-    for (int64_t b = 0; b < hb; ++b) down_items.emplace_back(x2, b);
-  }
+  const ExpertSchedule sched(ids, pairs, k, e, nb, hb);
+  const auto &start = sched.start, &slot = sched.slot, &src_tok = sched.src_tok;
+  const auto &up_items = sched.up_items, &down_items = sched.down_items;
   // Scratch without zero-filling (every element read is written first: padding columns included). At a 2048-token
   // prefill the two buffers are ~19 MB that std::vector would memset on every call.
   std::unique_ptr<float[]> act_buf(new float[static_cast<size_t>(pairs * ip)]);
@@ -296,32 +367,15 @@ at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at
   float* op = out.data_ptr<float>();
   // torch's SiLU loop runs whole pairs of vectors and its scalar tail (std::exp) on the rest of a row.
   const int64_t vec_end = vector_exp() ? inter - inter % (2 * kW) : 0;
-  const int64_t n_up = static_cast<int64_t>(up_items.size()), n_down = static_cast<int64_t>(down_items.size());
+  const int64_t n_up = static_cast<int64_t>(up_items.size());
   const int64_t macs = pairs * ip * (2 * h + hp);
   const int num_threads =
       macs < (1 << 18) ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_up)));
 
-  // Each phase's items split into one contiguous run per thread, balanced by rows (an item's cost): a thread then
-  // streams one contiguous stretch of the packed weights (consecutive items' blocks are adjacent), which the
-  // hardware prefetcher follows, where dynamic scheduling had the threads take alternate blocks.
-  std::vector<int64_t> up_cost(n_up + 1, 0), down_cost(n_down + 1, 0);
-  for (int64_t i = 0; i < n_up; ++i)
-    up_cost[i + 1] = up_cost[i] + (start[up_items[i].first + 1] - start[up_items[i].first]);
-  for (int64_t i = 0; i < n_down; ++i)
-    down_cost[i + 1] = down_cost[i] + (start[down_items[i].first + 1] - start[down_items[i].first]);
-  auto run_of = [](const std::vector<int64_t>& cost, int64_t tid, int64_t nt) {
-    const int64_t n = static_cast<int64_t>(cost.size()) - 1, total = cost[n];
-    auto at = [&](int64_t j) {
-      const int64_t target = (total * j + nt / 2) / nt;
-      return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end(), target) - cost.begin());
-    };
-    return std::make_pair(std::min(at(tid), n), std::min(at(tid + 1), n));
-  };
-
 #pragma omp parallel num_threads(num_threads)
   {
     const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    const auto up_run = run_of(up_cost, tid, nt);
+    const auto up_run = ExpertSchedule::run_of(sched.up_cost, tid, nt);
     for (int64_t i = up_run.first; i < up_run.second; ++i) {
       const int64_t ex = up_items[i].first, b = up_items[i].second;
       const int64_t s0 = start[ex], n = start[ex + 1] - s0;
@@ -332,7 +386,7 @@ at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at
                           vec_cols, valid, n);
     }
 #pragma omp barrier
-    const auto down_run = run_of(down_cost, tid, nt);
+    const auto down_run = ExpertSchedule::run_of(sched.down_cost, tid, nt);
     for (int64_t i = down_run.first; i < down_run.second; ++i) {
       const int64_t ex = down_items[i].first, b = down_items[i].second;
       const int64_t s0 = start[ex], n = start[ex + 1] - s0;
@@ -342,23 +396,9 @@ at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t tok = 0; tok < t; ++tok) {
-      // This token's choices by ascending expert id (k is small: insertion sort).
-      int64_t order[64];
-      const int64_t kk = std::min<int64_t>(k, 64);
-      for (int64_t j = 0; j < kk; ++j) {
-        int64_t v = j, i = j;
-        while (i > 0 && ids[tok * k + order[i - 1]] > ids[tok * k + v]) {
-          order[i] = order[i - 1];
-          --i;
-        }
-        order[i] = v;
-      }
       const float* rows[64];
       float w[64];
-      for (int64_t j = 0; j < kk; ++j) {
-        rows[j] = y + slot[tok * k + order[j]] * hp;
-        w[j] = wts[tok * k + order[j]];
-      }
+      const int64_t kk = token_rows_in_expert_order(ids, wts, slot, y, hp, tok, k, rows, w);
       combine_row(rows, w, kk, h, op + tok * h);
     }
   }
@@ -529,27 +569,7 @@ std::tuple<at::Tensor, at::Tensor> moe_cpu_pack_bf16(const at::Tensor& w13, cons
 at::Tensor moe_cpu_experts_bf16(const at::Tensor& x, const at::Tensor& w13p, const at::Tensor& w2p,
                                 const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t inter) {
   TORCH_CHECK(kMoeBf16, "moe_cpu_experts_bf16: not built here (the compiler does not target AVX512-BF16)");
-  check_cpu(x, "x");
-  check_cpu(w13p, "w13p");
-  check_cpu(w2p, "w2p");
-  check_cpu(topk_weights, "topk_weights");
-  check_cpu(topk_ids, "topk_ids");
-  check_dim(x, 2, "x");
-  check_dim(w13p, 4, "w13p");
-  check_dim(w2p, 4, "w2p");
-  check_dim(topk_weights, 2, "topk_weights");
-  check_dim(topk_ids, 2, "topk_ids");
-  check_dtype(x, at::kBFloat16, "x");
-  check_dtype(w13p, at::kBFloat16, "w13p");
-  check_dtype(w2p, at::kBFloat16, "w2p");
-  check_dtype(topk_weights, at::kFloat, "topk_weights");
-  check_dtype(topk_ids, at::kLong, "topk_ids");
-  check_contiguous(w13p, "w13p");
-  check_contiguous(w2p, "w2p");
-  check_contiguous(topk_weights, "topk_weights");
-  check_contiguous(topk_ids, "topk_ids");
-  TORCH_CHECK_VALUE(x.stride(1) == 1 || x.size(1) <= 1,
-                    msg("moe_cpu_experts_bf16: x's rows must be contiguous (got strides ", x.strides(), ")"));
+  check_expert_args("moe_cpu_experts_bf16", x, w13p, w2p, topk_weights, topk_ids, at::kBFloat16);
   const int64_t t = x.size(0), h = x.size(1), k = topk_ids.size(1), e = w13p.size(0);
   const int64_t nb = w13p.size(1), ip = nb * 16, hb = w2p.size(1), hp = hb * 32, h2 = h / 2;
   TORCH_CHECK_VALUE(h % 2 == 0 && w13p.size(2) == h2 && w13p.size(3) == 64,
@@ -560,35 +580,15 @@ at::Tensor moe_cpu_experts_bf16(const at::Tensor& x, const at::Tensor& w13p, con
   TORCH_CHECK_VALUE(w2p.size(0) == e && w2p.size(2) == ip / 2 && w2p.size(3) == 64 && hp >= h && hp - h < 32,
                     msg("moe_cpu_experts_bf16: w2p must be [", e, ", ", (h + 31) / 32, ", ", ip / 2,
                         ", 64] (moe_cpu_pack_bf16), got ", w2p.sizes()));
-  TORCH_CHECK_VALUE(topk_ids.size(0) == t && topk_weights.size(0) == t && topk_weights.size(1) == k && k > 0,
-                    msg("moe_cpu_experts_bf16: topk_ids ", topk_ids.sizes(), " and topk_weights ",
-                        topk_weights.sizes(), " must both be [T=", t, ", k >= 1]"));
-  TORCH_CHECK_VALUE(k <= 64, msg("moe_cpu_experts_bf16: at most 64 experts per token, got k=", k));
+  check_routing("moe_cpu_experts_bf16", topk_weights, topk_ids, t, e);
   at::Tensor out = at::empty({t, h}, x.options());
   if (t == 0 || h == 0) return out;
   const int64_t* ids = topk_ids.data_ptr<int64_t>();
   const int64_t pairs = t * k;
-  for (int64_t p = 0; p < pairs; ++p)
-    TORCH_CHECK_VALUE(ids[p] >= 0 && ids[p] < e,
-                      msg("moe_cpu_experts_bf16: topk_ids holds ", ids[p], ", outside [0, ", e, ")"));
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-  std::vector<int64_t> start(e + 1, 0), slot(pairs), src_tok(pairs);
-  for (int64_t p = 0; p < pairs; ++p) ++start[ids[p] + 1];
-  for (int64_t x2 = 0; x2 < e; ++x2) start[x2 + 1] += start[x2];
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t s = fill[ids[p]]++;
-      slot[p] = s;
-      src_tok[s] = p / k;
-    }
-  }
-  std::vector<std::pair<int64_t, int64_t>> up_items, down_items;
-  for (int64_t x2 = 0; x2 < e; ++x2) {
-    if (start[x2 + 1] == start[x2]) continue;
-    for (int64_t b = 0; b < nb; ++b) up_items.emplace_back(x2, b);
-    for (int64_t b = 0; b < hb; ++b) down_items.emplace_back(x2, b);
-  }
+  const ExpertSchedule sched(ids, pairs, k, e, nb, hb);
+  const auto &start = sched.start, &slot = sched.slot, &src_tok = sched.src_tok;
+  const auto &up_items = sched.up_items, &down_items = sched.down_items;
   std::unique_ptr<uint16_t[]> act_buf(new uint16_t[static_cast<size_t>(pairs * ip)]);
   std::unique_ptr<float[]> y_buf(new float[static_cast<size_t>(pairs * hp)]);
   uint16_t* const act = act_buf.get();
@@ -601,28 +601,15 @@ at::Tensor moe_cpu_experts_bf16(const at::Tensor& x, const at::Tensor& w13p, con
   const uint16_t* w2 = reinterpret_cast<const uint16_t*>(w2p.data_ptr<at::BFloat16>());
   const float* wts = topk_weights.data_ptr<float>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t n_up = static_cast<int64_t>(up_items.size()), n_down = static_cast<int64_t>(down_items.size());
+  const int64_t n_up = static_cast<int64_t>(up_items.size());
   const int64_t macs = pairs * ip * (2 * h + hp);
   const int num_threads =
       macs < (1 << 18) ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_up)));
-  std::vector<int64_t> up_cost(n_up + 1, 0), down_cost(n_down + 1, 0);
-  for (int64_t i = 0; i < n_up; ++i)
-    up_cost[i + 1] = up_cost[i] + (start[up_items[i].first + 1] - start[up_items[i].first]);
-  for (int64_t i = 0; i < n_down; ++i)
-    down_cost[i + 1] = down_cost[i] + (start[down_items[i].first + 1] - start[down_items[i].first]);
-  auto run_of = [](const std::vector<int64_t>& cost, int64_t tid, int64_t nt) {
-    const int64_t n = static_cast<int64_t>(cost.size()) - 1, total = cost[n];
-    auto at = [&](int64_t j) {
-      const int64_t target = (total * j + nt / 2) / nt;
-      return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end(), target) - cost.begin());
-    };
-    return std::make_pair(std::min(at(tid), n), std::min(at(tid + 1), n));
-  };
 
 #pragma omp parallel num_threads(num_threads)
   {
     const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    const auto up_run = run_of(up_cost, tid, nt);
+    const auto up_run = ExpertSchedule::run_of(sched.up_cost, tid, nt);
     for (int64_t i = up_run.first; i < up_run.second; ++i) {
       const int64_t ex = up_items[i].first, b = up_items[i].second;
       const int64_t s0 = start[ex], n = start[ex + 1] - s0;
@@ -631,7 +618,7 @@ at::Tensor moe_cpu_experts_bf16(const at::Tensor& x, const at::Tensor& w13p, con
                            n);
     }
 #pragma omp barrier
-    const auto down_run = run_of(down_cost, tid, nt);
+    const auto down_run = ExpertSchedule::run_of(sched.down_cost, tid, nt);
     for (int64_t i = down_run.first; i < down_run.second; ++i) {
       const int64_t ex = down_items[i].first, b = down_items[i].second;
       const int64_t s0 = start[ex], n = start[ex + 1] - s0;
@@ -640,22 +627,9 @@ at::Tensor moe_cpu_experts_bf16(const at::Tensor& x, const at::Tensor& w13p, con
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t tok = 0; tok < t; ++tok) {
-      int64_t order[64];
-      const int64_t kk = std::min<int64_t>(k, 64);
-      for (int64_t j = 0; j < kk; ++j) {
-        int64_t v = j, i = j;
-        while (i > 0 && ids[tok * k + order[i - 1]] > ids[tok * k + v]) {
-          order[i] = order[i - 1];
-          --i;
-        }
-        order[i] = v;
-      }
       const float* rows[64];
       float w[64];
-      for (int64_t j = 0; j < kk; ++j) {
-        rows[j] = y + slot[tok * k + order[j]] * hp;
-        w[j] = wts[tok * k + order[j]];
-      }
+      const int64_t kk = token_rows_in_expert_order(ids, wts, slot, y, hp, tok, k, rows, w);
       combine_row_bf16(rows, w, kk, h, op + tok * h);
     }
   }
