@@ -205,6 +205,10 @@ class _TextDetokenizer(IncrementalDetokenizer):
         # get_next_output_text(finished=False, delta=True) with nothing held back.
         self.token_ids.append(token_id)
         piece = self.decode_next(token_id)
+        return self._stream_piece(token_id, piece)
+
+    def _stream_piece(self, token_id: int, piece: str) -> str:
+        """step_plain's end: the new piece streamed (nothing held back), or the id kept while it decodes to nothing."""
         if not piece:
             self._undecoded.append(token_id)
             return ""
@@ -461,15 +465,7 @@ class ByteLevelIncrementalDetokenizer(FastIncrementalDetokenizer):
             if piece[-1] == _INCOMPLETE:
                 self._pending = b
                 piece = ""
-        if not piece:
-            self._undecoded.append(token_id)
-            return ""
-        if self._undecoded:
-            self._undecoded = []
-        start = self._streamed_upto
-        text = self.output_text = self.output_text + piece
-        end = self._streamed_upto = len(text)
-        return piece if end - len(piece) == start else text[start:end]
+        return self._stream_piece(token_id, piece)
 
     def decode_ids(self, token_ids: list[int]) -> str:
         try:
