@@ -243,6 +243,13 @@ struct ExpertSchedule {
 
   int64_t rows(int64_t ex) const { return start[ex + 1] - start[ex]; }
 
+  // OpenMP threads for a call of `macs` multiply-adds: one below ~256k, else up to one per gate/up item.
+  int threads(int64_t macs) const {
+    const int64_t n_up = static_cast<int64_t>(up_items.size());
+    return macs < (1 << 18) ? 1
+                            : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_up)));
+  }
+
   // Each phase's items split into one contiguous run per thread, balanced by rows (an item's cost): a thread then
   // streams one contiguous stretch of the packed weights (consecutive items' blocks are adjacent), which the
   // hardware prefetcher follows, where dynamic scheduling had the threads take alternate blocks.
@@ -367,10 +374,7 @@ at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at
   float* op = out.data_ptr<float>();
   // torch's SiLU loop runs whole pairs of vectors and its scalar tail (std::exp) on the rest of a row.
   const int64_t vec_end = vector_exp() ? inter - inter % (2 * kW) : 0;
-  const int64_t n_up = static_cast<int64_t>(up_items.size());
-  const int64_t macs = pairs * ip * (2 * h + hp);
-  const int num_threads =
-      macs < (1 << 18) ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_up)));
+  const int num_threads = sched.threads(pairs * ip * (2 * h + hp));
 
 #pragma omp parallel num_threads(num_threads)
   {
@@ -601,10 +605,7 @@ at::Tensor moe_cpu_experts_bf16(const at::Tensor& x, const at::Tensor& w13p, con
   const uint16_t* w2 = reinterpret_cast<const uint16_t*>(w2p.data_ptr<at::BFloat16>());
   const float* wts = topk_weights.data_ptr<float>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t n_up = static_cast<int64_t>(up_items.size());
-  const int64_t macs = pairs * ip * (2 * h + hp);
-  const int num_threads =
-      macs < (1 << 18) ? 1 : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_up)));
+  const int num_threads = sched.threads(pairs * ip * (2 * h + hp));
 
 #pragma omp parallel num_threads(num_threads)
   {
