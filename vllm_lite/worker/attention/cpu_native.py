@@ -52,8 +52,7 @@ class CpuNativeBackend(AttentionBackend):
     def announce(self, head_size: int, logits_soft_cap: Optional[float]) -> None:
         """Logs, once per head size and soft-cap setting, which key loop the kernel runs (forward does this; a
         caller that runs the kernel itself, csrc's cpu_decoder_layers, calls it)."""
-        if (head_size, bool(logits_soft_cap)) not in self._announced:
-            self._announce(head_size, logits_soft_cap)
+        self._announce(head_size, logits_soft_cap)
 
     def _announce(self, head_size: int, logits_soft_cap: Optional[float]) -> None:
         key = (head_size, bool(logits_soft_cap))
