@@ -43,7 +43,7 @@ class FailingAfterTokens:
         self.poisoned: set[str] = set()
         self.steps: Counter = Counter()
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> ModelRunnerOutput:
         self.poisoned |= {r.req_id for r in so.scheduled_new_reqs if self._marked(r.prompt_token_ids)}
         bad = False
         for rid in self.poisoned & set(so.num_scheduled_tokens):
@@ -51,6 +51,8 @@ class FailingAfterTokens:
             bad = bad or self.steps[rid] > GOOD_STEPS
         if bad:
             raise RuntimeError("injected worker failure for a poisoned request")
+        if non_block:  # async scheduling (the default on CUDA): a handle, as the real executor gives
+            return self.inner.execute_model(so, non_block=True)
         return self.inner.execute_model(so)
 
     def _marked(self, ids: list[int]) -> bool:

@@ -258,6 +258,14 @@ class EngineCore:
         while self.batch_queue:
             self._ready_outputs.append(self._finish_oldest())
 
+    def take_ready_outputs(self) -> list[dict[int, EngineCoreOutputs]]:
+        """The finished steps' outputs not handed out yet (drain() leaves them here), oldest first, now: whoever
+        answers a utility call sends these before the answer, so a client that hears "nothing unfinished" has
+        already been sent every output of the steps before it."""
+        ready = list(self._ready_outputs)
+        self._ready_outputs.clear()
+        return ready
+
     # ------------------------------------------------------------------ utility calls
     def call_utility(self, method: str, args: list[Any]) -> Any:
         fn: Callable[..., Any] | None = self._utilities().get(method)

@@ -463,6 +463,10 @@ class EngineCoreProc:
             result = UtilityOutput(call.call_id, result=value)
         except Exception as e:  # noqa: BLE001 -- a failed utility call fails only that call
             result = UtilityOutput(call.call_id, failure_message=str(e), failure_type=type(e).__name__)
+        # The call drained the steps in flight (async scheduling): their outputs go out before the answer, so a
+        # client hears of every step before its call first (as without async scheduling).
+        for outputs in self.engine_core.take_ready_outputs():
+            self._route_outputs(outputs)
         self._send_outputs(client, EngineCoreOutputs(utility_output=result))
 
     def _send_outputs(self, client: AttachedClient, outs: EngineCoreOutputs) -> None:
