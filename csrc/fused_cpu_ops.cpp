@@ -9,10 +9,15 @@
 //   cpu_decoder_layers(weights, hidden, residual?, positions, kv_caches, ...) -> (hidden, residual)
 //       a whole stack of Llama-family decoder layers (pre-norm attention + gated SiLU MLP) in one call: the ops
 //       above, the q/k/v, o, gate_up and down linears through the kernels cpu_prepack.linear picks for the row
-//       count (bf16_linear_small_m / bf16_linear_vnni / oneDNN's packed linear, or F.linear), the K/V write and
-//       paged attention (ops.h). Each layer's tensors are held by a CpuDecoderWeights object built once per model
-//       (vllm_lite/worker/models/llama.py). Same operations in the same order as the Python layers, so the same
-//       results bit for bit; what goes is ~20 Python-level calls and their dispatch a layer.
+//       count (bf16_linear_small_m / bf16_linear_vnni / oneDNN's packed linear, or for unpacked weights
+//       cpu_linear.linear's per-case choice handed in: F.linear, f32_linear_kblocked at a kc, or 768-output
+//       slices), the K/V write and paged attention (ops.h). A layer's MLP may instead be a sparse mixture of
+//       experts (Mixtral, Qwen3-MoE: fused_moe.py's SparseMoeBlock): the router's F.linear, fused_moe.route's
+//       softmax / top-k / renormalisation as the same ATen ops, and the whole expert path in one moe_cpu_experts
+//       (float32) or moe_cpu_experts_bf16 call (csrc/moe_cpu.cpp). Each layer's tensors are held by a
+//       CpuDecoderWeights object built once per model (vllm_lite/worker/models/cpu_decoder_stack.py). Same
+//       operations in the same order as the Python layers, so the same results bit for bit; what goes is ~20
+//       Python-level calls and their dispatch a layer.
 //
 // Numerics: each op reproduces the torch code it replaces operation by operation, rounding where torch rounds
 // (bfloat16 after every elementwise op, products never fused into an FMA, the norm's sum of squares in torch's
@@ -36,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -616,15 +622,34 @@ enum LayerTensor : int64_t {
   kQNorm,         // q_norm.weight [head_dim] (Qwen3) or absent
   kKNorm,         // k_norm.weight [head_dim] or absent
   kCosSin,        // rotary cos_sin_cache, float32 [max_position, rotary_dim]
-  kLinears,       // then 4 linears (qkv, o, gate_up, down), kLinearSlots each:
-  kPerLayer = kLinears + 4 * 5,
+  kLinears,       // then 4 linears (qkv, o, gate_up, down), kLinearSlots each (gate_up, down absent for MoE)
+  kRouter = kLinears + 4 * 5,  // MoE layers: the router's weight [E, hidden] (F.linear), else absent
+  kW13,                        // MoE layers: the experts' gate/up in moe_cpu_pack(_bf16)'s layout, else absent
+  kW2,                         // MoE layers: the experts' down projection, likewise
+  kPerLayer,
 };
 // A linear's slots: the small-m copy [N/4, K/32, 4, 32], the VNNI copy [N/32, K/2, 32, 2], oneDNN's packed
 // weight, the plain weight [N, K] (layers that are not prepacked), the bias.
 enum LinearSlot : int64_t { kSmall = 0, kVnni, kPacked, kPlain, kBias, kLinearSlots };
 enum LinearIndex : int64_t { kQkv = 0, kO, kGateUp, kDown };
 // Per layer, in CpuDecoderWeights::ints / floats:
-enum LayerInt : int64_t { kNumHeads = 0, kNumKvHeads, kHeadDim, kRotaryDim, kSlidingWindow, kIntsPerLayer };
+// kMlpKind: kDenseMlp, or a MoE layer whose experts run moe_cpu_experts (float32) / moe_cpu_experts_bf16;
+// kTopK, kRenormalize, kRoundWeights, kMoeInter: fused_moe.FusedMoE's top_k, renormalize, round_weights and
+// per-rank intermediate size (0 for dense layers).
+enum LayerInt : int64_t {
+  kNumHeads = 0,
+  kNumKvHeads,
+  kHeadDim,
+  kRotaryDim,
+  kSlidingWindow,
+  kMlpKind,
+  kTopK,
+  kRenormalize,
+  kRoundWeights,
+  kMoeInter,
+  kIntsPerLayer
+};
+enum MlpKind : int64_t { kDenseMlp = 0, kMoeF32, kMoeBf16 };
 enum LayerFloat : int64_t { kEpsIn = 0, kEpsPost, kEpsQk, kScale, kSoftCap, kFloatsPerLayer };
 
 struct CpuDecoderWeights : torch::CustomClassHolder {
@@ -687,10 +712,20 @@ struct CpuDecoderWeights : torch::CustomClassHolder {
     check_contiguous(cs, "cos_sin_cache");
     TORCH_CHECK_VALUE(cs.size(1) == rot, msg("cos_sin_cache must be [max_position, ", rot, "], got ", cs.sizes()));
     const int64_t qkv_n = (h + 2 * kvh) * d;
+    const int64_t kind = iv(l, kMlpKind);
+    TORCH_CHECK_VALUE(kind == kDenseMlp || kind == kMoeF32 || kind == kMoeBf16,
+                      msg("CpuDecoderWeights: layer ", l, ": unknown MLP kind ", kind));
+    const bool moe = kind != kDenseMlp;
+    if (moe) check_moe(l, hidden, dt);
     // Widths the weights tell (oneDNN's packed layout alone does not: -1, and oneDNN checks those itself).
-    const int64_t inter = lin_in(l, kDown);
-    const int64_t want[4][2] = {{hidden, qkv_n}, {h * d, hidden}, {hidden, 2 * inter}, {inter, hidden}};
+    const int64_t inter = moe ? -1 : lin_in(l, kDown);
+    const int64_t want[4][2] = {{hidden, qkv_n}, {h * d, hidden}, {hidden, moe ? -1 : 2 * inter}, {inter, hidden}};
     for (int64_t which = 0; which < 4; ++which) {
+      if (moe && which >= kGateUp) {
+        for (int64_t s = 0; s < kLinearSlots; ++s)
+          TORCH_CHECK_VALUE(!has(lin(l, which, s)), "CpuDecoderWeights: a MoE layer has no gate_up/down linear");
+        continue;
+      }
       const int64_t k_in = lin_in(l, which), n_out = lin_out(l, which, -1);
       TORCH_CHECK_VALUE((k_in < 0 || want[which][0] < 0 || k_in == want[which][0]) &&
                             (n_out < 0 || want[which][1] < 0 || n_out == want[which][1]),
@@ -712,6 +747,27 @@ struct CpuDecoderWeights : torch::CustomClassHolder {
                         "every linear needs a packed or a plain weight");
       TORCH_CHECK_VALUE(!(has(lin(l, which, kSmall)) || has(lin(l, which, kVnni))) || has(lin(l, which, kPacked)),
                         "the small-m and VNNI copies come with a packed weight");
+    }
+  }
+  // A MoE layer's router and experts: the layouts moe_cpu_experts(_bf16) checks, once per model.
+  void check_moe(int64_t l, int64_t hidden, at::ScalarType dt) const {
+    const bool bf16 = iv(l, kMlpKind) == kMoeBf16;
+    TORCH_CHECK_VALUE(dt == (bf16 ? at::kBFloat16 : at::kFloat),
+                      msg("CpuDecoderWeights: layer ", l, ": MoE kind ", iv(l, kMlpKind), " for ", dt, " weights"));
+    const at::Tensor& r = get(l, kRouter);
+    check_dtype(r, dt, "router weight");
+    check_contiguous(r, "router weight");
+    TORCH_CHECK_VALUE(r.dim() == 2 && r.size(1) == hidden && r.size(0) > 0,
+                      msg("router weight must be [E, ", hidden, "], got ", r.sizes()));
+    const int64_t e = r.size(0), k = iv(l, kTopK), inter = iv(l, kMoeInter);
+    TORCH_CHECK_VALUE(k > 0 && k <= e && k <= 64 && inter > 0,
+                      msg("CpuDecoderWeights: layer ", l, ": top_k ", k, " of ", e, " experts, inter ", inter));
+    for (int64_t i : {kW13, kW2}) {
+      const at::Tensor& w = get(l, i);
+      check_dtype(w, dt, "packed experts");
+      check_contiguous(w, "packed experts");
+      TORCH_CHECK_VALUE(w.dim() == 4 && w.size(0) == e,
+                        msg("packed experts must be [", e, ", ...] (4 dims), got ", w.sizes()));
     }
   }
   // A linear's input width (K) and output width (N); `fallback` when only the packed weight tells.
@@ -767,15 +823,38 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return st[0].toTensor();
 }
 
-// cpu_prepack.linear's choice for x's row count (then cpu_linear.linear's F.linear for unpacked weights, which
-// the caller only sends at row counts where cpu_linear takes F.linear).
+at::Tensor kblocked_linear(const at::Tensor& x, const at::Tensor& w, int64_t kc) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("vllm_lite::f32_linear_kblocked", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return op.call(x, w, kc);
+}
+
+// cpu_linear.linear for an unpacked weight, as the caller's per-linear choice `plan` says: 0 F.linear, > 0
+// f32_linear_kblocked at that kc, < 0 F.linear over slices of -plan output rows, concatenated (blocked_linear).
+at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        int64_t plan) {
+  if (plan > 0) return kblocked_linear(x, weight, plan);
+  if (plan == 0) return at::linear(x, weight, bias);
+  const int64_t n = weight.size(0), block = -plan;
+  std::vector<at::Tensor> parts;
+  for (int64_t s = 0; s < n; s += block) {
+    const int64_t len = std::min(block, n - s);
+    parts.push_back(at::linear(x, weight.narrow(0, s, len),
+                               bias.has_value() ? c10::optional<at::Tensor>(bias->narrow(0, s, len))
+                                                : c10::optional<at::Tensor>()));
+  }
+  return at::cat(parts, -1);
+}
+
+// cpu_prepack.linear's choice for x's row count (then cpu_linear.linear's choice `plan` for unpacked weights).
 at::Tensor stack_linear(const CpuDecoderWeights& w, int64_t l, int64_t which, const at::Tensor& x, int64_t small_max,
-                        int64_t vnni_max) {
+                        int64_t vnni_max, int64_t plan = 0) {
   const at::Tensor& bias_t = w.lin(l, which, kBias);
   const c10::optional<at::Tensor> bias = CpuDecoderWeights::has(bias_t) ? c10::optional<at::Tensor>(bias_t)
                                                                          : c10::optional<at::Tensor>();
   const at::Tensor& packed = w.lin(l, which, kPacked);
-  if (!CpuDecoderWeights::has(packed)) return at::linear(x, w.lin(l, which, kPlain), bias);
+  if (!CpuDecoderWeights::has(packed)) return plain_linear(x, w.lin(l, which, kPlain), bias, plan);
   const int64_t rows = x.size(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   if (rows <= small_max && bf16) {
@@ -821,6 +900,30 @@ void stack_rotary(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, con
   }
 }
 
+at::Tensor moe_experts_op(bool bf16, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                          const at::Tensor& weights, const at::Tensor& ids, int64_t inter) {
+  using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, int64_t);
+  static const auto f32 =
+      c10::Dispatcher::singleton().findSchemaOrThrow("vllm_lite::moe_cpu_experts", "").typed<Fn>();
+  static const auto b16 =
+      c10::Dispatcher::singleton().findSchemaOrThrow("vllm_lite::moe_cpu_experts_bf16", "").typed<Fn>();
+  return (bf16 ? b16 : f32).call(x, w13, w2, weights, ids, inter);
+}
+
+// SparseMoeBlock.forward on the CPU kernel experts (fused_moe.py): the router's F.linear, route() (softmax over
+// the float32 logits, top-k, renormalised to sum 1, rounded to the logits' dtype), then KernelExperts /
+// Bf16KernelExperts' call (weights as float32, contiguous).
+at::Tensor stack_moe(const CpuDecoderWeights& w, int64_t l, const at::Tensor& x) {
+  const at::Tensor logits = at::linear(x, w.get(l, kRouter));
+  const at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);
+  auto [weights, ids] = at::topk(probs, w.iv(l, kTopK), -1);
+  if (w.iv(l, kRenormalize)) weights = weights / weights.sum(-1, true);
+  if (w.iv(l, kRoundWeights)) weights = weights.to(logits.scalar_type());
+  return moe_experts_op(w.iv(l, kMlpKind) == kMoeBf16, x, w.get(l, kW13), w.get(l, kW2),
+                        weights.to(at::kFloat).contiguous(), ids.contiguous(), w.iv(l, kMoeInter));
+}
+
 template <typename P>
 int64_t max_position(const at::Tensor& positions) {
   const P* p = positions.data_ptr<P>();
@@ -838,9 +941,13 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layers(
     const c10::optional<at::Tensor>& residual_in, const at::Tensor& positions, at::TensorList kv_caches,
     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
     const at::Tensor& slots, c10::string_view impl, const c10::optional<at::Tensor>& keep, int64_t small_m_max,
-    int64_t vnni_max) {
+    int64_t vnni_max, at::OptionalIntArrayRef plans) {
   const CpuDecoderWeights& w = *weights;
   const int64_t nl = w.num_layers;
+  TORCH_CHECK_VALUE(!plans.has_value() || static_cast<int64_t>(plans->size()) == 4 * nl,
+                    msg("cpu_decoder_layers: plans must hold 4 entries a layer (", 4 * nl, "), got ",
+                        plans.has_value() ? static_cast<int64_t>(plans->size()) : 0));
+  auto plan = [&](int64_t l, int64_t which) -> int64_t { return plans.has_value() ? (*plans)[l * 4 + which] : 0; };
   check_cpu(hidden_in, "hidden");
   check_dim(hidden_in, 2, "hidden");
   check_contiguous(hidden_in, "hidden");
@@ -904,7 +1011,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layers(
       res = new_res;
     }
     // attention: qkv, (q/k norm), rotary in place, K/V write, paged attention
-    at::Tensor qkv = stack_linear(w, l, kQkv, hn, small_m_max, vnni_max);
+    at::Tensor qkv = stack_linear(w, l, kQkv, hn, small_m_max, vnni_max, plan(l, kQkv));
     at::Tensor q = qkv.narrow(1, 0, h * d);
     at::Tensor k = qkv.narrow(1, h * d, kvh * d);
     at::Tensor v = qkv.narrow(1, (h + kvh) * d, kvh * d);
@@ -929,19 +1036,23 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layers(
       res = res.index_select(0, *keep);
       if (keep->numel() == 0) return {at::empty({0, hidden}, x.options()), res};
     }
-    at::Tensor o = stack_linear(w, l, kO, a2, small_m_max, vnni_max);
+    at::Tensor o = stack_linear(w, l, kO, a2, small_m_max, vnni_max, plan(l, kO));
     // post_attention_layernorm (adds the residual), gate_up, SiLU-and-mul, down
     at::Tensor new_res = at::empty(o.sizes(), o.options());
     at::Tensor hn2 = stack_norm(o, &res, w.get(l, kPostNorm), w.fv(l, kEpsPost), &new_res);
     res = new_res;
-    at::Tensor gu = stack_linear(w, l, kGateUp, hn2, small_m_max, vnni_max);
+    if (w.iv(l, kMlpKind) != kDenseMlp) {
+      x = stack_moe(w, l, hn2);
+      continue;
+    }
+    at::Tensor gu = stack_linear(w, l, kGateUp, hn2, small_m_max, vnni_max, plan(l, kGateUp));
     at::Tensor act = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
     if (gu.scalar_type() == at::kFloat) {
       silu_rows<float>(gu, act);
     } else {
       silu_rows<c10::BFloat16>(gu, act);
     }
-    x = stack_linear(w, l, kDown, act, small_m_max, vnni_max);
+    x = stack_linear(w, l, kDown, act, small_m_max, vnni_max, plan(l, kDown));
   }
   return {x, res};
 }
@@ -975,8 +1086,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_lite, m) {
   m.def(
       "cpu_decoder_layers(__torch__.torch.classes.vllm_lite.CpuDecoderWeights weights, Tensor hidden, "
       "Tensor? residual, Tensor positions, Tensor(a!)[] kv_caches, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, Tensor slots, str impl, Tensor? keep, int small_m_max, int vnni_max) "
-      "-> (Tensor, Tensor)");
+      "Tensor query_start_loc, Tensor slots, str impl, Tensor? keep, int small_m_max, int vnni_max, "
+      "int[]? plans=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {

@@ -2,7 +2,8 @@
 Python layers' results bit for bit: hidden states and the K/V written to the cache, on every linear path the row
 count picks (bf16 small-m 1-12 rows, VNNI 13-64, oneDNN above; float32 F.linear below 8 rows), for Llama, Qwen2
 (q/k/v bias), Qwen3 (q/k norm) and Mistral (sliding window), mixed prefill + decode batches and the last layer's
-kept rows. Where the op does not apply (float32 at 8+ rows, a replaced module), the Python layers run."""
+kept rows. Where the op does not apply (a float32 case cpu_linear has not checked yet, a replaced module), the
+Python layers run."""
 
 from __future__ import annotations
 
@@ -170,13 +171,21 @@ def test_float32_stack_matches_python_layers(arch, rows, monkeypatch):
     _assert_same(x, y)
 
 
-def test_float32_from_8_rows_stays_on_the_python_layers(monkeypatch):
-    """cpu_linear's own kernels take float32 linears of 8+ rows; the C++ stack (F.linear only) leaves them."""
+def test_float32_from_8_rows_takes_the_stack_once_cpu_linear_checked_the_case(monkeypatch):
+    """cpu_linear's own kernels take float32 linears of 8+ rows, each case checked on its first input: a forward
+    with an unchecked case runs the Python layers (which check it); the next takes the stack, running the choice
+    cpu_linear recorded (k-blocked kc, slices or F.linear), with the same bits."""
+    from vllm_lite.worker.models import cpu_linear
+
     assert cds.plain_linear_max_rows() == 7
+    monkeypatch.setattr(cpu_linear, "_kc", {})
     model = _model("llama", torch.float32)
     n = _calls(monkeypatch)
     x, y = _both(model, [8], [8])
     assert n[0] == 0
+    _assert_same(x, y)
+    x, y = _both(model, [8], [8])
+    assert n[0] == 1
     _assert_same(x, y)
 
 

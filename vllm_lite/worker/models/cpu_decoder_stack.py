@@ -8,12 +8,20 @@ kernels, the linear kernel cpu_prepack.linear picks for the row count, the K/V w
 the CPU backend), so its results are the Python layers' bit for bit; tests/test_cpu_decoder_stack.py compares
 them on every path (bf16 small-m / VNNI / oneDNN rows, float32, Qwen3's q/k norm, the last layer's kept rows).
 
-When: `LlamaModel.forward` (llama.py) on CPU, outside autograd and tracing, with the fused CPU ops built and on
-(VLLM_LITE_CPU_FUSED_OPS), the CPU native attention backend, and every layer the plain Llama one (RMSNorms,
-`RotaryEmbedding`, `Attention`, SiLU MLP; linears at tensor-parallel size 1, unquantised, not LoRA-wrapped, not
-compiled). Unpacked linears (float32; bf16 where oneDNN cannot pack) take F.linear in C++, as cpu_linear does
-only below its kernels' row counts: such forwards of more rows stay on the Python layers. Anything else runs the
-Python layers, unchanged.
+When: `LlamaModel.forward` (llama.py) and the mixture-of-experts decoders' (mixtral.py: Mixtral, Qwen3-MoE) on
+CPU, outside autograd and tracing, with the fused CPU ops built and on (VLLM_LITE_CPU_FUSED_OPS), the CPU native
+attention backend, and every layer the plain one (RMSNorms, `RotaryEmbedding`, `Attention`, and a SiLU MLP or a
+`SparseMoeBlock` whose experts run the C++ expert op (fused_moe.KernelExperts / Bf16KernelExperts); linears at
+tensor-parallel size 1, unquantised, not LoRA-wrapped, not compiled). Unpacked linears (float32; bf16 where
+oneDNN cannot pack) take what cpu_linear.linear would take for that row count (F.linear, its k-blocked kernel at
+the kc it checked, or its slices), handed to the op per row count; a forward with a case cpu_linear has not yet
+checked runs the Python layers (which check it). Anything else runs the Python layers, unchanged.
+
+A MoE layer in the op: the router's F.linear, fused_moe.route's softmax / top-k / renormalisation / rounding as
+the same ATen calls, then one moe_cpu_experts(_bf16) call: what SparseMoeBlock.forward runs on those experts, so
+the same bits (tests/test_cpu_decoder_stack_moe.py). Why: a Mixtral layer paid ~0.5 ms of Python a decode step
+on top of the dense layer's (the block, route(), the experts' wrapper; benchmarks/PROFILE.md, "MoE on CPU,
+fifth pass").
 
 The stack holds the layers' tensors as they were when it was built (the first eligible forward); each forward
 first checks, by identity, that the modules, weights, packed copies and cos/sin tables it holds are still the
@@ -32,6 +40,7 @@ from torch import nn
 
 from vllm_lite.worker.attention.layer import Attention
 from vllm_lite.worker.models import cpu_linear, cpu_prepack
+from vllm_lite.worker.models.fused_moe import Bf16KernelExperts, FusedMoE, KernelExperts, SparseMoeBlock
 from vllm_lite.worker.models.layers import (
     MergedLinear,
     QKVLinear,
@@ -65,6 +74,27 @@ def plain_linear_max_rows() -> int:
     return min(cpu_linear.KERNEL_MIN_ROWS, cpu_linear.MIN_ROWS) - 1
 
 
+def plain_plan(rows: int, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[int]:
+    """What cpu_linear.linear runs for an unpacked weight at `rows` (inference), as the op takes it: 0 F.linear,
+    kc > 0 its k-blocked kernel at that kc, -BLOCK its slices; None where it has not checked the case yet (its
+    first input of a case runs both ways: the caller leaves that forward to the Python layers). Mirrors
+    cpu_linear.linear's order of rules, reading the choices it recorded."""
+    if rows <= plain_linear_max_rows():
+        return 0
+    if cpu_linear.kernel_applies(rows, weight, weight.dtype, bias):
+        kc = cpu_linear._kc.get(cpu_linear._kernel_case(rows, weight))
+        if kc is None:
+            return None
+        if kc:
+            return kc
+    if not cpu_linear.applies(rows, weight, weight.dtype) or not cpu_linear._enabled():
+        return 0
+    ok = cpu_linear._checked.get(cpu_linear._case(rows, weight, bias))
+    if ok is None:
+        return None
+    return -cpu_linear.BLOCK if ok else 0
+
+
 def _weights_class() -> Any:
     """torch.classes.vllm_lite.CpuDecoderWeights, or None where the loaded library lacks it (torch.classes raises
     RuntimeError, not AttributeError, for an unknown class)."""
@@ -87,7 +117,8 @@ class CpuDecoderStack:
     def __init__(
         self, layers: list[nn.Module], dtype: torch.dtype, weights_class: Any, kinds: tuple[type, type, type]
     ) -> None:
-        # The layer, attention and MLP classes the op mirrors, handed in by the model file (it imports this module).
+        # The layer, attention and dense MLP classes the op mirrors, handed in by the model file (it imports this
+        # module). A layer's MLP is its `mlp_name` attribute (MoE layers) or `mlp`; a SparseMoeBlock is the MoE one.
         LlamaDecoderLayer, LlamaAttention, LlamaMLP = kinds  # noqa: N806
 
         tensors: list[torch.Tensor] = []
@@ -95,7 +126,11 @@ class CpuDecoderStack:
         floats: list[float] = []
         watch: list[tuple[dict, str, Any]] = []  # (a dict, a key, the object found there at build time)
         self.attns: list[Attention] = []
-        self.has_plain = False
+        # Unpacked linears: (index in the op's plans list, weight, bias); their per-row-count plans, cached.
+        self.plain: list[tuple[int, torch.Tensor, Optional[torch.Tensor]]] = []
+        self._plans: dict[tuple[int, int, int], Optional[list[int]]] = {}
+        self._plan_dicts = (cpu_linear._kc, cpu_linear._checked)
+        self.num_moe = 0
 
         def need(ok: bool) -> None:
             if not ok:
@@ -104,19 +139,22 @@ class CpuDecoderStack:
         def t(x: Optional[torch.Tensor]) -> torch.Tensor:
             return _EMPTY if x is None else x
 
-        for layer in layers:
+        for li, layer in enumerate(layers):
             need(type(layer) is LlamaDecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
-            need(type(attn) is LlamaAttention and type(mlp) is LlamaMLP)
+            mlp_name = layer.__dict__.get("mlp_name", "mlp")
+            attn, mlp = layer.self_attn, layer._modules.get(mlp_name)
+            moe = type(mlp) is SparseMoeBlock
+            need(type(attn) is LlamaAttention and (moe or type(mlp) is LlamaMLP))
             need(type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm)
             need(type(attn.attn) is Attention and type(attn.rotary_emb) is RotaryEmbedding)
-            need(type(mlp.act) is SiluAndMul)
+            need(moe or type(mlp.act) is SiluAndMul)
             watch.append((layer.__dict__, "_compiled_call_impl", layer.__dict__.get("_compiled_call_impl")))
             need(layer.__dict__.get("_compiled_call_impl") is None)
+            watch.append((layer.__dict__, "mlp_name", layer.__dict__.get("mlp_name")))
             for parent, names in (
-                (layer, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")),
+                (layer, ("self_attn", mlp_name, "input_layernorm", "post_attention_layernorm")),
                 (attn, ("qkv_proj", "o_proj", "attn", "rotary_emb") + (("q_norm", "k_norm") if attn.qk_norm else ())),
-                (mlp, ("gate_up_proj", "down_proj", "act")),
+                (mlp, ("gate", "experts") if moe else ("gate_up_proj", "down_proj", "act")),
             ):
                 for n in names:
                     watch.append((parent._modules, n, parent._modules[n]))
@@ -141,12 +179,10 @@ class CpuDecoderStack:
                 attn.k_norm.weight if attn.qk_norm else _EMPTY,
                 cs,
             ]
-            for lin, cls in (
-                (attn.qkv_proj, QKVLinear),
-                (attn.o_proj, RowParallelLinear),
-                (mlp.gate_up_proj, MergedLinear),
-                (mlp.down_proj, RowParallelLinear),
-            ):
+            linears = [(attn.qkv_proj, QKVLinear), (attn.o_proj, RowParallelLinear)]
+            if not moe:
+                linears += [(mlp.gate_up_proj, MergedLinear), (mlp.down_proj, RowParallelLinear)]
+            for which, (lin, cls) in enumerate(linears):
                 need(type(lin) is cls and lin.tp_size == 1 and getattr(lin, "quant_method", None) is None)
                 small, vnni, packed = (lin.__dict__.get(n) for n in _LINEAR_ATTRS)
                 for n, v in zip(_LINEAR_ATTRS, (small, vnni, packed)):
@@ -157,11 +193,39 @@ class CpuDecoderStack:
                 if packed is None:
                     need(lin.weight.dtype == dtype and lin.weight.is_cpu and lin.weight.dim() == 2)
                     plain = lin.weight
-                    self.has_plain = True
+                    self.plain.append((4 * li + which, lin.weight, lin.bias))
                 if lin.bias is not None:
                     need(lin.bias.dtype == dtype and lin.bias.is_cpu)
                 tensors += [t(small), t(vnni), t(packed), t(plain), t(lin.bias)]
+            moe_ints = [0, 0, 0, 0, 0]
+            if moe:
+                tensors += [_EMPTY] * 10  # no gate_up / down linears
+                gate, experts = mlp.gate, mlp.experts
+                need(type(gate) is nn.Linear and gate.bias is None and type(experts) is FusedMoE)
+                need(experts.tp_size == 1)
+                packed_experts = experts.cpu_packed
+                kind = {KernelExperts: 1, Bf16KernelExperts: 2}.get(type(packed_experts), 0)
+                need(kind == (1 if dtype == torch.float32 else 2))
+                w = gate.weight
+                need(w.dtype == dtype and w.is_cpu and w.is_contiguous() and w.shape[0] == experts.num_experts)
+                watch.append((gate._parameters, "weight", w))
+                watch.append((gate._parameters, "bias", None))
+                watch.append((experts.__dict__, "cpu_packed", packed_experts))
+                watch.append((packed_experts.__dict__, "w13", packed_experts.w13))
+                watch.append((packed_experts.__dict__, "w2", packed_experts.w2))
+                tensors += [w, packed_experts.w13, packed_experts.w2]
+                moe_ints = [
+                    kind,
+                    int(experts.top_k),
+                    int(bool(experts.renormalize)),
+                    int(bool(experts.round_weights)),
+                    int(packed_experts.inter),
+                ]
+                self.num_moe += 1
+            else:
+                tensors += [_EMPTY] * 3
             ints += [attn.num_heads, attn.num_kv_heads, attn.head_dim, rot.rotary_dim, int(a.sliding_window or 0)]
+            ints += moe_ints
             floats += [
                 float(layer.input_layernorm.eps),
                 float(layer.post_attention_layernorm.eps),
@@ -187,6 +251,29 @@ class CpuDecoderStack:
     def runnable(self) -> bool:
         """No forward hook (a module's or a global one) waits on a module the op would run past."""
         return not (any(map(len, self._hooks)) or _global_hooks[0] or _global_hooks[1])
+
+    def plans(self, rows: int, last_rows: int) -> tuple[bool, Optional[list[int]]]:
+        """(ok, the op's `plans`) for a forward of `rows` rows whose last layer goes on with `last_rows` past its
+        attention: None where every linear is F.linear (or packed); ok False where cpu_linear has not checked one
+        of the cases yet (the forward takes the Python layers, which check it)."""
+        if not self.plain:
+            return True, None
+        if self._plan_dicts[0] is not cpu_linear._kc or self._plan_dicts[1] is not cpu_linear._checked:
+            self._plans.clear()  # cpu_linear's records were replaced (tests)
+            self._plan_dicts = (cpu_linear._kc, cpu_linear._checked)
+        key = (rows, last_rows, torch.get_num_threads())
+        if key in self._plans:
+            return True, self._plans[key]
+        last = len(self.attns) - 1
+        out = [0] * (4 * len(self.attns))
+        for i, weight, bias in self.plain:
+            p = plain_plan(last_rows if i // 4 == last and i % 4 else rows, weight, bias)
+            if p is None:
+                return False, None
+            out[i] = p
+        plans = out if any(out) else None
+        self._plans[key] = plans
+        return True, plans
 
 
 class _Ineligible(Exception):
@@ -228,7 +315,10 @@ def run_stack(
         return None
     md = ctx.metadata
     t = input_ids.shape[0]
-    if t == 0 or t != md.num_actual_tokens or (stack.has_plain and t > plain_linear_max_rows()):
+    if t == 0 or t != md.num_actual_tokens:
+        return None
+    ok, plans = stack.plans(t, t if logits_rows is None else logits_rows.shape[0])
+    if not ok:
         return None
     caches = [a.kv_cache for a in stack.attns]
     if any(c is None for c in caches):
@@ -251,8 +341,30 @@ def run_stack(
         logits_rows,
         cpu_prepack.SMALL_M_MAX,
         cpu_prepack.VNNI_MAX,
+        plans,
     )
     if hidden.shape[0] == 0:
         return hidden
     hidden, _ = model.norm(hidden, residual)
     return hidden
+
+
+def forward_with_stack(
+    model: nn.Module,
+    kinds: tuple[type, type, type],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    logits_rows: Optional[torch.Tensor],
+) -> Optional[torch.Tensor]:
+    """A PreNormDecoder's forward through the C++ stack where it applies, else None (the caller runs its Python
+    layers). The decision is kept in `model._cpu_stack` ([] undecided, else [stack or None]) and redone when the
+    modules or tensors it holds were replaced. As LlamaModel.forward (llama.py) does for the dense models."""
+    if not input_ids.is_cpu:
+        return None
+    cache = model._cpu_stack
+    if not cache or (cache[0] is not None and not cache[0].unchanged()):
+        cache[:] = [build_stack(list(model.layers), model.embed_tokens.weight.dtype, kinds)]
+    stack = cache[0]
+    if stack is None or not stack.runnable():
+        return None
+    return run_stack(stack, model, input_ids, positions, logits_rows)

@@ -3,20 +3,23 @@
 The MoE block goes through the one fused-MoE layer (fused_moe.py): softmax router, top-k
 (`num_experts_per_tok`) renormalised to sum 1, experts stacked into one tensor per projection at load.
 The decoder here is shared with Qwen3-MoE (qwen3_moe.py), which changes the attention (q/k norm)
-and which layers are sparse.
+and which layers are sparse. On CPU its layers run as one C++ call where that applies (cpu_decoder_stack.py:
+attention, the router, top-k and the C++ expert op; the same results as the Python layers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch import nn
 
+from vllm_lite.worker.models.cpu_decoder_stack import CpuDecoderStack, forward_with_stack
 from vllm_lite.worker.models.decoder import CausalLM, PreNormDecoder, PreNormResidualLayer
 from vllm_lite.worker.models.fused_moe import SparseMoeBlock, load_moe_weights
 from vllm_lite.worker.models.layers import RMSNorm
-from vllm_lite.worker.models.llama import STACKED, LlamaAttention
+from vllm_lite.worker.models.llama import STACKED, LlamaAttention, LlamaMLP
 from vllm_lite.worker.models.sliding_window import layer_sliding_windows
 
 
@@ -35,6 +38,34 @@ class MoEDecoderLayer(PreNormResidualLayer):
         return getattr(self, self.mlp_name)(hidden)
 
 
+# The classes whose exact instances the CPU decoder stack's C++ op stands in for (a layer's MLP: a SparseMoeBlock
+# or, on Qwen3-MoE's dense layers, a LlamaMLP).
+STACK_KINDS = (MoEDecoderLayer, LlamaAttention, LlamaMLP)
+
+
+class MoEDecoder(PreNormDecoder):
+    """PreNormDecoder whose layers run as one C++ call on CPU where it applies (cpu_decoder_stack.py)."""
+
+    def __init__(self, config, layers: list[nn.Module]) -> None:
+        super().__init__(config, layers)
+        self._cpu_stack: list[Optional[CpuDecoderStack]] = []  # [] until decided at a CPU forward, then [stack/None]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        hidden = forward_with_stack(self, STACK_KINDS, input_ids, positions, logits_rows)
+        if hidden is not None:
+            return hidden
+        return super().forward(input_ids, positions, logits_rows)
+
+    def __getstate__(self) -> dict:
+        """A copy or pickle decides its own stack (the C++ weights object is neither copyable nor picklable)."""
+        state = super().__getstate__()
+        state = dict(state) if state is not None else dict(self.__dict__)
+        state["_cpu_stack"] = []
+        return state
+
+
 class MixtralForCausalLM(CausalLM):
     """Mixtral decoder + LM head. Subclasses override `make_layer` for other MoE families."""
 
@@ -44,7 +75,7 @@ class MixtralForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         windows = layer_sliding_windows(config)
-        self.model = PreNormDecoder(config, [self.make_layer(config, i, w) for i, w in enumerate(windows)])
+        self.model = MoEDecoder(config, [self.make_layer(config, i, w) for i, w in enumerate(windows)])
         self.init_lm_head(config, self.model.embed_tokens, tie_default=False)
 
     def make_attention(self, config, sliding_window: int | None) -> nn.Module:
