@@ -750,3 +750,127 @@ def test_logits_positions_pick_each_verified_token(counts, scheduled, small_batc
     for row, i, n in zip(got.tolist(), s_idx.tolist(), counts):
         own = list(range(query_start_loc[i + 1] - 1 - n, query_start_loc[i + 1]))
         assert row == own + [own[-1]] * (k - n)
+
+
+# ---------------------------------------------------------------------------------------------- host-side point masses
+@pytest.mark.parametrize("mix", ["all_random", "all_greedy", "mixed"])
+@pytest.mark.parametrize("rewind", [False, True])
+def test_host_point_mass_matching_equals_the_device_form_and_leaves_seeded_streams_alike(
+    mix, rewind, monkeypatch
+) -> None:
+    """match_sample_host (the runner's n-gram verification) emits the tokens `_match_sample` emits from the same
+    global and seeded streams, with the drafts on the host; every seeded generator ends where the device form
+    leaves it (one draw per emitted token), whether it draws position by position or all at once and rewinds."""
+    from vllm_lite.spec_decode import rejection_sampler as rs
+
+    monkeypatch.setattr(rs, "SEEDED_REWIND", rewind)
+    gen = torch.Generator().manual_seed(11)
+    b, k, v = 40, 4, 6  # a small vocabulary: drafts often agree, so prefixes of every length occur
+    target = random_probs(gen, b, k + 1, v)
+    drafts = torch.randint(0, v, (b, k), generator=gen)
+    num_draft = torch.randint(0, k + 1, (b,), generator=gen)
+    greedy = {
+        "all_random": torch.zeros(b, dtype=torch.bool),
+        "all_greedy": torch.ones(b, dtype=torch.bool),
+        "mixed": torch.arange(b) % 3 == 0,
+    }[mix]
+
+    def seeded() -> dict[int, torch.Generator]:
+        return {i: torch.Generator().manual_seed(100 + i) for i in range(0, b, 2)}
+
+    ref_gens, host_gens = seeded(), seeded()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        ref = rs._match_sample(drafts, num_draft, target, greedy, ref_gens)
+        after_ref = torch.rand(3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        got = rs.match_sample_host(
+            target,
+            drafts.numpy(),
+            num_draft.numpy(),
+            greedy,
+            mix == "all_greedy",
+            mix == "all_random",
+            host_gens,
+        )
+        after_host = torch.rand(3)
+    assert got.output_token_ids.device.type == "cpu" and got.output_token_ids.dtype == torch.int64
+    assert torch.equal(got.output_token_ids, ref.output_token_ids)
+    assert torch.equal(got.num_accepted, ref.num_accepted)
+    assert torch.equal(after_host, after_ref)  # the global stream advanced alike
+    for i in ref_gens:  # each seeded stream is where one draw per emitted token leaves it
+        assert torch.equal(host_gens[i].get_state(), ref_gens[i].get_state()), i
+    if mix != "all_greedy":
+        accepted = got.num_accepted[list(ref_gens)]
+        assert 0 < int((accepted < num_draft[list(ref_gens)]).sum()), "no seeded row rejected: rewind untested"
+
+
+def _sampled_metadata(s: int, greedy: np.ndarray, seeded: dict[int, torch.Generator]):
+    from dataclasses import replace
+
+    from vllm_lite.worker.sampling_metadata import SamplingMetadata
+
+    all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
+    md = SamplingMetadata(
+        num_rows=s,
+        all_greedy=all_greedy,
+        all_random=all_random,
+        greedy_mask=None if all_greedy or all_random else torch.from_numpy(greedy),
+        temperature=torch.from_numpy(np.where(greedy, 1.0, 0.7).astype(np.float32)),
+        top_k=torch.full((s,), 5),
+        max_top_k=5,
+        top_p=None,
+        min_p=None,
+        generators=seeded,
+    )
+    if not (all_greedy or all_random):
+        md = replace(md, random_rows_host=np.nonzero(~greedy)[0].astype(np.int64))
+        md.random_rows = torch.from_numpy(md.random_rows_host)
+    return md
+
+
+@pytest.mark.parametrize("mix", ["all_random", "mixed"])
+def test_verify_matches_point_masses_on_the_host_without_copying_drafts(mix, monkeypatch) -> None:
+    """SpecDecodeStep.verify on sampled n-gram rows: host tokens from match_sample_host and the mixed batch's random
+    rows from the host's metadata, no device copy of the drafts (only penalties and draft-model q read them
+    there): the tokens the device form (nonzero of the greedy mask, rejection_sample_rows) gives."""
+    from dataclasses import replace
+
+    from vllm_lite.worker import spec_decode_step as sds
+
+    gen = torch.Generator().manual_seed(12)
+    s, k, v = 6, 3, 9
+    logits = torch.randn(s * (k + 1), v, generator=gen)
+    greedy = np.arange(s) % 3 == 0 if mix == "mixed" else np.zeros(s, dtype=bool)
+    drafts = torch.randint(0, v, (s, k), generator=gen).numpy()
+    num_draft = np.array([3, 0, 1, 2, 3, 3], dtype=np.int64)
+
+    def seeded() -> dict[int, torch.Generator]:
+        return {i: torch.Generator().manual_seed(7 + i) for i in (0, 1, 4)}
+
+    md = _sampled_metadata(s, greedy, seeded())
+    md_ref = replace(md, random_rows_host=None, random_rows=None, generators=seeded())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        target, is_greedy = sds.target_distributions(logits, md_ref, None, k + 1)
+        ref = rejection_sample_rows(
+            torch.from_numpy(drafts), torch.from_numpy(num_draft), None, None, target, is_greedy, md_ref.generators
+        )
+    copied = []
+    real_from_numpy = torch.from_numpy
+
+    def spy(a):
+        copied.append(a is drafts or a is num_draft)
+        return real_from_numpy(a)
+
+    monkeypatch.setattr(sds.torch, "from_numpy", spy)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        tokens, lp = sds.SpecDecodeStep.verify(logits, md, None, drafts, num_draft)
+    monkeypatch.setattr(sds.torch, "from_numpy", real_from_numpy)
+    assert lp is None
+    assert not any(copied), "the drafts went to the device"
+    assert torch.equal(tokens, ref.output_token_ids)
+    for i, g in md.generators.items():
+        assert torch.equal(g.get_state(), md_ref.generators[i].get_state()), i

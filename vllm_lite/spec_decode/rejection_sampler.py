@@ -290,6 +290,102 @@ def _keep_matching_prefix_host(
     return _match_prefix_np(sampled.numpy(), draft_token_ids.cpu().numpy(), num_draft_tokens.cpu().numpy())
 
 
+# Seeded random rows on devices other than the CPU draw every verified position at once from their generator,
+# then rewind it to the state after their emitted tokens' draws (`_seeded_samples`), so no position waits for the
+# one before it on the host. The CPU draws position by position and stops at the first mismatch (no sync to save).
+# Tests set this True to run the rewind path on the CPU.
+SEEDED_REWIND: Optional[bool] = None
+
+
+def match_sample_host(
+    target_probs: torch.Tensor,
+    draft_token_ids: np.ndarray,
+    num_draft_tokens: np.ndarray,
+    is_greedy: Optional[torch.Tensor],
+    all_greedy: bool,
+    all_random: bool,
+    generators: Optional[dict[int, torch.Generator]] = None,
+    greedy_host: Optional[np.ndarray] = None,
+) -> RejectionSamplerOutput:
+    """`_match_sample` (point-mass drafts) with the drafts and the result on the host: the same tokens, drawn from
+    the same streams, but the device runs only the argmax / race over [B, k+1, V] and one copy of the [B, k+1]
+    samples comes back (the step's one sync); the accepted prefix is kept in numpy (`_match_prefix_np`). No
+    `greedy.all()` check on the device (the metadata's host flags say it), no copy of the drafts to the device,
+    no prefix-match kernels (~12 small launches on CUDA).
+
+    target_probs: [B, k+1, V] (processed logits for greedy rows, probabilities for random ones), on any device.
+    draft_token_ids int64 numpy [B, k], num_draft_tokens int64 numpy [B]. is_greedy: bool [B] on the target's
+    device, read only when neither all_greedy nor all_random; greedy_host: the same on the host (bool numpy [B]),
+    which spares seeded rows in such a batch a read of is_greedy back. generators: row -> seeded generator."""
+    generators = generators or {}
+    b, k = draft_token_ids.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (b, k + 1):
+        raise ValueError(f"target_probs must be [{b}, {k + 1}, V], got {tuple(target_probs.shape)}.")
+    if num_draft_tokens.shape != (b,):
+        raise ValueError(f"num_draft_tokens must be [{b}], got {tuple(num_draft_tokens.shape)}.")
+    if not (all_greedy or all_random) and (is_greedy is None or is_greedy.shape != (b,)):
+        raise ValueError(f"a batch of greedy and random rows needs is_greedy [{b}].")
+    if any(not 0 <= row < b for row in generators):
+        raise ValueError(f"generators must be keyed by rows in [0, {b}), got {sorted(generators)!r}.")
+    target = target_probs.float()
+    if all_greedy:
+        return _match_prefix_np(_argmax_last(target).cpu().numpy(), draft_token_ids, num_draft_tokens)
+    vocab, device = target.shape[2], target.device
+    race = (target / _exponential((b, k + 1, vocab), device, None)).argmax(dim=2)
+    sampled = race if all_random else torch.where(is_greedy.unsqueeze(1), target.argmax(dim=2), race)  # type: ignore[union-attr]
+    rewind: list[tuple[int, torch.Generator, list[torch.Tensor]]] = []
+    if generators:
+        greedy_rows = greedy_host
+        if greedy_rows is None and not all_random:
+            greedy_rows = is_greedy.cpu().numpy()  # type: ignore[union-attr]
+        rewinds = SEEDED_REWIND if SEEDED_REWIND is not None else device.type != "cpu"
+        for row, gen in generators.items():  # seeded rows: one [V] draw per emitted token, in order
+            if greedy_rows is not None and greedy_rows[row]:
+                continue
+            states = _seeded_samples(
+                sampled, target, row, gen, draft_token_ids[row], int(num_draft_tokens[row]), rewinds
+            )
+            if states is not None:
+                rewind.append((row, gen, states))
+    out = _match_prefix_np(sampled.cpu().numpy(), draft_token_ids, num_draft_tokens)
+    if rewind:
+        accepted = out.num_accepted.numpy()
+        for row, gen, states in rewind:  # leave each generator as drawing only the emitted tokens would
+            drawn = int(accepted[row]) + 1
+            if drawn < len(states) - 1:
+                gen.set_state(states[drawn])
+    return out
+
+
+def _seeded_samples(
+    sampled: torch.Tensor,
+    target: torch.Tensor,
+    row: int,
+    gen: torch.Generator,
+    drafts: np.ndarray,
+    n: int,
+    rewind: bool,
+) -> Optional[list[torch.Tensor]]:
+    """Row `row`'s samples at positions 0..n from its own generator, written into `sampled`. Sequential (rewind
+    False): a draw per position up to the first mismatch with the drafts, one host read each. Rewind: all n + 1
+    draws without reading any, returning the generator's state before each draw and after the last (the caller
+    sets the one after the emitted tokens' draws once the accepted length is known)."""
+    vocab, device = target.shape[2], target.device
+    if not rewind:
+        for pos in range(n + 1):
+            token = int((target[row, pos] / _exponential((vocab,), device, gen)).argmax())
+            sampled[row, pos] = token
+            if pos < n and token != int(drafts[pos]):
+                break
+        return None
+    states = []
+    for pos in range(n + 1):
+        states.append(gen.get_state())
+        sampled[row, pos] = (target[row, pos] / _exponential((vocab,), device, gen)).argmax()
+    states.append(gen.get_state())
+    return states
+
+
 def _match_sample(
     draft_token_ids: torch.Tensor,
     num_draft_tokens: torch.Tensor,

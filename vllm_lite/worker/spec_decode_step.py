@@ -29,7 +29,7 @@ from vllm_lite.config import VllmConfig
 from vllm_lite.spec_decode.draft_budget import DraftBudget
 from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
-from vllm_lite.spec_decode.rejection_sampler import greedy_verify_host, rejection_sample_rows
+from vllm_lite.spec_decode.rejection_sampler import greedy_verify_host, match_sample_host, rejection_sample_rows
 from vllm_lite.spec_decode.uniform_drafts import UniformDrafts, verify_graph_sizes
 from vllm_lite.worker.attention.backend import AttentionBackend
 from vllm_lite.worker.draft_model import DraftModel
@@ -193,6 +193,19 @@ def expand_metadata(
     )
 
 
+def _expanded_random_rows(
+    md: SamplingMetadata, md_x: SamplingMetadata, reps: int
+) -> tuple[torch.Tensor, Optional[np.ndarray]]:
+    """The random rows of `md_x` (md's rows repeated `reps` times), ascending, on the device and the host: from the
+    host's `random_rows_host` when the metadata has it (no read of the greedy mask back), else by nonzero."""
+    host = md.random_rows_host
+    assert md_x.greedy_mask is not None
+    if host is None:
+        return (~md_x.greedy_mask).nonzero().squeeze(1), None
+    rows = (np.asarray(host, dtype=np.int64)[:, None] * reps + np.arange(reps)[None, :]).reshape(-1)
+    return torch.from_numpy(rows).to(md_x.greedy_mask.device), rows
+
+
 def target_distributions(
     logits: torch.Tensor,
     md: SamplingMetadata,
@@ -213,12 +226,12 @@ def target_distributions(
         return processed.view(s, reps, -1), torch.ones(s, dtype=torch.bool, device=logits.device)
     if md.all_random:
         greedy = torch.zeros(s, dtype=torch.bool, device=logits.device)
-        random_rows = None
+        random_rows, random_rows_host = None, None
     else:
         assert md.greedy_mask is not None and md_x.greedy_mask is not None
         greedy = md.greedy_mask
-        random_rows = (~md_x.greedy_mask).nonzero().squeeze(1)
-    probs = warp(processed, md_x, random_rows).to_dense().softmax(dim=-1)
+        random_rows, random_rows_host = _expanded_random_rows(md, md_x, reps)
+    probs = warp(processed, md_x, random_rows, random_rows_host).to_dense().softmax(dim=-1)
     if random_rows is not None:
         probs = torch.where(md_x.greedy_mask.unsqueeze(1), processed, probs)  # type: ignore[union-attr]
     return probs.view(s, reps, -1), greedy
@@ -433,11 +446,28 @@ class SpecDecodeStep:
             # go to the device; the tokens are host data, which the runner reads.
             out = greedy_verify_host(logits.view(s, k + 1, -1), drafts, num_draft)
         else:
-            drafts_t, num_draft_t = torch.from_numpy(drafts).to(device), torch.from_numpy(num_draft).to(device)
+            # The drafts go to the device only where a device op reads them: penalties at verified positions and
+            # sampled draft-model proposals (q). Point masses (n-gram, and draft-model rows without q) are matched
+            # on the host after one copy of the samples (match_sample_host), as the greedy path does.
+            point_masses = draft_probs is None or has_draft_probs is None
+            on_device = md.penalty_token_ids is not None or not point_masses
+            drafts_t = num_draft_t = None
+            if on_device:
+                drafts_t, num_draft_t = torch.from_numpy(drafts).to(device), torch.from_numpy(num_draft).to(device)
             target, greedy = target_distributions(logits, md, bitmask, k + 1, drafts_t, num_draft_t)
-            out = rejection_sample_rows(
-                drafts_t, num_draft_t, draft_probs, has_draft_probs, target, greedy, md.generators
-            )
+            if point_masses:
+                greedy_host = None
+                if md.random_rows_host is not None:  # mixed: the host knows which rows are greedy
+                    greedy_host = np.ones(s, dtype=bool)
+                    greedy_host[md.random_rows_host] = False
+                out = match_sample_host(
+                    target, drafts, num_draft, greedy, md.all_greedy, md.all_random, md.generators, greedy_host
+                )
+            else:
+                assert drafts_t is not None and num_draft_t is not None
+                out = rejection_sample_rows(
+                    drafts_t, num_draft_t, draft_probs, has_draft_probs, target, greedy, md.generators
+                )
         tokens = out.output_token_ids
         lp = None
         if md.max_num_logprobs is not None:
