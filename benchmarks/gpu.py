@@ -35,37 +35,50 @@ a "full" run measures, all in this one invocation:
     input preparation, forward, sample, update, output processing; us a step, inclusive and self) and cProfile
     (top 10 Python functions by self time, top 10 of vllm_lite's by inclusive time); host ms a step = step ms
     less the device's busy ms a step; prefill steps against their matmul floor.
-With --compare-async, a full shape also runs with async_scheduling=False and True (multiprocess figures side by
-side, greedy tokens identical?, and the in-process decode profile of each); "unsupported" where EngineArgs has
-no async_scheduling field.
+Every engine runs at the engine's defaults (async scheduling where the engine turns it on: CUDA). With
+--compare-async a full shape also runs the other scheduling (async_scheduling=False on CUDA, True on CPU) after
+the main parts: its multiprocess figures beside the main run's (compare_async: sync and async, async / sync
+ratios, greedy tokens identical?) and its in-process decode profile (decode_step_sync or decode_step_async;
+--skip-compare-profile leaves that out); "unsupported" where EngineArgs has no async_scheduling field.
 A "batch1" run (default for llama-8b) measures only time to ready and batch-1 ms/token, with its roofline.
 
     python benchmarks/gpu.py                                   # llama-1b full + llama-8b batch-1 (<= 150 s on an H100)
     python benchmarks/gpu.py --shapes llama-8b-8l,qwen2-100m   # other shapes (NAME or NAME:batch1)
     python benchmarks/gpu.py --compare-eager                   # also enforce_eager=True: both figures, same tokens?
     python benchmarks/gpu.py --compare-async                   # async_scheduling False and True: both, same tokens?
+    python benchmarks/gpu.py --shapes llama-1b --time-limit 170 --out-json r.json   # a short device call
     python benchmarks/gpu.py --trace-dir DIR                   # + Chrome traces of 3 steps of each step profile
     python benchmarks/gpu.py --device cpu --smoke              # seconds, on CPU (float32)
 
-Prints ONE JSON line on stdout (progress on stderr), also when a part fails: each failure is recorded in
-its shape's "errors" (and the exit status is 1); past --time-limit (330 s) the run stops and prints what it has.
-"part_seconds" and "build" in each shape say where the time went.
+Prints ONE JSON line on stdout (progress on stderr: each part's key figures on a "FIGURES" line as soon as it
+has them), also when a part fails: each failure is recorded in its shape's "errors" (and the exit status is 1).
+--time-limit (330 s, from the interpreter's start) is a hard wall: the running part is stopped a grace before it
+(a worker interpreter never gets more than the time left), the run prints what it has ("stopped" says why,
+"partial": true) and at the limit itself a watchdog kills what is left and prints it anyway; SIGTERM stops the
+run the same way. --out-json FILE holds the result so far after every part (the last complete state survives a
+kill). "part_seconds" and "build" in each shape say where the time went. On the H100 (2026-11-27) the default
+`--shapes llama-1b` run took ~146 s: start 4 s, build 14 s, engine 33 s, step profiles 28 s, multiprocess busy
+24 s, HF 42 s; --compare-async adds ~11 s (the other scheduling's engine run) and ~25 s (its step profile).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-import traceback
-from typing import Any, Optional
+
+T0 = time.perf_counter()  # before the heavy imports: --time-limit counts from here
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+from typing import Any, Optional  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -79,19 +92,251 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-T0 = time.perf_counter()
-
 
 class TimeLimit(BaseException):
-    """--time-limit reached: not an Exception, so no part swallows it; the run stops and prints what it has."""
+    """--time-limit reached (or SIGTERM): not an Exception, so no part swallows it; the run stops and prints
+    what it has. `partial`: what a worker interpreter had measured when it was stopped (or None)."""
+
+    def __init__(self, reason: str, partial: Optional[dict[str, Any]] = None, worker_pid: Optional[int] = None):
+        super().__init__(reason)
+        self.partial = partial
+        self.worker_pid = worker_pid
 
 
-def _on_alarm(signum, frame) -> None:
-    raise TimeLimit("--time-limit reached")
+# The run's shared state: the result so far (printed and saved by whoever ends the run), --out-json, the
+# deadlines, the worker interpreter running now (killed with its process group at a stop).
+RUN: dict[str, Any] = {
+    "result": None,
+    "out_json": None,
+    "soft_deadline": None,  # perf_counter time: parts stop here (TimeLimit), the JSON is printed
+    "hard_deadline": None,  # perf_counter time: the watchdog prints what it has and exits, whatever hangs
+    "worker": None,
+    "stop_reason": None,
+    "last_json": None,
+    "finished": False,
+}
+_END_LOCK = threading.Lock()
+WORKER_MARGIN_S = 1.0  # a worker interpreter is stopped this long before the soft deadline
+
+
+def _grace_s(limit: float) -> float:
+    """Seconds between the soft stop (parts end, engines shut down) and the hard wall (the watchdog exits)."""
+    return min(15.0, max(3.0, 0.08 * limit))
+
+
+def time_left() -> Optional[float]:
+    """Seconds to the soft deadline (None: no --time-limit)."""
+    d = RUN["soft_deadline"]
+    return None if d is None else d - time.perf_counter()
+
+
+SIGTERM_GRACE_S = 8.0  # after SIGTERM (`timeout`'s signal) the run has this long to print what it has
+
+
+def _on_stop_signal(signum, frame) -> None:
+    alarm = signum == getattr(signal, "SIGALRM", None)
+    if not alarm:
+        _arm_hard_wall(time.perf_counter() + SIGTERM_GRACE_S)  # a stop asked from outside: a hard wall too
+    if RUN["stop_reason"] is not None:
+        return  # already stopping: the clean-up goes on, under the hard wall
+    RUN["stop_reason"] = "--time-limit reached" if alarm else f"signal {signal.Signals(signum).name} received"
+    raise TimeLimit(RUN["stop_reason"])
+
+
+def stop_now(reason: str, partial: Optional[dict[str, Any]] = None, worker_pid: Optional[int] = None) -> TimeLimit:
+    """The TimeLimit to raise where a part sees the deadline itself (a worker stopped at it): no alarm after it."""
+    if hasattr(signal, "SIGALRM"):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    RUN["stop_reason"] = RUN["stop_reason"] or reason
+    return TimeLimit(reason, partial, worker_pid)
 
 
 def log(msg: str) -> None:
     print(f"[gpu.py {time.perf_counter() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+LABELS = {
+    "tok_s": "tok/s",
+    "batch1_ms_per_token": "batch-1 ms/token",
+    "ttft_ms": "TTFT ms",
+    "ready_s": "ready s",
+    "async_scheduling": "async",
+    "seconds": "part s",
+    "step_ms": "step ms",
+    "step_ms_median": "step ms (median)",
+    "busy": "busy fraction",
+    "host_ms": "host ms/step",
+    "busy_ms_per_step": "busy ms/step",
+    "window_ms_per_step": "window ms/step",
+    "engine_steps": "engine steps",
+    "tok_s_ratio": "tok/s ratio",
+    "batch1_ms_ratio": "batch-1 ms ratio",
+    "greedy_identical": "greedy identical (workload/batch-1)",
+    "ratio": "vllm-lite/HF",
+}
+
+
+def figures(what: str, **values: Any) -> None:
+    """One progress line of a part's key figures, as soon as it has them: `[gpu.py  T] FIGURES what: k v, ...`."""
+    parts = [f"{LABELS.get(k, k)} {v}" for k, v in values.items() if v is not None]
+    log(f"FIGURES {what}: " + ", ".join(parts))
+
+
+def _dump(result: dict[str, Any]) -> str:
+    """JSON of the result; the main thread may be changing it (the watchdog's call): a few tries."""
+    for _ in range(5):
+        try:
+            return json.dumps(result)
+        except RuntimeError:  # "dictionary changed size during iteration"
+            time.sleep(0.01)
+    return RUN["last_json"] or json.dumps({"benchmark": "gpu", "errors": ["the result could not be serialised"]})
+
+
+def _write_out_json(text: str) -> None:
+    path = RUN["out_json"]
+    if not path:
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
+def save_partial(current: Optional[str] = None) -> None:
+    """After each part: the result so far to --out-json (atomically; the last complete state survives a kill)."""
+    result = RUN["result"]
+    if result is None:
+        return
+    result["partial"] = True
+    result["elapsed_s"] = round(time.perf_counter() - T0, 1)
+    if current is not None:
+        result["current_part"] = current
+    text = _dump(result)
+    RUN["last_json"] = text
+    try:
+        _write_out_json(text)
+    except OSError as e:
+        log(f"--out-json: {e}")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _kill_worker_group(proc: subprocess.Popen) -> None:
+    """A worker interpreter leads its own process group (its engine core is in it): kill all of it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _hard_stop() -> None:
+    """The hard wall (watchdog thread): kill the worker and every process this run started, print and save the
+    JSON it has, exit now, whatever the main thread is stuck in."""
+    if not _END_LOCK.acquire(blocking=False):
+        return  # the main thread is printing the result now
+    if RUN["finished"]:
+        _END_LOCK.release()
+        return
+    result = RUN["result"] or {"benchmark": "gpu", "errors": []}
+    worker = RUN["worker"]
+    killed = []
+    if worker is not None:
+        killed.append(worker.pid)
+        try:
+            os.killpg(worker.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    reason = RUN["stop_reason"] or "--time-limit reached"
+    result["stopped"] = f"{reason}; hard wall: the run did not end in time and was cut off"
+    result["killed_pids"] = sorted(set(killed))
+    result["partial"] = True
+    result["elapsed_s"] = round(time.perf_counter() - T0, 1)
+    text = _dump(result)
+    log(f"hard wall at {result['elapsed_s']} s: killed {result['killed_pids']}, printing what the run has")
+    try:
+        _write_out_json(text)
+    except OSError:
+        pass
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+    os._exit(1)
+
+
+_HARD_TIMER: list[threading.Timer] = []
+
+
+def _arm_hard_wall(at: float) -> None:
+    """(Re)arm the watchdog for perf_counter time `at` (only ever earlier)."""
+    if RUN["hard_deadline"] is not None and RUN["hard_deadline"] <= at:
+        return
+    RUN["hard_deadline"] = at
+    for t in _HARD_TIMER:
+        t.cancel()
+    timer = threading.Timer(max(0.0, at - time.perf_counter()), _hard_stop)
+    timer.daemon = True
+    timer.start()
+    _HARD_TIMER[:] = [timer]
+
+
+def arm_time_limit(limit: float) -> None:
+    """--time-limit LIMIT seconds from this interpreter's start (T0): parts stop at LIMIT - grace (SIGALRM ->
+    TimeLimit; worker interpreters get that much time at most), the watchdog exits at LIMIT. SIGTERM (as
+    `timeout` sends) stops the run the same way."""
+    if hasattr(signal, "SIGTERM"):
+        signal.signal(signal.SIGTERM, _on_stop_signal)
+    if limit <= 0:
+        return
+    hard = T0 + limit
+    soft = hard - _grace_s(limit)
+    RUN["soft_deadline"] = soft
+    _arm_hard_wall(hard)
+    if hasattr(signal, "SIGALRM"):
+        signal.signal(signal.SIGALRM, _on_stop_signal)
+        left = soft - time.perf_counter()
+        if left <= 0:
+            RUN["stop_reason"] = "--time-limit reached"
+            raise TimeLimit("--time-limit reached before the run started")
+        signal.setitimer(signal.ITIMER_REAL, left)
+
+
+def disarm() -> None:
+    if hasattr(signal, "SIGALRM"):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    for t in _HARD_TIMER:
+        t.cancel()
 
 
 def make_prompts(num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -164,6 +409,7 @@ def start_llm(model: str, s: dict[str, Any], enforce_eager: bool, multiprocess: 
             "max_num_batched_tokens": sc.max_num_batched_tokens,
             "max_model_len": sc.max_model_len,
             "block_size": cc.block_size,
+            "async_scheduling": getattr(sc, "async_scheduling", None),  # as resolved (None: the default)
         }
     except AttributeError:
         pass
@@ -561,11 +807,12 @@ def profile_worker(spec: dict[str, Any]) -> dict[str, Any]:
     # CUPTI up before the engine captures CUDA graphs, so their kernels are traced one by one.
     _warm_profiler(s["device"])
     s = dict(s, llm_kwargs={**s["llm_kwargs"], **spec.get("extra_kwargs", {})})
-    llm, _ = start_llm(spec["model"], s, spec["enforce_eager"], multiprocess=False, warm=warm)
+    llm, facts = start_llm(spec["model"], s, spec["enforce_eager"], multiprocess=False, warm=warm)
     engine = llm.llm_engine
     res: dict[str, Any] = {
         "engine": "in-process (LLM(multiprocess=False)), fresh interpreter",
         "extra_kwargs": spec.get("extra_kwargs", {}),
+        "async_scheduling": facts.get("engine", {}).get("async_scheduling"),
         "notes": NOTES,
     }
     steps = s["profile_steps"]
@@ -609,6 +856,10 @@ def profile_worker(spec: dict[str, Any]) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - recorded, the JSON says which part
                 res["errors"].append(_err(f"step profile {key}", e))
             res["part_seconds"][key] = round(time.perf_counter() - t0, 2)
+            write_worker_partial(spec, res)  # stopped at the deadline, the parent keeps these
+            if spec.get("test_hang") == "profile":  # tests: a worker that never ends (the deadline must stop it)
+                log("--test-hang profile: the profile worker hangs after its first measurement")
+                threading.Event().wait()
     finally:
         llm.shutdown()
     return res
@@ -746,15 +997,76 @@ def hf_worker(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_worker(kind: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    from vllm_lite.testing.baselines import run_json_subprocess
+def hang_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Tests: a worker that writes a partial result and never ends (only its parent's deadline stops it)."""
+    write_worker_partial(spec, {"hung": True, "pid": os.getpid()})
+    threading.Event().wait()
+    return {}
 
+
+def run_worker(kind: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """`python gpu.py --worker KIND SPEC` in a fresh interpreter (torch at its default threads) leading its own
+    process group; its last stdout line is the result. It gets --worker-timeout or the time left before the
+    soft deadline, whichever is less: stopped at the deadline it raises TimeLimit carrying what the worker had
+    written to its partial file (the profile worker writes one after each measurement)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
+        partial_path = f.name + ".partial"
+        json.dump(dict(spec, partial_path=partial_path), f)
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the baseline gets torch's own default
+        env.pop(var, None)
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", kind, f.name]
+    proc = None
     try:
-        return run_json_subprocess([os.path.abspath(__file__), "--worker", kind, f.name], timeout_s=timeout_s)
+        left = time_left()
+        by_deadline = left is not None and left - WORKER_MARGIN_S < timeout_s
+        budget = timeout_s if not by_deadline else left - WORKER_MARGIN_S
+        if budget <= 0:
+            raise stop_now(f"--time-limit reached: no time left for the {kind} worker")
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        RUN["worker"] = proc
+        try:
+            out, _ = proc.communicate(timeout=budget)
+        except subprocess.TimeoutExpired:
+            _kill_worker_group(proc)
+            if by_deadline:
+                reason = f"--time-limit reached: the {kind} worker (pid {proc.pid}) was stopped"
+                raise stop_now(reason, _read_json(partial_path), proc.pid) from None
+            raise RuntimeError(f"the {kind} worker ran past --worker-timeout {timeout_s} s and was killed") from None
+        except BaseException as e:  # TimeLimit (SIGALRM, SIGTERM) or Ctrl-C: the worker goes too
+            _kill_worker_group(proc)
+            if isinstance(e, TimeLimit):
+                e.partial = e.partial or _read_json(partial_path)
+                e.worker_pid = proc.pid
+            raise
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, argv)
+        lines = [ln for ln in out.splitlines() if ln.strip()]
+        return json.loads(lines[-1])
     finally:
-        os.unlink(f.name)
+        RUN["worker"] = None
+        for path in (f.name, partial_path):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def _read_json(path: str) -> Optional[dict[str, Any]]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_worker_partial(spec: dict[str, Any], res: dict[str, Any]) -> None:
+    """In a worker: what it has measured so far, for the parent to keep should it be stopped (atomic write)."""
+    path = spec.get("partial_path")
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f)
+    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------ one shape
@@ -832,11 +1144,17 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
             out["floor"] = {"tokens_per_step": round(tokens, 1), **floor, "note": "matmul weights and FLOPs only"}
         return out
 
-    variants = plan_variants(s, full, set(EngineArgs.__dataclass_fields__))
-    if "compare_async" in variants:
-        entry["compare_async"] = {"unsupported": variants.pop("compare_async")}
+    fields = set(EngineArgs.__dataclass_fields__)
+    # The multiprocess runs: the main one at the engine's defaults (eager per --enforce-eager), --compare-eager's
+    # other one; --compare-async's run is planned once the main run says which scheduling the default resolved to.
+    variants = plan_variants(dict(s, compare_async=False), full, fields)
+    want_async = full and s["compare_async"]
+    if want_async and "async_scheduling" not in fields:
+        entry["compare_async"] = {"unsupported": plan_variants(s, full, fields)["compare_async"]}
+        want_async = False
     base = next(iter(variants))
     runs: dict[str, dict[str, Any]] = {}
+    other: dict[str, Any] = {}  # --compare-async: "label" (sync or async: the one the default is not), "main"
 
     def record_main(main: dict[str, Any]) -> None:
         entry["time_to_ready_s"] = main["time_to_ready_s"]
@@ -866,42 +1184,79 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
             entry.setdefault("part_seconds", {})[f"vllm_lite_{label}"] = round(time.perf_counter() - t0, 1)
             if label == base:
                 record_main(runs[label])
+            r = runs[label]
+            figures(
+                f"{name} vllm-lite {label}",
+                tok_s=r.get("workload", {}).get("tokens_per_s"),
+                batch1_ms_per_token=r["batch1"]["ms_per_token"],
+                ttft_ms=r["batch1"]["ttft_ms"],
+                ready_s=r["time_to_ready_s"],
+                async_scheduling=(r.get("engine") or {}).get("async_scheduling"),
+                seconds=entry["part_seconds"][f"vllm_lite_{label}"],
+            )
         except Exception as e:  # noqa: BLE001 - every part is recorded, the rest go on
             errors.append(_err(f"vllm_lite({label}: enforce_eager={eager}, {extra})", e))
+        finally:
+            save_partial(f"{name}: vllm_lite_{label} done")
+
+    def step_figures(st: dict[str, Any]) -> dict[str, Any]:
+        host = st.get("host") or {}
+        return dict(
+            step_ms=st.get("measured_ms", st.get("step_ms")),
+            busy=st.get("busy_fraction"),
+            host_ms=host.get("host_ms"),
+            batch=st.get("batch"),
+        )
 
     def record_profile(prof: dict[str, Any]) -> None:
         errors.extend(prof.get("errors", []))
         entry["step_profile_notes"] = prof.get("notes")
         entry["step_profile_seconds"] = prof.get("part_seconds")
+        entry["step_profile_async_scheduling"] = prof.get("async_scheduling")
         for key, label in (("prefill_n", "prefill_step"), ("prefill_1", "prefill_step_batch1")):
             if key in prof:
                 entry[label] = prefill_facts(prof[key])
-        if "batch_n" not in prof or "batch_1" not in prof:
-            return
-        bn, b1p = prof["batch_n"], prof["batch_1"]
-        entry["gpu_busy_fraction"] = bn["busy_fraction"]
-        entry["gpu_busy_fraction_batch1"] = b1p["busy_fraction"]
-        entry["gpu_busy_source"] = f"torch.profiler: {bn['busy_source']}, {prof['engine']}"
-        entry["decode_step"] = decode_facts(bn)
-        if device.startswith("cuda") and bn.get("kernels_per_step", 0) < facts["num_layers"]:
-            entry["gpu_busy_note"] = (
-                f"only {bn.get('kernels_per_step')} kernels per step traced for {facts['num_layers']} layers: "
-                "kernels inside CUDA graphs may be missing from the trace, so the busy fraction may be low"
-            )
-        entry["decode_step_batch1_inprocess"] = decode_facts(b1p)
-        entry["host_ms_per_decode_step"] = {"batch_n": bn.get("host"), "batch_1": b1p.get("host")}
-
-    def record_profile_async(pa: dict[str, Any]) -> None:
-        errors.extend(f"async: {x}" for x in pa.get("errors", []))
-        entry["decode_step_async"] = decode_facts(pa["batch_n"])
-        entry["decode_step_batch1_async"] = decode_facts(pa["batch_1"])
-        cmp = entry.setdefault("compare_async", {})
-        for label, key in (("batch_n", "decode_step"), ("batch_1", "decode_step_batch1")):
-            sync_step = entry.get(key if label == "batch_n" else key + "_inprocess", {})
-            cmp[f"inprocess_{label}"] = {
-                v: {f: st.get(f) for f in ("measured_ms", "busy_fraction", "host")}
-                for v, st in (("sync", sync_step), ("async", entry[key + "_async"]))
+        if "batch_n" in prof:
+            bn = prof["batch_n"]
+            entry["gpu_busy_fraction"] = bn["busy_fraction"]
+            entry["gpu_busy_source"] = f"torch.profiler: {bn['busy_source']}, {prof['engine']}"
+            entry["decode_step"] = decode_facts(bn)
+            if device.startswith("cuda") and bn.get("kernels_per_step", 0) < facts["num_layers"]:
+                entry["gpu_busy_note"] = (
+                    f"only {bn.get('kernels_per_step')} kernels per step traced for {facts['num_layers']} layers: "
+                    "kernels inside CUDA graphs may be missing from the trace, so the busy fraction may be low"
+                )
+            figures(f"{name} decode step batch {bn.get('batch')} (in-process)", **step_figures(entry["decode_step"]))
+        if "batch_1" in prof:
+            b1p = prof["batch_1"]
+            entry["gpu_busy_fraction_batch1"] = b1p["busy_fraction"]
+            entry["decode_step_batch1_inprocess"] = decode_facts(b1p)
+            figures(f"{name} decode step batch 1 (in-process)", **step_figures(entry["decode_step_batch1_inprocess"]))
+        if "batch_n" in prof or "batch_1" in prof:
+            entry["host_ms_per_decode_step"] = {
+                "batch_n": prof.get("batch_n", {}).get("host"),
+                "batch_1": prof.get("batch_1", {}).get("host"),
             }
+        if "prefill_step" in entry:
+            p = entry["prefill_step"]
+            figures(
+                f"{name} prefill step (in-process)", step_ms_median=p.get("step_ms_median"), busy=p.get("busy_fraction")
+            )
+
+    def record_profile_compare(pa: dict[str, Any]) -> None:
+        label, main_label = other["label"], other["main"]
+        errors.extend(f"{label}: {x}" for x in pa.get("errors", []))
+        cmp = entry.setdefault("compare_async", {})
+        for part, key in (("batch_n", "decode_step"), ("batch_1", "decode_step_batch1")):
+            if part not in pa:
+                continue
+            entry[f"{key}_{label}"] = decode_facts(pa[part])
+            main_step = entry.get(key if part == "batch_n" else key + "_inprocess", {})
+            cmp[f"inprocess_{part}"] = {
+                v: {f: st.get(f) for f in ("measured_ms", "busy_fraction", "host")}
+                for v, st in ((main_label, main_step), (label, entry[f"{key}_{label}"]))
+            }
+            figures(f"{name} decode step {part} (in-process, {label})", **step_figures(entry[f"{key}_{label}"]))
 
     def record_mp_profile(mp: dict[str, Any]) -> None:
         entry["gpu_busy_fraction_multiprocess"] = mp["busy_fraction"]
@@ -914,66 +1269,85 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
                 f"only {mp.get('kernels_per_step')} kernels per step traced for {facts['num_layers']} layers: "
                 "kernels inside CUDA graphs may be missing from the trace, so the busy fraction may be low"
             )
-
-    def run_mp_profile(spec: dict[str, Any], record) -> None:
-        """run_job for the multiprocess busy fraction: its seconds go into its own figures (worker_s)."""
-        log(f"{name}: decode busy fraction, multiprocess engine (start_profile/stop_profile), own interpreter")
-        t0 = time.perf_counter()
-        try:
-            out = run_worker("mp_profile", spec, s["worker_timeout_s"])
-            out["worker_s"] = round(time.perf_counter() - t0, 1)
-            record(out)
-        except Exception as e:  # noqa: BLE001 - recorded with the part's name, the rest go on
-            errors.append(_err("profile_mp", e))
+        figures(
+            f"{name} decode busy (multiprocess)",
+            busy=mp["busy_fraction"],
+            busy_ms_per_step=mp.get("busy_ms_per_step"),
+            window_ms_per_step=mp.get("window_ms_per_step"),
+            engine_steps=mp["engine_steps"],
+            batch=mp.get("batch"),
+        )
 
     def record_hf(hf: dict[str, Any]) -> None:
         entry["hf_tokens_per_s"] = hf["tokens_per_s"]
         entry["hf"] = {k: v for k, v in hf.items() if k != "tokens_per_s"}
         if "vllm_lite_tokens_per_s" in entry:
             entry["ratio_vs_hf"] = round(entry["vllm_lite_tokens_per_s"] / hf["tokens_per_s"], 2)
+        figures(f"{name} HF generate", tok_s=hf["tokens_per_s"], batch=hf["best_batch"], ratio=entry.get("ratio_vs_hf"))
 
     def run_job(label: str, kind: str, spec: dict[str, Any], record) -> None:
-        what = "HF generate" if kind == "hf" else f"step profiles, in-process engine {spec.get('extra_kwargs') or ''}"
+        """A worker interpreter's part: recorded as soon as it ends; stopped at the deadline, what it had is
+        recorded (the profile worker's finished measurements) and the run stops."""
+        what = {
+            "hf": "HF generate",
+            "mp_profile": "decode busy fraction, multiprocess engine (start_profile/stop_profile)",
+            "profile": f"step profiles, in-process engine {spec.get('extra_kwargs') or '(defaults)'}",
+        }[kind]
         log(f"{name}: {what}, own interpreter")
         t0 = time.perf_counter()
         try:
             out = run_worker(kind, spec, s["worker_timeout_s"])
-            entry.setdefault("part_seconds", {})[label] = round(time.perf_counter() - t0, 1)
+            if kind == "mp_profile":
+                out["worker_s"] = round(time.perf_counter() - t0, 1)
             record(out)
+        except TimeLimit as stop:
+            errors.append(f"{label}: {stop}" + ("; its finished measurements are kept" if stop.partial else ""))
+            entry["stopped_worker"] = {"part": label, "pid": stop.worker_pid}
+            if stop.partial:
+                try:
+                    record(stop.partial)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(_err(f"{label} (partial)", e))
+            raise
         except Exception as e:  # noqa: BLE001 - recorded with the part's name, the rest go on
-            entry.setdefault("part_seconds", {})[label] = round(time.perf_counter() - t0, 1)
             errors.append(_err(label, e))
+        finally:
+            entry.setdefault("part_seconds", {})[label] = round(time.perf_counter() - t0, 1)
+            save_partial(f"{name}: {label} done")
 
     # The main engine run, its step profiles and HF first; the comparison runs (--compare-eager, --compare-async)
     # after them, so a comparison that fails or hangs (past --time-limit) cannot cost the main figures.
     prof_spec = {"model": path, "settings": s, "enforce_eager": s["enforce_eager"]}
     if s["trace_dir"]:
         prof_spec.update(trace_dir=os.path.abspath(s["trace_dir"]), trace_prefix=name)
-    async_profile = None
-    if "async" in variants:  # both in-process profiles say which they are
-        prof_spec["extra_kwargs"] = {"async_scheduling": False}
-        async_profile = dict(
-            prof_spec, extra_kwargs={"async_scheduling": True}, parts=["decode"], modes=["timed", "profile", "phases"]
-        )
-        if s["trace_dir"]:
-            async_profile["trace_prefix"] = f"{name}-async"
+    if s.get("test_hang"):
+        prof_spec["test_hang"] = s["test_hang"]
     try:
         run_engine(base)
+        if want_async:
+            # The default's scheduling, as the main run resolved it (the device's rule where that run failed).
+            resolved = (runs.get(base, {}).get("engine") or {}).get("async_scheduling")
+            main_async = bool(resolved) if resolved is not None else device.startswith("cuda")
+            other.update(label="sync" if main_async else "async", main="async" if main_async else "sync")
+            variants[other["label"]] = (s["enforce_eager"], {"async_scheduling": not main_async})
+            entry.setdefault("compare_async", {})["default"] = other["main"]
         if full:
             run_job("profile", "profile", prof_spec, record_profile)
             if s["skip_mp_profile"]:
                 entry["gpu_busy_multiprocess_skipped"] = "--skip-mp-profile"
             else:
-                # The main multiprocess run's engine (its variant's arguments), profiled through vLLM's API.
                 # The main multiprocess run's engine (its variant's arguments), profiled through vLLM's API; the
                 # core's traces go to --mp-trace-dir/SHAPE (kept), else a folder of the run's (deleted).
                 keep = s["mp_trace_dir"]
                 profiler_dir = os.path.join(os.path.abspath(keep) if keep else workdir, f"{name}-multiprocess")
                 mp_spec = dict(prof_spec, profiler_dir=profiler_dir, extra_kwargs=variants[base][1])
                 mp_spec.pop("trace_dir", None)
-                run_mp_profile(mp_spec, record_mp_profile)
-                if not keep:
-                    shutil.rmtree(profiler_dir, ignore_errors=True)
+                mp_spec.pop("test_hang", None)
+                try:
+                    run_job("profile_mp", "mp_profile", mp_spec, record_mp_profile)
+                finally:
+                    if not keep:
+                        shutil.rmtree(profiler_dir, ignore_errors=True)
             if s["skip_hf"]:
                 entry["hf_skipped"] = "--skip-hf"
             elif name == "llama-8b" and not s["hf_8b"]:
@@ -984,16 +1358,41 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
                 run_job("hf", "hf", {"model": path, "settings": s, "batches": s["hf_batch"]}, record_hf)
         for label in list(variants)[1:]:
             run_engine(label)
-        if async_profile is not None:
-            run_job("profile_async", "profile", async_profile, record_profile_async)
+        if want_async:
+            if s["skip_compare_profile"]:
+                entry["compare_async"]["inprocess_skipped"] = "--skip-compare-profile"
+            else:
+                label = other["label"]
+                spec = dict(
+                    prof_spec,
+                    extra_kwargs=variants[label][1],
+                    parts=["decode"],
+                    modes=["timed", "profile", "phases"],
+                )
+                spec.pop("test_hang", None)
+                if s["trace_dir"]:
+                    spec["trace_prefix"] = f"{name}-{label}"
+                run_job(f"profile_{label}", "profile", spec, record_profile_compare)
     finally:  # also past --time-limit: whatever pair ran is compared
-        for key, label in (("compare_eager", "eager" if base == "graphs" else "graphs"), ("compare_async", "async")):
+        pairs = [("compare_eager", "eager" if base == "graphs" else "graphs")]
+        if want_async:
+            pairs.append(("compare_async", other["label"]))
+        for key, label in pairs:
             if label not in variants:
                 continue
             cmp = entry.setdefault(key, {})
             if base in runs and label in runs:
-                names = (base, label) if key == "compare_eager" else ("sync", "async")
-                cmp.update(compare_runs(names[0], runs[base], names[1], runs[label]))
+                if key == "compare_eager":
+                    cmp.update(compare_runs(base, runs[base], label, runs[label]))
+                else:  # sync first: the ratios are async / sync
+                    by = {other["main"]: runs[base], other["label"]: runs[label]}
+                    cmp.update(compare_runs("sync", by["sync"], "async", by["async"]))
+                    figures(
+                        f"{name} compare_async (async / sync)",
+                        tok_s_ratio=cmp["tokens_per_s_ratio"],
+                        batch1_ms_ratio=cmp["batch1_ms_per_token_ratio"],
+                        greedy_identical=f"{cmp['greedy_identical_workload']}/{cmp['greedy_identical_batch1']}",
+                    )
             else:
                 cmp["error"] = f"the {base} or the {label} multiprocess run did not finish (errors)"
 
@@ -1076,6 +1475,8 @@ def settings_from(args: argparse.Namespace) -> dict[str, Any]:
         llm_kwargs=json.loads(args.llm_kwargs) if args.llm_kwargs else {},
         skip_hf=args.skip_hf,
         skip_mp_profile=args.skip_mp_profile,
+        skip_compare_profile=args.skip_compare_profile,
+        test_hang=args.test_hang,
         mp_profile_steps=args.mp_profile_steps or 3 * int(d["profile_steps"]),
         mp_trace_dir=args.mp_trace_dir,
         hf_8b=args.hf_8b,
@@ -1179,31 +1580,57 @@ def main() -> int:
     ap.add_argument("--hf-8b", action="store_true", help="run HF generate on the full llama-8b shape too")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="checkpoint folder, kept and reused (default: a temp dir)")
-    ap.add_argument("--worker-timeout", type=float, default=400.0, help="seconds for each worker interpreter")
+    ap.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=400.0,
+        help="seconds for each worker interpreter (at most the time left before --time-limit's soft stop)",
+    )
     ap.add_argument(
         "--time-limit",
-        type=int,
+        type=float,
         default=330,
-        help="seconds for the whole run (0: none); past it the run stops, kills its workers and prints the JSON "
-        "it has, so a hang still reports inside a 7-minute device call",
+        help="seconds for the whole run from this interpreter's start (0: none), a hard wall: a worker "
+        "interpreter gets at most the time left; at LIMIT less a grace (8%%, 3-15 s) the running part stops "
+        "(its worker's process group is killed, what the profile worker had measured is kept) and the run prints "
+        "the JSON it has; at LIMIT a watchdog kills every process the run started, prints that JSON and exits "
+        "whatever the main thread is stuck in. SIGTERM stops the run the same way (hard wall 8 s later)",
     )
+    ap.add_argument(
+        "--out-json",
+        default=None,
+        help='also write the result to this file, rewritten (atomically) after every part with "partial": true, '
+        'so a run killed from outside leaves its last complete state; the final result has "partial": false',
+    )
+    ap.add_argument(
+        "--skip-compare-profile",
+        action="store_true",
+        help="--compare-async: skip the in-process decode step profile of the non-default scheduling (the "
+        "multiprocess comparison run, tok/s and batch-1, still runs)",
+    )
+    ap.add_argument("--test-hang", choices=("main", "profile"), default=None, help=argparse.SUPPRESS)  # tests
     ap.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)  # internal: KIND SPEC_FILE
     args = ap.parse_args()
     if args.worker is not None:
         kind, spec_file = args.worker
         with open(spec_file) as f:
             spec = json.load(f)
-        workers = {"profile": profile_worker, "mp_profile": mp_profile_worker, "hf": hf_worker}
+        workers = {"profile": profile_worker, "mp_profile": mp_profile_worker, "hf": hf_worker, "hang": hang_worker}
         out = workers[kind](spec)
         print(json.dumps(out), flush=True)
         return 0
 
+    RUN["out_json"] = os.path.abspath(args.out_json) if args.out_json else None
     s = settings_from(args)
     shapes = parse_shapes(s["shapes"])
-    result: dict[str, Any] = {"benchmark": "gpu", "errors": []}
+    result: dict[str, Any] = {"benchmark": "gpu", "partial": True, "stopped": None, "errors": []}
+    RUN["result"] = result
     workdir = args.workdir or tempfile.mkdtemp(prefix="vllm_lite_gpu_bench-")
     os.makedirs(workdir, exist_ok=True)
     try:
+        arm_time_limit(args.time_limit)
+        if args.test_hang == "main":  # tests: a run stuck where no TimeLimit reaches (only the hard wall ends it)
+            _test_hang_main()
         result.update(environment(s["device"]))
         result["settings"] = {
             **{k: v for k, v in s.items() if not k.startswith("_")},
@@ -1215,7 +1642,9 @@ def main() -> int:
             "roofline": "per decode step: max(bytes moved / copy bandwidth, FLOPs / matmul rate); bytes = matmul "
             "weights + K/V read; copy bandwidth counts read + write",
         }
-        log(f"device {result['device']}; shapes {shapes}")
+        result["shapes"] = {name: {"mode": mode, "errors": [], "status": "not run yet"} for name, mode in shapes}
+        log(f"device {result['device']}; shapes {shapes}; time limit {args.time_limit} s")
+        save_partial("probes")
         try:
             result["probes"] = run_probes(s)
             log(
@@ -1225,22 +1654,15 @@ def main() -> int:
             result["probes"] = {}
             result["errors"].append(_err("probes", e))
         s["_tokenizers"] = {}
-        result["shapes"] = {}
-        if args.time_limit > 0 and hasattr(signal, "SIGALRM"):
-            signal.signal(signal.SIGALRM, _on_alarm)
-            signal.alarm(args.time_limit)
-        for i, (name, mode) in enumerate(shapes):
-            entry: dict[str, Any] = {"mode": mode, "errors": []}
-            result["shapes"][name] = entry
+        for name, mode in shapes:
+            entry = result["shapes"][name]
+            entry.pop("status")
             t0 = time.perf_counter()
             try:
                 run_shape(name, mode, s, result["probes"], workdir, entry)
-            except TimeLimit:
-                log(f"--time-limit {args.time_limit} s reached during {name}")
-                entry["errors"].append(f"--time-limit {args.time_limit} s reached during this shape")
-                for later, _ in shapes[i + 1 :]:
-                    result["shapes"][later] = {"errors": [f"not run: --time-limit {args.time_limit} s reached"]}
-                break
+            except TimeLimit as stop:
+                entry["errors"].append(f"stopped during this shape: {RUN['stop_reason'] or stop}")
+                raise
             except Exception as e:  # noqa: BLE001
                 entry["errors"].append(_err(name, e))
             finally:
@@ -1248,14 +1670,22 @@ def main() -> int:
             if not args.workdir:
                 shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
             log(f"{name}: done in {entry['seconds']} s, {len(entry['errors'])} errors")
+            save_partial(f"{name} done")
+    except TimeLimit as stop:
+        log(f"stopping: {stop}")
+        result["stopped"] = str(RUN["stop_reason"] or stop)
+        for entry in result.get("shapes", {}).values():
+            if entry.pop("status", None):
+                entry["errors"].append(f"not run: {result['stopped']}")
     except Exception as e:  # noqa: BLE001
         result["errors"].append(_err("main", e))
     finally:
         if hasattr(signal, "SIGALRM"):
-            signal.alarm(0)
+            signal.setitimer(signal.ITIMER_REAL, 0)
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
         result["elapsed_s"] = round(time.perf_counter() - T0, 1)
+        result.pop("current_part", None)
         try:
             from vllm_lite.testing.gpu_bench import summary_lines
 
@@ -1263,9 +1693,32 @@ def main() -> int:
                 log(line)
         except Exception as e:  # noqa: BLE001 - the summary is a courtesy; the JSON below is the result
             log(f"summary failed: {type(e).__name__}: {e}")
-        print(json.dumps(result), flush=True)
-    failed = result["errors"] or any(e["errors"] for e in result.get("shapes", {}).values())
+        with _END_LOCK:  # the watchdog has not printed (else this process would be gone): this thread prints
+            RUN["finished"] = True
+            disarm()
+            result["partial"] = result["stopped"] is not None
+            text = json.dumps(result)
+            try:
+                _write_out_json(text)
+            except OSError as e:
+                log(f"--out-json: {e}")
+            print(text, flush=True)
+    failed = result["stopped"] or result["errors"] or any(e["errors"] for e in result.get("shapes", {}).values())
     return 1 if failed else 0
+
+
+def _test_hang_main() -> None:
+    """--test-hang main: a child process (this run's, as an engine core is) and a main thread that swallows
+    every TimeLimit, as a stuck shutdown would: only the hard wall ends this run."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    RUN["result"]["test_child_pid"] = child.pid
+    save_partial("--test-hang main")
+    log(f"--test-hang main: child {child.pid}; the main thread now ignores the time limit")
+    while True:
+        try:
+            threading.Event().wait()
+        except TimeLimit:
+            continue
 
 
 if __name__ == "__main__":

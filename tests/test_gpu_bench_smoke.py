@@ -346,7 +346,8 @@ def test_smoke_compare_async_runs_both_and_compares_tokens_with_traces(tmp_path)
             assert _positive(c[key][label]["measured_ms"]) and 0 < c[key][label]["busy_fraction"] <= 1, c[key]
     assert c["greedy_identical_workload"] is True and c["greedy_identical_batch1"] is True, c
     assert c["tokens_per_s_ratio"] == pytest.approx(c["async"]["tokens_per_s"] / c["sync"]["tokens_per_s"], rel=1e-2)
-    assert set(t["part_seconds"]) == {"vllm_lite_graphs", "vllm_lite_async", "profile", "profile_async"}
+    assert set(t["part_seconds"]) == {"vllm_lite_graphs", "vllm_lite_async", "profile", "profile_mp", "profile_async"}
+    assert c["default"] == "sync"  # on CPU the engine's default: the comparison run is the async one
     assert t["decode_step_async"]["batch"] == r["settings"]["num_prompts"]
     assert t["decode_step_async"]["phases"]["core.finish_oldest"]["calls_per_step"] > 0  # the async step's path
     # --trace-dir: a Chrome trace of each step profile (the async worker's decode ones too), with the phases' ranges
@@ -357,3 +358,115 @@ def test_smoke_compare_async_runs_both_and_compares_tokens_with_traces(tmp_path)
         events = json.load(f)["traceEvents"]
     ranges = {e["name"] for e in events if e.get("cat") == "user_annotation"}
     assert {"scheduler.schedule", "model.forward", "scheduler.update_from_output"} <= ranges
+
+
+# ------------------------------------------------------------------ --time-limit, SIGTERM, --out-json (cut short)
+GPU_PY = os.path.join(REPO, "benchmarks", "gpu.py")
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (an orphan's parent may not have reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _json_lines(stdout: str) -> list[dict]:
+    return [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def gpu_bench():
+    import importlib.util
+
+    env, path = dict(os.environ), list(sys.path)
+    spec = importlib.util.spec_from_file_location("gpu_bench_script", GPU_PY)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:  # the script puts the tree on PYTHONPATH and sys.path for its children: not this process's
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
+    return module
+
+
+def test_a_worker_gets_only_the_time_left_and_is_killed_at_the_deadline(gpu_bench, monkeypatch):
+    """run_worker's subprocess timeout is the time left before the soft deadline (less a margin), not
+    --worker-timeout: a worker that never ends is killed with its process group and the run stops (TimeLimit)."""
+    import time
+
+    monkeypatch.setitem(gpu_bench.RUN, "soft_deadline", time.perf_counter() + 2.0)
+    monkeypatch.setitem(gpu_bench.RUN, "stop_reason", None)
+    with pytest.raises(gpu_bench.TimeLimit, match="--time-limit reached: the hang worker") as stop:
+        gpu_bench.run_worker("hang", {}, timeout_s=120.0)  # broken: RuntimeError (--worker-timeout) in 120 s
+    assert stop.value.worker_pid is not None and not _alive(stop.value.worker_pid)
+    assert gpu_bench.RUN["worker"] is None
+    # Past the deadline no worker starts at all.
+    monkeypatch.setitem(gpu_bench.RUN, "soft_deadline", time.perf_counter() - 1.0)
+    with pytest.raises(gpu_bench.TimeLimit, match="no time left"):
+        gpu_bench.run_worker("hang", {}, timeout_s=120.0)
+
+
+def test_without_a_deadline_a_worker_gets_worker_timeout(gpu_bench, monkeypatch):
+    monkeypatch.setitem(gpu_bench.RUN, "soft_deadline", None)
+    with pytest.raises(RuntimeError, match="ran past --worker-timeout"):
+        gpu_bench.run_worker("hang", {}, timeout_s=1.0)
+
+
+def test_time_limit_is_a_hard_wall_the_watchdog_prints_kills_and_exits(tmp_path):
+    """--test-hang main: the main thread swallows every TimeLimit (a stuck shutdown) and has started a child
+    process: at --time-limit the watchdog kills the child, prints the JSON it has (also to --out-json), exits 1."""
+    out = tmp_path / "r.json"
+    argv = [sys.executable, GPU_PY, "--device", "cpu", "--smoke", "--time-limit", "8", "--test-hang", "main"]
+    proc = subprocess.run(argv + ["--out-json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = _json_lines(proc.stdout)
+    assert len(lines) == 1, proc.stdout[-2000:]
+    r = lines[0]
+    assert "hard wall" in r["stopped"] and r["partial"] is True
+    child = r["test_child_pid"]
+    assert child in r["killed_pids"] and not _alive(child)
+    assert json.loads(out.read_text()) == r  # the file holds what was printed
+
+
+@pytest.mark.slow  # three interpreters (script, engine core, profile worker): ~15 s
+def test_sigterm_mid_run_prints_what_it_has_with_the_workers_partial_figures(tmp_path):
+    """--out-json holds the figures of each finished part while the run goes; SIGTERM (what `timeout` sends)
+    stops it: the hung profile worker is killed, its finished measurement (decode at batch N) is kept, the JSON
+    is printed and written, exit 1."""
+    from vllm_lite.testing.waiting import wait_until
+
+    out, err = tmp_path / "r.json", tmp_path / "stderr.log"
+    argv = [sys.executable, GPU_PY, "--device", "cpu", "--smoke", "--skip-hf", "--skip-mp-profile"]
+    argv += ["--test-hang", "profile", "--time-limit", "0", "--out-json", str(out)]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    with open(err, "w") as ferr:
+        proc = subprocess.Popen(argv, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=ferr, text=True)
+    try:
+        wait_until(lambda: "profile worker hangs" in err.read_text() or proc.poll() is not None, 300, "the hang")
+        assert proc.poll() is None, err.read_text()[-3000:]
+        during = json.loads(out.read_text())  # written after the engine part, before the profile worker
+        assert during["partial"] is True and during["stopped"] is None
+        assert _positive(during["shapes"]["tiny"]["vllm_lite_tokens_per_s"])
+        assert "FIGURES tiny vllm-lite graphs: tok/s" in err.read_text()  # the part's progress line
+        proc.send_signal(subprocess.signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err.read_text()[-3000:]
+    lines = _json_lines(stdout)
+    assert len(lines) == 1, stdout[-2000:]
+    r = lines[0]
+    assert r["stopped"] == "signal SIGTERM received" and r["partial"] is True
+    t = r["shapes"]["tiny"]
+    assert _positive(t["vllm_lite_tokens_per_s"]) and _positive(t["decode_step"]["measured_ms"])  # kept
+    assert "prefill_step" not in t  # never measured
+    assert any("its finished measurements are kept" in e for e in t["errors"]), t["errors"]
+    assert t["stopped_worker"]["part"] == "profile" and not _alive(t["stopped_worker"]["pid"])
+    assert json.loads(out.read_text()) == r
