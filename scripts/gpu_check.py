@@ -102,12 +102,26 @@ def _failures_so_far(path: str) -> list[dict[str, str]]:
     return found
 
 
+def _progress_so_far(path: str) -> dict[str, Any]:
+    """The running counts scripts/pytest_progress.py rewrote after each test (empty when there are none)."""
+    try:
+        with open(path + ".json") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def _pytest(args: list[str], junit: str, log: str, timeout_s: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}", *args]
+    # scripts/pytest_progress.py: each outcome appended to LOG.progress as it happens (failures also named in the
+    # log at once), the counts in LOG.progress.json after each test: both survive a kill.
+    progress = log + ".progress"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    cmd += ["-p", "pytest_progress", f"--progress-file={progress}", *args]
     failure_log = log + ".failures"
     if os.path.exists(failure_log):
         os.remove(failure_log)
     env = dict(_env(), VLLM_LITE_TEST_FAILURE_LOG=failure_log)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "scripts"), env["PYTHONPATH"]])
     t0 = time.monotonic()
     with open(log, "w") as out:
         try:
@@ -121,10 +135,13 @@ def _pytest(args: list[str], junit: str, log: str, timeout_s: float) -> dict[str
         "exit_code": rc,
         "seconds": round(time.monotonic() - t0, 1),
         "log": log,
+        "progress": progress,
     }
     if os.path.exists(junit):
         res.update(_junit_summary(junit))
-    else:  # cut short: no junit file, but the failures so far were logged as they happened
+    else:  # cut short: no junit file, but the outcomes and failures so far were logged as they happened
+        counts = _progress_so_far(progress)
+        res.update({k: counts[k] for k in ("passed", "failed", "errors", "skipped") if k in counts})
         res["failures"] = _failures_so_far(failure_log)
     ok = rc == 0 and res.get("failed", 1) == 0 and res.get("errors", 1) == 0
     res["status"] = "pass" if ok else ("timeout" if rc is None else "fail")
@@ -185,8 +202,11 @@ def _native_kernel_cases(junit: str) -> dict[str, int]:
 
 
 def part_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """benchmarks/gpu.py when it exists: its last JSON line is the figures."""
-    return _bench_script(args, "gpu.py", "bench.log")
+    """benchmarks/gpu.py when it exists: its last JSON line is the figures. Its own --time-limit ends it 15 s
+    before --part-timeout, and --out-json keeps its figures so far should it be killed anyway."""
+    out_json = os.path.join(args.out, "bench.json")
+    limit = max(30, int(args.part_timeout) - 15)
+    return _bench_script(args, "gpu.py", "bench.log", ["--time-limit", str(limit), "--out-json", out_json], out_json)
 
 
 def part_kernels(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,8 +214,14 @@ def part_kernels(args: argparse.Namespace) -> dict[str, Any]:
     return _bench_script(args, "kernels_int4_lora.py", "kernels.log")
 
 
-def _bench_script(args: argparse.Namespace, name: str, log_name: str) -> dict[str, Any]:
-    """Run benchmarks/<name> when it exists; its last JSON line is the figures."""
+def _bench_script(
+    args: argparse.Namespace,
+    name: str,
+    log_name: str,
+    extra: Optional[list[str]] = None,
+    out_json: Optional[str] = None,
+) -> dict[str, Any]:
+    """Run benchmarks/<name> when it exists; its last JSON line is the figures (cut short: `out_json`'s)."""
     script = os.path.join(REPO, "benchmarks", name)
     if not os.path.exists(script):
         return {"status": "absent", "note": f"benchmarks/{name} does not exist yet"}
@@ -203,10 +229,19 @@ def _bench_script(args: argparse.Namespace, name: str, log_name: str) -> dict[st
     log = os.path.join(args.out, log_name)
     try:
         proc = subprocess.run(
-            [sys.executable, script], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=args.part_timeout
+            [sys.executable, script, *(extra or [])],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=args.part_timeout,
         )
     except subprocess.TimeoutExpired:
-        return {"status": "timeout", "seconds": round(time.monotonic() - t0, 1)}
+        res: dict[str, Any] = {"status": "timeout", "seconds": round(time.monotonic() - t0, 1)}
+        if out_json and os.path.exists(out_json):
+            with open(out_json) as f:
+                res["figures"] = json.load(f)  # the run's last saved state ("partial": true)
+        return res
     with open(log, "w") as f:
         f.write(proc.stdout + proc.stderr)
     figures = None

@@ -150,3 +150,30 @@ def test_parallel_hf_part_merges_the_workers_and_reports_a_lost_one(gpu_check, t
     for lost in ("llama", "gpt2"):  # the crashed worker's group
         assert res["models"][lost] == {"pass": False, "error": "worker exited 1 without it"}
     assert res["status"] == "fail" and res["workers"] == 2
+
+
+def test_a_suite_cut_short_reports_the_counts_and_failures_of_the_tests_that_ended(
+    gpu_check, tmp_path, monkeypatch
+) -> None:
+    """_pytest runs pytest with scripts/pytest_progress.py (each outcome as it happens) and the failure log: when
+    the run is cut (no junit file), the summary still has the counts and the failing tests so far. The pytest
+    command really runs here (plugin loaded from the command and environment _pytest builds); the cut is
+    simulated after it."""
+    import subprocess
+
+    sample = tmp_path / "test_sample.py"
+    sample.write_text("def test_ok():\n    pass\n\ndef test_bad():\n    assert 0, 'the reason'\n")
+    real_run = subprocess.run
+
+    def run_then_cut(cmd, **kwargs):
+        real_run(cmd, **kwargs)
+        os.remove(str(tmp_path / "suite.xml"))  # a killed run writes no junit file
+        raise subprocess.TimeoutExpired(cmd, kwargs.get("timeout"))
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run_then_cut)
+    log = str(tmp_path / "suite.log")
+    res = gpu_check._pytest([str(sample), "-p", "vllm_lite.testing.failure_log"], str(tmp_path / "suite.xml"), log, 600)
+    assert res["status"] == "timeout" and (res["passed"], res["failed"]) == (1, 1), res
+    assert [f["test"].split("::")[-1] for f in res["failures"]] == ["test_bad (call)"]
+    assert "FAILED" in (tmp_path / "suite.log.progress").read_text()
+    assert "test_sample.py::test_bad (call): AssertionError: the reason" in (tmp_path / "suite.log").read_text()
