@@ -121,6 +121,8 @@ def _pytest(args: list[str], junit: str, log: str, timeout_s: float) -> dict[str
     if os.path.exists(failure_log):
         os.remove(failure_log)
     env = dict(_env(), VLLM_LITE_TEST_FAILURE_LOG=failure_log)
+    for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):  # a fresh run, even started from a worker
+        env.pop(var, None)
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "scripts"), env["PYTHONPATH"]])
     t0 = time.monotonic()
     with open(log, "w") as out:
