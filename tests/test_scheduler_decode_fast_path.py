@@ -1,9 +1,11 @@
-"""Hypothesis: the scheduler's decode fast paths change nothing a caller can see (issue #14).
+"""Hypothesis: the scheduler's decode fast paths (`schedule` and `update_from_output`) change nothing a caller can
+see (issue #14).
 
 Each random workload (prompt lengths, EOS, stop token ids, min_tokens, ignore_eos, max_tokens, a small
 max_model_len, two frontends, aborts, prefix caching, preemption, sync and async scheduling) runs twice, on a
 Scheduler with its fast paths and on one with them off (`decode_fast_path = False`: every request takes the
-general path). Every step's SchedulerOutput and outputs, and every request's tokens and status, must be equal.
+general path). Every step's SchedulerOutput and outputs, every request's progress, placeholders, status and
+blocks after each schedule, and the step in flight must be equal.
 """
 
 from __future__ import annotations
@@ -67,6 +69,21 @@ def _so_view(so: SchedulerOutput) -> tuple:
         sorted(so.finished_req_ids),
         list(so.blocks_to_swap_out),
         list(so.blocks_to_swap_in),
+    )
+
+
+def _state_view(s: Scheduler) -> tuple:
+    """What schedule() leaves behind: every live request's progress and status, the running order, the step in
+    flight (its requests and which of them sample) and the blocks each request holds."""
+    kv = s.kv_cache_manager
+    return (
+        [
+            (rid, r.num_computed_tokens, r.num_output_placeholders, r.status, kv.get_block_ids(rid))
+            for rid, r in s.requests.items()
+        ],
+        [r.request_id for r in s.running],
+        [(list(st.requests), sorted(st.samplers)) for st in s._in_flight],
+        s.num_free_blocks,
     )
 
 
@@ -153,7 +170,7 @@ def _run(w: dict, fast: bool) -> list:
     def step() -> None:
         if s.has_unfinished_requests():
             so = s.schedule()
-            trace.append(("schedule", _so_view(so)))
+            trace.append(("schedule", (_so_view(so), _state_view(s))))
             pending.append((so, worker.execute(so)))
         if pending and (not w["async"] or len(pending) == 2 or not s.has_unfinished_requests()):
             so, mro = pending.pop(0)

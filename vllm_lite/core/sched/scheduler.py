@@ -281,6 +281,67 @@ class Scheduler:
         # block_size).
         held_blocks = kv.req_to_blocks.get if kv.sliding_window is None else None
         i = 0
+        # Decode fast path: the leading running requests that each run one token (every decode) are scheduled below
+        # with the general loop's effects, and advanced at once (step 3 then skips them). It stops at the first
+        # request that is anything else (a prompt chunk, one that must preempt): then it undoes its advances and
+        # the general loop carries on from there with the same budget, tokens and new blocks.
+        fast = (
+            self.decode_fast_path
+            and held_blocks is not None
+            and not spec_enabled
+            and not lookahead
+            and rope_at is None
+            and not self._resend
+            and budget >= len(running)
+        )
+        num_running = len(running)
+        fast_reqs: list[Request] = []
+        fast_ids: list[str] = []
+        fast_computed: list[int] = []
+        fast_block_ids: list[list[int]] = []
+        if fast:
+            assert held_blocks is not None
+            async_scheduling = self.async_scheduling
+            while i < num_running:
+                req = running[i]
+                placeholders = req.num_output_placeholders
+                num_tokens = len(req.all_token_ids)
+                if placeholders and (
+                    num_tokens + placeholders >= max_len
+                    or (req.max_tokens is not None and len(req.output_token_ids) + placeholders >= req.max_tokens)
+                ):
+                    i += 1  # as below: its last token is in flight and ends it
+                    continue
+                num_computed = req.num_computed_tokens
+                if num_tokens + placeholders - num_computed != 1 or num_computed >= max_len:
+                    break  # not a decode (or nothing to run): the general loop
+                rid = req.request_id
+                held = held_blocks(rid)
+                if held and (num_computed + block_size) // block_size <= len(held):
+                    block_ids: list[int] = []
+                else:
+                    blocks = kv.allocate_slots(req, 1)
+                    if blocks is None:
+                        break  # it must preempt: the general loop (allocate_slots changed nothing)
+                    if blocks:
+                        new_blocks_of[rid] = blocks
+                    block_ids = [b.block_id for b in blocks]
+                num_scheduled[rid] = 1
+                fast_reqs.append(req)
+                fast_ids.append(rid)
+                fast_computed.append(num_computed)
+                fast_block_ids.append(block_ids)
+                req.num_computed_tokens = num_computed + 1
+                if async_scheduling:  # it samples (its known tokens are all computed after this step)
+                    req.num_output_placeholders = placeholders + 1
+                i += 1
+            budget -= len(fast_reqs)
+            if i < num_running:  # stopped early: the general path advances every request in step 3
+                for req in fast_reqs:
+                    req.num_computed_tokens -= 1
+                    if async_scheduling:
+                        req.num_output_placeholders -= 1
+                fast = False
         while i < len(running) and budget > 0:
             req = running[i]
             placeholders = req.num_output_placeholders
@@ -424,7 +485,16 @@ class Scheduler:
         async_scheduling = self.async_scheduling
         scheduled_get = num_scheduled.get
         samplers_add = step.samplers.add
-        for r in self.running:
+        rest = self.running
+        if fast:  # every running request at the step's start went through the fast path: already advanced
+            cached_ids.extend(fast_ids)
+            cached_block_ids.extend(fast_block_ids)
+            cached_computed.extend(fast_computed)
+            step_requests.update(zip(fast_ids, fast_reqs))
+            if async_scheduling:
+                step.samplers.update(fast_ids)
+            rest = self.running[num_running:]  # those admitted in step 2 (the fast path ran on no others)
+        for r in rest:
             rid = r.request_id
             n = scheduled_get(rid)
             if n is None:
