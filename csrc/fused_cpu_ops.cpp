@@ -12,9 +12,9 @@
 //       count (bf16_linear_small_m / bf16_linear_vnni / oneDNN's packed linear, or for unpacked weights
 //       cpu_linear.linear's per-case choice handed in: F.linear, f32_linear_kblocked at a kc, or 768-output
 //       slices), the K/V write and paged attention (ops.h). A layer's MLP may instead be a sparse mixture of
-//       experts (Mixtral, Qwen3-MoE: fused_moe.py's SparseMoeBlock): the router's F.linear, fused_moe.route's
-//       softmax / top-k / renormalisation as the same ATen ops, and the whole expert path in one moe_cpu_experts
-//       (float32) or moe_cpu_experts_bf16 call (csrc/moe_cpu.cpp). Each layer's tensors are held by a
+//       experts (Mixtral, Qwen3-MoE: fused_moe.py's SparseMoeBlock): the router and its top-k in one
+//       moe_cpu_route call and the whole expert path in one moe_cpu_experts (float32) or moe_cpu_experts_bf16
+//       call (csrc/moe_cpu.cpp), as SparseMoeBlock.forward runs them. Each layer's tensors are held by a
 //       CpuDecoderWeights object built once per model (vllm_lite/worker/models/cpu_decoder_stack.py). Same
 //       operations in the same order as the Python layers, so the same results bit for bit; what goes is ~20
 //       Python-level calls and their dispatch a layer.
@@ -911,17 +911,17 @@ at::Tensor moe_experts_op(bool bf16, const at::Tensor& x, const at::Tensor& w13,
   return (bf16 ? b16 : f32).call(x, w13, w2, weights, ids, inter);
 }
 
-// SparseMoeBlock.forward on the CPU kernel experts (fused_moe.py): the router's F.linear, route() (softmax over
-// the float32 logits, top-k, renormalised to sum 1, rounded to the logits' dtype), then KernelExperts /
-// Bf16KernelExperts' call (weights as float32, contiguous).
+// SparseMoeBlock.forward on the CPU kernel experts (fused_moe.py): the router and route() in one moe_cpu_route
+// call (csrc/moe_cpu.cpp), then KernelExperts / Bf16KernelExperts' call.
 at::Tensor stack_moe(const CpuDecoderWeights& w, int64_t l, const at::Tensor& x) {
-  const at::Tensor logits = at::linear(x, w.get(l, kRouter));
-  const at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);
-  auto [weights, ids] = at::topk(probs, w.iv(l, kTopK), -1);
-  if (w.iv(l, kRenormalize)) weights = weights / weights.sum(-1, true);
-  if (w.iv(l, kRoundWeights)) weights = weights.to(logits.scalar_type());
-  return moe_experts_op(w.iv(l, kMlpKind) == kMoeBf16, x, w.get(l, kW13), w.get(l, kW2),
-                        weights.to(at::kFloat).contiguous(), ids.contiguous(), w.iv(l, kMoeInter));
+  static const auto route =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("vllm_lite::moe_cpu_route", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t, bool, bool)>();
+  auto [weights, ids] =
+      route.call(x, w.get(l, kRouter), w.iv(l, kTopK), w.iv(l, kRenormalize) != 0, w.iv(l, kRoundWeights) != 0);
+  return moe_experts_op(w.iv(l, kMlpKind) == kMoeBf16, x, w.get(l, kW13), w.get(l, kW2), weights, ids,
+                        w.iv(l, kMoeInter));
 }
 
 template <typename P>

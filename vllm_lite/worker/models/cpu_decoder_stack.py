@@ -17,9 +17,9 @@ oneDNN cannot pack) take what cpu_linear.linear would take for that row count (F
 the kc it checked, or its slices), handed to the op per row count; a forward with a case cpu_linear has not yet
 checked runs the Python layers (which check it). Anything else runs the Python layers, unchanged.
 
-A MoE layer in the op: the router's F.linear, fused_moe.route's softmax / top-k / renormalisation / rounding as
-the same ATen calls, then one moe_cpu_experts(_bf16) call: what SparseMoeBlock.forward runs on those experts, so
-the same bits (tests/test_cpu_decoder_stack_moe.py). Why: a Mixtral layer paid ~0.5 ms of Python a decode step
+A MoE layer in the op: one moe_cpu_route call (the router's product and fused_moe.route's softmax / top-k /
+renormalisation / rounding), then one moe_cpu_experts(_bf16) call: what SparseMoeBlock.forward runs on those
+experts, so the same bits (tests/test_cpu_decoder_stack_moe.py). Why: a Mixtral layer paid ~0.5 ms of Python a decode step
 on top of the dense layer's (the block, route(), the experts' wrapper; benchmarks/PROFILE.md, "MoE on CPU,
 fifth pass").
 

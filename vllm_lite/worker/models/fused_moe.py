@@ -143,6 +143,14 @@ class Bf16KernelExperts:
 CpuExperts = PackedExperts | KernelExperts | Bf16KernelExperts
 
 
+@functools.cache
+def _cpu_route_op() -> Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
+    """csrc's moe_cpu_route (the router's product and route() in one call) where it is built here, else None."""
+    from vllm_lite.worker.attention.cpu_kernels import cpu_op
+
+    return cpu_op("moe_cpu_route")
+
+
 def pack_experts_for_cpu(w13: torch.Tensor, w2: torch.Tensor) -> tuple[Optional[CpuExperts], str]:
     """(packed experts, "") where one of the CPU expert paths takes this dtype here: the C++ op for float32
     when built (VLLM_LITE_CPU_MOE_KERNEL), and for bfloat16 where the build targets AVX512-BF16 (and the hidden
@@ -280,8 +288,17 @@ class FusedMoE(nn.Module):
             self.w2_weight.data = torch.empty((0, h, 0), dtype=self.w2_weight.dtype)
         return why
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.renormalize, self.round_weights)
+    def forward(
+        self,
+        x: torch.Tensor,
+        router_logits: Optional[torch.Tensor],
+        routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """`routing`: (weights, ids) already computed (SparseMoeBlock's C++ routing on CPU); else route the logits."""
+        if routing is not None:
+            weights, ids = routing
+        else:
+            weights, ids = route(router_logits, self.top_k, self.renormalize, self.round_weights)
         if x.is_cuda and _cuda_kernel() is not None:
             out = _cuda_kernel()(x.contiguous(), self.w13_weight, self.w2_weight, weights, ids)
         else:
@@ -361,7 +378,19 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, act, round_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, F.linear(x, self.gate.weight))
+        experts = self.experts
+        if isinstance(experts.cpu_packed, (KernelExperts, Bf16KernelExperts)) and x.dim() == 2 and x.is_cpu:
+            # The C++ experts take the C++ routing too (csrc/moe_cpu.cpp, moe_cpu_route): the router's product and
+            # route() in one call, ~5 us where F.linear + route() cost 85-160 us a layer at decode. Its sums run in
+            # another order than F.linear's (logits within ~1 ulp), as the expert op's do; the one-call CPU decoder
+            # stack (cpu_decoder_stack.py) runs the same two ops, so the same bits.
+            route_op = _cpu_route_op()
+            if route_op is not None and self.gate.bias is None:
+                routing = route_op(
+                    x.contiguous(), self.gate.weight, experts.top_k, experts.renormalize, experts.round_weights
+                )
+                return experts(x, None, routing)
+        return experts(x, F.linear(x, self.gate.weight))
 
 
 def load_moe_weights(
