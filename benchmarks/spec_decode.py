@@ -378,6 +378,161 @@ def host_times(
     return out
 
 
+def step_times(
+    model: str,
+    sets: dict[str, list[list[int]]],
+    spec: dict,
+    max_tokens: int,
+    batch_sizes: tuple[int, ...],
+    repeats: int,
+    dtype: str,
+    device: str,
+    uniform_drafts: bool | None = None,
+    temperature: float = 0.0,
+) -> dict[str, Any]:
+    """Per decode step, wall-clock microseconds (perf_counter) of the whole step and its phases, split by engine
+    (plain, ngram) and step kind (plain decode, verify), medians after a warm-up round; works on CPU and CUDA.
+
+    Phases: schedule, update_states (the runner's batch diff), forward (`_run_model`: on CUDA the graph replay's
+    launch, or the eager forward's launches), sample (`_sample`: the LM head, sampling or verification, the one
+    sync with the device, recording; for verify steps also "verify" (`SpecDecodeStep.verify`) and "lm_head"),
+    propose, update (the scheduler's `update_from_output`) and frontend (`process_outputs`). On CUDA also
+    "forward_gpu": the GPU-side span of `_run_model` between two CUDA events (recorded, never waited on inside
+    a step: read after each request finishes), and "gpu_step": the span of the whole step. A verify step's host
+    parts against a plain step's, next to their GPU spans, tell host work from GPU work per step kind."""
+    from collections import defaultdict
+
+    from vllm_lite import LLM, SamplingParams
+    from vllm_lite.worker.spec_decode_step import SpecDecodeStep
+
+    on_cuda = device.startswith("cuda")
+    clock = time.perf_counter
+    engines: dict[str, Any] = {}
+    for name, sc in (("plain", None), ("ngram", spec)):
+        SpecDecodeStep.uniform_drafts = uniform_drafts
+        try:
+            llm = LLM(
+                model=model,
+                dtype=dtype,
+                multiprocess=False,
+                max_model_len=512,
+                speculative_config=sc,
+                disable_log_stats=True,
+                **engine_kwargs(device),
+            )
+        finally:
+            SpecDecodeStep.uniform_drafts = None
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.executor.worker.model_runner
+        acc: dict[str, float] = defaultdict(float)
+        # ev: this step's CUDA events (step start, forward start, forward end, step end)
+        state: dict[str, Any] = {"verify": False, "ev": None}
+
+        def timed(obj: Any, attr: str, key: str, acc: dict = acc, state: dict = state) -> None:
+            fn = getattr(obj, attr)
+            forward = key == "forward" and on_cuda
+
+            def wrapper(*a: Any, **kw: Any) -> Any:
+                if forward and state["ev"] is not None:
+                    state["ev"][1].record()
+                t0 = clock()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    acc[key] += clock() - t0
+                    if forward and state["ev"] is not None:
+                        state["ev"][2].record()
+
+            setattr(obj, attr, wrapper)
+
+        timed(runner, "_update_states", "update_states")
+        timed(runner, "_run_model", "forward")
+        timed(runner.model, "compute_logits", "lm_head")
+        timed(runner, "_sample", "sample")
+        timed(core.scheduler, "update_from_output", "update")
+        timed(llm.llm_engine.output_processor, "process_outputs", "frontend")
+        if runner.spec_decode is not None:
+            timed(runner.spec_decode, "propose", "propose")
+        schedule = core.scheduler.schedule
+
+        def scheduled(schedule: Any = schedule, state: dict = state, acc: dict = acc) -> Any:
+            t0 = clock()
+            so = schedule()
+            acc["schedule"] += clock() - t0
+            state["verify"] = bool(so.scheduled_spec_decode_tokens)
+            return so
+
+        core.scheduler.schedule = scheduled
+        engines[name] = (llm, acc, state)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+    out: dict[str, Any] = {}
+    real_verify = SpecDecodeStep.verify  # the runner calls it through the class: timed into the stepping engine's acc
+    current: dict[str, Any] = {"acc": None}
+
+    def verify_timed(*a: Any, **kw: Any) -> Any:
+        t0 = clock()
+        try:
+            return real_verify(*a, **kw)
+        finally:
+            current["acc"]["verify"] += clock() - t0
+
+    SpecDecodeStep.verify = staticmethod(verify_timed)  # type: ignore[method-assign]
+    try:
+        for wl, prompts in sets.items():
+            for b in batch_sizes:
+                per: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+                for rnd in range(repeats + 1):  # round 0 warms up
+                    for name, (llm, acc, state) in engines.items():
+                        current["acc"] = acc
+                        eng = llm.llm_engine
+                        for i in range(0, len(prompts) - b + 1, b):
+                            for j, p in enumerate(prompts[i : i + b]):
+                                eng.add_request(f"{wl}-{b}-{rnd}-{i}-{j}", {"prompt_token_ids": p}, params)
+                            first = True
+                            pending: list[tuple[str, Any]] = []
+                            while eng.has_unfinished_requests():
+                                acc.clear()
+                                if on_cuda:
+                                    ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(4))
+                                    state["ev"] = ev
+                                    ev[0].record()
+                                t0 = clock()
+                                eng.step()
+                                dt = clock() - t0
+                                if on_cuda:
+                                    state["ev"][3].record()
+                                if first or not rnd:
+                                    first = False
+                                    continue
+                                kind = "verify" if state["verify"] else "plain"
+                                d = per[(name, kind)]
+                                d["step"].append(dt)
+                                for key, v in acc.items():
+                                    d[key].append(v)
+                                if on_cuda:
+                                    pending.append((kind, state["ev"]))
+                            if on_cuda:  # read the GPU spans once the request's steps are done
+                                torch.cuda.synchronize()
+                                for kind, ev in pending:
+                                    d = per[(name, kind)]
+                                    d["gpu_step"].append(ev[0].elapsed_time(ev[3]) / 1e3)
+                                    if ev[1].query() and ev[2].query():
+                                        try:
+                                            d["forward_gpu"].append(ev[1].elapsed_time(ev[2]) / 1e3)
+                                        except RuntimeError:  # not recorded (a step without a forward)
+                                            pass
+                            state["ev"] = None
+                for (name, kind), d in sorted(per.items()):
+                    row = {"steps": len(d["step"])}
+                    row.update({k: round(1e6 * float(np.median(v)), 1) for k, v in d.items()})
+                    out[f"{wl}/batch{b}/{name}/{kind}_step_us"] = row
+    finally:
+        SpecDecodeStep.verify = real_verify  # type: ignore[method-assign]
+        for llm, _, _ in engines.values():
+            llm.shutdown()
+    return out
+
+
 def _param_count(model_dir: str) -> int:
     """Parameters in a checkpoint's safetensors files (read from their headers only)."""
     from safetensors import safe_open
@@ -463,13 +618,22 @@ def main() -> None:
         help="CPU: host time per plain decode step vs n-gram verify step, model forward and LM head left out "
         "(batch sizes from --batch, default 1)",
     )
+    ap.add_argument(
+        "--step-times",
+        action="store_true",
+        help="CPU or CUDA: wall-clock us per plain decode step vs n-gram verify step and their phases (host parts, "
+        "and on CUDA the GPU spans of the forward and the step); batch sizes from --batch, default 1",
+    )
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="--step-times: the requests' temperature (0: greedy)"
+    )
     args = ap.parse_args()
     on_cuda = args.device.startswith("cuda")
     if on_cuda and args.dtype == "auto":
         args.dtype = "bfloat16"
     if args.quick:
         args.num_prompts, args.no_draft, args.no_hf = 2, True, True
-    if args.host_times:
+    if args.host_times or args.step_times:
         args.no_draft, args.no_hf = True, True
 
     from transformers import AutoConfig, AutoTokenizer
@@ -536,6 +700,22 @@ def main() -> None:
         result["draft_params_ratio"] = _param_count(args.draft_model) / _param_count(model)
     num_sets = max((args.num_prompts, *batch_sizes))
     sets = workloads(model, tokenizer, num_sets, args.max_tokens, len(tokenizer), args.seed, args.device)
+    if args.step_times:
+        times = step_times(
+            model,
+            sets,
+            spec,
+            args.max_tokens,
+            batch_sizes or (1,),
+            max(1, args.repeats),
+            args.dtype,
+            args.device,
+            UNIFORM_DRAFTS[args.uniform_drafts],
+            args.temperature,
+        )
+        result.update(times, temperature=args.temperature, load_avg_1m_end=os.getloadavg()[0])
+        print(json.dumps(result))
+        return
     if args.host_times:
         if on_cuda:
             raise SystemExit("--host-times measures the CPU engine (thread CPU time); use a profiler on CUDA")
