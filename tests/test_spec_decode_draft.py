@@ -293,3 +293,40 @@ def test_multiprocess_tensor_parallel_engine_with_a_draft_equals_plain_decoding(
             assert px.keys() == py.keys()
             for tok in px:
                 assert abs(px[tok].logprob - py[tok].logprob) <= 1e-4  # TP sums in another order
+
+
+def test_draft_probs_name_their_rows_on_the_host() -> None:
+    """SpecDecodeStep.draft_probs: q for the rows whose drafts are their sampled proposal's prefix, and has_q as a
+    CPU tensor equal to "q's row is not all zero" (what the verification once read back from the device); greedy
+    proposals, mismatched drafts and rows without drafts are point masses."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_lite.worker.draft_model import DraftModel, DraftProposal
+    from vllm_lite.worker.spec_decode_step import SpecDecodeStep
+
+    gen = torch.Generator().manual_seed(0)
+    v = 7
+    probs = torch.rand(3, v, generator=gen).softmax(dim=-1)
+    proposals = {
+        "sampled": DraftProposal([1, 2, 3], probs),
+        "greedy": DraftProposal([4, 5], None),
+        "mismatch": DraftProposal([1, 1], probs[:2]),
+        "none": DraftProposal([6], probs[:1]),
+        "short": DraftProposal([2, 3, 4], probs),
+    }
+    draft = SimpleNamespace(_proposals=proposals)
+    draft.draft_probs = lambda *a: DraftModel.draft_probs(draft, *a)  # the method on a stand-in's proposals
+    step = SpecDecodeStep.__new__(SpecDecodeStep)
+    step.draft = draft
+    req_ids = ["sampled", "greedy", "mismatch", "none", "short", "unknown"]
+    drafts = np.array([[1, 2, 3], [4, 5, -1], [1, 2, -1], [-1, -1, -1], [2, 3, -1], [9, -1, -1]], dtype=np.int64)
+    num_draft = np.array([3, 2, 2, 0, 2, 1], dtype=np.int64)
+    q, has_q = step.draft_probs(req_ids, drafts, num_draft)
+    assert q is not None and has_q is not None
+    assert has_q.device.type == "cpu" and has_q.dtype == torch.bool
+    assert has_q.tolist() == [True, False, False, False, True, False]
+    assert torch.equal(has_q, q.flatten(1).sum(dim=1) > 0)
+    assert torch.equal(q[0], probs) and torch.equal(q[4, :2], probs[:2]) and not q[4, 2].any()
+    assert step.draft_probs(["greedy"], drafts[1:2], num_draft[1:2]) == (None, None)

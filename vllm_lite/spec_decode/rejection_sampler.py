@@ -173,8 +173,9 @@ def rejection_sample_rows(
     out = torch.full((b, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
     num_accepted = torch.zeros(b, dtype=torch.int64, device=device)
     for with_q in (True, False):
-        rows = (has_draft_probs == with_q).nonzero().squeeze(1).to(device)
-        local = {j: generators[r] for j, r in enumerate(rows.tolist()) if r in generators}
+        picked = (has_draft_probs == with_q).nonzero().squeeze(1)  # on the host when has_draft_probs is (the runner's)
+        rows = picked.to(device)
+        local = {j: generators[r] for j, r in enumerate(picked.tolist()) if r in generators}
         part = rejection_sample(
             draft_token_ids[rows],
             num_draft_tokens[rows],

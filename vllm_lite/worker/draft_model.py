@@ -176,8 +176,12 @@ class DraftModel:
         for r in req_ids:
             self._proposals.pop(r, None)
 
-    def draft_probs(self, req_ids: list[str], drafts: np.ndarray, num_draft: np.ndarray) -> Optional[torch.Tensor]:
-        """q for the rows' scheduled drafts: float32 [S, K, V], or None when no row has a sampled proposal.
+    def draft_probs(
+        self, req_ids: list[str], drafts: np.ndarray, num_draft: np.ndarray
+    ) -> Optional[tuple[torch.Tensor, np.ndarray]]:
+        """(q, has_q) for the rows' scheduled drafts: q float32 [S, K, V] and which rows have one (bool numpy [S],
+        known on the host, so the verification reads nothing back to split the rows), or None when no row has a
+        sampled proposal.
 
         Rows without one (greedy, seeded, or drafts that are not the stored proposal's prefix) get all-zero rows,
         which the caller reads as point masses."""
@@ -196,9 +200,11 @@ class DraftModel:
             return None
         vocab = hits[0][2].shape[1]
         q = torch.zeros((len(req_ids), k, vocab), dtype=torch.float32, device=hits[0][2].device)
-        for i, n, probs in hits:  # one copy per request with a sampled proposal
+        has_q = np.zeros(len(req_ids), dtype=bool)
+        for i, n, probs in hits:  # one copy per request with a sampled proposal (softmax rows: never all zero)
             q[i, :n] = probs[:n]
-        return q
+            has_q[i] = True
+        return q, has_q
 
     @torch.inference_mode()
     def propose(

@@ -347,13 +347,16 @@ class SpecDecodeStep:
     def draft_probs(
         self, req_ids: list[str], drafts: np.ndarray, num_draft: np.ndarray
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(q [S, K, V], has_q bool [S]) for sampled draft-model proposals; (None, None) for point masses only."""
+        """(q [S, K, V], has_q bool [S]) for sampled draft-model proposals; (None, None) for point masses only.
+        has_q is a CPU tensor (the draft model knows its rows on the host): the rejection sampler splits the rows
+        with it without reading anything back from the device."""
         if self.draft is None:
             return None, None
-        q = self.draft.draft_probs(req_ids, drafts, num_draft)
-        if q is None:
+        found = self.draft.draft_probs(req_ids, drafts, num_draft)
+        if found is None:
             return None, None
-        return q, q.flatten(1).sum(dim=1) > 0
+        q, has_q = found
+        return q, torch.from_numpy(has_q)
 
     # ------------------------------------------------------------------ before the forward pass
     @staticmethod
