@@ -1011,7 +1011,7 @@ def run_worker(kind: str, spec: dict[str, Any], timeout_s: float) -> dict[str, A
     written to its partial file (the profile worker writes one after each measurement)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         partial_path = f.name + ".partial"
-        json.dump(dict(spec, partial_path=partial_path), f)
+        json.dump(dict(spec, partial_path=partial_path, parent_pid=os.getpid()), f)
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the baseline gets torch's own default
         env.pop(var, None)
@@ -1056,6 +1056,19 @@ def _read_json(path: str) -> Optional[dict[str, Any]]:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def _die_with_parent(parent_pid: Optional[int]) -> None:
+    """In a worker (its own process group, out of reach of a signal to the run's group): killed with SIGKILL
+    when the run's process ends, however it ends (Linux PR_SET_PDEATHSIG; its engine core follows it)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:  # the run ended before the call above
+        os._exit(1)
 
 
 def write_worker_partial(spec: dict[str, Any], res: dict[str, Any]) -> None:
@@ -1615,6 +1628,7 @@ def main() -> int:
         kind, spec_file = args.worker
         with open(spec_file) as f:
             spec = json.load(f)
+        _die_with_parent(spec.get("parent_pid"))
         workers = {"profile": profile_worker, "mp_profile": mp_profile_worker, "hf": hf_worker, "hang": hang_worker}
         out = workers[kind](spec)
         print(json.dumps(out), flush=True)

@@ -56,7 +56,7 @@ if [[ -z ${SKIP_BENCH:-} ]]; then
   else
     say "bench: gpu.py --shapes ${BENCH_SHAPES:-llama-1b} --time-limit $bench_s ${BENCH_ARGS:-}"
     # shellcheck disable=SC2086
-    timeout -k 5 $((bench_s + 10)) "$py" benchmarks/gpu.py --shapes "${BENCH_SHAPES:-llama-1b}" \
+    timeout -k 15 $((bench_s + 10)) "$py" benchmarks/gpu.py --shapes "${BENCH_SHAPES:-llama-1b}" \
       --time-limit "$bench_s" --out-json "$out/bench.json" ${BENCH_ARGS:-} >"$out/bench.out" 2>"$out/bench.log"
     say "bench rc=$?"
     grep -E "FIGURES|stopping|hard wall|FAILED|Error" "$out/bench.log" | cut -c1-400 | tail -40

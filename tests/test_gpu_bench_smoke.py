@@ -417,6 +417,36 @@ def test_without_a_deadline_a_worker_gets_worker_timeout(gpu_bench, monkeypatch)
         gpu_bench.run_worker("hang", {}, timeout_s=1.0)
 
 
+_KILLED_PARENT = """
+import importlib.util, sys, threading, time
+spec = importlib.util.spec_from_file_location("g", sys.argv[1])
+g = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(g)
+
+def tell():
+    while g.RUN["worker"] is None:
+        time.sleep(0.01)
+    print(g.RUN["worker"].pid, flush=True)
+
+threading.Thread(target=tell, daemon=True).start()
+g.run_worker("hang", {}, timeout_s=600.0)
+"""
+
+
+def test_a_worker_dies_with_a_run_killed_outright():
+    """A worker leads its own process group (a signal to the run's group misses it): SIGKILL of the run itself
+    must not leave it running (PR_SET_PDEATHSIG)."""
+    from vllm_lite.testing.waiting import wait_until
+
+    parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT, GPU_PY], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+    wait_until(lambda: not _alive(worker), 60, f"worker {worker} gone after its parent was killed")
+
+
 def test_time_limit_is_a_hard_wall_the_watchdog_prints_kills_and_exits(tmp_path):
     """--test-hang main: the main thread swallows every TimeLimit (a stuck shutdown) and has started a child
     process: at --time-limit the watchdog kills the child, prints the JSON it has (also to --out-json), exits 1."""
