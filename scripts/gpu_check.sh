@@ -10,6 +10,11 @@
 #     bash scripts/gpu_check.sh --parts triton,kernels   # only the Triton kernels: tests and micro-benchmark
 #     bash scripts/gpu_check.sh --device cpu --parts hf  # the HF match on CPU
 #
+# Cut short, it still says what it found: the suite's outcomes are appended as they happen to
+# $OUT/suite.log.progress (scripts/pytest_progress.py; counts in suite.log.progress.json, tracebacks in
+# suite.log.failures), the benchmark's figures to $OUT/bench.json after each part. For one short lease, see
+# scripts/gpu_lease.sh (the benchmark's defaults, then the suite, in a budget).
+#
 # No network: HF_HUB_OFFLINE=1, checkpoints are built locally. Where msgspec/pyzmq/fastapi/uvicorn are
 # missing (the GPU image), wheels are installed from .whl/ (fetch them on a machine with the package
 # index: `bash scripts/gpu_wheels.sh`) into a private folder on PYTHONPATH. Where the `vllm-lite` console
