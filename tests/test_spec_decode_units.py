@@ -874,3 +874,42 @@ def test_verify_matches_point_masses_on_the_host_without_copying_drafts(mix, mon
     assert torch.equal(tokens, ref.output_token_ids)
     for i, g in md.generators.items():
         assert torch.equal(g.get_state(), md_ref.generators[i].get_state()), i
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mix", ["all_random", "mixed"])
+def test_cuda_seeded_rows_rewind_to_the_sequential_streams(mix) -> None:
+    """On CUDA seeded rows draw every position, then rewind their generator (no host read per position): the same
+    tokens as the sequential device form, and each CUDA generator left one draw per emitted token along."""
+    from vllm_lite.spec_decode import rejection_sampler as rs
+
+    assert rs.SEEDED_REWIND is None  # the device decides: rewind off the CPU
+    gen = torch.Generator().manual_seed(13)
+    b, k, v = 24, 4, 6
+    target = random_probs(gen, b, k + 1, v).cuda()
+    drafts = torch.randint(0, v, (b, k), generator=gen)
+    num_draft = torch.randint(0, k + 1, (b,), generator=gen)
+    greedy = torch.zeros(b, dtype=torch.bool) if mix == "all_random" else torch.arange(b) % 3 == 0
+
+    def seeded() -> dict[int, torch.Generator]:
+        return {i: torch.Generator(device="cuda").manual_seed(200 + i) for i in range(0, b, 2)}
+
+    ref_gens, host_gens = seeded(), seeded()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+        torch.cuda.manual_seed(5)
+        ref = rs._match_sample(drafts.cuda(), num_draft.cuda(), target, greedy.cuda(), ref_gens)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+        torch.cuda.manual_seed(5)
+        got = rs.match_sample_host(
+            target,
+            drafts.numpy(),
+            num_draft.numpy(),
+            greedy.cuda(),
+            False,
+            mix == "all_random",
+            host_gens,
+            None if mix == "all_random" else greedy.numpy(),
+        )
+    assert torch.equal(got.output_token_ids, ref.output_token_ids.cpu())
+    for i in ref_gens:
+        assert torch.equal(host_gens[i].get_state(), ref_gens[i].get_state()), i
