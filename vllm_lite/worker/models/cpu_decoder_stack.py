@@ -359,7 +359,7 @@ def forward_with_stack(
     """A PreNormDecoder's forward through the C++ stack where it applies, else None (the caller runs its Python
     layers). The decision is kept in `model._cpu_stack` ([] undecided, else [stack or None]) and redone when the
     modules or tensors it holds were replaced. As LlamaModel.forward (llama.py) does for the dense models."""
-    if not input_ids.is_cpu:
+    if not input_ids.is_cpu or torch.compiler.is_compiling():
         return None
     cache = model._cpu_stack
     if not cache or (cache[0] is not None and not cache[0].unchanged()):
