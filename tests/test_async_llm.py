@@ -181,15 +181,27 @@ def test_stop_string_ends_the_request_and_aborts_it_in_the_core(llm, loop, refer
     loop.run_until_complete(run())
 
 
-def test_duplicate_request_id_is_a_clear_error_and_the_first_is_undisturbed(llm, loop, reference):
+def test_duplicate_request_id_is_a_clear_error_and_the_first_is_undisturbed(llm, loop, reference, monkeypatch):
     async def run() -> None:
-        # The first request runs 64 tokens and the duplicate comes as soon as its first token is out: a warm engine
-        # finishes 12 tokens between two polls of the output processor, so waiting for "registered" could miss it.
+        # The duplicate comes right after the first request is registered, before the loop can hand it any output:
+        # a fast engine (CUDA, async scheduling) can finish all 64 tokens before a consumer polls once, and a DELTA
+        # collector merges them into one finished output, so "after the first token" is no fixed point in time.
+        registered = asyncio.Event()
+        add_request = llm.output_processor.add_request
+
+        def add_and_tell(request, *args, **kwargs):
+            add_request(request, *args, **kwargs)
+            if request.request_id == "same":
+                registered.set()
+
+        monkeypatch.setattr(llm.output_processor, "add_request", add_and_tell)
         first = llm.generate(PROMPTS[2], greedy(64, RequestOutputKind.DELTA), "same")
-        outs = [await first.__anext__()]
-        assert not outs[0].finished and "same" in llm.output_processor.request_states
+        first_out = asyncio.ensure_future(first.__anext__())
+        await registered.wait()  # resumes before any output of "same" can be processed (those come later)
+        assert "same" in llm.output_processor.request_states
         with pytest.raises(ValueError, match="'same' is already in use"):
             await collect(llm, PROMPTS[3], greedy(4), "same")
+        outs = [await first_out]
         outs += [o async for o in first]
         ref = reference[PROMPTS[2]]
         assert outs[-1].finished

@@ -126,6 +126,16 @@ def test_interpreter_switch_needs_the_interpreter():
     assert layers._TRITON_ON_CPU == [False]
 
 
+def test_blocks_being_compiled_take_the_torch_path(monkeypatch):
+    """Under torch.compile tracing (compilation_config) the layers never launch the Triton kernels themselves."""
+    x = torch.zeros(4, 8)
+    monkeypatch.setattr(layers, "_TRITON_ON_CPU", [True])  # as on CUDA: the Triton path is the layers' choice
+    monkeypatch.setattr(layers, "_takes_triton", lambda *args: True)
+    assert layers.triton_fused_for(x)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not layers.triton_fused_for(x)
+
+
 def test_cpu_processes_do_not_import_triton():
     """Importing the models (and running them on CPU) leaves triton unimported: its import costs ~0.2 s."""
     code = (

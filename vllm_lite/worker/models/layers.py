@@ -122,9 +122,13 @@ def fused_kernel_path(device: torch.device | str, dtype: torch.dtype, grad: bool
 
 
 def triton_fused_for(x: torch.Tensor) -> bool:
-    """x goes to the Triton kernels: fused_kernel_path says "triton" for it and its last dim is packed."""
+    """x goes to the Triton kernels: fused_kernel_path says "triton" for it and its last dim is packed. Not while
+    torch.compile traces (compilation_config: the compiled blocks take the torch path, which inductor fuses itself;
+    our launches carry options such as enable_fp_fusion that dynamo's user-kernel wrapper does not know)."""
     if x.is_cpu and not _TRITON_ON_CPU[0]:
         return False  # the CPU's hot path pays one check
+    if torch.compiler.is_compiling():
+        return False
     return x.stride(-1) == 1 and _takes_triton(x.device.type, x.dtype, torch.is_grad_enabled())
 
 
