@@ -399,7 +399,9 @@ def step_times(
     propose, update (the scheduler's `update_from_output`) and frontend (`process_outputs`). On CUDA also
     "forward_gpu": the GPU-side span of `_run_model` between two CUDA events (recorded, never waited on inside
     a step: read after each request finishes), and "gpu_step": the span of the whole step. A verify step's host
-    parts against a plain step's, next to their GPU spans, tell host work from GPU work per step kind."""
+    parts against a plain step's, next to their GPU spans, tell host work from GPU work per step kind. Both engines
+    schedule synchronously (speculation does not run with async scheduling; the plain engine is held to the same,
+    so each of its steps is one step's work, not an overlapped pipeline)."""
     from collections import defaultdict
 
     from vllm_lite import LLM, SamplingParams
@@ -418,6 +420,7 @@ def step_times(
                 max_model_len=512,
                 speculative_config=sc,
                 disable_log_stats=True,
+                async_scheduling=False,  # plain steps synchronous too, as verify steps are: one step's parts each
                 **engine_kwargs(device),
             )
         finally:
