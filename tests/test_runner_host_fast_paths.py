@@ -180,3 +180,47 @@ def test_fill_sampled_equals_the_loop():
     assert a.sampling.seen is not None and b.sampling.seen is not None
     for name in ("tokens", "counts", "lens"):
         assert np.array_equal(getattr(a.sampling.seen, name), getattr(b.sampling.seen, name)), name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fill_pending_and_pending_sources_equal_the_request_id_path(seed):
+    """Async scheduling: a step's tokens found by row (pending_idx, moved with condensing) land exactly where
+    fill_sampled puts them by request id, and pending_sources gives each waiting row its entry of the step's
+    sampled tensor (the old req_id -> index map), with two steps in flight, removals, condensing, re-adds and a
+    row at max_model_len (no placeholder)."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=1.0, presence_penalty=0.5)
+    a, b = (make_batch(10, params=params, spare=4) for _ in range(2))
+    full = NewRequestData("full", [1] * 256, [], params, list(range(300, 316)), 255)
+    for batch in (a, b):
+        batch.add_request(full)
+    live = [f"r{i}" for i in range(10)] + ["full"]
+    noted: dict[int, list[str]] = {}
+    for step_id in (3, 4):  # each step samples a random subset, in row order (as the runner notes them)
+        pick = [r for r in live if rng.random() < 0.8]
+        for batch in (a, b):
+            rows = np.sort(batch.rows_of(pick))
+            batch.note_sampled(rows, step_id)
+        noted[step_id] = [a.req_ids[r] for r in np.sort(a.rows_of(pick)).tolist()]
+    for victim in rng.permutation(live)[:3].tolist():  # condensing moves rows (and their pending entries)
+        for batch in (a, b):
+            batch.remove_request(victim)
+    readd = NewRequestData(noted[3][0], [5, 6, 7], [8], params, [400], 3)  # back with its tokens known
+    for batch in (a, b):
+        batch.remove_request(readd.req_id)
+        batch.add_request(readd)
+    for step_id in (3, 4):
+        index_of = {rid: j for j, rid in enumerate(noted[step_id])}
+        rows = np.arange(a.num_reqs)
+        waiting = a.pending_rows(rows, step_id) >= 0
+        expect = [index_of[a.req_ids[r]] for r in rows[waiting].tolist()]
+        assert a.pending_sources(rows[waiting], step_id).tolist() == expect
+        assert (a.pending_sources(rows[~waiting], step_id) == -1).all()
+        toks = rng.integers(0, 100, len(noted[step_id]))
+        a.fill_pending(toks, step_id)
+        b.fill_sampled(noted[step_id], toks, step_id)
+        for name in ("token_ids", "pending_pos", "num_tokens"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert (a.pending_idx[:, step_id % 2] == -1).all()
+        for name in ("tokens", "counts", "lens"):
+            assert np.array_equal(getattr(a.sampling.seen, name), getattr(b.sampling.seen, name)), name

@@ -57,6 +57,9 @@ class InputBatch:
         # Async scheduling: pending_pos[row, step % 2] = the position of the row's token sampled by that launched
         # step while it is still on its way to the host (token_ids holds PLACEHOLDER_TOKEN there); -1: none.
         self.pending_pos = np.full((max_num_reqs, PENDING_STEPS), -1, dtype=np.int64)
+        # pending_idx[row, step % 2]: that token's index in the launched step's sampled tensor (where the next step
+        # reads it on the device, and where its value lands on the host); -1 where pending_pos is.
+        self.pending_idx = np.full((max_num_reqs, PENDING_STEPS), -1, dtype=np.int64)
         # Requests in the batch whose parameters ask for prompt logprobs (the runner skips that work at 0).
         self.num_prompt_logprob_reqs = 0
 
@@ -103,6 +106,7 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.lora_ids[row] = new.lora_request.lora_int_id if new.lora_request is not None else 0
         self.pending_pos[row] = -1  # a (re-)added request comes with every token known
+        self.pending_idx[row] = -1
         self.append_block_ids(row, new.block_ids)
         return row
 
@@ -149,6 +153,7 @@ class InputBatch:
         self.req_ids[row] = None
         self.params[row] = None
         self.pending_pos[row] = -1
+        self.pending_idx[row] = -1
         if row != last:
             self._move_row(last, row)
         return True
@@ -169,6 +174,8 @@ class InputBatch:
             arr[dst] = arr[src]
         self.pending_pos[dst] = self.pending_pos[src]
         self.pending_pos[src] = -1
+        self.pending_idx[dst] = self.pending_idx[src]
+        self.pending_idx[src] = -1
         self.sampling.move_row(src, dst)
 
     # ------------------------------------------------------------------ per step
@@ -194,17 +201,44 @@ class InputBatch:
     def note_sampled(self, rows: np.ndarray, step_id: int) -> None:
         """A launched step samples one token per row whose value is not on the host yet: hold its position with
         PLACEHOLDER_TOKEN (no forward reads it: the next step takes it from the device), count it (min_tokens
-        needs only the count) and remember where it goes."""
+        needs only the count) and remember where it goes. Row i's token is entry i of the step's sampled tensor
+        (rows distinct)."""
         rows = np.asarray(rows, dtype=np.int64)
         pos = self.num_tokens[rows]
         ok = pos < self.max_model_len
-        self.token_ids[rows[ok], pos[ok]] = PLACEHOLDER_TOKEN
-        self.num_tokens[rows[ok]] += 1
+        if ok.all():
+            self.token_ids[rows, pos] = PLACEHOLDER_TOKEN
+            self.num_tokens[rows] = pos + 1
+        else:
+            self.token_ids[rows[ok], pos[ok]] = PLACEHOLDER_TOKEN
+            self.num_tokens[rows[ok]] += 1
         col = step_id % PENDING_STEPS
         if (self.pending_pos[rows, col] >= 0).any():
             raise RuntimeError(f"step {step_id}: rows {rows.tolist()} still wait for a token of step {step_id - 2}")
         self.pending_pos[rows, col] = np.where(ok, pos, -1)
+        self.pending_idx[rows, col] = np.where(ok, np.arange(len(rows)), -1)
         self.sampling.count_sampled(rows)
+
+    def pending_sources(self, rows: np.ndarray, step_id: int) -> np.ndarray:
+        """Where the listed rows' tokens pending from `step_id` sit in that step's sampled tensor (-1: none)."""
+        return self.pending_idx[np.asarray(rows, dtype=np.int64), step_id % PENDING_STEPS]
+
+    def fill_pending(self, token_ids: np.ndarray, step_id: int) -> None:
+        """Step `step_id`'s sampled tokens (its whole sampled tensor, on the host) reached the host: each row still
+        waiting for one of them takes its value (fill_sampled's effect, found by row instead of by request id:
+        rows that moved took their pending entries along, removed and re-added ones hold none)."""
+        col = step_id % PENDING_STEPS
+        n = self.num_reqs
+        pos = self.pending_pos[:n, col]
+        rows = np.flatnonzero(pos >= 0)
+        if not len(rows):
+            return
+        pos = pos[rows]
+        toks = np.asarray(token_ids, dtype=np.int64).reshape(-1)[self.pending_idx[rows, col]]
+        self.token_ids[rows, pos] = toks
+        self.pending_pos[rows, col] = -1
+        self.pending_idx[rows, col] = -1
+        self.sampling.record_values(rows, toks, pos - self.num_prompt_tokens[rows])
 
     def pending_rows(self, rows: np.ndarray, step_id: int) -> np.ndarray:
         """Positions (per row; -1: none) of the listed rows' tokens sampled by `step_id` and not yet on the host."""
@@ -231,6 +265,7 @@ class InputBatch:
         if len(rows):
             self.token_ids[rows, pos] = toks
             self.pending_pos[rows, col] = -1
+            self.pending_idx[rows, col] = -1
             self.sampling.record_values(rows, toks, pos - self.num_prompt_tokens[rows])
 
 

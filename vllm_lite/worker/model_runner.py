@@ -375,8 +375,7 @@ class GPUModelRunner:
         if len(hit) == 0:
             return None
         dst = inputs.query_start_loc[hit] + off
-        src = np.fromiter((prev.index_of[inputs.req_ids[i]] for i in hit), dtype=np.int64, count=len(hit))
-        return dst, src
+        return dst, batch.pending_sources(inputs.rows[hit], prev.step_id)
 
     def _run_step(
         self,
@@ -564,7 +563,6 @@ class GPUModelRunner:
             inputs=inputs,
             s_idx=s_idx,
             sampled=sampled,
-            index_of={inputs.req_ids[i]: j for j, i in enumerate(s_idx.tolist())},
             slot=slot,
         )
         if ring.copy_stream is not None:
@@ -679,7 +677,6 @@ class _LaunchedStep:
     inputs: StepInputs
     s_idx: np.ndarray  # int64 [S] positions (in the step's request order) that sampled
     sampled: torch.Tensor  # int64 [S] on the device: the next step's input ids read it there
-    index_of: dict[str, int]  # req_id -> its index in `sampled`
     slot: int  # the SampledRing slot its ids are copied into
     event: Optional[torch.cuda.Event] = None  # that copy's (CUDA)
     logprobs: Optional[LogprobsTensors] = None  # host copies on CUDA
@@ -701,8 +698,8 @@ class _LaunchedStep:
                 return self.tokens
             self.tokens = ring.buffers[self.slot][: len(self.s_idx)].numpy().copy()
             ring.release(self.slot)
-            req_ids = [self.inputs.req_ids[i] for i in self.s_idx.tolist()]
-            self.runner.input_batch.fill_sampled(req_ids, self.tokens, self.step_id)
+            # Rows still waiting for these tokens (InputBatch.pending_idx: entry i of `sampled` per row).
+            self.runner.input_batch.fill_pending(self.tokens, self.step_id)
         return self.tokens
 
     def get_output(self) -> ModelRunnerOutput:
