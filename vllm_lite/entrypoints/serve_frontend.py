@@ -91,11 +91,16 @@ def watch_pids(loop: asyncio.AbstractEventLoop, pids: list[int], on_exit: Callab
 
 
 async def serve(
-    args: FrontendArgs, channel: Optional[ChildChannel] = None, app_factory: Optional[Callable[..., Any]] = None
+    args: FrontendArgs,
+    channel: Optional[ChildChannel] = None,
+    app_factory: Optional[Callable[..., Any]] = None,
+    freeze_gc: bool = False,
 ) -> int:
     """Attach, serve HTTP on the inherited socket until told to stop or a core dies; the exit code.
 
     ``app_factory``: what builds the app (``api_server.build_app``'s signature; tests pass a slow one).
+    ``freeze_gc``: this process is the frontend's own (``_main``): its start-up heap is frozen before it serves
+    (``serve_app``'s freeze_gc); tests that call this in their own interpreter leave it off.
     """
     from vllm_lite.entrypoints.openai.api_server import build_app, init_static_loras, serve_app
 
@@ -156,6 +161,7 @@ async def serve(
                 log_level=args.uvicorn_log_level,
                 ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile,
+                freeze_gc=freeze_gc,
             )
         )
         while not task.done():
@@ -184,7 +190,7 @@ def _main(args: FrontendArgs, channel: ChildChannel) -> int:
     from vllm_lite.client.core_client import set_frontend_thread_policy
 
     set_frontend_thread_policy()
-    return asyncio.run(serve(args, channel))
+    return asyncio.run(serve(args, channel, freeze_gc=True))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ process exit code: 1 when the engine died, so a supervisor restarts us.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import signal
@@ -516,8 +517,14 @@ async def serve_app(
     log_level: str = "info",
     ssl_keyfile: Optional[str] = None,
     ssl_certfile: Optional[str] = None,
+    freeze_gc: bool = False,
 ) -> int:
-    """Serve until shutdown (HTTPS with both ssl files); returns 1 if the engine died, else 0."""
+    """Serve until shutdown (HTTPS with both ssl files); returns 1 if the engine died, else 0.
+
+    ``freeze_gc``: this process is the server's own (run_server, `serve`'s frontend processes; never a test's or a
+    user's interpreter): its start-up heap (tokenizer, app, torch, pydantic models) is collected and frozen and the
+    youngest generation's threshold raised right before uvicorn serves, the engine core's policy
+    (gc_heap.freeze_gc_heap; vLLM freezes its API server's heap too), so no full collection walks it mid-stream."""
     import uvicorn
 
     if (ssl_keyfile is None) != (ssl_certfile is None):
@@ -542,6 +549,13 @@ async def serve_app(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda signum, frame: setattr(server, "should_exit", True))
+    if freeze_gc:
+        from vllm_lite.core.gc_heap import freeze_gc_heap
+
+        if freeze_gc_heap():
+            logger.info(
+                "gc: %d start-up objects frozen, young threshold %d", gc.get_freeze_count(), gc.get_threshold()[0]
+            )
     try:
         await server.serve(sockets=[sock] if sock is not None else None)
     finally:
@@ -602,6 +616,7 @@ def run_server(args: Any) -> int:
                 log_level=args.uvicorn_log_level,
                 ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile,
+                freeze_gc=True,  # this process is the server's (the CLI's main)
             )
         finally:
             if reattacher is not None:
