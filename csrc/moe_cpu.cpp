@@ -513,9 +513,18 @@ void down_rows_bf16(const uint16_t* act, int64_t ld_act, const uint16_t* wp, int
   if constexpr (R > 1) down_rows_bf16<(R + 1) / 2>(act + r * ld_act, ld_act, wp, ip2, y + r * ld_y, ld_y, n - r);
 }
 
-// out (bf16) = sum over j of bf16(y_j * w_j), added in order with a bf16 rounding after each add.
+// out (bf16) = sum over j of bf16(y_j * w_j), added in order with a bf16 rounding after each add. 16 columns at a
+// time with the vector conversion (round to nearest even, as c10::BFloat16 for every value but subnormals, which
+// it flushes: none of a layer's outputs), the tail as scalars.
 void combine_row_bf16(const float* const* y, const float* w, int64_t k, int64_t h, c10::BFloat16* out) {
-  for (int64_t i = 0; i < h; ++i) {
+  int64_t i0 = 0;
+  for (; i0 + 16 <= h; i0 += 16) {
+    __m512 acc = round_bf16(_mm512_mul_ps(_mm512_loadu_ps(y[0] + i0), _mm512_set1_ps(w[0])));
+    for (int64_t j = 1; j < k; ++j)
+      acc = round_bf16(_mm512_add_ps(acc, round_bf16(_mm512_mul_ps(_mm512_loadu_ps(y[j] + i0), _mm512_set1_ps(w[j])))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i0), to_bf16(acc));
+  }
+  for (int64_t i = i0; i < h; ++i) {
     float acc = static_cast<float>(c10::BFloat16(y[0][i] * w[0]));
     for (int64_t j = 1; j < k; ++j) acc = static_cast<float>(c10::BFloat16(acc + static_cast<float>(c10::BFloat16(y[j][i] * w[j]))));
     out[i] = c10::BFloat16(acc);
