@@ -132,6 +132,10 @@ class FakeEngineCore:
         )
         return {c: EngineCoreOutputs(outputs=o, scheduler_stats=stats) for c, o in per_client.items()}
 
+    def take_ready_outputs(self) -> list:
+        """EngineCore's: outputs a drain left to send before a utility answer (none: no step is ever in flight)."""
+        return []
+
     def call_utility(self, method: str, args: list) -> Any:
         if method == "ping":
             return "pong"

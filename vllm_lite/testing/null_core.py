@@ -60,6 +60,10 @@ class NullCore:
             outs.append(o)
         return {0: EngineCoreOutputs(outputs=outs, scheduler_stats=SchedulerStats(num_running_reqs=len(outs)))}
 
+    def take_ready_outputs(self) -> list:
+        """EngineCore's: outputs a drain left to send before a utility answer (none: no step is ever in flight)."""
+        return []
+
     def call_utility(self, method: str, args: list) -> Any:
         if method == "ping":
             return True
