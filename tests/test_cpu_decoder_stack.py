@@ -12,10 +12,8 @@ import torch
 import transformers
 from torch import nn
 
-from vllm_lite.testing.paged import make_attention_metadata, random_block_tables
+from vllm_lite.testing.decoder_stack import assert_same_step, stack_and_python
 from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
-from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
-from vllm_lite.worker.forward_context import set_forward_context
 from vllm_lite.worker.models import cpu_decoder_stack as cds
 from vllm_lite.worker.models import cpu_prepack, llama
 from vllm_lite.worker.models.layers import RotaryEmbedding
@@ -26,8 +24,6 @@ from vllm_lite.worker.models.qwen3 import Qwen3ForCausalLM
 pytestmark = pytest.mark.skipif(
     not (load_cpu_ops() and hasattr(torch.ops.vllm_lite, "cpu_decoder_layers")), reason="CPU kernels not built here"
 )
-
-BLOCK = 16
 
 
 def _config(arch: str) -> transformers.PretrainedConfig:
@@ -76,55 +72,6 @@ def _model(arch: str, dtype: torch.dtype, prepack: bool = True) -> nn.Module:
     return model
 
 
-def _step(model: nn.Module, query_lens: list[int], seq_lens: list[int], seed: int = 0):
-    """(input_ids, positions, metadata, caches) of one step: query_lens new tokens a request, seq_lens in all."""
-    g = torch.Generator().manual_seed(seed)
-    tables, num_blocks = random_block_tables(seq_lens, BLOCK, seed=seed)
-    md = make_attention_metadata(query_lens, seq_lens, tables, BLOCK)
-    n = md.num_actual_tokens
-    ids = torch.randint(0, 256, (n,), generator=g)
-    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
-    attn = model.model.layers[0].self_attn
-    dtype = model.model.embed_tokens.weight.dtype
-    caches = [
-        torch.randn(2, num_blocks, BLOCK, attn.num_kv_heads, attn.head_dim, generator=g).to(dtype)
-        for _ in model.model.layers
-    ]
-    return ids, positions, md, caches
-
-
-def _run(model, backend, ids, positions, md, caches, python: bool, logits_rows=None):
-    layers = model.model.layers
-    for layer, c in zip(layers, caches):
-        layer.self_attn.attn.kv_cache = c
-    with torch.inference_mode(), set_forward_context(md, backend):
-        if python:
-            with cds.python_layers():
-                out = model(ids, positions, logits_rows=logits_rows)
-        else:
-            out = model(ids, positions, logits_rows=logits_rows)
-    return out
-
-
-def _both(model, query_lens, seq_lens, seed=0, logits_rows=None):
-    """(stack result, caches after), (Python result, caches after) for the same step from the same caches."""
-    backend = CpuNativeBackend("auto")
-    ids, positions, md, caches = _step(model, query_lens, seq_lens, seed)
-    c1 = [c.clone() for c in caches]
-    c2 = [c.clone() for c in caches]
-    a = _run(model, backend, ids, positions, md, c1, python=False, logits_rows=logits_rows)
-    b = _run(model, backend, ids, positions, md, c2, python=True, logits_rows=logits_rows)
-    return (a, c1), (b, c2)
-
-
-def _assert_same(x, y):
-    (a, c1), (b, c2) = x, y
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(a, b), f"hidden states differ: max |diff| {(a.float() - b.float()).abs().max().item()}"
-    for i, (p, q) in enumerate(zip(c1, c2)):
-        assert torch.equal(p, q), f"layer {i}'s KV cache differs"
-
-
 def _calls(monkeypatch) -> list[int]:
     """Counts the forwards that went through the C++ stack."""
     n = [0]
@@ -156,9 +103,9 @@ def _calls(monkeypatch) -> list[int]:
 def test_bf16_stack_matches_python_layers(arch, query_lens, seq_lens, monkeypatch):
     model = _model(arch, torch.bfloat16)
     n = _calls(monkeypatch)
-    x, y = _both(model, query_lens, seq_lens)
+    x, y = stack_and_python(model, query_lens, seq_lens)
     assert n[0] == 1, "the bf16 forward must take the C++ stack"
-    _assert_same(x, y)
+    assert_same_step(x, y)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -166,9 +113,9 @@ def test_bf16_stack_matches_python_layers(arch, query_lens, seq_lens, monkeypatc
 def test_float32_stack_matches_python_layers(arch, rows, monkeypatch):
     model = _model(arch, torch.float32)
     n = _calls(monkeypatch)
-    x, y = _both(model, [1] * rows, [9 + 5 * i for i in range(rows)], seed=rows)
+    x, y = stack_and_python(model, [1] * rows, [9 + 5 * i for i in range(rows)], seed=rows)
     assert n[0] == 1, "a float32 forward of < 8 rows must take the C++ stack"
-    _assert_same(x, y)
+    assert_same_step(x, y)
 
 
 def test_float32_from_8_rows_takes_the_stack_once_cpu_linear_checked_the_case(monkeypatch):
@@ -183,18 +130,18 @@ def test_float32_from_8_rows_takes_the_stack_once_cpu_linear_checked_the_case(mo
     n = _calls(monkeypatch)
     o = model.model.layers[0].self_attn.o_proj.weight
     checked_first = cpu_linear.kernel_applies(8, o, torch.float32, None)  # else cpu_linear keeps F.linear (plan 0)
-    x, y = _both(model, [8], [8])
+    x, y = stack_and_python(model, [8], [8])
     assert n[0] == (0 if checked_first else 1)
-    _assert_same(x, y)
-    x, y = _both(model, [8], [8])
+    assert_same_step(x, y)
+    x, y = stack_and_python(model, [8], [8])
     assert n[0] == (1 if checked_first else 2)
-    _assert_same(x, y)
+    assert_same_step(x, y)
 
 
 def test_unpacked_bf16_takes_f_linear_below_8_rows(monkeypatch):
     model = _model("qwen2", torch.bfloat16, prepack=False)
     n = _calls(monkeypatch)
-    _assert_same(*_both(model, [1, 1], [20, 30]))
+    assert_same_step(*stack_and_python(model, [1, 1], [20, 30]))
     assert n[0] == 1
 
 
@@ -203,10 +150,10 @@ def test_last_layer_kept_rows(keep, monkeypatch):
     """logits_rows: past the last attention only those rows go on (decoder.py), in the op as in Python."""
     model = _model("qwen2", torch.bfloat16)
     n = _calls(monkeypatch)
-    x, y = _both(model, [4, 2], [30, 12], logits_rows=torch.tensor(keep, dtype=torch.int64))
+    x, y = stack_and_python(model, [4, 2], [30, 12], logits_rows=torch.tensor(keep, dtype=torch.int64))
     assert n[0] == 1
     assert x[0].shape == (len(keep), 128)
-    _assert_same(x, y)
+    assert_same_step(x, y)
 
 
 def test_a_replaced_module_sends_the_forward_back_to_python(monkeypatch):
@@ -223,25 +170,25 @@ def test_a_replaced_module_sends_the_forward_back_to_python(monkeypatch):
 
     model = _model("llama", torch.bfloat16)
     n = _calls(monkeypatch)
-    _both(model, [1], [10])
+    stack_and_python(model, [1], [10])
     assert n[0] == 1
     mlp = model.model.layers[1].mlp
     mlp.down_proj = Doubling(mlp.down_proj)
-    x, y = _both(model, [1], [10])
+    x, y = stack_and_python(model, [1], [10])
     assert n[0] == 1, "the replaced module must send the forward to the Python layers"
-    _assert_same(x, y)
+    assert_same_step(x, y)
 
 
 def test_prepacking_after_a_forward_rebuilds_the_stack(monkeypatch):
     """The stack built over plain weights is not reused once the weights are packed (the plain ones are gone)."""
     model = _model("llama", torch.bfloat16, prepack=False)
     n = _calls(monkeypatch)
-    before = _both(model, [1], [10])
-    _assert_same(*before)
+    before = stack_and_python(model, [1], [10])
+    assert_same_step(*before)
     cpu_prepack.prepack_linear_weights(model)
-    after = _both(model, [1], [10])
+    after = stack_and_python(model, [1], [10])
     assert n[0] == 2
-    _assert_same(*after)
+    assert_same_step(*after)
 
 
 def test_weights_object_rejects_inconsistent_layers():
@@ -259,15 +206,15 @@ def test_a_forward_hook_inside_the_layers_keeps_the_python_layers(monkeypatch):
     seen = []
     h = model.model.layers[2].mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
     try:
-        _both(model, [1, 1], [10, 20])
+        stack_and_python(model, [1, 1], [10, 20])
     finally:
         h.remove()
     assert n[0] == 0 and seen == [2, 2]
-    _both(model, [1, 1], [10, 20])
+    stack_and_python(model, [1, 1], [10, 20])
     assert n[0] == 1 and seen == [2, 2]
     g = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append(0))
     try:
-        _both(model, [1], [10])
+        stack_and_python(model, [1], [10])
     finally:
         g.remove()
     assert n[0] == 1
@@ -278,7 +225,7 @@ def test_a_model_that_ran_the_stack_can_be_copied_and_pickled():
     import io
 
     model = _model("llama", torch.float32)
-    x = _both(model, [1], [10])
+    x = stack_and_python(model, [1], [10])
     twin = copy.deepcopy(model)
     assert model.model._cpu_stack and twin.model._cpu_stack == []
     buf = io.BytesIO()
@@ -286,7 +233,7 @@ def test_a_model_that_ran_the_stack_can_be_copied_and_pickled():
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     for m in (twin, loaded):
-        _assert_same(_both(m, [1], [10])[0], x[0])
+        assert_same_step(stack_and_python(m, [1], [10])[0], x[0])
 
 
 @pytest.mark.parametrize("missing", ["_weights_class", "_op"])
@@ -295,5 +242,5 @@ def test_a_library_without_the_op_keeps_the_python_layers(missing, monkeypatch):
     model = _model("llama", torch.bfloat16)
     n = _calls(monkeypatch)
     monkeypatch.setattr(cds, missing, lambda: None)
-    _assert_same(*_both(model, [1], [10]))
+    assert_same_step(*stack_and_python(model, [1], [10]))
     assert n[0] == 0 and model.model._cpu_stack == [None]

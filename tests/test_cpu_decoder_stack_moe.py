@@ -12,7 +12,7 @@ import torch
 import transformers
 from torch import nn
 
-from vllm_lite.testing.paged import make_attention_metadata, random_block_tables
+from vllm_lite.testing.decoder_stack import assert_same_step, run_step, stack_and_python, step_inputs
 from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 from vllm_lite.worker.forward_context import set_forward_context
@@ -25,8 +25,6 @@ from vllm_lite.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 pytestmark = pytest.mark.skipif(
     not (load_cpu_ops() and hasattr(torch.ops.vllm_lite, "cpu_decoder_layers")), reason="CPU kernels not built here"
 )
-
-BLOCK = 16
 
 
 def _config(arch: str) -> transformers.PretrainedConfig:
@@ -76,50 +74,6 @@ def _model(arch: str, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _step(model: nn.Module, query_lens: list[int], seq_lens: list[int], seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    tables, num_blocks = random_block_tables(seq_lens, BLOCK, seed=seed)
-    md = make_attention_metadata(query_lens, seq_lens, tables, BLOCK)
-    ids = torch.randint(0, 256, (md.num_actual_tokens,), generator=g)
-    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
-    attn = model.model.layers[0].self_attn
-    dtype = model.model.embed_tokens.weight.dtype
-    caches = [
-        torch.randn(2, num_blocks, BLOCK, attn.num_kv_heads, attn.head_dim, generator=g).to(dtype)
-        for _ in model.model.layers
-    ]
-    return ids, positions, md, caches
-
-
-def _run(model, backend, ids, positions, md, caches, python: bool, logits_rows=None):
-    for layer, c in zip(model.model.layers, caches):
-        layer.self_attn.attn.kv_cache = c
-    with torch.inference_mode(), set_forward_context(md, backend):
-        if python:
-            with cds.python_layers():
-                return model(ids, positions, logits_rows=logits_rows)
-        return model(ids, positions, logits_rows=logits_rows)
-
-
-def _both(model, query_lens, seq_lens, seed=0, logits_rows=None):
-    """(stack result, caches after), (Python result, caches after) for the same step from the same caches."""
-    backend = CpuNativeBackend("auto")
-    ids, positions, md, caches = _step(model, query_lens, seq_lens, seed)
-    c1 = [c.clone() for c in caches]
-    c2 = [c.clone() for c in caches]
-    a = _run(model, backend, ids, positions, md, c1, python=False, logits_rows=logits_rows)
-    b = _run(model, backend, ids, positions, md, c2, python=True, logits_rows=logits_rows)
-    return (a, c1), (b, c2)
-
-
-def _assert_same(x, y):
-    (a, c1), (b, c2) = x, y
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(a, b), f"hidden states differ: max |diff| {(a.float() - b.float()).abs().max().item()}"
-    for i, (p, q) in enumerate(zip(c1, c2)):
-        assert torch.equal(p, q), f"layer {i}'s KV cache differs"
-
-
 def _calls(monkeypatch) -> list[int]:
     """Counts the forwards that went through the C++ stack."""
     n = [0]
@@ -150,9 +104,9 @@ def _experts_calls(monkeypatch) -> list[int]:
 def _checked_twice(model, query_lens, seq_lens, n, seed=0, logits_rows=None):
     """The first forward of a row count may leave the stack (cpu_linear checks its new cases in the Python
     layers); the second of the same shape must take it. Returns the second's results."""
-    _both(model, query_lens, seq_lens, seed, logits_rows)
+    stack_and_python(model, query_lens, seq_lens, seed, logits_rows)
     before = n[0]
-    out = _both(model, query_lens, seq_lens, seed, logits_rows)
+    out = stack_and_python(model, query_lens, seq_lens, seed, logits_rows)
     assert n[0] == before + 1, "the forward must take the C++ stack once cpu_linear has checked its cases"
     return out
 
@@ -178,7 +132,7 @@ def test_moe_stack_matches_python_layers(arch, dtype, query_lens, seq_lens, monk
     model = _model(arch, dtype)
     n = _calls(monkeypatch)
     x, y = _checked_twice(model, query_lens, seq_lens, n)
-    _assert_same(x, y)
+    assert_same_step(x, y)
     assert model.model._cpu_stack[0].num_moe == (2 if arch == "qwen3_moe" else 3)
 
 
@@ -187,10 +141,10 @@ def test_the_stack_runs_no_python_moe_block(monkeypatch):
     n = _calls(monkeypatch)
     blocks = _experts_calls(monkeypatch)
     backend = CpuNativeBackend("auto")
-    ids, positions, md, caches = _step(model, [1, 1], [10, 20])
-    _run(model, backend, ids, positions, md, caches, python=False)
+    ids, positions, md, caches = step_inputs(model, [1, 1], [10, 20])
+    run_step(model, backend, (ids, positions, md, caches), python=False)
     assert n[0] == 1 and blocks[0] == 0
-    _run(model, backend, ids, positions, md, caches, python=True)
+    run_step(model, backend, (ids, positions, md, caches), python=True)
     assert blocks[0] == 3
 
 
@@ -202,7 +156,7 @@ def test_last_layer_kept_rows(arch, keep, monkeypatch):
     n = _calls(monkeypatch)
     x, y = _checked_twice(model, [4, 2], [30, 12], n, logits_rows=torch.tensor(keep, dtype=torch.int64))
     assert x[0].shape == (len(keep), 128)
-    _assert_same(x, y)
+    assert_same_step(x, y)
 
 
 def test_float32_kept_rows_take_the_plans_of_their_row_count(monkeypatch):
@@ -212,7 +166,7 @@ def test_float32_kept_rows_take_the_plans_of_their_row_count(monkeypatch):
     n = _calls(monkeypatch)
     keep = torch.arange(9, dtype=torch.int64)
     x, y = _checked_twice(model, [1] * 10, list(range(20, 30)), n, logits_rows=keep)
-    _assert_same(x, y)
+    assert_same_step(x, y)
     stack = model.model._cpu_stack[0]
     plans = stack._plans[(10, 9, torch.get_num_threads())]
     assert plans is not None and plans[4 * 2 + 1] == cpu_linear._kc[cpu_linear._kernel_case(9, _o_weight(model, 2))]
@@ -236,13 +190,13 @@ def test_float32_a_new_row_count_is_checked_in_python_first(monkeypatch):
     model = _model("mixtral", torch.float32)
     _need_kblocked(model)
     n = _calls(monkeypatch)
-    _both(model, [1] * 9, list(range(20, 29)))
+    stack_and_python(model, [1] * 9, list(range(20, 29)))
     assert n[0] == 0, "an unchecked k-blocked case must leave the forward to the Python layers"
     case = cpu_linear._kernel_case(9, _o_weight(model, 0))
     assert cpu_linear._kc.get(case), "the Python layers must have checked the case (the kernel applies here)"
-    x = _both(model, [1] * 9, list(range(20, 29)))
+    x = stack_and_python(model, [1] * 9, list(range(20, 29)))
     assert n[0] == 1
-    _assert_same(*x)
+    assert_same_step(*x)
     # The plans the op got: every attention linear on the kernel at the recorded kc.
     plans = model.model._cpu_stack[0]._plans[(9, 9, torch.get_num_threads())]
     assert plans is not None and all(plans[4 * i + j] > 0 for i in range(3) for j in (0, 1))
@@ -291,7 +245,7 @@ def test_the_op_runs_sliced_and_kblocked_plans_as_cpu_linear_does():
     stack = cds.build_stack(list(model.model.layers), torch.float32, STACK_KINDS)
     assert stack is not None and len(stack.plain) == 4
     backend = CpuNativeBackend("auto")
-    ids, positions, md, caches = _step(model, [1] * 20, list(range(20, 40)))
+    ids, positions, md, caches = step_inputs(model, [1] * 20, list(range(20, 40)))
     gate_up = model.model.layers[0].mlp.gate_up_proj.weight
     want_blocks = cpu_linear.blocked_linear(torch.randn(3, 128), gate_up, None)
     assert want_blocks.shape == (3, 3200)
@@ -350,7 +304,7 @@ def test_fallbacks_keep_the_python_layers(how, monkeypatch):
     wrap would), a hook on a MoE block, python_layers(): the forward runs the Python layers, unchanged."""
     model = _model("mixtral", torch.float32)
     n = _calls(monkeypatch)
-    _both(model, [1, 1], [10, 20])
+    stack_and_python(model, [1, 1], [10, 20])
     assert n[0] == 1
     moe = model.model.layers[1].block_sparse_moe
     seen = []
@@ -368,11 +322,11 @@ def test_fallbacks_keep_the_python_layers(how, monkeypatch):
         moe.experts.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
     if how == "python_layers":
         with cds.python_layers():
-            x = _both(model, [1, 1], [10, 20])
+            x = stack_and_python(model, [1, 1], [10, 20])
     else:
-        x = _both(model, [1, 1], [10, 20])
+        x = stack_and_python(model, [1, 1], [10, 20])
     assert n[0] == 1, "the forward must take the Python layers"
-    _assert_same(*x)
+    assert_same_step(*x)
     if how == "hook":
         assert seen == [2, 2]
     if how in ("oneDNN experts", "router"):
@@ -385,7 +339,7 @@ def test_tensor_parallel_experts_keep_the_python_layers(monkeypatch):
     model.model.layers[2].mlp.experts.tp_size = 2
     assert cds.build_stack(list(model.model.layers), torch.float32, mixtral.STACK_KINDS) is None
     model.model.layers[2].mlp.experts.tp_size = 1
-    _both(model, [1], [10])
+    stack_and_python(model, [1], [10])
     assert n[0] == 1
 
 
@@ -426,7 +380,7 @@ def test_a_model_that_ran_the_stack_can_be_copied_and_pickled():
     import io
 
     model = _model("mixtral", torch.float32)
-    x = _both(model, [1], [10])
+    x = stack_and_python(model, [1], [10])
     twin = copy.deepcopy(model)
     assert model.model._cpu_stack and twin.model._cpu_stack == []
     buf = io.BytesIO()
@@ -434,4 +388,4 @@ def test_a_model_that_ran_the_stack_can_be_copied_and_pickled():
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     for m in (twin, loaded):
-        _assert_same(_both(m, [1], [10])[0], x[0])
+        assert_same_step(stack_and_python(m, [1], [10])[0], x[0])
