@@ -179,6 +179,19 @@ def test_a_replaced_module_sends_the_forward_back_to_python(monkeypatch):
     assert_same_step(x, y)
 
 
+def test_blocks_compiled_after_a_forward_keep_the_python_layers(monkeypatch):
+    """compilation_config compiles a layer's children (its MLP and norms, worker/compile.py), not the layer: once
+    they are compiled the stack must not run around them (test_compile counts their graphs)."""
+    model = _model("llama", torch.bfloat16)
+    n = _calls(monkeypatch)
+    stack_and_python(model, [1], [10])
+    assert n[0] == 1
+    model.model.layers[1].mlp.compile(backend="eager")  # what maybe_compile does, without inductor's cost
+    x, y = stack_and_python(model, [1], [10])
+    assert n[0] == 1, "a compiled block must send the forward to the Python layers"
+    assert_same_step(x, y)
+
+
 def test_prepacking_after_a_forward_rebuilds_the_stack(monkeypatch):
     """The stack built over plain weights is not reused once the weights are packed (the plain ones are gone)."""
     model = _model("llama", torch.bfloat16, prepack=False)

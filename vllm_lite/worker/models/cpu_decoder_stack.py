@@ -157,7 +157,11 @@ class CpuDecoderStack:
                 (mlp, ("gate", "experts") if moe else ("gate_up_proj", "down_proj", "act")),
             ):
                 for n in names:
-                    watch.append((parent._modules, n, parent._modules[n]))
+                    child = parent._modules[n]
+                    watch.append((parent._modules, n, child))
+                    # compilation_config compiles these blocks (worker/compile.py), not the layer: theirs to run
+                    watch.append((child.__dict__, "_compiled_call_impl", child.__dict__.get("_compiled_call_impl")))
+                    need(child.__dict__.get("_compiled_call_impl") is None)
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
             if attn.qk_norm:
                 need(type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm)
