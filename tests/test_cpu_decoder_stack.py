@@ -82,7 +82,7 @@ def _calls(monkeypatch) -> list[int]:
         n[0] += out is not None
         return out
 
-    monkeypatch.setattr("vllm_lite.worker.models.llama.run_stack", counting)
+    monkeypatch.setattr(cds, "run_stack", counting)
     return n
 
 

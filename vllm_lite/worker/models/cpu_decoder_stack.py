@@ -40,6 +40,7 @@ from torch import nn
 
 from vllm_lite.worker.attention.layer import Attention
 from vllm_lite.worker.models import cpu_linear, cpu_prepack
+from vllm_lite.worker.models.decoder import PreNormDecoder
 from vllm_lite.worker.models.fused_moe import Bf16KernelExperts, FusedMoE, KernelExperts, SparseMoeBlock
 from vllm_lite.worker.models.layers import (
     MergedLinear,
@@ -372,3 +373,29 @@ def forward_with_stack(
     if stack is None or not stack.runnable():
         return None
     return run_stack(stack, model, input_ids, positions, logits_rows)
+
+
+class StackDecoder(PreNormDecoder):
+    """A PreNormDecoder whose layers run as one C++ call on CPU where it applies (forward_with_stack), with the
+    same results; `stack_kinds` names the layer, attention and MLP classes the op stands in for."""
+
+    stack_kinds: tuple[type, type, type]
+
+    def __init__(self, config: Any, layers: list[nn.Module]) -> None:
+        super().__init__(config, layers)
+        self._cpu_stack: list[Optional[CpuDecoderStack]] = []  # [] until decided at a CPU forward, then [stack/None]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        hidden = forward_with_stack(self, self.stack_kinds, input_ids, positions, logits_rows)
+        if hidden is not None:
+            return hidden
+        return super().forward(input_ids, positions, logits_rows)
+
+    def __getstate__(self) -> dict:
+        """A copy or pickle decides its own stack (the C++ weights object is neither copyable nor picklable)."""
+        state = super().__getstate__()
+        state = dict(state) if state is not None else dict(self.__dict__)
+        state["_cpu_stack"] = []
+        return state

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from vllm_lite.worker.attention.layer import Attention
-from vllm_lite.worker.models.cpu_decoder_stack import CpuDecoderStack, build_stack, run_stack
-from vllm_lite.worker.models.decoder import CausalLM, PreNormDecoder, PreNormResidualLayer
+from vllm_lite.worker.models.cpu_decoder_stack import StackDecoder
+from vllm_lite.worker.models.decoder import CausalLM, PreNormResidualLayer
 from vllm_lite.worker.models.layers import (
     MergedLinear,
     QKVLinear,
@@ -115,33 +115,14 @@ class LlamaDecoderLayer(PreNormResidualLayer):
 STACK_KINDS = (LlamaDecoderLayer, LlamaAttention, LlamaMLP)
 
 
-class LlamaModel(PreNormDecoder):
+class LlamaModel(StackDecoder):
     """On CPU the layers run as one C++ call where it applies (cpu_decoder_stack.py); the same results."""
+
+    stack_kinds = STACK_KINDS
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         layers = [LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, w) for w in layer_sliding_windows(config)]
         super().__init__(config, layers)
-        self._cpu_stack: list[Optional[CpuDecoderStack]] = []  # [] until decided at a CPU forward, then [stack/None]
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        if input_ids.is_cpu:
-            if not self._cpu_stack or (self._cpu_stack[0] is not None and not self._cpu_stack[0].unchanged()):
-                self._cpu_stack[:] = [build_stack(list(self.layers), self.embed_tokens.weight.dtype, STACK_KINDS)]
-            stack = self._cpu_stack[0]
-            if stack is not None and stack.runnable():
-                hidden = run_stack(stack, self, input_ids, positions, logits_rows)
-                if hidden is not None:
-                    return hidden
-        return super().forward(input_ids, positions, logits_rows)
-
-    def __getstate__(self) -> dict:
-        """A copy or pickle decides its own stack (the C++ weights object is neither copyable nor picklable)."""
-        state = super().__getstate__()
-        state = dict(state) if state is not None else dict(self.__dict__)
-        state["_cpu_stack"] = []
-        return state
 
 
 class LlamaForCausalLM(CausalLM):

@@ -10,13 +10,12 @@ attention, the router, top-k and the C++ expert op; the same results as the Pyth
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Optional
 
 import torch
 from torch import nn
 
-from vllm_lite.worker.models.cpu_decoder_stack import CpuDecoderStack, forward_with_stack
-from vllm_lite.worker.models.decoder import CausalLM, PreNormDecoder, PreNormResidualLayer
+from vllm_lite.worker.models.cpu_decoder_stack import StackDecoder
+from vllm_lite.worker.models.decoder import CausalLM, PreNormResidualLayer
 from vllm_lite.worker.models.fused_moe import SparseMoeBlock, load_moe_weights
 from vllm_lite.worker.models.layers import RMSNorm
 from vllm_lite.worker.models.llama import STACKED, LlamaAttention, LlamaMLP
@@ -43,27 +42,10 @@ class MoEDecoderLayer(PreNormResidualLayer):
 STACK_KINDS = (MoEDecoderLayer, LlamaAttention, LlamaMLP)
 
 
-class MoEDecoder(PreNormDecoder):
+class MoEDecoder(StackDecoder):
     """PreNormDecoder whose layers run as one C++ call on CPU where it applies (cpu_decoder_stack.py)."""
 
-    def __init__(self, config, layers: list[nn.Module]) -> None:
-        super().__init__(config, layers)
-        self._cpu_stack: list[Optional[CpuDecoderStack]] = []  # [] until decided at a CPU forward, then [stack/None]
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        hidden = forward_with_stack(self, STACK_KINDS, input_ids, positions, logits_rows)
-        if hidden is not None:
-            return hidden
-        return super().forward(input_ids, positions, logits_rows)
-
-    def __getstate__(self) -> dict:
-        """A copy or pickle decides its own stack (the C++ weights object is neither copyable nor picklable)."""
-        state = super().__getstate__()
-        state = dict(state) if state is not None else dict(self.__dict__)
-        state["_cpu_stack"] = []
-        return state
+    stack_kinds = STACK_KINDS
 
 
 class MixtralForCausalLM(CausalLM):
