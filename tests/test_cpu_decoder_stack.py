@@ -12,7 +12,7 @@ import torch
 import transformers
 from torch import nn
 
-from vllm_lite.testing.decoder_stack import assert_same_step, stack_and_python
+from vllm_lite.testing.decoder_stack import assert_same_step, count_stack_runs, stack_and_python
 from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
 from vllm_lite.worker.models import cpu_decoder_stack as cds
 from vllm_lite.worker.models import cpu_prepack, llama
@@ -72,20 +72,6 @@ def _model(arch: str, dtype: torch.dtype, prepack: bool = True) -> nn.Module:
     return model
 
 
-def _calls(monkeypatch) -> list[int]:
-    """Counts the forwards that went through the C++ stack."""
-    n = [0]
-    real = cds.run_stack
-
-    def counting(*a, **k):
-        out = real(*a, **k)
-        n[0] += out is not None
-        return out
-
-    monkeypatch.setattr(cds, "run_stack", counting)
-    return n
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize(
     "query_lens,seq_lens",
@@ -102,7 +88,7 @@ def _calls(monkeypatch) -> list[int]:
 )
 def test_bf16_stack_matches_python_layers(arch, query_lens, seq_lens, monkeypatch):
     model = _model(arch, torch.bfloat16)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     x, y = stack_and_python(model, query_lens, seq_lens)
     assert n[0] == 1, "the bf16 forward must take the C++ stack"
     assert_same_step(x, y)
@@ -112,7 +98,7 @@ def test_bf16_stack_matches_python_layers(arch, query_lens, seq_lens, monkeypatc
 @pytest.mark.parametrize("rows", [1, 3, 7])
 def test_float32_stack_matches_python_layers(arch, rows, monkeypatch):
     model = _model(arch, torch.float32)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     x, y = stack_and_python(model, [1] * rows, [9 + 5 * i for i in range(rows)], seed=rows)
     assert n[0] == 1, "a float32 forward of < 8 rows must take the C++ stack"
     assert_same_step(x, y)
@@ -127,7 +113,7 @@ def test_float32_from_8_rows_takes_the_stack_once_cpu_linear_checked_the_case(mo
     assert cds.plain_linear_max_rows() == 7
     monkeypatch.setattr(cpu_linear, "_kc", {})
     model = _model("llama", torch.float32)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     o = model.model.layers[0].self_attn.o_proj.weight
     checked_first = cpu_linear.kernel_applies(8, o, torch.float32, None)  # else cpu_linear keeps F.linear (plan 0)
     x, y = stack_and_python(model, [8], [8])
@@ -140,7 +126,7 @@ def test_float32_from_8_rows_takes_the_stack_once_cpu_linear_checked_the_case(mo
 
 def test_unpacked_bf16_takes_f_linear_below_8_rows(monkeypatch):
     model = _model("qwen2", torch.bfloat16, prepack=False)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     assert_same_step(*stack_and_python(model, [1, 1], [20, 30]))
     assert n[0] == 1
 
@@ -149,7 +135,7 @@ def test_unpacked_bf16_takes_f_linear_below_8_rows(monkeypatch):
 def test_last_layer_kept_rows(keep, monkeypatch):
     """logits_rows: past the last attention only those rows go on (decoder.py), in the op as in Python."""
     model = _model("qwen2", torch.bfloat16)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     x, y = stack_and_python(model, [4, 2], [30, 12], logits_rows=torch.tensor(keep, dtype=torch.int64))
     assert n[0] == 1
     assert x[0].shape == (len(keep), 128)
@@ -169,7 +155,7 @@ def test_a_replaced_module_sends_the_forward_back_to_python(monkeypatch):
             return self.inner(x) * 2
 
     model = _model("llama", torch.bfloat16)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     stack_and_python(model, [1], [10])
     assert n[0] == 1
     mlp = model.model.layers[1].mlp
@@ -183,7 +169,7 @@ def test_blocks_compiled_after_a_forward_keep_the_python_layers(monkeypatch):
     """compilation_config compiles a layer's children (its MLP and norms, worker/compile.py), not the layer: once
     they are compiled the stack must not run around them (test_compile counts their graphs)."""
     model = _model("llama", torch.bfloat16)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     stack_and_python(model, [1], [10])
     assert n[0] == 1
     model.model.layers[1].mlp.compile(backend="eager")  # what maybe_compile does, without inductor's cost
@@ -195,7 +181,7 @@ def test_blocks_compiled_after_a_forward_keep_the_python_layers(monkeypatch):
 def test_prepacking_after_a_forward_rebuilds_the_stack(monkeypatch):
     """The stack built over plain weights is not reused once the weights are packed (the plain ones are gone)."""
     model = _model("llama", torch.bfloat16, prepack=False)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     before = stack_and_python(model, [1], [10])
     assert_same_step(*before)
     cpu_prepack.prepack_linear_weights(model)
@@ -215,7 +201,7 @@ def test_weights_object_rejects_inconsistent_layers():
 def test_a_forward_hook_inside_the_layers_keeps_the_python_layers(monkeypatch):
     """Hooks run: with one on a module the op would run past, the forward takes the Python layers."""
     model = _model("qwen2", torch.bfloat16)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     seen = []
     h = model.model.layers[2].mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
     try:
@@ -253,7 +239,7 @@ def test_a_model_that_ran_the_stack_can_be_copied_and_pickled():
 def test_a_library_without_the_op_keeps_the_python_layers(missing, monkeypatch):
     """Kernels built from older sources (no cpu_decoder_layers / CpuDecoderWeights): the Python layers run."""
     model = _model("llama", torch.bfloat16)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     monkeypatch.setattr(cds, missing, lambda: None)
     assert_same_step(*stack_and_python(model, [1], [10]))
     assert n[0] == 0 and model.model._cpu_stack == [None]

@@ -12,7 +12,7 @@ import torch
 import transformers
 from torch import nn
 
-from vllm_lite.testing.decoder_stack import assert_same_step, run_step, stack_and_python, step_inputs
+from vllm_lite.testing.decoder_stack import assert_same_step, count_stack_runs, run_step, stack_and_python, step_inputs
 from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 from vllm_lite.worker.forward_context import set_forward_context
@@ -74,21 +74,7 @@ def _model(arch: str, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _calls(monkeypatch) -> list[int]:
-    """Counts the forwards that went through the C++ stack."""
-    n = [0]
-    real = cds.run_stack
-
-    def counting(*a, **k):
-        out = real(*a, **k)
-        n[0] += out is not None
-        return out
-
-    monkeypatch.setattr(cds, "run_stack", counting)
-    return n
-
-
-def _experts_calls(monkeypatch) -> list[int]:
+def _expertscount_stack_runs(monkeypatch) -> list[int]:
     """Counts the Python MoE blocks' forwards (SparseMoeBlock.forward)."""
     n = [0]
     real = fused_moe.SparseMoeBlock.forward
@@ -130,7 +116,7 @@ def test_moe_stack_matches_python_layers(arch, dtype, query_lens, seq_lens, monk
     if dtype == torch.bfloat16 and not fused_moe._cpu_moe_bf16_kernel():
         pytest.skip("the bf16 expert op needs an AVX512-BF16 build")  # elsewhere bf16 experts stay on oneDNN
     model = _model(arch, dtype)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     x, y = _checked_twice(model, query_lens, seq_lens, n)
     assert_same_step(x, y)
     assert model.model._cpu_stack[0].num_moe == (2 if arch == "qwen3_moe" else 3)
@@ -138,8 +124,8 @@ def test_moe_stack_matches_python_layers(arch, dtype, query_lens, seq_lens, monk
 
 def test_the_stack_runs_no_python_moe_block(monkeypatch):
     model = _model("mixtral", torch.float32)
-    n = _calls(monkeypatch)
-    blocks = _experts_calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
+    blocks = _expertscount_stack_runs(monkeypatch)
     backend = CpuNativeBackend("auto")
     ids, positions, md, caches = step_inputs(model, [1, 1], [10, 20])
     run_step(model, backend, (ids, positions, md, caches), python=False)
@@ -153,7 +139,7 @@ def test_the_stack_runs_no_python_moe_block(monkeypatch):
 def test_last_layer_kept_rows(arch, keep, monkeypatch):
     """logits_rows: past the last attention only those rows go on, through the router and experts too."""
     model = _model(arch, torch.bfloat16 if fused_moe._cpu_moe_bf16_kernel() else torch.float32)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     x, y = _checked_twice(model, [4, 2], [30, 12], n, logits_rows=torch.tensor(keep, dtype=torch.int64))
     assert x[0].shape == (len(keep), 128)
     assert_same_step(x, y)
@@ -163,7 +149,7 @@ def test_float32_kept_rows_take_the_plans_of_their_row_count(monkeypatch):
     """Float32 with 10 rows, 9 kept: the last layer's o_proj sees 9 rows (its own k-blocked case)."""
     model = _model("mixtral", torch.float32)
     _need_kblocked(model)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     keep = torch.arange(9, dtype=torch.int64)
     x, y = _checked_twice(model, [1] * 10, list(range(20, 30)), n, logits_rows=keep)
     assert_same_step(x, y)
@@ -189,7 +175,7 @@ def test_float32_a_new_row_count_is_checked_in_python_first(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_kc", {})
     model = _model("mixtral", torch.float32)
     _need_kblocked(model)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     stack_and_python(model, [1] * 9, list(range(20, 29)))
     assert n[0] == 0, "an unchecked k-blocked case must leave the forward to the Python layers"
     case = cpu_linear._kernel_case(9, _o_weight(model, 0))
@@ -303,7 +289,7 @@ def test_fallbacks_keep_the_python_layers(how, monkeypatch):
     """Experts not on the C++ op (oneDNN-packed or plain), a router swapped after the stack was built (as a LoRA
     wrap would), a hook on a MoE block, python_layers(): the forward runs the Python layers, unchanged."""
     model = _model("mixtral", torch.float32)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     stack_and_python(model, [1, 1], [10, 20])
     assert n[0] == 1
     moe = model.model.layers[1].block_sparse_moe
@@ -335,7 +321,7 @@ def test_fallbacks_keep_the_python_layers(how, monkeypatch):
 
 def test_tensor_parallel_experts_keep_the_python_layers(monkeypatch):
     model = _model("qwen3_moe", torch.float32)
-    n = _calls(monkeypatch)
+    n = count_stack_runs(monkeypatch)
     model.model.layers[2].mlp.experts.tp_size = 2
     assert cds.build_stack(list(model.model.layers), torch.float32, mixtral.STACK_KINDS) is None
     model.model.layers[2].mlp.experts.tp_size = 1

@@ -67,3 +67,17 @@ def assert_same_step(x: tuple[Any, list[torch.Tensor]], y: tuple[Any, list[torch
     assert torch.equal(a, b), f"hidden states differ: max |diff| {(a.float() - b.float()).abs().max().item()}"
     for i, (p, q) in enumerate(zip(c1, c2)):
         assert torch.equal(p, q), f"layer {i}'s KV cache differs"
+
+
+def count_stack_runs(monkeypatch: Any) -> list[int]:
+    """A one-item list counting the forwards that went through the C++ stack from now on (run_stack patched)."""
+    n = [0]
+    real = cds.run_stack
+
+    def counting(*a: Any, **k: Any) -> Any:
+        out = real(*a, **k)
+        n[0] += out is not None
+        return out
+
+    monkeypatch.setattr(cds, "run_stack", counting)
+    return n
