@@ -2,18 +2,57 @@
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Optional
 
 from vllm_lite.client.client_base import EngineCoreClient
 from vllm_lite.config import VllmConfig
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from vllm_lite.held_setting import HeldSetting
+
+
+def _get_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+# This process's torch threads as in-process engines given num_threads hold them (the caller's count comes back
+# when the last of them is shut down or collected).
+_torch_threads: HeldSetting[int] = HeldSetting(_get_threads, _set_threads)
+
+
+def hold_num_threads(owner: object, vllm_config: VllmConfig) -> Optional[weakref.finalize]:
+    """An in-process engine computes on this process's torch threads: an explicit DeviceConfig.num_threads sets
+    them, as the engine core's own process does for itself (set_core_thread_policy), from before the model loads
+    until the release (returned; None: no count given, the process's own is left alone) runs at shutdown or when
+    ``owner`` is collected."""
+    n = vllm_config.device_config.num_threads
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"num_threads must be a positive integer, got {n!r}.")
+    return _torch_threads.hold(owner, n)
 
 
 class InprocClient(EngineCoreClient):
-    """EngineCore in this process, behind the same interface as the process clients."""
+    """EngineCore in this process, behind the same interface as the process clients. Every in-process engine
+    (``LLM(multiprocess=False)``, ``LLMEngine(..., multiprocess_mode=False)``) runs through here, so here is
+    where it takes the process's torch threads (hold_num_threads)."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
-        self.engine_core = self._make_engine_core(vllm_config)
+        self._threads_release = hold_num_threads(self, vllm_config)
+        try:
+            self.engine_core = self._make_engine_core(vllm_config)
+        except BaseException:
+            self._release_threads()
+            raise
         self.model_facts = dict(self.engine_core.model_facts)
         self.client_index = 0
         self._errors: list[EngineCoreOutput] = []
@@ -51,4 +90,11 @@ class InprocClient(EngineCoreClient):
         return self.engine_core.call_utility(method, list(args))
 
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
+        try:
+            self.engine_core.shutdown()
+        finally:
+            self._release_threads()
+
+    def _release_threads(self) -> None:
+        if self._threads_release is not None:  # a finalizer: releases once, however often shutdown is called
+            self._threads_release()

@@ -31,7 +31,8 @@ class LLM:
 
     `multiprocess=True` (the default) runs the engine core in its own process;
     `multiprocess=False` keeps it in this process for debugging. Results are the same; there an explicit
-    `num_threads=N` sets this process's torch threads (the engine computes on them) until `shutdown()`.
+    `num_threads=N` sets this process's torch threads (the engine computes on them) until `shutdown()`
+    (the in-process client's rule, InprocClient, for every in-process engine).
     `data_parallel_size=D` starts D private cores (a model copy and KV cache each; CPU threads
     shared out, or one CUDA device each) and spreads requests over them.
     `LLM(engine_address="tcp://127.0.0.1:8100", auth_token=...)` attaches to a running
@@ -73,16 +74,9 @@ class LLM:
             model = default_model_path()
             kwargs.setdefault("served_model_name", DEFAULT_MODEL_NAME)
         self.engine_args = EngineArgs(model=model, data_parallel_size=data_parallel_size, **kwargs)
-        # In-process, the engine computes on this process's torch threads: an explicit num_threads sets them, as
-        # the engine core's process does for itself (kept until shutdown(), then the caller's count is back).
-        self._threads_to_restore = _set_inprocess_threads(self.engine_args.num_threads) if not multiprocess else None
-        try:
-            self.llm_engine = LLMEngine.from_engine_args(
-                self.engine_args, multiprocess_mode=multiprocess, usage_context=LLM_CLASS
-            )
-        except BaseException:
-            self._restore_threads()
-            raise
+        self.llm_engine = LLMEngine.from_engine_args(
+            self.engine_args, multiprocess_mode=multiprocess, usage_context=LLM_CLASS
+        )
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
@@ -307,18 +301,7 @@ class LLM:
         self.llm_engine.stop_profile()
 
     def shutdown(self) -> None:
-        try:
-            self.llm_engine.shutdown()
-        finally:
-            self._restore_threads()
-
-    def _restore_threads(self) -> None:
-        n = getattr(self, "_threads_to_restore", None)
-        if n is not None:
-            self._threads_to_restore = None
-            import torch
-
-            torch.set_num_threads(n)
+        self.llm_engine.shutdown()
 
     def __enter__(self) -> "LLM":
         return self
@@ -331,18 +314,6 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
-
-
-def _set_inprocess_threads(n: Any) -> Optional[int]:
-    """torch.set_num_threads(n) for an in-process engine given an explicit count; returns the count it replaced
-    (None: nothing set; a bad value is left to EngineArgs' own check)."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        return None
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    return before
 
 
 def _final_only(sp: SamplingParams) -> SamplingParams:
