@@ -2,7 +2,8 @@
 
 An engine-core process freezes its start-up heap (collected first) before it serves and raises the youngest
 generation's threshold; $VLLM_LITE_GC_FREEZE=0 leaves the collector as Python set it. An in-process core only
-raises the threshold while it lives (the last one to shut down restores it) and freezes nothing.
+raises the threshold while it lives (the last one to shut down, or to be collected unshut, restores it) and
+freezes nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from vllm_lite import launcher
 from vllm_lite.config import encode_vllm_config
 from vllm_lite.core import gc_heap
 from vllm_lite.core.messages import EngineCoreArgs, EngineCoreReady
+from vllm_lite.held_setting import HeldSetting
 from vllm_lite.testing.fake_core import FAKE_CORE_MODULE, RawFrontend, fake_config, make_addresses
 
 
@@ -62,8 +64,7 @@ def clean_gc(monkeypatch):
     """No in-process holder yet (cores other tests never shut down keep theirs: set aside here), nothing frozen;
     the collector as it was afterwards, whatever the test does."""
     before = gc.get_threshold()
-    monkeypatch.setattr(gc_heap, "_gc_holders", 0)
-    monkeypatch.setattr(gc_heap, "_gc_saved_threshold", None)
+    monkeypatch.setattr(gc_heap, "_young_gen", HeldSetting(gc.get_threshold, lambda t: gc.set_threshold(*t)))
     monkeypatch.setenv("VLLM_LITE_GC_FREEZE", "1")
     monkeypatch.setenv("VLLM_LITE_GC_GEN0_THRESHOLD", "9999")
     gc.set_threshold(700, *before[1:])
@@ -79,17 +80,32 @@ class _Cycle:
         self.me = self
 
 
+class _Owner:
+    pass
+
+
 def test_raised_threshold_is_held_until_the_last_in_process_core_restores_it(clean_gc):
     before = clean_gc
-    assert gc_heap.raise_gc_threshold()
+    first, second = _Owner(), _Owner()
+    release_first = gc_heap.raise_gc_threshold(first)
     assert gc.get_threshold() == (9999, *before[1:]) and gc.get_freeze_count() == 0  # in-process: never frozen
-    assert gc_heap.raise_gc_threshold()  # a second core in this process
-    gc_heap.restore_gc_threshold()
+    release_second = gc_heap.raise_gc_threshold(second)  # a second core in this process
+    release_first()
     assert gc.get_threshold()[0] == 9999  # the other core still holds it
-    gc_heap.restore_gc_threshold()
+    release_second()
     assert gc.get_threshold() == before
-    gc_heap.restore_gc_threshold()  # more restores than raises: nothing happens
-    assert gc.get_threshold() == before
+    release_second()  # released twice: nothing happens
+    assert gc.get_threshold() == before and gc_heap._young_gen.holders == 0
+
+
+def test_an_owner_collected_without_a_release_restores_the_threshold(clean_gc):
+    owner = _Owner()
+    owner.me = owner  # only the cyclic collector frees it, as an engine core (its profiler's lambda holds it)
+    assert gc_heap.raise_gc_threshold(owner) is not None
+    assert gc.get_threshold()[0] == 9999
+    del owner
+    gc.collect()
+    assert gc.get_threshold() == clean_gc and gc_heap._young_gen.holders == 0
 
 
 def test_freeze_collects_first_then_freezes_and_raises_the_threshold(clean_gc):
@@ -111,7 +127,7 @@ def test_freeze_collects_first_then_freezes_and_raises_the_threshold(clean_gc):
 def test_turned_off_changes_nothing(clean_gc, monkeypatch):
     monkeypatch.setenv("VLLM_LITE_GC_FREEZE", "0")
     assert not gc_heap.freeze_gc_heap()
-    assert not gc_heap.raise_gc_threshold()
+    assert gc_heap.raise_gc_threshold(_Owner()) is None
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == clean_gc
 
 
@@ -126,4 +142,18 @@ def test_in_process_engine_core_raises_the_threshold_while_it_lives(clean_gc):
         core.shutdown()
     assert gc.get_threshold() == clean_gc
     core.shutdown()  # a second shutdown restores nothing more
-    assert gc_heap._gc_holders == 0
+    assert gc_heap._young_gen.holders == 0
+
+
+def test_in_process_engine_core_never_shut_down_restores_the_threshold_when_collected(clean_gc):
+    from vllm_lite.testing.core_harness import drain, make_request, tiny_engine_core
+
+    core = tiny_engine_core()
+    core.add_request(make_request("a", [1, 2, 3]))
+    results: dict = {}
+    drain(core, results)
+    assert len(results["a"].token_ids) == 4
+    assert gc.get_threshold()[0] == 9999
+    del core  # dropped, as tests and notebooks drop engines
+    gc.collect()
+    assert gc.get_threshold() == clean_gc and gc_heap._young_gen.holders == 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from vllm_lite.config import VllmConfig, verify_async_scheduling
-from vllm_lite.core.gc_heap import gc_state, raise_gc_threshold, restore_gc_threshold
+from vllm_lite.core.gc_heap import gc_state, raise_gc_threshold
 from vllm_lite.core.lora_utilities import lora_utilities
 from vllm_lite.core.messages import (
     EngineCoreOutput,
@@ -108,8 +108,9 @@ class EngineCore:
         )
         logger.info("async scheduling: %s", "on" if self.async_scheduling else "off")
         # A step allocates ~1,300 short-lived containers at batch 256: few young collections from here (the core's
-        # own process also freezes its heap: gc_heap.freeze_gc_heap in run_engine_core).
-        self._gc_tuned = raise_gc_threshold()
+        # own process also freezes its heap: gc_heap.freeze_gc_heap in run_engine_core). Given back at shutdown,
+        # or when a core never shut down is collected.
+        self._gc_release = raise_gc_threshold(self)
         self.startup_time_s = time.perf_counter() - t0
         logger.info(
             "engine core ready in %.2fs: model=%s dtype=%s kv_blocks=%d (block_size=%d) swap_blocks=%d",
@@ -306,9 +307,8 @@ class EngineCore:
             self.scheduler.structured_output_manager.shutdown()
             self.executor.shutdown()
         finally:
-            if getattr(self, "_gc_tuned", False):  # once, however often shutdown is called
-                self._gc_tuned = False
-                restore_gc_threshold()
+            if getattr(self, "_gc_release", None) is not None:  # a finalizer: once, however often it is called
+                self._gc_release()
 
 
 def _add_error_outputs(outputs: dict[int, EngineCoreOutputs], recovered: RecoveredStep) -> None:

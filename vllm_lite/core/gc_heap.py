@@ -11,13 +11,14 @@ higher young threshold only defers work that finds nothing.
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Any, Optional
 
 from vllm_lite import envs
+from vllm_lite.held_setting import HeldSetting
 
-# In-process cores holding the raised threshold, and the thresholds the first of them found (restored by the last).
-_gc_holders = 0
-_gc_saved_threshold: Optional[tuple[int, int, int]] = None
+# The young threshold as in-process cores hold it: the first saves the process's thresholds, the last restores them.
+_young_gen: HeldSetting[tuple[int, int, int]] = HeldSetting(gc.get_threshold, lambda t: gc.set_threshold(*t))
 
 
 def _young_threshold() -> int:
@@ -44,33 +45,18 @@ def freeze_gc_heap() -> bool:
     return True
 
 
-def raise_gc_threshold() -> bool:
+def raise_gc_threshold(owner: object) -> Optional[weakref.finalize]:
     """An in-process core (LLM(multiprocess=False), tests): only the youngest generation's threshold is raised, so
     its steps trigger (almost) no collections, and with them no full one. Its heap is not frozen: it shares the
     process with the caller's objects, and a core never shut down (tests build hundreds) would keep whatever was
-    frozen alive for good. False when $VLLM_LITE_GC_FREEZE is off or the threshold is 0. Each True must be paired
-    with restore_gc_threshold(); the last one restores the thresholds the first found."""
-    global _gc_holders, _gc_saved_threshold
+    frozen alive for good. Returns the release (None: nothing changed, when $VLLM_LITE_GC_FREEZE is off or the
+    threshold is 0): call it at shutdown; it also runs when ``owner`` is collected, so a core never shut down does
+    not leave the process's threshold raised. The last release restores the thresholds the first hold found."""
     gen0 = _young_threshold()
     if not envs.VLLM_LITE_GC_FREEZE or gen0 <= 0:
-        return False
-    if _gc_holders == 0:
-        _gc_saved_threshold = gc.get_threshold()
-    _gc_holders += 1
+        return None
     _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(gen0, gen1, gen2)
-    return True
-
-
-def restore_gc_threshold() -> None:
-    """Undo one raise_gc_threshold (extra calls do nothing)."""
-    global _gc_holders, _gc_saved_threshold
-    if _gc_holders <= 0:
-        return
-    _gc_holders -= 1
-    if _gc_holders == 0 and _gc_saved_threshold is not None:
-        gc.set_threshold(*_gc_saved_threshold)
-        _gc_saved_threshold = None
+    return _young_gen.hold(owner, (gen0, gen1, gen2))
 
 
 def gc_state() -> dict[str, Any]:
