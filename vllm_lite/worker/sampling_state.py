@@ -71,6 +71,12 @@ class SamplingState:
         self._pos = np.full(max_num_reqs, -1, np.int64)
         # Async scheduling: copies host arrays to the device without a host sync (PinnedRing.stage); None: as ever.
         self.stage: Optional[Callable[[np.ndarray], torch.Tensor]] = None
+        # make_metadata's last result when it depends only on the rows' fixed parameters (no penalties, no
+        # multi-token bad words, no min_tokens ban left): (rows, version, stage, metadata). Reused while the same
+        # rows come again and no row was added, removed or moved (`_version`); see make_metadata.
+        self._version = 0
+        self._md_cache: Optional[tuple[np.ndarray, int, object, SamplingMetadata]] = None
+        self.reuse_metadata = True  # False: build every step (tests compare the two)
 
     # ------------------------------------------------------------------ row lifecycle
     def _check_row(self, row: int, field: str = "row") -> int:
@@ -93,6 +99,7 @@ class SamplingState:
     ) -> None:
         """Load a request into `row` (also after preemption: existing outputs restore counts and the seed stream)."""
         row = self._check_row(row)
+        self._version += 1
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}.")
         if self.active[row]:
@@ -167,6 +174,7 @@ class SamplingState:
 
     def remove_request(self, row: int) -> None:
         row = self._check_row(row)
+        self._version += 1
         for name, _, neutral in _ROW_FIELDS:
             getattr(self, name)[row] = neutral
         for table in (self.allowed, self.bad_single, self.bad_multi, self.logit_bias, self.stop_ids):
@@ -180,6 +188,7 @@ class SamplingState:
         src, dst = self._check_row(src, "src"), self._check_row(dst, "dst")
         if src == dst:
             return
+        self._version += 1
         if self.active[dst]:
             self.remove_request(dst)
         for name, _, _ in _ROW_FIELDS:
@@ -258,9 +267,33 @@ class SamplingState:
         return torch.from_numpy(np.ascontiguousarray(arr)).to(self.device, non_blocking=True)
 
     def make_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Gather the listed rows (in logits-row order) into one step's SamplingMetadata."""
+        """Gather the listed rows (in logits-row order) into one step's SamplingMetadata.
+
+        The steady decode step asks for the same rows step after step, and most batches' metadata depends only
+        on parameters fixed when a request is added (temperature, top-k/p, min-p, logprobs, allowed tokens,
+        logit bias, single-token bad words, seeds). Such a result is kept and handed out again, device tensors
+        and all (no numpy gathers, no host-to-device copies), while the same rows come in the same order and no
+        row was added, removed or moved since. Metadata that reads per-step state (penalties' token counts,
+        multi-token bad words' history, min_tokens bans on output counts) is built every step. The sampler only
+        reads it (sampling_metadata.py)."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         n = len(rows)
+        c = self._md_cache
+        if (
+            c is not None
+            and c[1] == self._version
+            and c[2] is self.stage
+            and len(c[0]) == n
+            and self.reuse_metadata
+            and np.array_equal(c[0], rows)
+        ):
+            return c[3]
+        md, static = self._build_metadata(rows, n)
+        self._md_cache = (rows.copy(), self._version, self.stage, md) if static and self.reuse_metadata else None
+        return md
+
+    def _build_metadata(self, rows: np.ndarray, n: int) -> tuple[SamplingMetadata, bool]:
+        """make_metadata's work, and whether the result depends only on the rows' fixed parameters."""
         if n and (rows.min() < 0 or rows.max() >= self.max_num_reqs):
             raise ValueError(f"rows must be in [0, {self.max_num_reqs}), got {rows!r}.")
         if n and not self.active[rows].all():
@@ -304,9 +337,11 @@ class SamplingState:
             md.random_rows_host = np.nonzero(rnd)[0].astype(np.int64)
             md.random_rows = self._dev(md.random_rows_host)
         if n == 0:
-            return md
+            return md, False
 
+        static = True
         if self.penalized[rows].any():
+            static = False  # the counts change every step
             assert self.seen is not None
             tokens, counts = self.seen.gather(rows)
             md.penalty_token_ids = self._dev(tokens)
@@ -334,15 +369,18 @@ class SamplingState:
                 )
                 md.logit_bias_values = self._dev(self.logit_bias.values[sel])
 
-        ban_b, ban_t = self._banned(pos)
+        ban_b, ban_t, bans_static = self._banned(pos)
         if len(ban_b):
             md.banned_index = (self._dev(ban_b), self._dev(ban_t))
-        return md
+        return md, static and bans_static
 
-    def _banned(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(batch index, token) pairs to force to -inf: bad words and stop ids held back by min_tokens."""
+    def _banned(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        """(batch index, token) pairs to force to -inf: bad words and stop ids held back by min_tokens; and
+        whether they stay the same in later steps of the same rows (single-token bad words only: multi-token
+        ones follow the output, min_tokens bans end as the output count grows)."""
         parts_b: list[np.ndarray] = []
         parts_t: list[np.ndarray] = []
+        static = True
         if len(self.bad_single):
             sel = self.bad_single.select(pos)
             parts_b.append(pos[self.bad_single.rows[sel]])
@@ -350,6 +388,7 @@ class SamplingState:
         if len(self.bad_multi):
             sel = self.bad_multi.select(pos)
             if len(sel):
+                static = False
                 parts_b_m, parts_t_m = self._matched_bad_words(sel, pos)
                 parts_b.append(parts_b_m)
                 parts_t.append(parts_t_m)
@@ -357,11 +396,13 @@ class SamplingState:
             sel = self.stop_ids.select(pos)
             r = self.stop_ids.rows[sel]
             sel = sel[self.num_output[r] < self.min_tokens[r]]
+            # Output counts only grow while a row stays (add/remove/move bump _version): no ban now, none later.
+            static = static and len(sel) == 0
             parts_b.append(pos[self.stop_ids.rows[sel]])
             parts_t.append(self.stop_ids.tokens[sel])
         if not parts_b:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return np.concatenate(parts_b), np.concatenate(parts_t)
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), static
+        return np.concatenate(parts_b), np.concatenate(parts_t), static
 
     def _matched_bad_words(self, sel: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Multi-token bad words whose leading tokens equal the tail of the output so far."""
