@@ -224,3 +224,42 @@ def test_fill_pending_and_pending_sources_equal_the_request_id_path(seed):
         assert (a.pending_idx[:, step_id % 2] == -1).all()
         for name in ("tokens", "counts", "lens"):
             assert np.array_equal(getattr(a.sampling.seen, name), getattr(b.sampling.seen, name)), name
+
+
+class _FixStub:
+    """The parts of GPUModelRunner that _fix_on_device uses (CPU: no staging)."""
+
+    def __init__(self, n: int) -> None:
+        self.device = torch.device("cpu")
+        self._arange = np.arange(n + 1, dtype=np.int64)
+        self._dev_arange = None
+        self._staging = None
+
+    from vllm_lite.worker.model_runner import GPUModelRunner as _R
+
+    _fix_on_device = _R._fix_on_device
+    _device_arange = _R._device_arange
+    _h2d = _R._h2d
+    _stage = _R._stage
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fix_on_device_equals_copy_and_gather(seed):
+    """Async scheduling: the (token index, token id) pairs the next step writes over its input ids are the same
+    whether the identity ranges take the slice-and-view path (steady decode) or the copy-and-gather one: index
+    ranges 0..k-1, shifted ones (a prefill chunk in a lower row), permuted sources (condensing), subsets."""
+    rng = np.random.default_rng(seed)
+    stub = _FixStub(600)
+    sampled = torch.from_numpy(rng.integers(0, 1000, 300))
+    for k in (0, 1, 5, 256, 300):
+        cases = [(np.arange(k), np.arange(k))]
+        if k:
+            cases += [
+                (np.arange(k) + 7, np.arange(k)),  # tokens after another request's chunk
+                (np.arange(k), rng.permutation(k)),  # rows moved since the launch
+                (np.sort(rng.choice(600, k, replace=False)), np.sort(rng.choice(300, k, replace=False))),
+            ]
+        for dst, src in cases:
+            got_dst, got_tok = stub._fix_on_device(dst.astype(np.int64), src.astype(np.int64), sampled)
+            assert got_dst.tolist() == dst.tolist()
+            assert got_tok.tolist() == sampled[torch.from_numpy(src.astype(np.int64))].tolist()

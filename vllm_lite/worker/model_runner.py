@@ -109,6 +109,7 @@ class GPUModelRunner:
         self._prev: Optional[_LaunchedStep] = None  # the last step launched with non_block=True
         self._staging: Optional[PinnedRing] = None
         self._sampled_ring: Optional[SampledRing] = None
+        self._dev_arange: Optional[torch.Tensor] = None  # _device_arange's
         if not self.async_scheduling:
             return
         if self.spec_decode is not None or self.tp_size > 1 or self.pooler is not None:
@@ -377,6 +378,28 @@ class GPUModelRunner:
         dst = inputs.query_start_loc[hit] + off
         return dst, batch.pending_sources(inputs.rows[hit], prev.step_id)
 
+    def _fix_on_device(
+        self, dst: np.ndarray, src: np.ndarray, sampled: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """_prev_token_fix's (token indices, indices into the previous step's sampled tensor) as (token indices,
+        token ids) on the device. The steady decode step has both ranges 0..k-1 (every token is the previous step's
+        sample of the same row, rows in the same order): then a slice of a device arange and a view of `sampled`
+        stand in for two host-to-device copies and a gather; anything else is copied and gathered."""
+        k = len(dst)
+        ar = self._arange[:k]
+        dev = self._device_arange(k)
+        dst_t = dev[:k] if np.array_equal(dst, ar) else self._h2d(dst, True)
+        if np.array_equal(src, ar):
+            return dst_t, sampled[:k]
+        return dst_t, sampled.index_select(0, self._h2d(src, True))
+
+    def _device_arange(self, k: int) -> torch.Tensor:
+        """0..n-1 (n >= k) int64 on the device, made once (a launch, no copy from the host)."""
+        dev = self._dev_arange
+        if dev is None or len(dev) < k:
+            dev = self._dev_arange = torch.arange(max(k, len(self._arange)), dtype=torch.int64, device=self.device)
+        return dev
+
     def _run_step(
         self,
         batch: InputBatch,
@@ -387,7 +410,7 @@ class GPUModelRunner:
         """Prepare inputs, run the model, sample, and report: one forward pass over `batch`."""
         self._step_id += 1
         prev = self._prev
-        if prev is not None and prev.tokens is None:
+        if prev is not None and prev.tokens is None and batch.sampling.any_needs_token_values():
             # Penalties and multi-token bad words read the output tokens' values: wait for the previous step's.
             rows = batch.rows_of(list(num_scheduled_tokens))
             if batch.sampling.needs_token_values(rows[batch.pending_rows(rows, prev.step_id) >= 0]):
@@ -396,7 +419,7 @@ class GPUModelRunner:
         fix = None
         if self.async_scheduling and (idx := self._prev_token_fix(batch, inputs)) is not None:
             assert prev is not None
-            fix = (self._h2d(idx[0], True), prev.sampled.index_select(0, self._h2d(idx[1], True)))
+            fix = self._fix_on_device(idx[0], idx[1], prev.sampled)
         if self.lora_manager is not None:  # this step's adapters in slots, and each token's slot, built once
             self.lora_manager.prepare_step(batch.lora_ids[inputs.rows], inputs.num_scheduled)
         logits_rows = self._logits_rows(batch, inputs, so)

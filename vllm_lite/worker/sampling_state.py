@@ -255,6 +255,11 @@ class SamplingState:
                 raise ValueError(f"rows must be distinct, got {rows!r}.")
             self.seen.append(rows[p], toks[p])
 
+    def any_needs_token_values(self) -> bool:
+        """Whether any row at all has penalties or multi-token bad words (needs_token_values can be True only
+        then): the usual batch answers without looking its rows up."""
+        return bool(self.penalized.any()) or bool(self.tracks_history.any())
+
     def needs_token_values(self, rows: np.ndarray) -> bool:
         """Whether sampling these rows reads their output tokens' values (penalties, multi-token bad words), not
         just their count: under async scheduling such a step first waits for the previous step's tokens."""
