@@ -36,6 +36,7 @@ from torch import nn
 
 from vllm_lite import envs, platform
 from vllm_lite.worker.models import cpu_linear
+from vllm_lite.worker.models.cpu_huge_pages import huge_page_contiguous
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,10 @@ def _small_m_op(x: torch.Tensor, blocked: torch.Tensor, n: int, bias: Optional[t
 
 
 def block_weight(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/4, K/32, 4, 32]: each group of 4 output rows' 32-wide K slices, one after another."""
+    """[N, K] -> [N/4, K/32, 4, 32]: each group of 4 output rows' 32-wide K slices, one after another (in huge pages
+    where the host has them: the kernel streams this copy from DRAM every decode step; cpu_huge_pages.py)."""
     n, k = w.shape
-    return w.detach().reshape(n // _GROUP, _GROUP, k // _CHUNK, _CHUNK).permute(0, 2, 1, 3).contiguous()
+    return huge_page_contiguous(w.detach().reshape(n // _GROUP, _GROUP, k // _CHUNK, _CHUNK).permute(0, 2, 1, 3))
 
 
 def vnni_kernel_available() -> bool:
@@ -82,9 +84,10 @@ def _vnni_op(x: torch.Tensor, wv: torch.Tensor, n: int, bias: Optional[torch.Ten
 
 
 def vnni_weight(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/32, K/2, 32, 2]: per block of 32 outputs, each pair of K for the 32 outputs in turn."""
+    """[N, K] -> [N/32, K/2, 32, 2]: per block of 32 outputs, each pair of K for the 32 outputs in turn (in huge pages
+    where the host has them, as block_weight)."""
     n, k = w.shape
-    return w.detach().reshape(n // _VNNI_BLOCK, _VNNI_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return huge_page_contiguous(w.detach().reshape(n // _VNNI_BLOCK, _VNNI_BLOCK, k // 2, 2).permute(0, 2, 1, 3))
 
 
 def maybe_prepack(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int = 64) -> int:
