@@ -470,7 +470,9 @@ class Sampler(torch.nn.Module):
         if raw_logprobs is not None:
             assert md.max_num_logprobs is not None
             lp = gather_logprobs(raw_logprobs, sampled, min(md.max_num_logprobs, logits.shape[1]))
-        return SamplerOutput(sampled_token_ids=sampled.to(torch.int64), logprobs_tensors=lp)
+        if sampled.dtype != torch.int64:  # argmax gives int64 already: no dispatch for a no-op
+            sampled = sampled.to(torch.int64)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=lp)
 
     @staticmethod
     def apply_logits_processors(
@@ -485,7 +487,7 @@ class Sampler(torch.nn.Module):
             and md.logit_bias_index is None
             and md.penalty_token_ids is None
         ):
-            return logits.to(torch.float32)  # nothing to do: no copy
+            return logits if logits.dtype == torch.float32 else logits.to(torch.float32)  # nothing to do: no copy
         logits = logits.to(torch.float32, copy=True)
         if grammar_bitmask is not None:
             logits = apply_grammar_bitmask(logits, grammar_bitmask)
