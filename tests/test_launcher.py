@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import msgspec
@@ -230,7 +231,8 @@ def test_llm_starts_from_any_kind_of_script_and_exits_cleanly(how, tmp_path):
         assert bad not in res.stderr, res.stderr
 
 
-def test_killing_the_parent_takes_down_the_core_and_every_tensor_parallel_rank(tmp_path):
+def _start_tp_parent(tmpdir: str) -> tuple[subprocess.Popen, int, list[int]]:
+    """A script running LLM(tensor_parallel_size=2) with its temp dirs in ``tmpdir``: (it, its core, the ranks)."""
     parent = subprocess.Popen(
         [
             sys.executable,
@@ -247,7 +249,7 @@ def test_killing_the_parent_takes_down_the_core_and_every_tensor_parallel_rank(t
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": tmpdir},
     )
     try:
         line = parent.stdout.readline()
@@ -255,15 +257,33 @@ def test_killing_the_parent_takes_down_the_core_and_every_tensor_parallel_rank(t
         core_pid = int(line)
         ranks = rank_children(core_pid)
         assert len(ranks) == 2 and not process_gone(core_pid)
-    finally:
+        made = [p for p in os.listdir(tmpdir) if p.startswith("vllm-lite-")]
+        assert len(made) == 2 and any(p.startswith("vllm-lite-tp-") for p in made), made  # the core's, the TP one
+    except BaseException:
         parent.kill()
         parent.wait()
-    # The deadline issue 12 sets for this behaviour (a pipe EOF, so far inside it): polled, not timed.
-    wait_until(
-        lambda: process_gone(core_pid) and all(process_gone(r) for r in ranks),
-        PARENT_DEATH_S,
-        "the core and its ranks exit after their parent was killed",
-    )
+        raise
+    return parent, core_pid, ranks
+
+
+def test_killing_the_parent_takes_down_the_core_and_every_tensor_parallel_rank_and_their_temp_dirs():
+    # The core's and the executor's socket dirs go to a TMPDIR of our own (short: ipc paths are limited to ~107
+    # bytes), which must be empty afterwards: the killed parent removes nothing, the core it leaves must (one
+    # /tmp/vllm-lite-tp-* dir leaked per test-suite run).
+    tmpdir = tempfile.mkdtemp(prefix="vl-kill-")
+    try:
+        parent, core_pid, ranks = _start_tp_parent(tmpdir)
+        parent.kill()
+        parent.wait()
+        # The deadline issue 12 sets for this behaviour (a pipe EOF, so far inside it): polled, not timed.
+        wait_until(
+            lambda: process_gone(core_pid) and all(process_gone(r) for r in ranks),
+            PARENT_DEATH_S,
+            "the core and its ranks exit after their parent was killed",
+        )
+        assert [p for p in os.listdir(tmpdir) if p.startswith("vllm-lite-")] == []
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def test_a_core_that_fails_at_start_up_reports_its_traceback(tmp_path):

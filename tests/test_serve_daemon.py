@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -236,6 +237,8 @@ def http_complete(base_url: str, prompt: str, max_tokens: int) -> str:
 
 @pytest.fixture(scope="module")
 def daemon(long_ckpt, tmp_path_factory):
+    # Its temp dirs in one of our own (TMPDIR; short, as socket paths must be), so the kill test can look in it.
+    tmpdir = tempfile.mkdtemp(prefix="vl-serve-")
     d = Daemon(
         [
             long_ckpt,
@@ -255,11 +258,16 @@ def daemon(long_ckpt, tmp_path_factory):
             "shared",
         ],
         str(tmp_path_factory.mktemp("serve-log") / "daemon.log"),
+        env={"TMPDIR": tmpdir},
     )
-    d.address, d.listening = d.core_line()
-    d.base_url, _ = d.api_url()
-    yield d
-    d.stop()
+    d.tmpdir = tmpdir
+    try:
+        d.address, d.listening = d.core_line()
+        d.base_url, _ = d.api_url()
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -608,11 +616,16 @@ def test_killing_the_serve_process_leaves_no_core_or_frontend_behind(daemon):
         p for p in children(daemon.proc.pid) if launched_as(p, "vllm_lite.entrypoints.serve_frontend", "http-")
     ]
     assert len(frontends) == 1
+    # The frontends' prometheus multiprocess dir (the supervisor's temp dir): removed by the orphans, since the
+    # killed supervisor cannot (one such dir leaked per test-suite run).
+    made = [p for p in os.listdir(daemon.tmpdir) if p.startswith("vllm-lite-")]
+    assert len(made) == 1 and made[0].startswith("vllm-lite-metrics-"), made
     daemon.proc.kill()
     daemon.proc.wait(10)
     wait_until(
         lambda: process_gone(core_pid) and all(process_gone(p) for p in frontends), DEADLINE_S, "the orphans exit"
     )
+    assert [p for p in os.listdir(daemon.tmpdir) if p.startswith("vllm-lite-")] == []
 
 
 @pytest.mark.parametrize(

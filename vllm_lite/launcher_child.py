@@ -31,6 +31,17 @@ A = TypeVar("A", bound=msgspec.Struct)
 
 _PR_SET_PDEATHSIG = 1
 
+# This process's line to its parent, when the launcher started it (None otherwise).
+_channel: Optional["ChildChannel"] = None
+
+
+def remove_if_orphaned(path: str) -> None:
+    """Have this process remove ``path`` (a temp dir it made) if it exits because its launcher parent died, an
+    exit on which its own clean-up never runs. Nothing when the launcher did not start this process: then the
+    caller's shutdown is the only exit that needs it."""
+    if _channel is not None:
+        _channel.add_cleanup_path(path)
+
 
 class ChildChannel:
     """A child's line to its parent: say ready or failed (once), hear controls, clean up if orphaned."""
@@ -100,7 +111,7 @@ class ChildChannel:
     def _parent_gone(self) -> NoReturn:
         # No logging or flushing here: our stderr may lead to the dead parent, and the main
         # thread may be anywhere. Remove what the parent asked us to, then go.
-        for path in self._cleanup_paths:
+        for path in list(self._cleanup_paths):
             shutil.rmtree(path, ignore_errors=True)
         os._exit(0)
 
@@ -153,6 +164,8 @@ def child_startup(args_type: type[A]) -> tuple[A, ChildChannel]:
         _flush_and_exit(0)
     envelope = msgspec.msgpack.decode(frame, type=Envelope)
     channel = ChildChannel(ns.name, status_fd, control_fd, envelope)
+    global _channel
+    _channel = channel
     if envelope.death_signal:
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, channel._on_sigterm)

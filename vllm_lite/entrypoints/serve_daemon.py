@@ -277,7 +277,8 @@ class ServeSupervisor:
         assert self.http_socket is not None
         listen_fd = self.http_socket.fileno()
         # One metrics directory for all frontends (prometheus-client multiprocess mode): a scrape of any
-        # one of them sums every frontend's counters. Removed when they are stopped.
+        # one of them sums every frontend's counters. Removed when they are stopped, or, if this process is
+        # killed first, by the frontends that outlive it (the launcher's cleanup paths).
         import tempfile
 
         self.metrics_dir = tempfile.mkdtemp(prefix="vllm-lite-metrics-")
@@ -301,6 +302,7 @@ class ServeSupervisor:
                 pass_fds=[listen_fd],
                 new_session=True,
                 env={"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir},
+                cleanup_paths=[self.metrics_dir],
             )
             self.frontends.append(_Frontend(i, proc))
 

@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 import zmq
 
-from vllm_lite import envs, launcher
+from vllm_lite import envs, launcher, launcher_child
 from vllm_lite.config import VllmConfig, encode_vllm_config
 from vllm_lite.endpoints import ipc_address, private_ipc_dir
 from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
@@ -117,6 +117,7 @@ class MultiprocExecutor:
         self.master_port = self._store.port if pc.nnodes == 1 else listener.getsockname()[1]
         if pc.nnodes == 1:
             self._tmpdir = private_ipc_dir("vllm-lite-tp-")
+            launcher_child.remove_if_orphaned(self._tmpdir)  # a core whose parent died exits without shutdown()
             address = ipc_address(self._tmpdir, "executor.sock")
             self._sock.bind(address)
         else:
