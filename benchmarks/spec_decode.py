@@ -266,7 +266,7 @@ def run_hf(
     return {"ms_per_token_batch1": 1e3 * float(np.median(per_tok)), "outputs": outputs}
 
 
-def host_times(
+def phase_times(
     model: str,
     sets: dict[str, list[list[int]]],
     spec: dict,
@@ -274,17 +274,42 @@ def host_times(
     batch_sizes: tuple[int, ...],
     repeats: int,
     dtype: str,
+    *,
+    host_cpu: bool,
+    device: str = "cpu",
     uniform_drafts: bool | None = None,
+    temperature: float = 0.0,
 ) -> dict[str, Any]:
-    """Per decode step, microseconds of the engine thread's CPU time: the whole step ("step"), the model's forward
-    and LM head ("forward", "lm_head"), the rest ("host" = step - forward - lm_head) and its main parts, split by
-    engine (plain, ngram) and step kind (plain decode, verify); medians over `repeats` rounds after a warm-up."""
+    """Per decode step, microseconds of the whole step ("step") and its phases, split by engine (plain, ngram) and
+    step kind (plain decode, verify), medians over `repeats` rounds after a warm-up round (the prefill step left
+    out). One harness, two clocks:
+
+    ``host_cpu=True`` (``--host-times``, CPU): the engine thread's CPU time (time.thread_time: a step preempted by
+    other work on a shared host is not charged for it), one torch thread; phases forward and lm_head (the model),
+    sample, schedule, propose, update (the scheduler's `update_from_output`), frontend_outputs, and "host" = step -
+    forward - lm_head; plus, per workload and batch, the n-gram verify steps whose drafts had different lengths (no
+    CUDA graph fits them, eager there) against all verify steps.
+
+    ``host_cpu=False`` (``--step-times``, CPU or CUDA): wall-clock time (perf_counter); phases schedule,
+    update_states (the runner's batch diff), forward (`_run_model`: on CUDA the graph replay's launch, or the eager
+    forward's launches), sample (`_sample`: the LM head, sampling or verification, the one sync with the device,
+    recording; for verify steps also "verify" (`SpecDecodeStep.verify`) and "lm_head"), propose, update and
+    frontend (`process_outputs`). On CUDA also, from CUDA events (recorded, never waited on inside a step: read after
+    each request finishes), "forward_gpu": the GPU-side span of `_run_model`, and "gpu_step": the span of the whole
+    step. A verify step's host parts against a plain step's, next to their GPU spans, tell host work from GPU work
+    per step kind. Both engines schedule synchronously (speculation does not run with async scheduling; the plain
+    engine is held to the same, so each of its steps is one step's work, not an overlapped pipeline)."""
     from collections import defaultdict
 
     from vllm_lite import LLM, SamplingParams
     from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 
-    clock = time.thread_time
+    cuda_events = not host_cpu and device.startswith("cuda")
+    clock = time.thread_time if host_cpu else time.perf_counter
+    if host_cpu:
+        engine_kw: dict[str, Any] = {"num_threads": 1}
+    else:  # plain steps synchronous too, as verify steps are: one step's parts each
+        engine_kw = {**engine_kwargs(device), "async_scheduling": False}
     engines: dict[str, Any] = {}
     for name, sc in (("plain", None), ("ngram", spec)):
         SpecDecodeStep.uniform_drafts = uniform_drafts
@@ -295,33 +320,41 @@ def host_times(
                 multiprocess=False,
                 max_model_len=512,
                 speculative_config=sc,
-                num_threads=1,
                 disable_log_stats=True,
+                **engine_kw,
             )
         finally:
             SpecDecodeStep.uniform_drafts = None
         core = llm.llm_engine.engine_core.engine_core
         runner = core.executor.worker.model_runner
         acc: dict[str, float] = defaultdict(float)
-        state = {"verify": False, "nonuniform": 0, "verify_steps": 0}
+        # ev: this step's CUDA events (step start, forward start, forward end, step end)
+        state: dict[str, Any] = {"verify": False, "nonuniform": 0, "verify_steps": 0, "ev": None}
 
-        def timed(obj: Any, attr: str, key: str, acc: dict = acc) -> None:
+        def timed(obj: Any, attr: str, key: str, acc: dict = acc, state: dict = state) -> None:
             fn = getattr(obj, attr)
+            forward = key == "forward" and cuda_events
 
             def wrapper(*a: Any, **kw: Any) -> Any:
+                if forward and state["ev"] is not None:
+                    state["ev"][1].record()
                 t0 = clock()
                 try:
                     return fn(*a, **kw)
                 finally:
                     acc[key] += clock() - t0
+                    if forward and state["ev"] is not None:
+                        state["ev"][2].record()
 
             setattr(obj, attr, wrapper)
 
+        if not host_cpu:
+            timed(runner, "_update_states", "update_states")
         timed(runner, "_run_model", "forward")
         timed(runner.model, "compute_logits", "lm_head")
         timed(runner, "_sample", "sample")
         timed(core.scheduler, "update_from_output", "update")
-        timed(llm.llm_engine.output_processor, "process_outputs", "frontend_outputs")
+        timed(llm.llm_engine.output_processor, "process_outputs", "frontend_outputs" if host_cpu else "frontend")
         if runner.spec_decode is not None:
             timed(runner.spec_decode, "propose", "propose")
         schedule = core.scheduler.schedule
@@ -338,135 +371,6 @@ def host_times(
 
         core.scheduler.schedule = scheduled
         engines[name] = (llm, acc, state)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    out: dict[str, Any] = {}
-    for wl, prompts in sets.items():
-        for b in batch_sizes:
-            per: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-            nonuniform = {name: [0, 0] for name in engines}
-            for rnd in range(repeats + 1):  # round 0 warms up
-                for name, (llm, acc, state) in engines.items():
-                    eng = llm.llm_engine
-                    for i in range(0, len(prompts) - b + 1, b):
-                        for j, p in enumerate(prompts[i : i + b]):
-                            eng.add_request(f"{wl}-{b}-{rnd}-{i}-{j}", {"prompt_token_ids": p}, params)
-                        first = True
-                        state["verify_steps"] = state["nonuniform"] = 0
-                        while eng.has_unfinished_requests():
-                            acc.clear()
-                            t0 = clock()
-                            eng.step()
-                            dt = clock() - t0
-                            if first or not rnd:
-                                first = False
-                                continue
-                            d = per[(name, "verify" if state["verify"] else "plain")]
-                            d["step"].append(dt)
-                            d["host"].append(dt - acc["forward"] - acc["lm_head"])
-                            for key, v in acc.items():
-                                d[key].append(v)
-                        if rnd:
-                            nonuniform[name][0] += state["nonuniform"]
-                            nonuniform[name][1] += state["verify_steps"]
-            for (name, kind), d in sorted(per.items()):
-                row = {"steps": len(d["step"])}
-                row.update({k: round(1e6 * float(np.median(v)), 1) for k, v in d.items()})
-                out[f"{wl}/batch{b}/{name}/{kind}_step_us"] = row
-            out[f"{wl}/batch{b}/ngram/verify_steps_with_mixed_draft_lengths"] = nonuniform["ngram"]
-    for llm, _, _ in engines.values():
-        llm.shutdown()
-    return out
-
-
-def step_times(
-    model: str,
-    sets: dict[str, list[list[int]]],
-    spec: dict,
-    max_tokens: int,
-    batch_sizes: tuple[int, ...],
-    repeats: int,
-    dtype: str,
-    device: str,
-    uniform_drafts: bool | None = None,
-    temperature: float = 0.0,
-) -> dict[str, Any]:
-    """Per decode step, wall-clock microseconds (perf_counter) of the whole step and its phases, split by engine
-    (plain, ngram) and step kind (plain decode, verify), medians after a warm-up round; works on CPU and CUDA.
-
-    Phases: schedule, update_states (the runner's batch diff), forward (`_run_model`: on CUDA the graph replay's
-    launch, or the eager forward's launches), sample (`_sample`: the LM head, sampling or verification, the one
-    sync with the device, recording; for verify steps also "verify" (`SpecDecodeStep.verify`) and "lm_head"),
-    propose, update (the scheduler's `update_from_output`) and frontend (`process_outputs`). On CUDA also
-    "forward_gpu": the GPU-side span of `_run_model` between two CUDA events (recorded, never waited on inside
-    a step: read after each request finishes), and "gpu_step": the span of the whole step. A verify step's host
-    parts against a plain step's, next to their GPU spans, tell host work from GPU work per step kind. Both engines
-    schedule synchronously (speculation does not run with async scheduling; the plain engine is held to the same,
-    so each of its steps is one step's work, not an overlapped pipeline)."""
-    from collections import defaultdict
-
-    from vllm_lite import LLM, SamplingParams
-    from vllm_lite.worker.spec_decode_step import SpecDecodeStep
-
-    on_cuda = device.startswith("cuda")
-    clock = time.perf_counter
-    engines: dict[str, Any] = {}
-    for name, sc in (("plain", None), ("ngram", spec)):
-        SpecDecodeStep.uniform_drafts = uniform_drafts
-        try:
-            llm = LLM(
-                model=model,
-                dtype=dtype,
-                multiprocess=False,
-                max_model_len=512,
-                speculative_config=sc,
-                disable_log_stats=True,
-                async_scheduling=False,  # plain steps synchronous too, as verify steps are: one step's parts each
-                **engine_kwargs(device),
-            )
-        finally:
-            SpecDecodeStep.uniform_drafts = None
-        core = llm.llm_engine.engine_core.engine_core
-        runner = core.executor.worker.model_runner
-        acc: dict[str, float] = defaultdict(float)
-        # ev: this step's CUDA events (step start, forward start, forward end, step end)
-        state: dict[str, Any] = {"verify": False, "ev": None}
-
-        def timed(obj: Any, attr: str, key: str, acc: dict = acc, state: dict = state) -> None:
-            fn = getattr(obj, attr)
-            forward = key == "forward" and on_cuda
-
-            def wrapper(*a: Any, **kw: Any) -> Any:
-                if forward and state["ev"] is not None:
-                    state["ev"][1].record()
-                t0 = clock()
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    acc[key] += clock() - t0
-                    if forward and state["ev"] is not None:
-                        state["ev"][2].record()
-
-            setattr(obj, attr, wrapper)
-
-        timed(runner, "_update_states", "update_states")
-        timed(runner, "_run_model", "forward")
-        timed(runner.model, "compute_logits", "lm_head")
-        timed(runner, "_sample", "sample")
-        timed(core.scheduler, "update_from_output", "update")
-        timed(llm.llm_engine.output_processor, "process_outputs", "frontend")
-        if runner.spec_decode is not None:
-            timed(runner.spec_decode, "propose", "propose")
-        schedule = core.scheduler.schedule
-
-        def scheduled(schedule: Any = schedule, state: dict = state, acc: dict = acc) -> Any:
-            t0 = clock()
-            so = schedule()
-            acc["schedule"] += clock() - t0
-            state["verify"] = bool(so.scheduled_spec_decode_tokens)
-            return so
-
-        core.scheduler.schedule = scheduled
-        engines[name] = (llm, acc, state)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     out: dict[str, Any] = {}
     real_verify = SpecDecodeStep.verify  # the runner calls it through the class: timed into the stepping engine's acc
@@ -479,11 +383,13 @@ def step_times(
         finally:
             current["acc"]["verify"] += clock() - t0
 
-    SpecDecodeStep.verify = staticmethod(verify_timed)  # type: ignore[method-assign]
+    if not host_cpu:
+        SpecDecodeStep.verify = staticmethod(verify_timed)  # type: ignore[method-assign]
     try:
         for wl, prompts in sets.items():
             for b in batch_sizes:
                 per: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+                nonuniform = {name: [0, 0] for name in engines}
                 for rnd in range(repeats + 1):  # round 0 warms up
                     for name, (llm, acc, state) in engines.items():
                         current["acc"] = acc
@@ -492,17 +398,17 @@ def step_times(
                             for j, p in enumerate(prompts[i : i + b]):
                                 eng.add_request(f"{wl}-{b}-{rnd}-{i}-{j}", {"prompt_token_ids": p}, params)
                             first = True
+                            state["verify_steps"] = state["nonuniform"] = 0
                             pending: list[tuple[str, Any]] = []
                             while eng.has_unfinished_requests():
                                 acc.clear()
-                                if on_cuda:
-                                    ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(4))
-                                    state["ev"] = ev
-                                    ev[0].record()
+                                if cuda_events:
+                                    state["ev"] = tuple(torch.cuda.Event(enable_timing=True) for _ in range(4))
+                                    state["ev"][0].record()
                                 t0 = clock()
                                 eng.step()
                                 dt = clock() - t0
-                                if on_cuda:
+                                if cuda_events:
                                     state["ev"][3].record()
                                 if first or not rnd:
                                     first = False
@@ -510,11 +416,16 @@ def step_times(
                                 kind = "verify" if state["verify"] else "plain"
                                 d = per[(name, kind)]
                                 d["step"].append(dt)
+                                if host_cpu:
+                                    d["host"].append(dt - acc["forward"] - acc["lm_head"])
                                 for key, v in acc.items():
                                     d[key].append(v)
-                                if on_cuda:
+                                if cuda_events:
                                     pending.append((kind, state["ev"]))
-                            if on_cuda:  # read the GPU spans once the request's steps are done
+                            if rnd:
+                                nonuniform[name][0] += state["nonuniform"]
+                                nonuniform[name][1] += state["verify_steps"]
+                            if cuda_events:  # read the GPU spans once the request's steps are done
                                 torch.cuda.synchronize()
                                 for kind, ev in pending:
                                     d = per[(name, kind)]
@@ -529,6 +440,8 @@ def step_times(
                     row = {"steps": len(d["step"])}
                     row.update({k: round(1e6 * float(np.median(v)), 1) for k, v in d.items()})
                     out[f"{wl}/batch{b}/{name}/{kind}_step_us"] = row
+                if host_cpu:
+                    out[f"{wl}/batch{b}/ngram/verify_steps_with_mixed_draft_lengths"] = nonuniform["ngram"]
     finally:
         SpecDecodeStep.verify = real_verify  # type: ignore[method-assign]
         for llm, _, _ in engines.values():
@@ -703,26 +616,10 @@ def main() -> None:
         result["draft_params_ratio"] = _param_count(args.draft_model) / _param_count(model)
     num_sets = max((args.num_prompts, *batch_sizes))
     sets = workloads(model, tokenizer, num_sets, args.max_tokens, len(tokenizer), args.seed, args.device)
-    if args.step_times:
-        times = step_times(
-            model,
-            sets,
-            spec,
-            args.max_tokens,
-            batch_sizes or (1,),
-            max(1, args.repeats),
-            args.dtype,
-            args.device,
-            UNIFORM_DRAFTS[args.uniform_drafts],
-            args.temperature,
-        )
-        result.update(times, temperature=args.temperature, load_avg_1m_end=os.getloadavg()[0])
-        print(json.dumps(result))
-        return
-    if args.host_times:
-        if on_cuda:
+    if args.host_times or args.step_times:
+        if not args.step_times and on_cuda:
             raise SystemExit("--host-times measures the CPU engine (thread CPU time); use a profiler on CUDA")
-        times = host_times(
+        times = phase_times(
             model,
             sets,
             spec,
@@ -730,9 +627,15 @@ def main() -> None:
             batch_sizes or (1,),
             max(1, args.repeats),
             args.dtype,
-            UNIFORM_DRAFTS[args.uniform_drafts],
+            host_cpu=not args.step_times,
+            device=args.device,
+            uniform_drafts=UNIFORM_DRAFTS[args.uniform_drafts],
+            temperature=args.temperature if args.step_times else 0.0,
         )
-        result.update(times, num_threads=1, load_avg_1m_end=os.getloadavg()[0])
+        if args.step_times:
+            result.update(times, temperature=args.temperature, load_avg_1m_end=os.getloadavg()[0])
+        else:
+            result.update(times, num_threads=1, load_avg_1m_end=os.getloadavg()[0])
         print(json.dumps(result))
         return
     for name, all_prompts in sets.items():

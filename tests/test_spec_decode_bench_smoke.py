@@ -1,5 +1,7 @@
-"""benchmarks/spec_decode.py --step-times on the CPU: every phase of plain and verify steps is reported, and the
-verify wrapper it installs is gone afterwards."""
+"""benchmarks/spec_decode.py's one step-phase harness (phase_times) on the CPU, under both its clocks: --step-times
+(wall clock) reports every phase of plain and verify steps, and the verify wrapper it installs is gone afterwards;
+--host-times (thread CPU time) reports the host part outside the model and the verify steps with mixed draft
+lengths."""
 
 from __future__ import annotations
 
@@ -20,12 +22,15 @@ def _script():
     return mod
 
 
+PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10]  # repeats itself: the lookup finds drafts
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+
+
 def test_step_times_split_plain_and_verify_steps_into_phases() -> None:
     bench = _script()
     verify = SpecDecodeStep.verify
-    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10]  # repeats itself: the lookup finds drafts
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
-    out = bench.step_times(resolve_model(None), {"rep": [prompt]}, spec, 12, (1,), 1, "float32", "cpu")
+    prompt = PROMPT
+    out = bench.phase_times(resolve_model(None), {"rep": [prompt]}, SPEC, 12, (1,), 1, "float32", host_cpu=False)
     assert SpecDecodeStep.verify is verify
     plain = out["rep/batch1/plain/plain_step_us"]
     assert plain["steps"] > 0
@@ -34,3 +39,18 @@ def test_step_times_split_plain_and_verify_steps_into_phases() -> None:
     assert verified["steps"] > 0
     assert {"verify", "propose", "lm_head", "forward", "sample"} <= set(verified)
     assert 0 < verified["verify"] < verified["sample"] < verified["step"]
+
+
+def test_host_times_report_the_host_part_of_plain_and_verify_steps() -> None:
+    bench = _script()
+    out = bench.phase_times(resolve_model(None), {"rep": [PROMPT]}, SPEC, 12, (1,), 1, "float32", host_cpu=True)
+    plain = out["rep/batch1/plain/plain_step_us"]
+    assert plain["steps"] > 0
+    assert {"step", "host", "schedule", "forward", "lm_head", "sample", "update", "frontend_outputs"} == set(plain) - {
+        "steps"
+    }
+    verified = out["rep/batch1/ngram/verify_step_us"]
+    assert verified["steps"] > 0 and "propose" in verified and "verify" not in verified
+    assert 0 < verified["host"] < verified["step"]
+    mixed, verify_steps = out["rep/batch1/ngram/verify_steps_with_mixed_draft_lengths"]
+    assert verify_steps == verified["steps"] and 0 <= mixed <= verify_steps
