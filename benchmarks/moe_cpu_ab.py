@@ -7,12 +7,18 @@ B = the one-call C++ decoder stack with moe_cpu_route (the default). The first r
 checks its float32 cases there) and is not counted. Why: on a shared 2-core host separate runs swing by 20-30%,
 so only passes interleaved in one process resolve a ~10% change. Prints one JSON line.
 
-    python benchmarks/moe_cpu_ab.py [--dtype bfloat16] [--rounds 4]
+`--ab prefetch`: A = the stack with the expert ops' weight prefetch off (torch.ops.vllm_lite.moe_cpu_prefetch),
+B = on (the default; csrc/moe_cpu.cpp). `--ab memory`: A = neither the prefetch nor huge pages (each layer's packed
+experts copied into ordinary memory), B = both (the default: fused_moe's packed copies in huge-page-advised memory).
+Neither changes a bit: greedy tokens are compared in both dtypes.
+
+    python benchmarks/moe_cpu_ab.py [--dtype bfloat16] [--rounds 4] [--ab stack|prefetch|memory]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -29,6 +35,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--ab", choices=("stack", "prefetch", "memory"), default="stack", help="what A and B differ in")
     args = ap.parse_args()
     torch.set_num_threads(2)
     from vllm_lite import LLM, SamplingParams
@@ -52,7 +59,19 @@ def main() -> None:
     runner_cls.execute_model = timed
     route_op = fused_moe._cpu_route_op
 
+    from vllm_lite.worker.attention.cpu_kernels import cpu_op
+
+    prefetch = cpu_op("moe_cpu_prefetch") if args.ab != "stack" else None
+    if args.ab != "stack" and prefetch is None:
+        raise SystemExit("moe_cpu_prefetch: csrc's CPU kernels are not built here")
+    copies: list[tuple[object, tuple, tuple]] = []  # --ab memory: (experts, huge-page (w13, w2), ordinary copies)
+
     def mode(new: bool) -> None:
+        if prefetch is not None:  # both sides: the stack and moe_cpu_route
+            prefetch(new)
+            for experts, huge, plain in copies:  # the stack sees the swap and rebuilds its weights
+                experts.w13, experts.w2 = huge if new else plain
+            return
         cds._ON[0] = new
         fused_moe._cpu_route_op = route_op if new else (lambda: None)
 
@@ -66,6 +85,12 @@ def main() -> None:
         enable_prefix_caching=False,
     )
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    if args.ab == "memory":  # the in-process engine's MoE layers' packed experts
+        kinds = (fused_moe.KernelExperts, fused_moe.Bf16KernelExperts)
+        for experts in (o for o in gc.get_objects() if isinstance(o, kinds)):
+            copies.append((experts, (experts.w13, experts.w2), (experts.w13.clone(), experts.w2.clone())))
+        if not copies:
+            raise SystemExit("--ab memory: no C++ MoE experts in this engine")
     res: dict[str, list[dict]] = {"A": [], "B": []}
     tokens: dict[str, list] = {"A": [], "B": []}
     for r in range(args.rounds + 1):
@@ -89,6 +114,11 @@ def main() -> None:
                 )
     mode(True)
     same = all(a == b for a, b in zip(tokens["A"], tokens["B"]))
+    names = {
+        "stack": ("A_python_layers_torch_routing", "B_cpp_stack_cpp_routing"),
+        "prefetch": ("A_prefetch_off", "B_prefetch_on"),
+        "memory": ("A_no_prefetch_4k_pages", "B_prefetch_huge_pages"),
+    }[args.ab]
     summary = {
         m: {
             "tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in res[m]),
@@ -102,10 +132,12 @@ def main() -> None:
                 "benchmark": "moe_cpu_ab",
                 "dtype": args.dtype,
                 "model": os.path.basename(model.rstrip("/")),
-                "A_python_layers_torch_routing": summary["A"],
-                "B_cpp_stack_cpp_routing": summary["B"],
+                "ab": args.ab,
+                names[0]: summary["A"],
+                names[1]: summary["B"],
                 "speedup": round(summary["B"]["tokens_per_s_median"] / summary["A"]["tokens_per_s_median"], 3),
-                "greedy_tokens_equal": same if args.dtype == "float32" else None,
+                # The prefetch changes no bits (bf16 too); the stack's routing moves float32 sums by ~1 ulp.
+                "greedy_tokens_equal": same if args.dtype == "float32" or prefetch is not None else None,
                 "passes": res,
                 "load_1min": round(os.getloadavg()[0], 2),
             }

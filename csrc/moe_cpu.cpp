@@ -8,6 +8,7 @@
 //       out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
 //   moe_cpu_route(x [T, H], router [E, H], top_k, renormalize, round_weights) -> (weights f32 [T, k], ids [T, k])
 //       the router and fused_moe.route in one call (the routing SparseMoeBlock runs with these experts; below).
+//   moe_cpu_prefetch(enable) -> previous: whether the expert ops prefetch (below; on by default, same results).
 //
 // Inside: token-expert pairs grouped by expert (counting sort, serial), then one parallel region of three
 // phases: (1) gate/up for blocks of W intermediate columns of one expert over all of its rows, SiLU-and-mul
@@ -21,6 +22,8 @@
 // Each weight block is read once per layer call and reused for all of an expert's rows from cache, where a
 // oneDNN call per expert and projection paid its dispatch and re-read for 8-32 rows at decode. Each phase gives
 // every thread one contiguous run of items balanced by rows, so a thread streams one stretch of the weights.
+// At decode (items of <= 64 rows) each item's tiles also prefetch the thread's next weight block into L2, so the
+// weights stream from DRAM while the tiles compute instead of before (Prefetch, NextBlock).
 // Vector code by compile-time dispatch through GCC vector extensions: W = 16 (AVX-512), else 8 (AVX2 or
 // portable). Every check runs before any data access and before the parallel region.
 
@@ -32,6 +35,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -68,6 +72,56 @@ typedef float vec_u __attribute__((vector_size(kW * 4), aligned(4)));  // unalig
 inline vec load(const float* p) { return *reinterpret_cast<const vec_u*>(p); }
 inline void store(float* p, vec v) { *reinterpret_cast<vec_u*>(p) = v; }
 
+// Software prefetch of the thread's next weight block (into L2) while the tiles of the current item compute. At
+// decode an expert has ~16 rows: with whole-k tiles the first tile of an item streams its weight block from DRAM
+// faster than one core's outstanding misses allow (stalling), the later ones reread it from cache with DRAM idle.
+// Spreading the next block's lines over the current item's first tiles (one or two lines per k step, the rate the
+// block is consumed) keeps DRAM busy during the compute: the item's block is in L2 when its first tile starts.
+// A block is 1 or 2 cache lines per k step (float32: 2 x W floats; bfloat16: 2 x 32 bf16 a k pair).
+// Only items of at most kPrefetchRows rows prefetch: with more (prefill) each block is reused from cache by many
+// tiles and the prefetches only cost issue slots. moe_cpu_prefetch(false) turns it off (the same results: A/B).
+constexpr int64_t kPrefetchRows = 64;
+std::atomic<bool> g_prefetch{true};
+
+struct Prefetch {
+  const char* p = nullptr;  // null: none
+  int lines = 0;            // lines per k step: 1 or 2
+  inline void at(int64_t k) const {
+    if (p == nullptr) return;
+    __builtin_prefetch(p + k * lines * 64, 0, 2);
+    if (lines == 2) __builtin_prefetch(p + k * 128 + 64, 0, 2);
+  }
+};
+
+// The next item's block handed out to an item's tiles: `step_bytes` (64 or 128) a k step in all; with 128 and two
+// or more tiles the first two take one line a step each, else the first tile takes the whole block. tile_rows:
+// the rows functions' first tile (R, then (R + 1) / 2, ... down to 1 for the remainder).
+struct NextBlock {
+  const char* base = nullptr;
+  int64_t step_bytes = 128;
+  int lines = 1;     // lines a k step for one tile
+  int64_t done = 0;  // bytes of the block handed out
+  NextBlock(const void* next, int64_t rows, int64_t tile_rows, int64_t step)
+      : base(rows <= kPrefetchRows && g_prefetch.load(std::memory_order_relaxed) ? static_cast<const char*>(next)
+                                                                                 : nullptr),
+        step_bytes(step) {
+    int64_t tiles = 0;
+    for (int64_t r = tile_rows;; r = (r + 1) / 2) {
+      tiles += rows / r;
+      rows %= r;
+      if (r == 1 || rows == 0) break;
+    }
+    lines = tiles <= 1 && step == 128 ? 2 : 1;
+  }
+  // The Prefetch of the next tile over `ksteps` k steps.
+  Prefetch for_tile(int64_t ksteps) {
+    if (base == nullptr || done >= ksteps * step_bytes) return {};
+    Prefetch pf{base + done, lines};
+    done += ksteps * lines * 64;
+    return pf;
+  }
+};
+
 // Whether the vector exp torch's SiLU calls is here; else every element takes std::exp.
 inline bool vector_exp() {
 #if defined(__AVX512F__)
@@ -99,11 +153,12 @@ inline float silu_mul_scalar(float g, float u) { return g / (1.0f + std::exp(-g)
 // padding columns beyond the intermediate size).
 template <int R>
 inline void gate_up_tile(const float* const* xr, const float* wp, int64_t h, float* act, int64_t ld_act,
-                         int64_t vec_cols, int64_t valid_cols) {
+                         int64_t vec_cols, int64_t valid_cols, Prefetch pf) {
   vec g[R], u[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) g[r] = u[r] = vec{};
   for (int64_t k = 0; k < h; ++k) {
+    pf.at(k);
     const vec wg = load(wp + k * 2 * kW), wu = load(wp + k * 2 * kW + kW);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -125,11 +180,13 @@ inline void gate_up_tile(const float* const* xr, const float* wp, int64_t h, flo
 
 // y rows[r][0, 2W) = act_r . w2 cols for R rows; wp: [Ip][2W].
 template <int R>
-inline void down_tile(const float* act, int64_t ld_act, const float* wp, int64_t ip, float* y, int64_t ld_y) {
+inline void down_tile(const float* act, int64_t ld_act, const float* wp, int64_t ip, float* y, int64_t ld_y,
+                      Prefetch pf) {
   vec a[R], b[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a[r] = b[r] = vec{};
   for (int64_t k = 0; k < ip; ++k) {
+    pf.at(k);
     const vec w0 = load(wp + k * 2 * kW), w1 = load(wp + k * 2 * kW + kW);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -146,20 +203,22 @@ inline void down_tile(const float* act, int64_t ld_act, const float* wp, int64_t
 
 template <int R>
 void gate_up_rows(const float* const* xr, const float* wp, int64_t h, float* act, int64_t ld_act, int64_t vec_cols,
-                  int64_t valid_cols, int64_t n) {
+                  int64_t valid_cols, int64_t n, NextBlock& next) {
   int64_t r = 0;
-  for (; r + R <= n; r += R) gate_up_tile<R>(xr + r, wp, h, act + r * ld_act, ld_act, vec_cols, valid_cols);
+  for (; r + R <= n; r += R)
+    gate_up_tile<R>(xr + r, wp, h, act + r * ld_act, ld_act, vec_cols, valid_cols, next.for_tile(h));
   if (r == n) return;
   if constexpr (R > 1) gate_up_rows<(R + 1) / 2>(xr + r, wp, h, act + r * ld_act, ld_act, vec_cols,
-                                                                 valid_cols, n - r);
+                                                                 valid_cols, n - r, next);
 }
 
 template <int R>
-void down_rows(const float* act, int64_t ld_act, const float* wp, int64_t ip, float* y, int64_t ld_y, int64_t n) {
+void down_rows(const float* act, int64_t ld_act, const float* wp, int64_t ip, float* y, int64_t ld_y, int64_t n,
+               NextBlock& next) {
   int64_t r = 0;
-  for (; r + R <= n; r += R) down_tile<R>(act + r * ld_act, ld_act, wp, ip, y + r * ld_y, ld_y);
+  for (; r + R <= n; r += R) down_tile<R>(act + r * ld_act, ld_act, wp, ip, y + r * ld_y, ld_y, next.for_tile(ip));
   if (r == n) return;
-  if constexpr (R > 1) down_rows<(R + 1) / 2>(act + r * ld_act, ld_act, wp, ip, y + r * ld_y, ld_y, n - r);
+  if constexpr (R > 1) down_rows<(R + 1) / 2>(act + r * ld_act, ld_act, wp, ip, y + r * ld_y, ld_y, n - r, next);
 }
 
 // out = p0 + p1 + ... with p_j = y_j * w_j rounded before each add (torch's separate mul and add kernels).
@@ -296,6 +355,10 @@ inline int64_t token_rows_in_expert_order(const int64_t* ids, const float* wts, 
 
 int64_t moe_cpu_block_width() { return kW; }
 
+// Whether the expert ops prefetch the next weight block at decode (default on); returns the previous setting.
+// For same-process A/B runs (benchmarks/moe_cpu_ab.py --ab prefetch) and tests: results are the same either way.
+bool moe_cpu_prefetch(bool enable) { return g_prefetch.exchange(enable); }
+
 std::tuple<at::Tensor, at::Tensor> moe_cpu_pack(const at::Tensor& w13, const at::Tensor& w2) {
   check_cpu(w13, "w13");
   check_cpu(w2, "w2");
@@ -383,22 +446,29 @@ at::Tensor moe_cpu_experts(const at::Tensor& x, const at::Tensor& w13p, const at
   {
     const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
     const auto up_run = ExpertSchedule::run_of(sched.up_cost, tid, nt);
+    const auto down_run = ExpertSchedule::run_of(sched.down_cost, tid, nt);
+    auto up_block = [&](int64_t i) { return w13 + (up_items[i].first * nb + up_items[i].second) * h * 2 * kW; };
+    auto down_block = [&](int64_t i) { return w2 + (down_items[i].first * hb + down_items[i].second) * ip * 2 * kW; };
     for (int64_t i = up_run.first; i < up_run.second; ++i) {
       const int64_t ex = up_items[i].first, b = up_items[i].second;
       const int64_t s0 = start[ex], n = start[ex + 1] - s0;
       const int64_t c0 = b * kW;
       const int64_t vec_cols = std::clamp<int64_t>(vec_end - c0, 0, kW);
       const int64_t valid = std::clamp<int64_t>(inter - c0, 0, kW);
+      const float* nxt = i + 1 < up_run.second ? up_block(i + 1) : nullptr;
+      // The run's last item: this thread's first block of the down phase.
+      if (nxt == nullptr && down_run.first < down_run.second) nxt = down_block(down_run.first);
+      NextBlock next(nxt, n, kRows, 2 * kW * 4);
       gate_up_rows<kRows>(xrows.data() + s0, w13 + (ex * nb + b) * h * 2 * kW, h, act + s0 * ip + c0, ip,
-                          vec_cols, valid, n);
+                          vec_cols, valid, n, next);
     }
 #pragma omp barrier
-    const auto down_run = ExpertSchedule::run_of(sched.down_cost, tid, nt);
     for (int64_t i = down_run.first; i < down_run.second; ++i) {
       const int64_t ex = down_items[i].first, b = down_items[i].second;
       const int64_t s0 = start[ex], n = start[ex + 1] - s0;
+      NextBlock next(i + 1 < down_run.second ? down_block(i + 1) : nullptr, n, kRows, 2 * kW * 4);
       down_rows<kRows>(act + s0 * ip, ip, w2 + (ex * hb + b) * ip * 2 * kW, ip, y + s0 * hp + b * 2 * kW,
-                       hp, n);
+                       hp, n, next);
     }
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -442,11 +512,12 @@ inline __m256i to_bf16(__m512 v) {
 // act rows[r][0, 16) = bf16(silu(bf16(x_r . gate)) * bf16(x_r . up)) for R rows; wp: [H/2][64]; xr: rows as pairs.
 template <int R>
 inline void gate_up_tile_bf16(const uint32_t* const* xr, const uint16_t* wp, int64_t h2, uint16_t* act,
-                              int64_t ld_act, int64_t valid_cols) {
+                              int64_t ld_act, int64_t valid_cols, Prefetch pf) {
   __m512 g[R], u[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) g[r] = u[r] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < h2; ++kp) {
+    pf.at(kp);
     const __m512i wg = _mm512_loadu_si512(wp + kp * 64), wu = _mm512_loadu_si512(wp + kp * 64 + 32);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -474,11 +545,12 @@ inline void gate_up_tile_bf16(const uint32_t* const* xr, const uint16_t* wp, int
 // y rows[r][0, 32) = bf16(act_r . w2 cols) (as float32) for R rows; wp: [Ip/2][64].
 template <int R>
 inline void down_tile_bf16(const uint16_t* act, int64_t ld_act, const uint16_t* wp, int64_t ip2, float* y,
-                           int64_t ld_y) {
+                           int64_t ld_y, Prefetch pf) {
   __m512 a[R], b[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < ip2; ++kp) {
+    pf.at(kp);
     const __m512i w0 = _mm512_loadu_si512(wp + kp * 64), w1 = _mm512_loadu_si512(wp + kp * 64 + 32);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -497,20 +569,24 @@ inline void down_tile_bf16(const uint16_t* act, int64_t ld_act, const uint16_t* 
 
 template <int R>
 void gate_up_rows_bf16(const uint32_t* const* xr, const uint16_t* wp, int64_t h2, uint16_t* act, int64_t ld_act,
-                       int64_t valid_cols, int64_t n) {
+                       int64_t valid_cols, int64_t n, NextBlock& next) {
   int64_t r = 0;
-  for (; r + R <= n; r += R) gate_up_tile_bf16<R>(xr + r, wp, h2, act + r * ld_act, ld_act, valid_cols);
+  for (; r + R <= n; r += R)
+    gate_up_tile_bf16<R>(xr + r, wp, h2, act + r * ld_act, ld_act, valid_cols, next.for_tile(h2));
   if (r == n) return;
-  if constexpr (R > 1) gate_up_rows_bf16<(R + 1) / 2>(xr + r, wp, h2, act + r * ld_act, ld_act, valid_cols, n - r);
+  if constexpr (R > 1)
+    gate_up_rows_bf16<(R + 1) / 2>(xr + r, wp, h2, act + r * ld_act, ld_act, valid_cols, n - r, next);
 }
 
 template <int R>
 void down_rows_bf16(const uint16_t* act, int64_t ld_act, const uint16_t* wp, int64_t ip2, float* y, int64_t ld_y,
-                    int64_t n) {
+                    int64_t n, NextBlock& next) {
   int64_t r = 0;
-  for (; r + R <= n; r += R) down_tile_bf16<R>(act + r * ld_act, ld_act, wp, ip2, y + r * ld_y, ld_y);
+  for (; r + R <= n; r += R)
+    down_tile_bf16<R>(act + r * ld_act, ld_act, wp, ip2, y + r * ld_y, ld_y, next.for_tile(ip2));
   if (r == n) return;
-  if constexpr (R > 1) down_rows_bf16<(R + 1) / 2>(act + r * ld_act, ld_act, wp, ip2, y + r * ld_y, ld_y, n - r);
+  if constexpr (R > 1)
+    down_rows_bf16<(R + 1) / 2>(act + r * ld_act, ld_act, wp, ip2, y + r * ld_y, ld_y, n - r, next);
 }
 
 // out (bf16) = sum over j of bf16(y_j * w_j), added in order with a bf16 rounding after each add. 16 columns at a
@@ -623,19 +699,27 @@ at::Tensor moe_cpu_experts_bf16(const at::Tensor& x, const at::Tensor& w13p, con
   {
     const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
     const auto up_run = ExpertSchedule::run_of(sched.up_cost, tid, nt);
+    const auto down_run = ExpertSchedule::run_of(sched.down_cost, tid, nt);
+    auto up_block = [&](int64_t i) { return w13 + (up_items[i].first * nb + up_items[i].second) * h2 * 64; };
+    auto down_block = [&](int64_t i) { return w2 + (down_items[i].first * hb + down_items[i].second) * (ip / 2) * 64; };
     for (int64_t i = up_run.first; i < up_run.second; ++i) {
       const int64_t ex = up_items[i].first, b = up_items[i].second;
       const int64_t s0 = start[ex], n = start[ex + 1] - s0;
       const int64_t valid = std::clamp<int64_t>(inter - b * 16, 0, 16);
+      const uint16_t* nxt = i + 1 < up_run.second ? up_block(i + 1) : nullptr;
+      // The run's last item: this thread's first block of the down phase.
+      if (nxt == nullptr && down_run.first < down_run.second) nxt = down_block(down_run.first);
+      NextBlock next(nxt, n, 8, 128);
       gate_up_rows_bf16<8>(xrows.data() + s0, w13 + (ex * nb + b) * h2 * 64, h2, act + s0 * ip + b * 16, ip, valid,
-                           n);
+                           n, next);
     }
 #pragma omp barrier
-    const auto down_run = ExpertSchedule::run_of(sched.down_cost, tid, nt);
     for (int64_t i = down_run.first; i < down_run.second; ++i) {
       const int64_t ex = down_items[i].first, b = down_items[i].second;
       const int64_t s0 = start[ex], n = start[ex + 1] - s0;
-      down_rows_bf16<8>(act + s0 * ip, ip, w2 + (ex * hb + b) * (ip / 2) * 64, ip / 2, y + s0 * hp + b * 32, hp, n);
+      NextBlock next(i + 1 < down_run.second ? down_block(i + 1) : nullptr, n, 8, 128);
+      down_rows_bf16<8>(act + s0 * ip, ip, w2 + (ex * hb + b) * (ip / 2) * 64, ip / 2, y + s0 * hp + b * 32, hp, n,
+                        next);
     }
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -753,6 +837,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_lite, m) {
   m.def(
       "moe_cpu_route(Tensor x, Tensor router, int top_k, bool renormalize, bool round_weights) -> (Tensor, Tensor)");
   m.def("moe_cpu_block_width() -> int", &vllm_lite::moe_cpu_block_width);
+  m.def("moe_cpu_prefetch(bool enable) -> bool", &vllm_lite::moe_cpu_prefetch);
   m.def("moe_cpu_pack(Tensor w13, Tensor w2) -> (Tensor, Tensor)");
   m.def(
       "moe_cpu_experts(Tensor x, Tensor w13p, Tensor w2p, Tensor topk_weights, Tensor topk_ids, int inter) -> "

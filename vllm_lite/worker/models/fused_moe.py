@@ -95,6 +95,13 @@ def _cpu_moe_kernel() -> bool:
     return cpu_op("moe_cpu_experts") is not None
 
 
+def _huge_pages(*packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The packed expert weights moved into huge-page-advised memory (as they are where that is off or missing)."""
+    from vllm_lite.worker.models.cpu_huge_pages import huge_page_contiguous
+
+    return tuple(huge_page_contiguous(t) for t in packed)
+
+
 class KernelExperts:
     """Float32 experts in csrc/moe_cpu.cpp's blocked layout; one call runs a layer's whole expert path.
 
@@ -102,11 +109,16 @@ class KernelExperts:
     ops per layer and re-read each weight per call; the op groups the pairs by expert, streams each weight block
     once over all of its expert's rows with SiLU-and-mul in registers, and sums each token's k contributions in
     transformers' order (2.1-3x PackedExperts on Zen 4 at 1-64 tokens, 1.3x at 2048; benchmarks/PROFILE.md).
-    Its matmul sums run in another order than F.linear's: float32 results move by ~1e-6 relative."""
+    Its matmul sums run in another order than F.linear's: float32 results move by ~1e-6 relative.
+
+    The packed copies live in huge-page-advised memory (cpu_huge_pages): at decode a layer's experts stream from
+    DRAM every step (22 MB a layer of the benchmark's model in float32), and in 4 KiB pages every page is a TLB miss
+    and a stop for the hardware prefetchers; with them and the op's own prefetch of the next block, a cold decode
+    call of 64 tokens went 1.53 -> 1.01 ms on 2 Zen 4 cores (hot: 0.95-1.05 ms; benchmarks/PROFILE.md)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         self.inter = w2.shape[-1]
-        self.w13, self.w2 = torch.ops.vllm_lite.moe_cpu_pack(w13.detach(), w2.detach())
+        self.w13, self.w2 = _huge_pages(*torch.ops.vllm_lite.moe_cpu_pack(w13.detach(), w2.detach()))
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.vllm_lite.moe_cpu_experts(
@@ -128,11 +140,12 @@ class Bf16KernelExperts:
     expert path as KernelExperts does for float32, with the torch path's bf16 roundings (gate/up, SiLU, product,
     down, each weighted contribution and each add). Why: oneDNN took two calls per active expert plus a dozen
     small torch ops per layer, ~1.1 s of a 2.2-s bf16 pass of moe_throughput.py on Zen 4 (benchmarks/PROFILE.md).
-    Its matmul sums run in another order than oneDNN's: outputs move by about one bf16 rounding."""
+    Its matmul sums run in another order than oneDNN's: outputs move by about one bf16 rounding. Packed copies in
+    huge-page-advised memory, as KernelExperts' (a cold decode call of 64 tokens 0.70 -> 0.50 ms with the prefetch)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         self.inter = w2.shape[-1]
-        self.w13, self.w2 = torch.ops.vllm_lite.moe_cpu_pack_bf16(w13.detach(), w2.detach())
+        self.w13, self.w2 = _huge_pages(*torch.ops.vllm_lite.moe_cpu_pack_bf16(w13.detach(), w2.detach()))
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.vllm_lite.moe_cpu_experts_bf16(
