@@ -130,25 +130,12 @@ def save_partial(current: Optional[str] = None) -> None:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc; empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return []
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(name))
+    """Every live process below `pid` (from /proc; empty where there is none)."""
+    from vllm_lite.testing.processes import children
+
     out, todo = [], [pid]
     while todo:
-        for c in children.get(todo.pop(), []):
+        for c in children(todo.pop()):
             out.append(c)
             todo.append(c)
     return out
