@@ -263,3 +263,48 @@ def test_fix_on_device_equals_copy_and_gather(seed):
             got_dst, got_tok = stub._fix_on_device(dst.astype(np.int64), src.astype(np.int64), sampled)
             assert got_dst.tolist() == dst.tolist()
             assert got_tok.tolist() == sampled[torch.from_numpy(src.astype(np.int64))].tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_of_reuse_equals_the_dict_lookups(seed):
+    """InputBatch.rows_of hands back its last rows for the same request list while no request was added, removed
+    or moved (condensing); every answer equals a lookup of each id, and changing a returned array changes none
+    of the later ones."""
+    rng = np.random.default_rng(seed)
+    batch = make_batch(6, seed=seed, spare=10)
+    live = [r for r in batch.req_ids if r is not None]
+    next_id = 0
+    last: list[str] = list(live)
+    hits = 0
+    for _ in range(120):
+        r = rng.random()
+        if r < 0.08 and len(live) < batch.max_num_reqs:
+            rid = f"n{next_id}"
+            next_id += 1
+            batch.add_request(NewRequestData(rid, [1, 2, 3], [], SamplingParams(), [500 + next_id], 3))
+            live.append(rid)
+        elif r < 0.16 and len(live) > 1:
+            gone = live.pop(int(rng.integers(0, len(live))))
+            batch.remove_request(gone)  # condensing moves the last row into its hole
+        if rng.random() < 0.3:  # another order or subset now and then; the same list (a new list object) mostly
+            last = [live[i] for i in rng.permutation(len(live))[: int(rng.integers(1, len(live) + 1))]]
+        ids = list(last) if all(x in batch.req_id_to_row for x in last) else list(live)
+        last = ids
+        before = batch._rows_cache
+        got = batch.rows_of(ids)
+        hits += before is not None and before[1] == ids and before[0] == batch._version
+        expect = np.array([batch.req_id_to_row[x] for x in ids], dtype=np.int64)
+        assert got.dtype == np.int64 and np.array_equal(got, expect)
+        got[:] = -7  # the caller's array is its own
+    assert hits > 30
+
+
+def test_rows_of_refuses_a_removed_request_after_reuse():
+    """A list naming a request that left is a KeyError, as without reuse (the last row leaves: nothing moves)."""
+    batch = make_batch(4)
+    ids = [r for r in batch.req_ids if r is not None]
+    batch.rows_of(ids)
+    assert np.array_equal(batch.rows_of(list(ids)), np.arange(4))
+    batch.remove_request(ids[-1])
+    with pytest.raises(KeyError):
+        batch.rows_of(list(ids))

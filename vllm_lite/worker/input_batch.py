@@ -62,6 +62,10 @@ class InputBatch:
         self.pending_idx = np.full((max_num_reqs, PENDING_STEPS), -1, dtype=np.int64)
         # Requests in the batch whose parameters ask for prompt logprobs (the runner skips that work at 0).
         self.num_prompt_logprob_reqs = 0
+        # rows_of's last answer: (version, request ids, rows); `_version` counts removals (the only change that
+        # takes an id away or moves one: condensing).
+        self._version = 0
+        self._rows_cache: Optional[tuple[int, list[str], np.ndarray]] = None
 
     @property
     def num_reqs(self) -> int:
@@ -147,6 +151,7 @@ class InputBatch:
         row = self.req_id_to_row.pop(req_id, None)
         if row is None:
             return False
+        self._version += 1  # an id gone, maybe a row moved (adding changes no existing id's row)
         last = self.num_reqs  # index of the last occupied row before removal
         self.sampling.remove_request(row)
         self.num_prompt_logprob_reqs -= _wants_prompt_logprobs(self.params[row])
@@ -180,8 +185,20 @@ class InputBatch:
 
     # ------------------------------------------------------------------ per step
     def rows_of(self, req_ids: list[str]) -> np.ndarray:
-        """int64 rows of the given requests, in the given order."""
-        return np.fromiter(map(self.req_id_to_row.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
+        """int64 rows of the given requests, in the given order (a new array: the caller may keep or change it).
+
+        A step looks up the same requests twice (the scheduler's diff, then the step's inputs) and the steady
+        decode step the same list as the step before: while no request was removed since (condensing moves rows
+        only then; an added one changes no row), the same list (compared by value, one C loop) gets the rows found
+        last time instead of a dict lookup each."""
+        c = self._rows_cache
+        is_list = type(req_ids) is list
+        if is_list and c is not None and c[0] == self._version and c[1] == req_ids:
+            return c[2].copy()
+        rows = np.fromiter(map(self.req_id_to_row.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
+        if is_list:
+            self._rows_cache = (self._version, list(req_ids), rows.copy())
+        return rows
 
     def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         """The sampler's batched inputs for these rows, in this order (row i -> logits row i)."""
