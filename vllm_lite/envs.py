@@ -116,7 +116,8 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _flag("VLLM_LITE_GC_FREEZE", True),
         "Freeze the engine core's start-up heap (gc.freeze, as vLLM's freeze_gc_heap) so the cyclic garbage "
         "collector never walks the model and other long-lived objects during steps (default on; 0 turns it off). "
-        "The core's own process collects first; an in-process core unfreezes at shutdown.",
+        "The core's own process collects first; an in-process core freezes nothing and only raises the young "
+        "threshold while it lives (given back at shutdown, or when a core never shut down is collected).",
     ),
     "VLLM_LITE_GC_GEN0_THRESHOLD": (
         _float("VLLM_LITE_GC_GEN0_THRESHOLD", 10000.0),
