@@ -266,21 +266,30 @@ def _start_tp_parent(tmpdir: str) -> tuple[subprocess.Popen, int, list[int]]:
     return parent, core_pid, ranks
 
 
-def test_killing_the_parent_takes_down_the_core_and_every_tensor_parallel_rank_and_their_temp_dirs():
-    # The core's and the executor's socket dirs go to a TMPDIR of our own (short: ipc paths are limited to ~107
-    # bytes), which must be empty afterwards: the killed parent removes nothing, the core it leaves must (one
-    # /tmp/vllm-lite-tp-* dir leaked per test-suite run).
+# The core's and the executor's socket dirs go to a TMPDIR of our own (short: ipc paths are limited to ~107 bytes),
+# which must be empty afterwards: a killed process removes nothing, the processes that outlive it must (one
+# /tmp/vllm-lite-tp-* dir leaked per test-suite run). Killing the core itself (an OOM kill) leaves its ranks, whose
+# parent-death signal comes while the dying core's other threads still hold them (launcher_child._parent_exiting).
+@pytest.mark.parametrize("victim", ["parent", "core"])
+def test_killing_the_parent_or_the_core_takes_down_every_tensor_parallel_rank_and_their_temp_dirs(victim):
     tmpdir = tempfile.mkdtemp(prefix="vl-kill-")
     try:
         parent, core_pid, ranks = _start_tp_parent(tmpdir)
-        parent.kill()
-        parent.wait()
-        # The deadline issue 12 sets for this behaviour (a pipe EOF, so far inside it): polled, not timed.
-        wait_until(
-            lambda: process_gone(core_pid) and all(process_gone(r) for r in ranks),
-            PARENT_DEATH_S,
-            "the core and its ranks exit after their parent was killed",
-        )
+        try:
+            os.kill(parent.pid if victim == "parent" else core_pid, signal.SIGKILL)
+            # The deadline issue 12 sets for this behaviour (a pipe EOF, so far inside it): polled, not timed.
+            wait_until(
+                lambda: process_gone(core_pid) and all(process_gone(r) for r in ranks),
+                PARENT_DEATH_S,
+                f"the core and its ranks exit after the {victim} was killed",
+            )
+            assert [p for p in os.listdir(tmpdir) if p.startswith("vllm-lite-tp-")] == []
+            if victim == "core":  # the parent lives on and ends its script: it removes its own private dir
+                parent.stdin.close()
+                assert parent.wait(DEADLINE_S) == 0
+        finally:
+            parent.kill()
+            parent.wait()
         assert [p for p in os.listdir(tmpdir) if p.startswith("vllm-lite-")] == []
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)

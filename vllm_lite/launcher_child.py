@@ -103,10 +103,23 @@ class ChildChannel:
         """SIGTERM until the child installs a handler of its own. The kernel's parent-death SIGTERM
         arrives together with the pipe's EOF, and its default action would kill us before the watch
         thread removed the cleanup paths: clean up here too. Any other SIGTERM acts as the default."""
-        if os.getppid() != self.parent_pid:
+        if self._parent_exiting():
             self._parent_gone()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
+
+    def _parent_exiting(self) -> bool:
+        """Whether our parent is gone or going. The kernel sends the parent-death signal as the thread that started
+        us (the parent's main thread) exits, and first hands us to the parent's other threads if any still run
+        (a SIGKILLed multi-threaded parent: they are exiting too), so getppid() may still name the parent when
+        the handler runs; its main thread is a zombie by then, which a live parent's never is."""
+        if os.getppid() != self.parent_pid:
+            return True
+        try:
+            with open(f"/proc/{self.parent_pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except (OSError, IndexError):
+            return True
 
     def _parent_gone(self) -> NoReturn:
         # No logging or flushing here: our stderr may lead to the dead parent, and the main

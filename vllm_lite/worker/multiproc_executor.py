@@ -142,8 +142,13 @@ class MultiprocExecutor:
                 master_port=self._store.port,
                 num_threads=threads,
             )
+            # Our socket dir goes with us: shutdown() removes it; if this process is killed, the ranks outliving it.
             self._procs[local_rank] = launcher.start_child(
-                TP_RANK_MODULE, spec, RankReady, name=f"tp-rank-{local_rank}"
+                TP_RANK_MODULE,
+                spec,
+                RankReady,
+                name=f"tp-rank-{local_rank}",
+                cleanup_paths=[self._tmpdir] if self._tmpdir else (),
             )
         for proc in self._procs.values():
             self._poller.register(proc.fileno(), zmq.POLLIN)
