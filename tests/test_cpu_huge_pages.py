@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import errno
 import gc
+import logging
+import mmap
 import pickle
 
 import pytest
@@ -23,6 +26,7 @@ def fresh_arena(monkeypatch):
     """Each test starts its own arena (and leaves the module's as it was)."""
     monkeypatch.setattr(cpu_huge_pages, "_arena", [None])
     monkeypatch.setattr(cpu_huge_pages, "ENABLED", [True])
+    monkeypatch.setattr(cpu_huge_pages, "_refused", [None])
     yield
 
 
@@ -60,6 +64,48 @@ def test_a_copy_outlives_its_arena_handle_and_pickles_as_ordinary_memory(fresh_a
     back = pickle.loads(pickle.dumps(t))
     assert torch.equal(back, t) and not is_huge_page_advised(back)
     assert torch.equal(copy.deepcopy(t), t)
+
+
+@needs_madvise
+def test_an_arena_is_unmapped_when_its_last_copy_is_dropped(fresh_arena) -> None:
+    """The module holds its arena weakly: a dropped model's weight copies give their memory back (a 300 MB LM head
+    copy used to stay resident as the module's current arena)."""
+    a = huge_page_contiguous(torch.ones(1000))
+    b = huge_page_contiguous(torch.ones(2000))
+    arena = cpu_huge_pages._arena[0]
+    assert arena is not None and arena.mapping() is not None
+    del a
+    gc.collect()
+    assert arena.mapping() is not None  # b still lives in it
+    del b
+    gc.collect()
+    assert arena.mapping() is None
+    c = huge_page_contiguous(torch.full((10,), 5.0))  # a new arena, not the dead one's tail
+    assert cpu_huge_pages._arena[0] is not arena and torch.equal(c, torch.full((10,), 5.0))
+    assert c.data_ptr() % cpu_huge_pages.HUGE_PAGE == 0
+
+
+class _RefusingMmap:
+    """mmap as a kernel without transparent huge pages answers: the advice fails with EINVAL."""
+
+    MAP_PRIVATE = mmap.MAP_PRIVATE
+    MAP_ANONYMOUS = mmap.MAP_ANONYMOUS
+    MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+
+    class mmap(mmap.mmap):  # noqa: N801 - stands in for the module's class
+        def madvise(self, *args: object) -> None:
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+
+def test_a_host_that_refuses_the_advice_gets_ordinary_copies_and_one_warning(fresh_arena, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(cpu_huge_pages, "mmap", _RefusingMmap)
+    monkeypatch.setattr(cpu_huge_pages, "supported", lambda: True)
+    w = torch.randn(8, 6)
+    with caplog.at_level(logging.WARNING, logger=cpu_huge_pages.__name__):
+        got = [huge_page_contiguous(w.t()) for _ in range(3)]
+    assert all(g.is_contiguous() and torch.equal(g, w.t()) for g in got)
+    assert cpu_huge_pages._refused[0] is not None and "Invalid argument" in cpu_huge_pages._refused[0]
+    assert len([r for r in caplog.records if "huge-page" in r.getMessage()]) == 1
 
 
 def test_turned_off_gives_ordinary_contiguous_tensors(fresh_arena) -> None:

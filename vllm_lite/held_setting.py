@@ -20,7 +20,9 @@ class HeldSetting(Generic[T]):
     def __init__(self, get: Callable[[], T], set_: Callable[[T], Any]) -> None:
         self._get = get
         self._set = set_
-        self._lock = threading.Lock()
+        # Re-entrant: a collection that runs while hold() holds the lock (set_ allocates) may call an earlier
+        # owner's release on this same thread.
+        self._lock = threading.RLock()
         self.holders = 0
         self._saved: Optional[T] = None
 

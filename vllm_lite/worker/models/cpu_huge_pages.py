@@ -23,8 +23,10 @@ measured slower in the engine, PROFILE.md, "Zen 4, offline batch 32 ... where a 
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -32,6 +34,8 @@ import torch
 HUGE_PAGE = 2 << 20
 ARENA_BYTES = 64 << 20
 ALIGN = 4096
+
+logger = logging.getLogger(__name__)
 
 ENABLED = [True]  # tests and A/B benchmarks turn it off (then copies are ordinary tensors)
 
@@ -44,42 +48,73 @@ def supported() -> bool:
 
 
 class _Arena:
-    """One advised anonymous mapping, handed out front to back."""
+    """One advised anonymous mapping, handed out front to back.
+
+    Nothing in this module keeps an arena's memory alive: each tensor carved from it is a torch.frombuffer over the
+    mapping, which holds the mapping; the arena itself keeps only a weak reference to it. So the memory goes back to
+    the OS when the last weight in it is dropped (with its model), and the next copy after that starts a new arena.
+    """
 
     def __init__(self, nbytes: int) -> None:
         usable = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-        self.map = mmap.mmap(-1, usable + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # + room to align
-        self.map.madvise(mmap.MADV_HUGEPAGE)
-        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.pos = (-self.bytes.data_ptr()) % HUGE_PAGE  # the first 2 MiB boundary
+        mapping = mmap.mmap(-1, usable + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # + room to align
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            mapping.close()
+            raise
+        self.first: Optional[mmap.mmap] = mapping  # strong until the first take hands part of it out
+        self.mapping = weakref.ref(mapping)
+        self.pos = (-torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()) % HUGE_PAGE  # 2 MiB boundary
         self.size = self.pos + usable
 
     def take(self, nbytes: int) -> Optional[torch.Tensor]:
+        """nbytes of the arena, or None when it is full or its memory is gone."""
+        mapping, self.first = self.mapping(), None
         start = (self.pos + ALIGN - 1) // ALIGN * ALIGN
-        if start + nbytes > self.size:
+        if mapping is None or start + nbytes > self.size:
             return None
         self.pos = start + nbytes
-        return self.bytes[start : start + nbytes]
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
 
 
+# The arena being carved (it holds its memory only weakly).
 _arena: list[Optional[_Arena]] = [None]
+# Set when the host refused a mapping or the advice (a kernel without transparent huge pages answers EINVAL, a
+# strict overcommit policy ENOMEM): from then on copies are ordinary tensors, and one warning said why.
+_refused: list[Optional[str]] = [None]
+
+
+def _take(nbytes: int) -> Optional[torch.Tensor]:
+    """nbytes carved from the current arena, or from a new one; None where the host refuses huge-page mappings."""
+    if _refused[0] is not None:
+        return None
+    arena = _arena[0]
+    raw = arena.take(nbytes) if arena is not None else None
+    if raw is not None:
+        return raw
+    try:
+        arena = _Arena(max(ARENA_BYTES, nbytes))
+    except OSError as e:
+        _refused[0] = f"{type(e).__name__}: {e}"
+        logger.warning("huge-page weight copies unavailable (%s): weights stay in ordinary pages", _refused[0])
+        return None
+    _arena[0] = arena
+    return arena.take(nbytes)
 
 
 def huge_page_contiguous(t: torch.Tensor) -> torch.Tensor:
     """t's values as a new contiguous CPU tensor in huge-page-advised memory (`t.contiguous()` where unsupported,
-    turned off, or not a CPU tensor). t may be a strided view: it is copied once, straight into the arena."""
+    turned off, refused by the host, or not a CPU tensor). t may be a strided view: it is copied once, straight
+    into the arena."""
     t = t.detach()
     if not (ENABLED[0] and supported()) or t.device.type != "cpu" or t.numel() == 0:
         return t.contiguous()
     nbytes = t.numel() * t.element_size()
     with _lock:
-        arena = _arena[0]
-        raw = arena.take(nbytes) if arena is not None else None
-        if raw is None:
-            arena = _Arena(max(ARENA_BYTES, nbytes))
-            _arena[0] = arena
-            raw = arena.take(nbytes)
-            assert raw is not None
+        raw = _take(nbytes)
+    if raw is None:
+        return t.contiguous()
     out = raw.view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
