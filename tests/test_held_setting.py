@@ -29,6 +29,20 @@ def test_last_release_restores_the_value_the_process_had() -> None:
     assert box[0] == "caller" and held.holders == 0
 
 
+def test_a_late_release_leaves_a_value_set_since_by_someone_else() -> None:
+    """A dropped engine's release may run at any later collection: by then the process may own the setting again
+    (the test suite's thread pinning set torch's threads to 2 and a late release put 1 back mid-probe)."""
+    box = ["caller"]
+    held = HeldSetting(lambda: box[0], lambda v: box.__setitem__(0, v))
+    release = held.hold(_Owner(), "engine")
+    box[0] = "the process's own"
+    release()
+    assert box[0] == "the process's own" and held.holders == 0
+    release_again = held.hold(_Owner(), "engine")  # and a new hold saves and restores as usual
+    release_again()
+    assert box[0] == "the process's own"
+
+
 def test_a_collection_inside_hold_that_releases_an_earlier_owner_does_not_deadlock() -> None:
     """A new engine's hold() may trigger a collection (set_ allocates) that finalizes an engine dropped without
     shutdown, on the same thread, while hold() holds the lock: the release must not wait on that lock forever."""

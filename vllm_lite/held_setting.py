@@ -4,7 +4,10 @@ they live and give back when they are shut down or collected, whichever comes fi
 Several engines may live in one process at once: the first hold saves the value the process had, each hold sets
 its own value, and the last release puts the saved value back. A release is a ``weakref.finalize`` on the owner:
 calling it releases once (later calls do nothing), and an owner that is never shut down releases when it is
-collected (or at interpreter exit), so a dropped engine does not leave the process changed for good.
+collected (or at interpreter exit), so a dropped engine does not leave the process changed for good. The saved
+value goes back only if the setting still has the value the holds last set: a collection can run the release at
+any later moment, and by then the process (a test, the user, a thread policy) may have set its own value, which a
+late release must not overwrite.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class HeldSetting(Generic[T]):
         self._lock = threading.RLock()
         self.holders = 0
         self._saved: Optional[T] = None
+        self._last_set: Optional[T] = None
 
     def hold(self, owner: object, value: T) -> weakref.finalize:
         """Set ``value`` for as long as ``owner`` holds it; returns the release (call it at shutdown)."""
@@ -34,6 +38,7 @@ class HeldSetting(Generic[T]):
             self.holders += 1
             try:
                 self._set(value)
+                self._last_set = value
             except BaseException:
                 self._release_locked()
                 raise
@@ -49,4 +54,5 @@ class HeldSetting(Generic[T]):
         self.holders -= 1
         if self.holders == 0 and self._saved is not None:
             saved, self._saved = self._saved, None
-            self._set(saved)
+            if self._get() == self._last_set:  # else someone set it since: theirs stands
+                self._set(saved)
