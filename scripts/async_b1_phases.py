@@ -6,14 +6,18 @@ A GPU-lease diagnostic (it runs on CPU too): on the bundled 4-layer model an H10
 than synchronous at batch 1 (about 1.0 against 0.69 ms/token), the opposite of llama-1b. Each phase (schedule,
 execute_model, the async handle's get_output, update_from_output, the frontend's process_outputs) is wrapped with
 perf_counter; printed per engine: ms/token, engine steps per token, and microseconds per token in each phase, so a
-phase that grows under async (a wait, a second step per token) stands out.
+phase that grows under async (a wait, a second step per token) stands out; --cprofile N adds each mode's top N
+Python functions by own time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import time
 from collections import defaultdict
 from typing import Any
@@ -53,6 +57,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cprofile", type=int, default=0, help="also print the top N Python functions by own time")
     a = ap.parse_args()
     import torch
 
@@ -97,6 +102,12 @@ def main() -> None:
             "us_per_token": {k: round(1e6 * v / toks, 1) for k, v in acc.items()},
             "calls_per_token": {k: round(v / toks, 3) for k, v in calls.items()},
         }
+        if a.cprofile and not result.get(name):  # each mode's first engine: one more round under cProfile
+            prof = cProfile.Profile()
+            prof.runcall(llm.generate, prompt, params, use_tqdm=False)
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(a.cprofile)
+            print(f"### {name} cProfile (one round of {a.tokens} tokens)\n{buf.getvalue()}", flush=True)
         result.setdefault(name, []).append(row)
         print(name, json.dumps(row), flush=True)
         llm.shutdown()
