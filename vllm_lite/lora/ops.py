@@ -1,9 +1,9 @@
 """The LoRA delta a layer adds: the Triton kernels for CUDA tensors when they import, else torch.
 
-``add_lora`` is what a layer calls: on CUDA one Triton shrink then one expand per fused sub-projection
-(``triton_ops``), elsewhere ``torch_ops.add_lora`` (csrc's one-call kernel for decode-sized steps, else
-segments of one slot each, two bmm's). The choice is
-per call, by the device of the input. ``lora_shrink``/``lora_expand`` (same signature in both modules)
+``add_lora`` is what a layer calls: on CUDA the Triton kernels (``triton_ops``: one launch per projection for
+decode-sized steps, else a shrink then an expand for every fused sub-projection), elsewhere
+``torch_ops.add_lora`` (csrc's one-call kernel for decode-sized steps, else segments of one slot each, two
+bmm's). The choice is per call, by the device of the input. ``lora_shrink``/``lora_expand`` (same signature in both modules)
 stay callable on their own for kernels' tests and benchmarks.
 """
 
@@ -94,8 +94,10 @@ def add_lora_triton(
     token_slots: torch.Tensor,
 ) -> None:
     """add_lora through the Triton kernels of ``mod`` (triton_ops). A BGMV step whose subs sit side by side (every
-    decode step of a Llama-family layer) takes ``add_lora_bgmv``: a shrink storing split-K partial sums and one
-    expand for every sub that sums them, so a captured CUDA graph holds 2 kernels per projection and no memset.
+    decode step of a Llama-family layer) takes ``add_lora_bgmv``: up to FUSED_MAX_TOKENS tokens one fused kernel
+    (each program its token's shrink, then its output tile of every sub), above that a shrink storing split-K
+    partial sums and one expand for every sub that sums them; a captured CUDA graph holds 1 or 2 kernels per
+    projection and no memset.
     Otherwise one shrink for every sub-projection (into a zeroed buffer), then one expand for all the subs when they
     sit side by side and BGMV runs (``lora_expand_subs``), else one per sub reading its columns of the shrink's
     buffer as a strided view (the kernels take strides): no copies."""

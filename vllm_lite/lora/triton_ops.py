@@ -12,10 +12,12 @@ buf[t] @ B[slot(t)]^T into a column range of y, for a batch whose tokens use dif
 - BGMV (batched gather matrix-vector, small decode batches): one program per (token, output tile)
   reads its own slot's weight tile; no grouping at all.
 
-A layer's BGMV step (``add_lora_bgmv``, what ops.add_lora_triton runs for decode) takes two launches: the shrink
-stores its split-K partial sums side by side ([split, T, R], plain stores into an uninitialised buffer) and one
-expand sums them in a fixed order and writes every fused sub-projection; the per-projection memset of the
-shrink's buffer (a graph node of its own) and the atomics are gone. ``lora_shrink`` / ``lora_expand`` below keep
+A layer's BGMV step (``add_lora_bgmv``, what ops.add_lora_triton runs for decode) takes ONE launch up to
+FUSED_MAX_TOKENS tokens (``_bgmv_fused_kernel``: each (token, output tile) program computes its token's rank-r
+shrink itself, then adds B @ h into its tile, every fused sub-projection in the same launch; decode steps are
+launch-bound, so half the graph nodes beat the repeated shrink), and two above: the shrink stores its split-K
+partial sums side by side ([split, T, R], plain stores into an uninitialised buffer) and one expand sums them in a
+fixed order and writes every fused sub-projection. Neither has a memset (a graph node of its own) or atomics. ``lora_shrink`` / ``lora_expand`` below keep
 the zeroed buffer and atomics (SGMV, the fallbacks, the kernels' own tests).
 
 The shrink has a long reduction (hidden size) and a short output (rank), so it splits K over
@@ -47,6 +49,19 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 # (2026-11-27, 8 adapters, rank 16, 4096 -> 4096) BGMV beat SGMV at every size measured: 1 token 194 vs 1704 us,
 # 64 tokens 91 vs 535, 2048 tokens 151 vs 1151; so BGMV takes every batch a step can hold.
 BGMV_MAX_TOKENS = 1 << 20
+# BGMV steps of at most this many tokens take ONE launch per projection (``_bgmv_fused_kernel``: each program
+# computes its token's rank-r shrink itself, then its output tile), larger ones the two launches (split-K shrink
+# partials, then one expand). The fused kernel repeats the shrink once per output tile, so its cost grows with
+# tokens x tiles; pick the crossing with ``benchmarks/kernels_int4_lora.py --lora-fused`` (CUDA graphs, the 100M
+# Qwen2's projections). The fused path also needs a rank of at most FUSED_MAX_RANK (its shrink tile is
+# [rank, BLOCK_K] in registers).
+FUSED_MAX_TOKENS = 32
+FUSED_MAX_RANK = 64
+# The fused kernel's output tile (the widest power of two up to this that divides every sub boundary; one shrink
+# per tile), the pieces it walks that tile in, and its K tile.
+FUSED_BLOCK_N = 256
+FUSED_CHUNK_N = 128
+FUSED_BLOCK_K = 256
 # The shrink splits its reduction until about this many programs run (an H100 has 132 SMs).
 TARGET_PROGRAMS = 256
 MAX_SPLIT_K = 32
@@ -409,11 +424,89 @@ if HAS_TRITON:
         prev = tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out, (prev + acc).to(out_ptr.dtype.element_ty), mask=n_ok)
 
+    @triton.jit
+    def _fused_shrink_tile(
+        h, x_ptr, a_base, t, offs_r, r_ok, k0, k_in, stride_x_t, stride_x_k, stride_a_r, stride_a_k,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """h += a[offs_r, k0:k0 + BLOCK_K] @ x[t, k0:k0 + BLOCK_K] (one K tile of the fused kernel's shrink)."""
+        offs_k = k0 + tl.arange(0, BLOCK_K)[None, :]  # x read as a [1, BLOCK_K] row: A's layout, no conversion
+        k_ok = offs_k < k_in
+        a = tl.load(a_base + offs_r[:, None] * stride_a_r + offs_k * stride_a_k, mask=r_ok[:, None] & k_ok, other=0.0)
+        xv = tl.load(x_ptr + t * stride_x_t + offs_k * stride_x_k, mask=k_ok, other=0.0)
+        xv = xv.to(a.dtype).to(tl.float32)
+        h += tl.sum(a.to(tl.float32) * xv, axis=1)
+        return h
 
-def _uniform_block_n(sizes: list[int]) -> Optional[int]:
-    """The largest power-of-two tile in [16, 64] that divides every sub's size but the last (so no tile of output
+    @triton.jit
+    def _bgmv_fused_kernel(
+        x_ptr, a_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, slots_ptr, num_slots, n_out, k_in, rank, start1, start2,
+        stride_x_t, stride_x_k, stride_a_s, stride_a_r, stride_a_k, stride_w0_s, stride_w1_s, stride_w2_s,
+        stride_w_n, stride_w_k, stride_out_t, stride_out_n, N_SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+        CHUNK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """A whole BGMV LoRA delta in one launch: program (t, pid_n) computes h = A_sub[slot(t)] @ x[t] (rank
+        values, float32 accumulation, rounded to the weights' dtype) for the one sub its output tile lies in, then
+        y[t, tile] += B_sub[slot(t)][tile] @ h. The (up to 3) subs lie side by side in y's columns [0, n_out), sub 1
+        from start1, sub 2 from start2 (n_out when absent); BLOCK_N divides both, so a tile is one sub's. Every
+        output element is written by one program (plain load-add-store: no atomics, no scratch buffer); rows of
+        tokens without an adapter are not touched. The shrink is repeated per tile: cheap for decode-sized steps.
+        The tile's expand runs in CHUNK_N-column pieces (BLOCK_N a multiple of it), one [CHUNK_N, BLOCK_R] B piece
+        in registers at a time."""
+        t = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if (slot < 0) | (slot >= num_slots):
+            return
+        n0 = pid_n * BLOCK_N
+        sub = (n0 >= start1).to(tl.int32) + (n0 >= start2).to(tl.int32)  # this tile's sub
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rank
+        a_base = a_ptr + slot * stride_a_s + (sub * rank).to(tl.int64) * stride_a_r
+        h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        if _INTERPRET:  # as _bgmv_k_loop: a while loop under the interpreter, the for loop (scf.for) compiled
+            k0 = 0
+            while k0 < k_in:
+                h = _fused_shrink_tile(
+                    h, x_ptr, a_base, t, offs_r, r_ok, k0, k_in, stride_x_t, stride_x_k, stride_a_r, stride_a_k,
+                    BLOCK_K,
+                )  # fmt: skip
+                k0 += BLOCK_K
+        else:
+            for k0 in range(0, k_in, BLOCK_K):
+                h = _fused_shrink_tile(
+                    h, x_ptr, a_base, t, offs_r, r_ok, k0, k_in, stride_x_t, stride_x_k, stride_a_r, stride_a_k,
+                    BLOCK_K,
+                )  # fmt: skip
+        w_base = w0_ptr + slot * stride_w0_s
+        col0 = n0 * 0
+        if N_SUB > 1:
+            if sub == 1:
+                w_base = w1_ptr + slot * stride_w1_s
+                col0 = start1 + n0 * 0
+        if N_SUB > 2:
+            if sub == 2:
+                w_base = w2_ptr + slot * stride_w2_s
+                col0 = start2 + n0 * 0
+        h = h.to(w0_ptr.dtype.element_ty).to(tl.float32)  # rounded to the weights' dtype, as the two launches do
+        for c in tl.static_range(BLOCK_N // CHUNK_N):  # the tile in CHUNK_N-column pieces: fewer registers
+            offs_n = n0 + c * CHUNK_N + tl.arange(0, CHUNK_N)
+            n_ok = offs_n < n_out
+            w = tl.load(
+                w_base + (offs_n - col0)[:, None] * stride_w_n + offs_r[None, :] * stride_w_k,
+                mask=n_ok[:, None] & r_ok[None, :],
+                other=0.0,
+            )
+            acc = tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+            out = out_ptr + t * stride_out_t + offs_n * stride_out_n
+            prev = tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(out, (prev + acc).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _uniform_block_n(sizes: list[int], hi: int = 64) -> Optional[int]:
+    """The largest power-of-two tile in [16, hi] that divides every sub's size but the last (so no tile of output
     columns straddles two subs), or None."""
-    block = 64
+    block = hi
     while block >= 16:
         if all(n % block == 0 for n in sizes[:-1]):
             return block
@@ -430,13 +523,21 @@ def add_lora_bgmv(
     token_slots: torch.Tensor,
     *,
     split_k: Optional[int] = None,
+    fused: Optional[bool] = None,
+    block_n: Optional[int] = None,
+    block_k: Optional[int] = None,
+    chunk_n: Optional[int] = None,
 ) -> bool:
-    """ops.add_lora for a BGMV step in two launches and no memset: the shrink stores its split-K partial sums
-    ([split, T, n_sub * r], float32, uninitialised: every row a token with an adapter reads is written) and one
-    expand sums them and adds every sub's delta. Applies when the step takes BGMV, the (1-3) subs' outputs lie side
-    by side from out_offsets[0], a power-of-two tile of 16-64 columns divides every sub boundary and the B's share
-    their row/column strides; returns False (nothing done) otherwise, for the caller's shrink + expand.
+    """ops.add_lora for a BGMV step without a memset: ONE launch (``_bgmv_fused_kernel``) for steps of at most
+    FUSED_MAX_TOKENS tokens, else two: the shrink stores its split-K partial sums ([split, T, n_sub * r], float32,
+    uninitialised: every row a token with an adapter reads is written) and one expand sums them and adds every sub's
+    delta. Applies when the step takes BGMV, the (1-3) subs' outputs lie side by side from out_offsets[0], a
+    power-of-two tile of 16-64 columns divides every sub boundary and the B's share their row/column strides;
+    returns False (nothing done) otherwise, for the caller's shrink + expand.
 
+    ``fused`` forces one launch (True; the rank must be at most FUSED_MAX_RANK) or two (False); ``block_n``,
+    ``chunk_n`` and ``block_k`` set the fused kernel's tiles (default FUSED_BLOCK_N, FUSED_CHUNK_N and FUSED_BLOCK_K;
+    tests, benchmarks).
     Against lora_shrink + lora_expand(_subs) it drops the zeroing of the shrink's buffer (a memset node per
     projection in a captured graph) and the split-K atomics; the partials are summed in a fixed order."""
     n_sub = len(lora_b)
@@ -449,9 +550,9 @@ def add_lora_bgmv(
     sizes = [b.shape[1] for b in lora_b]
     if any(out_offsets[i] + sizes[i] != out_offsets[i + 1] for i in range(n_sub - 1)):
         return False
-    block_n = _uniform_block_n(sizes)
+    block_64 = _uniform_block_n(sizes)
     rank = b0.shape[2]
-    if block_n is None or x.dim() != 2 or lora_a.dim() != 3 or lora_a.shape[1] != n_sub * rank:
+    if block_64 is None or x.dim() != 2 or lora_a.dim() != 3 or lora_a.shape[1] != n_sub * rank:
         return False
     if lora_a.shape[2] != x.shape[1] or lora_a.shape[0] != b0.shape[0]:
         raise ValueError(f"lora_a {list(lora_a.shape)} does not fit x {list(x.shape)} and lora_b {list(b0.shape)}")
@@ -461,9 +562,31 @@ def add_lora_bgmv(
         raise ValueError(f"y {list(y.shape)} does not hold {num_tokens} rows of columns [{off}, {off + n_out})")
     if split_k is not None and not 1 <= split_k <= MAX_SPLIT_K:
         raise ValueError(f"split_k must lie in [1, {MAX_SPLIT_K}], got {split_k}")
+    if fused is None:
+        fused = num_tokens <= FUSED_MAX_TOKENS and rank <= FUSED_MAX_RANK
+    elif fused and rank > FUSED_MAX_RANK:
+        raise ValueError(f"the fused BGMV kernel takes ranks up to {FUSED_MAX_RANK}, got {rank}")
+    for name, block in (("block_n", block_n), ("block_k", block_k), ("chunk_n", chunk_n)):
+        if block is not None and (block < 16 or block & (block - 1)):
+            raise ValueError(f"{name} must be a power of two of at least 16, got {block}")
     _check_slots(token_slots, num_tokens)
     _check_device(y, x, lora_a, *lora_b, token_slots)
+    w = list(lora_b) + [b0] * (3 - n_sub)  # unread past n_sub
+    start1 = sizes[0] if n_sub > 1 else n_out
+    start2 = sizes[0] + sizes[1] if n_sub > 2 else n_out
+    target = y[:, off : off + n_out]
     num_slots, r_all, k_in = lora_a.shape
+    if fused:
+        tile_n = _uniform_block_n(sizes, block_n or FUSED_BLOCK_N) or block_64
+        tile_k = _pow2_block(k_in, 16, block_k or FUSED_BLOCK_K)
+        _bgmv_fused_kernel[(num_tokens, triton.cdiv(n_out, tile_n))](
+            x, lora_a, w[0], w[1], w[2], target, token_slots, num_slots, n_out, k_in, rank, start1, start2,
+            x.stride(0), x.stride(1), *lora_a.stride(), w[0].stride(0), w[1].stride(0), w[2].stride(0),
+            b0.stride(1), b0.stride(2), target.stride(0), target.stride(1), N_SUB=n_sub, BLOCK_N=tile_n,
+            CHUNK_N=min(tile_n, chunk_n or FUSED_CHUNK_N), BLOCK_R=max(2, triton.next_power_of_2(rank)),
+            BLOCK_K=tile_k, num_warps=4,
+        )  # fmt: skip
+        return True
     shrink_n = _pow2_block(r_all, 16, 128)
     shrink_k = _pow2_block(k_in, 16, 128)
     tiles = triton.cdiv(r_all, shrink_n)
@@ -473,15 +596,11 @@ def add_lora_bgmv(
         x, lora_a, parts, token_slots, num_slots, r_all, k_in, x.stride(0), x.stride(1), *lora_a.stride(),
         *parts.stride(), SPLIT_K=split, BLOCK_N=shrink_n, BLOCK_K=shrink_k, num_warps=4,
     )  # fmt: skip
-    w = list(lora_b) + [b0] * (3 - n_sub)  # unread past n_sub
-    start1 = sizes[0] if n_sub > 1 else n_out
-    start2 = sizes[0] + sizes[1] if n_sub > 2 else n_out
-    target = y[:, off : off + n_out]
-    _bgmv_expand_partials_kernel[(num_tokens, triton.cdiv(n_out, block_n))](
+    _bgmv_expand_partials_kernel[(num_tokens, triton.cdiv(n_out, block_64))](
         parts, w[0], w[1], w[2], target, token_slots, num_slots, n_out, rank, start1, start2, *parts.stride(),
         w[0].stride(0), w[1].stride(0), w[2].stride(0), b0.stride(1), b0.stride(2), target.stride(0),
         target.stride(1), SPLIT=split, SPLIT_PAD=max(2, triton.next_power_of_2(split)), N_SUB=n_sub,
-        BLOCK_N=block_n, BLOCK_K=_pow2_block(rank, 16, 64), num_warps=4,
+        BLOCK_N=block_64, BLOCK_K=_pow2_block(rank, 16, 64), num_warps=4,
     )  # fmt: skip
     return True
 
