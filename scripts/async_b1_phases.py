@@ -6,7 +6,8 @@ A GPU-lease diagnostic (it runs on CPU too): on the bundled 4-layer model an H10
 than synchronous at batch 1 (about 1.0 against 0.69 ms/token), the opposite of llama-1b. Each phase (schedule,
 execute_model, the async handle's get_output, update_from_output, the frontend's process_outputs) is wrapped with
 perf_counter; printed per engine: ms/token, engine steps per token, and microseconds per token in each phase, so a
-phase that grows under async (a wait, a second step per token) stands out; --cprofile N adds each mode's top N
+phase that grows under async (a wait, a second step per token) stands out. Mode async_2execs is async with two
+graph execs a key replayed in turn (CudaDecodeGraphs.execs_per_key = 2); --cprofile N adds each mode's top N
 Python functions by own time.
 """
 
@@ -57,12 +58,14 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds-of-engines", type=int, default=2, help="engines per mode, built in turn")
     ap.add_argument("--cprofile", type=int, default=0, help="also print the top N Python functions by own time")
     a = ap.parse_args()
     import torch
 
     from vllm_lite import LLM, SamplingParams
     from vllm_lite.default_model import resolve_model
+    from vllm_lite.worker.cuda_graphs import CudaDecodeGraphs
 
     model = resolve_model(a.model)
     cuda = torch.cuda.is_available()
@@ -70,16 +73,21 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(10, 138))}]
     result: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model": model}
-    for mode in (False, True, False, True):
-        llm = LLM(
-            model,
-            dtype="bfloat16",
-            multiprocess=False,
-            max_model_len=512,
-            disable_log_stats=True,
-            async_scheduling=mode,
-            **kw,
-        )
+    modes = ("sync", "async", "async_2execs") * a.rounds_of_engines
+    for name in modes:
+        CudaDecodeGraphs.execs_per_key = 2 if name == "async_2execs" else 1
+        try:
+            llm = LLM(
+                model,
+                dtype="bfloat16",
+                multiprocess=False,
+                max_model_len=512,
+                disable_log_stats=True,
+                async_scheduling=name != "sync",
+                **kw,
+            )
+        finally:
+            CudaDecodeGraphs.execs_per_key = 1
         core = llm.llm_engine.engine_core.engine_core
         acc: dict[str, float] = defaultdict(float)
         calls: dict[str, int] = defaultdict(int)
@@ -95,7 +103,6 @@ def main() -> None:
             out = llm.generate(prompt, params, use_tqdm=False)
             toks += len(out[0].outputs[0].token_ids)
         wall = time.perf_counter() - t0
-        name = "async" if mode else "sync"
         row = {
             "ms_per_token": round(1e3 * wall / toks, 4),
             "engine_steps_per_token": round(calls["engine_step"] / toks, 3),

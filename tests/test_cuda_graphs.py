@@ -538,6 +538,54 @@ def test_capture_control_flow_with_a_stand_in_cuda_api(monkeypatch) -> None:
     assert all(torch.count_nonzero(c[:, NULL_BLOCK + 1 :]) == 0 for c in runner.kv_caches)
 
 
+def test_two_execs_a_key_are_captured_and_replayed_in_turn(monkeypatch) -> None:
+    """execs_per_key=2: each key captured twice (warm-up, capture, capture), each copy its own output; replays
+    alternate between the copies, and a decode run over such stand-ins gives the eager tokens."""
+    runner = _runner()
+    api = _FakeCudaApi(monkeypatch)
+    g = CudaDecodeGraphs(
+        runner.model, runner.backend, runner.device, [1, 2, 4], BLOCK_SIZE, BLOCKS_PER_REQ, runner.max_model_len
+    )
+    g.execs_per_key = 2
+    forwards: list[int] = []
+    real_forward = g._forward
+    g._forward = lambda key: (forwards.append(key[0]), real_forward(key))[1]  # type: ignore[method-assign]
+    g.capture()
+    assert forwards == [4, 4, 4, 2, 2, 2, 1, 1, 1]
+    assert api.events.count(("capture-begin",)) == 6
+    assert {k: len(v) for k, v in g.spares.items()} == {(b, 1): 1 for b in (1, 2, 4)}
+    assert all(v[0][1] is not g.outputs[k] for k, v in g.spares.items())
+    assert "2 execs a key" in g.describe()
+    assert [g._next_turn((4, 1)) for _ in range(4)] == [1, 0, 1, 0]
+    g.release()
+    assert g.spares == {} and g._turn == {}
+
+
+class _SpareGraph:
+    """A stand-in second exec: replay writes the forward into its own output tensor (as a graph exec does)."""
+
+    def __init__(self, graphs: CudaDecodeGraphs, key: tuple[int, int], replays: list, out: torch.Tensor) -> None:
+        self.graphs, self.key, self.replays, self.out = graphs, key, replays, out
+
+    def replay(self) -> None:
+        self.replays.append(("spare", self.key[0]))
+        self.out.copy_(self.graphs._forward(self.key))
+
+
+def test_alternating_execs_give_the_eager_tokens() -> None:
+    eager = _generate(_runner(), steps=4)
+    runner = _runner()
+    replays: list = []
+    g = runner.cuda_graphs = _stand_in_graphs(runner, [1, 2, 4, 8], replays)
+    hidden = runner.model.config.hidden_size
+    for key in g.keys:
+        out = torch.full((key[0] * key[1], hidden), float("nan"))
+        g.spares[key] = [(_SpareGraph(g, key, replays, out), out)]  # type: ignore[list-item]
+    assert _generate(runner, steps=4) == eager
+    # Bucket 4's replays alternate spare/main across the run; bucket 2's one replay takes its spare.
+    assert replays == [("spare", 4), 4, ("spare", 4), 4, ("spare", 2), ("spare", 4), 4, ("spare", 4), 4]
+
+
 def test_a_capture_that_raises_drops_every_graph(monkeypatch) -> None:
     runner = _runner()
     api = _FakeCudaApi(monkeypatch)

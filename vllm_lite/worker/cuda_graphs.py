@@ -318,7 +318,14 @@ def pad_decode_inputs(
 # ---------------------------------------------------------------------------------------------- CUDA
 class CudaDecodeGraphs:
     """The captured graphs of one model runner (decode and verify keys), their persistent input buffers and
-    memory pool; with ``lora_state`` the wrapped layers read a persistent per-token slot buffer."""
+    memory pool; with ``lora_state`` the wrapped layers read a persistent per-token slot buffer.
+
+    ``execs_per_key`` > 1 captures each key that many times and replays the copies in turn, so that under async
+    scheduling a step never launches the very graph exec the step before it launched and is still running (an
+    A/B knob for scripts/async_b1_phases.py; copies share the pool and the input buffers, each has its own
+    output)."""
+
+    execs_per_key: int = 1
 
     def __init__(
         self,
@@ -369,6 +376,9 @@ class CudaDecodeGraphs:
         self.block_table = torch.full((n, max(1, max_blocks_per_req)), NULL_BLOCK, **i32)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
+        # Further execs of a key (execs_per_key > 1): (graph, output) each, replayed in turn after self.graphs'.
+        self.spares: dict[GraphKey, list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
+        self._turn: dict[GraphKey, int] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.capture_bytes = 0
@@ -434,6 +444,11 @@ class CudaDecodeGraphs:
                 with torch.cuda.graph(graph, pool=self.pool):
                     out = self._forward(key)
                 self.graphs[key], self.outputs[key] = graph, out
+                for _ in range(self.execs_per_key - 1):
+                    spare = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(spare, pool=self.pool):
+                        spare_out = self._forward(key)
+                    self.spares.setdefault(key, []).append((spare, spare_out))
             torch.cuda.synchronize(self.device)
         except BaseException:
             # torch.cuda.graph's __exit__ leaves its capture stream current when capture_end raises.
@@ -447,6 +462,8 @@ class CudaDecodeGraphs:
         """Drop every graph, output and the pool (after a failed capture)."""
         self.graphs.clear()
         self.outputs.clear()
+        self.spares.clear()
+        self._turn.clear()
         self.pool = None
         try:
             torch.cuda.synchronize(self.device)
@@ -492,8 +509,22 @@ class CudaDecodeGraphs:
         )
         if fix is not None:  # real rows only: every index < num_real * q, padding untouched
             self.input_ids[:t].index_copy_(0, fix[0], fix[1])
-        self.graphs[key].replay()
-        return self.outputs[key][: inputs.num_reqs * q]
+        turn = self._next_turn(key)
+        if turn == 0:
+            self.graphs[key].replay()
+            out = self.outputs[key]
+        else:
+            spare, out = self.spares[key][turn - 1]
+            spare.replay()
+        return out[: inputs.num_reqs * q]
+
+    def _next_turn(self, key: GraphKey) -> int:
+        """Which exec of `key` replays now: 0 (self.graphs'), or i for spares[key][i - 1], the copies in turn."""
+        spares = self.spares.get(key)
+        if not spares:
+            return 0
+        turn = self._turn[key] = (self._turn.get(key, 0) + 1) % (len(spares) + 1)
+        return turn
 
     def pack_step(
         self, inputs: StepInputs, bucket: int, q: int, lora_slots: Optional[np.ndarray]
@@ -551,6 +582,8 @@ class CudaDecodeGraphs:
                 line += ", verify steps " + "; ".join(f"q={q} at [{shown(verify[q])}]" for q in qs)
         if self.lora_state is not None:
             line += " (LoRA slots in the graphs)"
+        if self.spares:
+            line += f" ({1 + max(len(v) for v in self.spares.values())} execs a key, replayed in turn)"
         line += f": {len(self.graphs)} graphs in {self.capture_seconds:.2f} s, {self.capture_bytes / GiB:.3f} GiB"
         if reserved_bytes is not None:
             line += f" (KV budget reserved {reserved_bytes / GiB:.3f} GiB for them)"
