@@ -18,6 +18,17 @@ Without CUDA only the torch paths run (Triton kernels run on CPU only under the 
 says nothing about speed), on smaller shapes, and the JSON says so. The last line is the JSON.
 
     python benchmarks/kernels_int4_lora.py [--rounds 5] [--dtype float16|bfloat16] [--quick]
+
+``--lora-fused`` (CUDA only; runs nothing else) times one LoRA'd projection's BGMV delta as a decode step's CUDA
+graph holds it, for the 100M Qwen2's four projections (qkv 768 -> 768|256|256, o 768 -> 768, gate_up 768 ->
+3072|3072, down 3072 -> 768; 8 adapters of rank 16, bfloat16, tokens round robin over the slots) at 1, 8, 16, 32,
+64 and 256 tokens: ``add_lora_bgmv`` in two launches (``two``) against the fused single launch with the module's
+tiles (``fused``) and other tiles (``fused_n64`` ...), and the base projection (``base``) for scale. Each way is
+captured 20 times in a row in one graph; median microseconds per call over interleaved rounds of replays. Per
+token count it sums the four projections (``layer_us``, what one decoder layer adds) and suggests
+FUSED_MAX_TOKENS: the largest count up to which the fused launch beats the two at every count. Under a minute:
+
+    python benchmarks/kernels_int4_lora.py --lora-fused
 """
 
 from __future__ import annotations
@@ -171,16 +182,158 @@ def bench_lora(device: str, dtype: torch.dtype, rounds: int, quick: bool) -> lis
     return rows
 
 
+QWEN2_100M_PROJECTIONS = {  # name: (input size, the fused sub-projections' output sizes)
+    "qkv": (768, [768, 256, 256]),
+    "o": (768, [768]),
+    "gate_up": (768, [3072, 3072]),
+    "down": (3072, [768]),
+}
+FUSED_TOKENS = (1, 8, 16, 32, 64, 256)
+FUSED_VARIANTS = {  # add_lora_bgmv's fused tiles and warps; "fused" is the module's defaults (FUSED_*)
+    "fused": {},
+    "fused_n64": dict(block_n=64, chunk_n=64),
+    "fused_n128": dict(block_n=128),
+    "fused_n512": dict(block_n=512),
+    "fused_k256_w4": dict(block_k=256, num_warps=4),
+    "fused_k512": dict(block_k=512),
+    "fused_w4": dict(num_warps=4),
+}
+GRAPH_CALLS = 20  # calls captured back to back in one graph
+
+
+def _graph_of(fn: Fn) -> "torch.cuda.CUDAGraph":
+    """GRAPH_CALLS calls of fn captured in one CUDA graph (compiled and warmed on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def graph_interleaved(fns: dict[str, Fn], rounds: int, replays: int = 10) -> dict[str, float]:
+    """Median microseconds per call of each function replayed from a CUDA graph, ways alternating round by round."""
+    graphs = {name: _graph_of(fn) for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            samples[name].append(_cuda_seconds(graph.replay, replays) / GRAPH_CALLS)
+    return {name: round(statistics.median(s) * 1e6, 2) for name, s in samples.items()}
+
+
+def suggest_fused_max_tokens(layer_us: dict[int, dict[str, float]], way: str = "fused") -> int:
+    """The largest token count up to which ``way`` took less time than ``two`` at every count measured (0: none)."""
+    best = 0
+    for t in sorted(layer_us):
+        if layer_us[t][way] >= layer_us[t]["two"]:
+            break
+        best = t
+    return best
+
+
+def _fused_case(
+    t: int, d_in: int, outs: list[int], slots: int, rank: int, g: torch.Generator, device: str = "cuda"
+) -> tuple:
+    """One projection at t tokens (round robin over the slots): its ways to time, and the fused launch's largest
+    difference from the two launches relative to their largest output (bfloat16, one call each on zeros)."""
+    from vllm_lite.lora import triton_ops
+
+    dtype = torch.bfloat16
+    a = (torch.randn(slots, len(outs) * rank, d_in, generator=g) / d_in**0.5).to(dtype).to(device)
+    bs = [(torch.randn(slots, o, rank, generator=g) * 0.01).to(dtype).to(device) for o in outs]
+    base_w = (torch.randn(sum(outs), d_in, generator=g) / d_in**0.5).to(dtype).to(device)
+    x = torch.randn(t, d_in, generator=g).to(dtype).to(device)
+    token_slots = (torch.arange(t, dtype=torch.int32) % slots).to(device)
+    offsets = [sum(outs[:i]) for i in range(len(outs))]
+    y = torch.zeros(t, sum(outs), dtype=dtype, device=device)
+
+    def way(**kw) -> Fn:
+        def run() -> None:
+            assert triton_ops.add_lora_bgmv(y, x, a, bs, offsets, token_slots, **kw)
+
+        return run
+
+    fns: dict[str, Fn] = {"two": way(fused=False)}
+    fns.update({v: way(fused=True, **kw) for v, kw in FUSED_VARIANTS.items()})
+    fns["base"] = lambda: torch.nn.functional.linear(x, base_w)
+    y_two, y_fused = torch.zeros_like(y), torch.zeros_like(y)
+    triton_ops.add_lora_bgmv(y_two, x, a, bs, offsets, token_slots, fused=False)
+    triton_ops.add_lora_bgmv(y_fused, x, a, bs, offsets, token_slots, fused=True)
+    diff = float((y_two.float() - y_fused.float()).abs().max() / y_two.float().abs().max().clamp_min(1e-6))
+    return fns, diff
+
+
+def bench_lora_fused(rounds: int, tokens: tuple[int, ...] = FUSED_TOKENS) -> dict:
+    """The fused BGMV launch against the two launches on the 100M Qwen2's projections, in CUDA graphs."""
+    from vllm_lite.lora import triton_ops
+
+    rank, slots = 16, 8
+    g = torch.Generator().manual_seed(0)
+    rows, layer_us = [], {}
+    for t in tokens:
+        layer: dict[str, float] = {}
+        for name, (d_in, outs) in QWEN2_100M_PROJECTIONS.items():
+            fns, diff = _fused_case(t, d_in, outs, slots, rank, g)
+            us = graph_interleaved(fns, rounds)
+            for k, v in us.items():
+                layer[k] = round(layer.get(k, 0.0) + v, 2)
+            rows.append({"tokens": t, "proj": name, "in": d_in, "outs": outs, "us": us, "fused_vs_two_rel": diff})
+            print(f"lora-fused T={t} {name}: " + ", ".join(f"{k} {v} us" for k, v in us.items()), flush=True)
+        layer_us[t] = layer
+    lora_ways = [k for k in next(iter(layer_us.values())) if k != "base"]
+    best = {t: min(lora_ways, key=lambda k: layer_us[t][k]) for t in layer_us}
+    return {
+        "model": "qwen2-100m projections (hidden 768, 12 heads, 4 KV heads, intermediate 3072)",
+        "rank": rank,
+        "slots": slots,
+        "dtype": "bfloat16",
+        "graph_calls": GRAPH_CALLS,
+        "module_tiles": {
+            "FUSED_BLOCK_N": triton_ops.FUSED_BLOCK_N,
+            "FUSED_CHUNK_N": triton_ops.FUSED_CHUNK_N,
+            "FUSED_BLOCK_K": triton_ops.FUSED_BLOCK_K,
+        },
+        "fused_max_tokens_now": triton_ops.FUSED_MAX_TOKENS,
+        "rows": rows,
+        "layer_us": {str(t): v for t, v in layer_us.items()},
+        "fused_over_two_layer": {str(t): round(v["fused"] / v["two"], 3) for t, v in layer_us.items()},
+        "best_way_layer": {str(t): v for t, v in best.items()},
+        "suggested_fused_max_tokens": suggest_fused_max_tokens(layer_us),
+        "suggested_fused_max_tokens_by_variant": {v: suggest_fused_max_tokens(layer_us, v) for v in FUSED_VARIANTS},
+    }
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu (torch paths only)")
     p.add_argument("--quick", action="store_true", help="two shapes per kernel (a smoke run)")
+    p.add_argument(
+        "--lora-fused",
+        action="store_true",
+        help="CUDA: only the fused BGMV LoRA launch against the two launches (100M Qwen2 projections, CUDA graphs)",
+    )
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no CUDA device")
+    if args.lora_fused:
+        if device != "cuda":
+            p.error("--lora-fused times the Triton kernels in CUDA graphs: it needs a CUDA device")
+        load_start = os.getloadavg()
+        with torch.inference_mode():
+            fused = bench_lora_fused(args.rounds)
+        result = {"device": device, "gpu": torch.cuda.get_device_name(0), "host": describe_host()}
+        result.update(loadavg_start=load_start, lora_fused=fused, loadavg_end=os.getloadavg())
+        print(json.dumps(result))
+        return 0
     dtype = getattr(torch, args.dtype)
     load_start = os.getloadavg()
     result = {

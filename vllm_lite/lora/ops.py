@@ -3,8 +3,8 @@
 ``add_lora`` is what a layer calls: on CUDA the Triton kernels (``triton_ops``: one launch per projection for
 decode-sized steps, else a shrink then an expand for every fused sub-projection), elsewhere
 ``torch_ops.add_lora`` (csrc's one-call kernel for decode-sized steps, else segments of one slot each, two
-bmm's). The choice is per call, by the device of the input. ``lora_shrink``/``lora_expand`` (same signature in both modules)
-stay callable on their own for kernels' tests and benchmarks.
+bmm's). The choice is per call, by the device of the input. ``lora_shrink``/``lora_expand`` (same signature in
+both modules) stay callable on their own for kernels' tests and benchmarks.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ FUSED_MAX_TOKENS tokens (``_bgmv_fused_kernel``: each (token, output tile) progr
 shrink itself, then adds B @ h into its tile, every fused sub-projection in the same launch; decode steps are
 launch-bound, so half the graph nodes beat the repeated shrink), and two above: the shrink stores its split-K
 partial sums side by side ([split, T, R], plain stores into an uninitialised buffer) and one expand sums them in a
-fixed order and writes every fused sub-projection. Neither has a memset (a graph node of its own) or atomics. ``lora_shrink`` / ``lora_expand`` below keep
-the zeroed buffer and atomics (SGMV, the fallbacks, the kernels' own tests).
+fixed order and writes every fused sub-projection. Neither has a memset (a graph node of its own) or atomics.
+``lora_shrink`` / ``lora_expand`` below keep the zeroed buffer and atomics (SGMV, the fallbacks, the kernels' own
+tests).
 
 The shrink has a long reduction (hidden size) and a short output (rank), so it splits K over
 programs and adds its partial sums atomically into the float32 buffer; the expand's reduction is the
@@ -58,10 +59,14 @@ BGMV_MAX_TOKENS = 1 << 20
 FUSED_MAX_TOKENS = 32
 FUSED_MAX_RANK = 64
 # The fused kernel's output tile (the widest power of two up to this that divides every sub boundary; one shrink
-# per tile), the pieces it walks that tile in, and its K tile.
+# per tile), the pieces it walks that tile in, its K tile (at most FUSED_TILE_ELEMS // rank: the [rank, BLOCK_K]
+# shrink tile stays in registers) and its warps. A wide K tile keeps a whole hidden size's loads in flight at once
+# (Triton does not pipeline this loop: its loads feed no tl.dot), so the shrink is one or two round trips to L2.
 FUSED_BLOCK_N = 256
 FUSED_CHUNK_N = 128
-FUSED_BLOCK_K = 256
+FUSED_BLOCK_K = 1024
+FUSED_TILE_ELEMS = 16384
+FUSED_NUM_WARPS = 8
 # The shrink splits its reduction until about this many programs run (an H100 has 132 SMs).
 TARGET_PROGRAMS = 256
 MAX_SPLIT_K = 32
@@ -527,6 +532,7 @@ def add_lora_bgmv(
     block_n: Optional[int] = None,
     block_k: Optional[int] = None,
     chunk_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
 ) -> bool:
     """ops.add_lora for a BGMV step without a memset: ONE launch (``_bgmv_fused_kernel``) for steps of at most
     FUSED_MAX_TOKENS tokens, else two: the shrink stores its split-K partial sums ([split, T, n_sub * r], float32,
@@ -536,8 +542,8 @@ def add_lora_bgmv(
     returns False (nothing done) otherwise, for the caller's shrink + expand.
 
     ``fused`` forces one launch (True; the rank must be at most FUSED_MAX_RANK) or two (False); ``block_n``,
-    ``chunk_n`` and ``block_k`` set the fused kernel's tiles (default FUSED_BLOCK_N, FUSED_CHUNK_N and FUSED_BLOCK_K;
-    tests, benchmarks).
+    ``chunk_n``, ``block_k`` and ``num_warps`` set the fused kernel's tiles and warps (default FUSED_BLOCK_N,
+    FUSED_CHUNK_N, FUSED_BLOCK_K and FUSED_NUM_WARPS; tests, benchmarks).
     Against lora_shrink + lora_expand(_subs) it drops the zeroing of the shrink's buffer (a memset node per
     projection in a captured graph) and the split-K atomics; the partials are summed in a fixed order."""
     n_sub = len(lora_b)
@@ -578,13 +584,14 @@ def add_lora_bgmv(
     num_slots, r_all, k_in = lora_a.shape
     if fused:
         tile_n = _uniform_block_n(sizes, block_n or FUSED_BLOCK_N) or block_64
-        tile_k = _pow2_block(k_in, 16, block_k or FUSED_BLOCK_K)
+        block_r = max(2, triton.next_power_of_2(rank))
+        tile_k = _pow2_block(k_in, 16, min(block_k or FUSED_BLOCK_K, max(16, FUSED_TILE_ELEMS // block_r)))
         _bgmv_fused_kernel[(num_tokens, triton.cdiv(n_out, tile_n))](
             x, lora_a, w[0], w[1], w[2], target, token_slots, num_slots, n_out, k_in, rank, start1, start2,
             x.stride(0), x.stride(1), *lora_a.stride(), w[0].stride(0), w[1].stride(0), w[2].stride(0),
             b0.stride(1), b0.stride(2), target.stride(0), target.stride(1), N_SUB=n_sub, BLOCK_N=tile_n,
-            CHUNK_N=min(tile_n, chunk_n or FUSED_CHUNK_N), BLOCK_R=max(2, triton.next_power_of_2(rank)),
-            BLOCK_K=tile_k, num_warps=4,
+            CHUNK_N=min(tile_n, chunk_n or FUSED_CHUNK_N), BLOCK_R=block_r,
+            BLOCK_K=tile_k, num_warps=num_warps or FUSED_NUM_WARPS,
         )  # fmt: skip
         return True
     shrink_n = _pow2_block(r_all, 16, 128)
