@@ -13,6 +13,7 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -31,8 +32,9 @@ class TokenWorker:
     the request and the position (so both runs see the same tokens, whatever their timing), EOS now and then.
     Half the prompt chunks that do not finish their prompt come back with a token the scheduler must ignore."""
 
-    def __init__(self, vocab: int) -> None:
+    def __init__(self, vocab: int, reverse: bool = False) -> None:
         self.vocab = vocab
+        self.reverse = reverse  # return the requests in the reverse of the step's order (as a runner's rows may)
         self.known: dict[str, int] = {}  # tokens the worker knows (prompt + outputs), sampled ones included
         self.computed: dict[str, int] = {}
 
@@ -57,6 +59,8 @@ class TokenWorker:
                 sampled.append([zlib.crc32(f"{rid}:{done}".encode()) % self.vocab or EOS])
             else:  # a prompt chunk: nothing, or (as a runner that samples every row may) a token to be ignored
                 sampled.append([] if zlib.crc32(f"{rid}:{done}".encode()) % 2 else [EOS])
+        if self.reverse:
+            ids, sampled = ids[::-1], sampled[::-1]
         return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled)
 
 
@@ -127,6 +131,7 @@ request_spec = st.tuples(
 workloads = st.fixed_dictionaries(
     {
         "async": st.booleans(),
+        "reverse": st.booleans(),
         "block_size": st.sampled_from([1, 2, 4]),
         "num_blocks": st.integers(4, 20),
         "budget": st.integers(4, 40),
@@ -162,7 +167,7 @@ def _run(w: dict, fast: bool) -> list:
     cfg.scheduler_config.async_scheduling = w["async"]
     s = Scheduler(cfg)
     s.decode_fast_path = fast
-    worker = TokenWorker(w["vocab"])
+    worker = TokenWorker(w["vocab"], w["reverse"])
     trace: list = []
     pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
     added: list[str] = []
@@ -221,3 +226,43 @@ def test_decode_fast_paths_match_the_general_path(w):
         event("two frontends in one step")
     if any(stats and stats[3] for kind, view in fast if kind == "update" for _, stats in view.values()):
         event("preemption")
+
+
+def _long_workload(async_: bool, reverse: bool, prefix: bool) -> dict:
+    """Six requests decoding together for many steps (EOS ignored, lengths capped), two frontends, one abort while
+    steps are in flight: the whole-step decode path of update_from_output (see _InFlightStep.fast_ids) runs."""
+    add = [("add", (5 + 3 * i, i % 2, 10 + 4 * i, 0, True, [], i % 2)) for i in range(6)]
+    return {
+        "async": async_,
+        "reverse": reverse,
+        "block_size": 4,
+        "num_blocks": 64,
+        "budget": 64,
+        "max_num_seqs": 6,
+        "max_model_len": 40,
+        "mode": "recompute",
+        "prefix": prefix,
+        "vocab": 50,
+        "ops": [*add, ("step", 6), ("abort", 2), ("step", 5), ("abort", 4), ("step", 3)],
+    }
+
+
+@pytest.mark.parametrize("async_", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("prefix", [False, True])
+def test_whole_step_decode_path_matches_the_general_path(async_, reverse, prefix, monkeypatch):
+    """The runner may return the step's requests in another order (its rows'): the tokens must still go to their
+    own requests. Counts the steps that took the whole-step path, so the test cannot pass without running it."""
+    taken = []
+    real = Scheduler.update_from_output
+
+    def counting(self, so, mro):
+        step = self._in_flight[0] if self._in_flight else None
+        taken.append(step is not None and step.fast_reqs is not None and self.decode_fast_path)
+        return real(self, so, mro)
+
+    monkeypatch.setattr(Scheduler, "update_from_output", counting)
+    w = _long_workload(async_, reverse, prefix)
+    fast = _run(w, True)
+    assert sum(taken) >= 5
+    assert fast == _run(w, False)

@@ -50,6 +50,12 @@ class _InFlightStep:
     scheduler_output: Optional[SchedulerOutput]
     requests: dict[str, Request]
     samplers: set[str] = field(default_factory=set)
+    # A step whose every request went through schedule's decode fast path: their ids and requests in the step's
+    # order (that of num_scheduled_tokens), and the scheduler's release count then (`Scheduler._num_released`):
+    # while it is unchanged every one of them is still live, and update_from_output skips its per-request lookups.
+    fast_ids: Optional[list[str]] = None
+    fast_reqs: Optional[list[Request]] = None
+    release_mark: int = -1
 
 
 def new_request_data(r: Request, block_ids: list[int]) -> NewRequestData:
@@ -134,6 +140,7 @@ class Scheduler:
         self._resend: set[str] = set()  # running requests the worker dropped (unschedule_last); always empty in sync
         self._arrival_order: dict[str, int] = {}
         self._order_counter = itertools.count()
+        self._num_released = 0  # requests released so far (_release): the only way one leaves self.requests
         self._num_preemptions = 0
         self._step_counter = 0
         # Structured outputs: requests whose grammar is compiling, and error messages owed to finished ones.
@@ -494,6 +501,10 @@ class Scheduler:
             if async_scheduling:
                 step.samplers.update(fast_ids)
             rest = self.running[num_running:]  # those admitted in step 2 (the fast path ran on no others)
+            if not rest:  # the whole step: update_from_output may take it as one (see _InFlightStep.fast_ids)
+                step.fast_ids = fast_ids
+                step.fast_reqs = fast_reqs
+                step.release_mark = self._num_released
         for r in rest:
             rid = r.request_id
             n = scheduled_get(rid)
@@ -771,13 +782,101 @@ class Scheduler:
         errors = self._errors
         last_client = -1
         last_outs: list[EngineCoreOutput] = []
-        for rid in scheduler_output.num_scheduled_tokens:
-            req = scheduled.get(rid)
-            samples = rid in samplers
+        ids = list(scheduler_output.num_scheduled_tokens)
+        start = 0
+        fast_reqs = step.fast_reqs
+        steady = (
+            fast
+            and fast_reqs is not None
+            and step.release_mark == self._num_released
+            and step.fast_ids == ids
+            and mro.req_ids == ids
+        )
+        if steady:
+            assert fast_reqs is not None
+            # Every request of the step went through schedule's decode fast path and none was released since: each
+            # is still live (the lookups below would find the same request), each samples with async scheduling
+            # (in sync: once its tokens are all computed), and the runner returned them in the step's order. The
+            # decode body below without the lookups, up to the first request that is anything else (preempted
+            # while in flight, several tokens, pooling): the loop after this one takes it from there.
+            last_max = max_len - 1
+            for rid, req, sampled in zip(ids, fast_reqs, all_sampled):
+                if req.status != RUNNING or len(sampled) != 1 or req.pooling_params is not None:
+                    break
+                num_computed = req.num_computed_tokens
+                all_ids = req.all_token_ids
+                num_tokens = len(all_ids)
+                if async_scheduling:
+                    req.num_output_placeholders -= 1
+                elif num_computed < num_tokens:
+                    break
+                start += 1
+                if caching and (
+                    num_computed if num_computed < num_tokens else num_tokens
+                ) // block_size > num_cached_get(rid, 0):
+                    computed = num_computed - self._scheduled_later(req) if self._in_flight else num_computed
+                    kv.cache_blocks(req, min(computed, num_tokens))
+                tok = sampled[0]
+                out_ids = req.output_token_ids
+                out_ids.append(tok)
+                all_ids.append(tok)
+                n_out = len(out_ids)
+                max_tokens = req.max_tokens
+                stop_ids = req.sampling_params._all_stop_token_ids
+                num_cached = req.num_cached_tokens
+                if num_cached < 0:
+                    num_cached = 0
+                if (
+                    tok == req.eos_token_id
+                    or (stop_ids and tok in stop_ids)
+                    or (max_tokens is not None and n_out >= max_tokens)
+                    or num_tokens >= last_max
+                ) and check_stop(req):
+                    stopped.append(req)
+                    out = EngineCoreOutput(
+                        rid,
+                        [tok],
+                        None,
+                        None,
+                        req.get_finish_reason(),
+                        req.stop_reason,
+                        num_cached,
+                        errors.pop(rid, None),
+                        req.queued_ts if n_out == 1 else 0.0,
+                        req.scheduled_ts if n_out == 1 else 0.0,
+                    )
+                elif n_out == 1:
+                    out = EngineCoreOutput(
+                        rid, [tok], None, None, None, req.stop_reason, num_cached, None, req.queued_ts, req.scheduled_ts
+                    )
+                else:
+                    out = EngineCoreOutput(rid, [tok], None, None, None, req.stop_reason, num_cached)
+                client = req.client_index
+                if client != last_client:
+                    last_outs = per_client[client]
+                    last_client = client
+                last_outs.append(out)
+        # Per request: (id, the request the step ran, does it sample, the live request of that id, its index in
+        # the runner's output), found by C loops (map) rather than per-request lookups in the loop below.
+        if steady:
+            assert fast_reqs is not None
+            rest_reqs = fast_reqs[start:]
+            items: Iterable[tuple[str, Optional[Request], bool, Optional[Request], Optional[int]]] = zip(
+                ids[start:], rest_reqs, itertools.repeat(async_scheduling), rest_reqs, range(start, len(ids))
+            )
+        else:
+            items = zip(
+                ids,
+                list(map(scheduled.get, ids)),
+                map(samplers.__contains__, ids) if samplers else itertools.repeat(False),
+                map(live_get, ids),
+                map(index_get, ids),
+            )
+        for rid, req, samples, live, idx in items:
             if samples:  # its token is known now (or dropped with the request, or lost with the step)
                 assert req is not None and req.num_output_placeholders > 0
                 req.num_output_placeholders -= 1
-            if req is None or live_get(rid) is not req:
+            if req is None or live is not req:
                 continue  # aborted (or finished) while the step was in flight
             if req.status != RUNNING:
                 # Preempted while the step was in flight (async scheduling only): vLLM keeps its token.
@@ -788,7 +887,6 @@ class Scheduler:
                         if req.is_finished():
                             stopped_off_device.append(req)
                 continue
-            idx = index_get(rid)
             if fast and idx is not None and req.pooling_params is None:
                 sampled = all_sampled[idx]
                 if len(sampled) <= 1:
@@ -984,6 +1082,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Forget a finished request: free its blocks, tell the worker to drop it."""
         rid = req.request_id
+        self._num_released += 1
         self.kv_cache_manager.free(req)
         self._resend.discard(rid)
         if rid in self._in_worker:
