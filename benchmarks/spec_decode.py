@@ -287,14 +287,16 @@ def phase_times(
     ``host_cpu=True`` (``--host-times``, CPU): the engine thread's CPU time (time.thread_time: a step preempted by
     other work on a shared host is not charged for it), one torch thread; phases forward and lm_head (the model),
     sample, schedule, propose, update (the scheduler's `update_from_output`), frontend_outputs, and "host" = step -
-    forward - lm_head; plus, per workload and batch, the n-gram verify steps whose drafts had different lengths (no
-    CUDA graph fits them, eager there) against all verify steps.
+    forward - lm_head; verify steps also "verify" (`SpecDecodeStep.verify` or `verify_greedy`, inside sample: on
+    the CPU it includes the argmax over the verified rows) and "sample_rest" (sample - lm_head - verify: the
+    runner's layout and bookkeeping around verification); plus, per workload and batch, the n-gram verify steps
+    whose drafts had different lengths (no CUDA graph fits them, eager there) against all verify steps.
 
     ``host_cpu=False`` (``--step-times``, CPU or CUDA): wall-clock time (perf_counter); phases schedule,
     update_states (the runner's batch diff), forward (`_run_model`: on CUDA the graph replay's launch, or the eager
     forward's launches), sample (`_sample`: the LM head, sampling or verification, the one sync with the device,
-    recording; for verify steps also "verify" (`SpecDecodeStep.verify`) and "lm_head"), propose, update and
-    frontend (`process_outputs`). On CUDA also, from CUDA events (recorded, never waited on inside a step: read after
+    recording; for verify steps also "verify" (`SpecDecodeStep.verify` or `verify_greedy`) and "lm_head"), propose,
+    update and frontend (`process_outputs`). On CUDA also, from CUDA events (recorded, never waited on inside a step: read after
     each request finishes), "forward_gpu": the GPU-side span of `_run_model`, and "gpu_step": the span of the whole
     step. A verify step's host parts against a plain step's, next to their GPU spans, tell host work from GPU work
     per step kind. Both engines schedule synchronously (speculation does not run with async scheduling; the plain
@@ -373,18 +375,23 @@ def phase_times(
         engines[name] = (llm, acc, state)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     out: dict[str, Any] = {}
-    real_verify = SpecDecodeStep.verify  # the runner calls it through the class: timed into the stepping engine's acc
+    # The runner calls both verify forms through the class (verify_greedy: a few all-greedy rows, as lists): timed
+    # into the stepping engine's acc as "verify".
+    real_verify, real_greedy = SpecDecodeStep.verify, SpecDecodeStep.verify_greedy
     current: dict[str, Any] = {"acc": None}
 
-    def verify_timed(*a: Any, **kw: Any) -> Any:
-        t0 = clock()
-        try:
-            return real_verify(*a, **kw)
-        finally:
-            current["acc"]["verify"] += clock() - t0
+    def timed_verify(fn: Any) -> Any:
+        def run(*a: Any, **kw: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                current["acc"]["verify"] += clock() - t0
 
-    if not host_cpu:
-        SpecDecodeStep.verify = staticmethod(verify_timed)  # type: ignore[method-assign]
+        return staticmethod(run)
+
+    SpecDecodeStep.verify = timed_verify(real_verify)  # type: ignore[method-assign]
+    SpecDecodeStep.verify_greedy = timed_verify(real_greedy)  # type: ignore[method-assign]
     try:
         for wl, prompts in sets.items():
             for b in batch_sizes:
@@ -418,6 +425,8 @@ def phase_times(
                                 d["step"].append(dt)
                                 if host_cpu:
                                     d["host"].append(dt - acc["forward"] - acc["lm_head"])
+                                    if "verify" in acc:
+                                        d["sample_rest"].append(acc["sample"] - acc["lm_head"] - acc["verify"])
                                 for key, v in acc.items():
                                     d[key].append(v)
                                 if cuda_events:
@@ -444,6 +453,7 @@ def phase_times(
                     out[f"{wl}/batch{b}/ngram/verify_steps_with_mixed_draft_lengths"] = nonuniform["ngram"]
     finally:
         SpecDecodeStep.verify = real_verify  # type: ignore[method-assign]
+        SpecDecodeStep.verify_greedy = real_greedy  # type: ignore[method-assign]
         for llm, _, _ in engines.values():
             llm.shutdown()
     return out

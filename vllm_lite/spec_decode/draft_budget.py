@@ -54,6 +54,13 @@ RECOVERY = 0.1  # each time a request sits out, its acceptance average moves thi
 MAX_SKIP = 16  # a batch whose lookups keep failing looks again at least every this many steps
 
 
+def _ints(counts: np.ndarray | Sequence[int]) -> list[int]:
+    """Counts (an int array of any shape, or a sequence of ints) as a flat list of Python ints."""
+    if isinstance(counts, np.ndarray):
+        return counts.reshape(-1).tolist()
+    return [int(c) for c in counts]
+
+
 class DraftBudget:
     """Decides, step by step, which n-gram proposals a batch verifies; keeps per-request acceptance averages (by
     request id) and the engine's plain and verify step times (by batch size)."""
@@ -161,17 +168,18 @@ class DraftBudget:
             self._acceptance[req_ids[i]] = acc[i] + RECOVERY * (PRIOR_ACCEPTANCE - acc[i])
         return np.where(acc >= MIN_ACCEPTANCE, counts, 0)
 
-    def observe(self, req_ids: Sequence[str], num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
+    def observe(
+        self, req_ids: Sequence[str], num_draft: np.ndarray | Sequence[int], num_accepted: np.ndarray | Sequence[int]
+    ) -> None:
         """One verified step: request i ran num_draft[i] drafts and the first num_accepted[i] held."""
-        drafts = np.asarray(num_draft, dtype=np.int64).reshape(-1)
-        accepted = np.asarray(num_accepted, dtype=np.int64).reshape(-1)
+        drafts, accepted = _ints(num_draft), _ints(num_accepted)  # lists: a Python pass over a few rows
         if not len(req_ids) == len(drafts) == len(accepted):
             raise ValueError(f"need one count per request, got {len(req_ids)}, {len(drafts)} and {len(accepted)}.")
         w = EMA_WEIGHT
         acc = self._acceptance
-        for i in np.nonzero(drafts > 0)[0].tolist():
-            r = req_ids[i]
-            acc[r] = (1 - w) * acc.get(r, PRIOR_ACCEPTANCE) + w * float(accepted[i]) / float(drafts[i])
+        for r, d, a in zip(req_ids, drafts, accepted):
+            if d > 0:
+                acc[r] = (1 - w) * acc.get(r, PRIOR_ACCEPTANCE) + w * float(a) / float(d)
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for r in req_ids:

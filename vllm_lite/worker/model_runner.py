@@ -40,7 +40,13 @@ from vllm_lite.worker.models.cpu_prepack import maybe_prepack
 from vllm_lite.worker.parallel_state import broadcast_from_driver, get_tp_rank, get_tp_size
 from vllm_lite.worker.pooler import make_pooler, pool_step, step_pooling_params
 from vllm_lite.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
-from vllm_lite.worker.spec_decode_step import SpecDecodeStep, record_emitted
+from vllm_lite.worker.spec_decode_step import (
+    SMALL_BATCH,
+    SpecDecodeStep,
+    changes_argmax,
+    record_emitted,
+    record_emitted_lists,
+)
 from vllm_lite.worker.step import (
     AsyncModelRunnerOutput,
     LogprobsTensors,
@@ -617,6 +623,18 @@ class GPUModelRunner:
         """A speculative step: every sampling row's 1 + k positions verified at once (spec_decode_step)."""
         assert self.spec_decode is not None
         req_ids = [inputs.req_ids[i] for i in s_idx.tolist()]
+        s_rows = inputs.rows[s_idx]
+        md = None
+        if (
+            self.is_driver
+            and self.tp_size == 1
+            and len(req_ids) <= SMALL_BATCH
+            and self.spec_decode.draft is None
+            and (so.grammar_bitmask is None or not so.structured_output_request_ids)
+        ):
+            md = batch.sampling_metadata(s_rows)
+            if md.all_greedy and md.max_num_logprobs is None and not changes_argmax(md):
+                return self._verified_greedy(batch, inputs, hidden, so, s_idx, s_rows, req_ids)
         drafts, num_draft = SpecDecodeStep.draft_table(so, req_ids)
         positions = SpecDecodeStep.logits_positions(inputs, s_idx, num_draft).reshape(-1)
         if len(positions) and bool((np.diff(positions) == 1).all()):  # consecutive (a uniform verify step): a view
@@ -624,14 +642,14 @@ class GPUModelRunner:
         else:
             rows = hidden[torch.from_numpy(positions).to(self.device)]
         logits = self.model.compute_logits(rows)
-        s_rows = inputs.rows[s_idx]
         tokens, lp = None, None
         if self.is_driver:
             bitmask = SpecDecodeStep.grammar_rows(so, req_ids, num_draft)  # one row per verified position
             if bitmask is not None:
                 bitmask = bitmask.to(self.device, non_blocking=True)
             q, has_q = self.spec_decode.draft_probs(req_ids, drafts, num_draft)
-            md = batch.sampling_metadata(s_rows)
+            if md is None:
+                md = batch.sampling_metadata(s_rows)
             tokens, lp = SpecDecodeStep.verify(logits, md, bitmask, drafts, num_draft, q, has_q)
         shape = (len(s_idx), drafts.shape[1] + 1)
         token_table = broadcast_from_driver(tokens, shape, torch.int64, self.device).cpu().numpy()
@@ -650,6 +668,55 @@ class GPUModelRunner:
             token_lists=[row[:n].tolist() for row, n in zip(token_table, num_emitted)],
             num_rejected=num_draft - (num_emitted - 1),
             logprobs_cu=(np.cumsum(counts) - counts).tolist(),
+        )
+
+    def _verified_greedy(
+        self,
+        batch: InputBatch,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        so: SchedulerOutput,
+        s_idx: np.ndarray,
+        s_rows: np.ndarray,
+        req_ids: list[str],
+    ) -> "_Sampled":
+        """`_sample_verified` for a few all-greedy rows that no logits processor, grammar or logprobs touch (n-gram,
+        one rank): the scheduler's draft lists in, each row's emitted tokens out as lists, with no [S, K+1] draft,
+        position or token tables and no tensors made on the host (batch 1 verifies every step this way; each
+        numpy call or torch op avoided is microseconds of a step that the host, not the device, paces)."""
+        assert self.spec_decode is not None
+        table = so.scheduled_spec_decode_tokens
+        drafts = [table.get(r) or [] for r in req_ids]
+        counts = [len(d) for d in drafts]
+        reps = max(counts) + 1
+        s = len(drafts)
+        if s == inputs.num_reqs and inputs.num_tokens == s * reps and min(counts) == reps - 1:
+            rows = hidden[: s * reps]  # every request runs its last token and reps - 1 drafts: every row, in order
+        else:  # each row's last 1 + n positions; padding repeats its last (as logits_positions)
+            ends = inputs.query_start_loc.tolist()
+            positions: list[int] = []
+            for i, n in zip(s_idx.tolist(), counts):
+                first = ends[i + 1] - 1 - n
+                positions.extend(first + min(j, n) for j in range(reps))
+            rows = hidden[self._h2d(np.array(positions, dtype=np.int64), False)]
+        emitted = SpecDecodeStep.verify_greedy(self.model.compute_logits(rows), drafts, reps)
+        num_emitted = [len(e) for e in emitted]
+        self.spec_decode.observe(req_ids, counts, [n - 1 for n in num_emitted])  # next steps' proposal lengths
+        record_emitted_lists(batch, s_rows.tolist(), emitted)
+        per_req = [0] * inputs.num_reqs
+        for i, n in zip(s_idx.tolist(), num_emitted):
+            per_req[i] = n
+        logprobs_cu, total = [], 0
+        for n in per_req:
+            logprobs_cu.append(total)
+            total += n
+        return _Sampled(
+            s_idx,
+            np.array([e[0] for e in emitted], dtype=np.int64),
+            None,
+            token_lists=emitted,
+            num_rejected=np.array([c - n + 1 for c, n in zip(counts, num_emitted)], dtype=np.int64),
+            logprobs_cu=logprobs_cu,
         )
 
     def _share_sampled(self, out: Optional[SamplerOutput], n: int) -> torch.Tensor:

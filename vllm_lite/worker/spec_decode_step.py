@@ -20,7 +20,7 @@ outputs, already lives there, row by row, which its batched numpy search reads),
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +29,12 @@ from vllm_lite.config import VllmConfig
 from vllm_lite.spec_decode.draft_budget import DraftBudget
 from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
 from vllm_lite.spec_decode.ngram_proposer import NgramProposer
-from vllm_lite.spec_decode.rejection_sampler import greedy_verify_host, match_sample_host, rejection_sample_rows
+from vllm_lite.spec_decode.rejection_sampler import (
+    greedy_verify_host,
+    greedy_verify_lists,
+    match_sample_host,
+    rejection_sample_rows,
+)
 from vllm_lite.spec_decode.uniform_drafts import UniformDrafts, verify_graph_sizes
 from vllm_lite.worker.attention.backend import AttentionBackend
 from vllm_lite.worker.draft_model import DraftModel
@@ -124,6 +129,32 @@ def record_emitted(batch: InputBatch, rows: np.ndarray, token_table: np.ndarray,
     batch.token_ids[np.broadcast_to(rows[:, None], pos.shape)[keep], pos[keep]] = token_table[keep]
     batch.num_tokens[rows] += keep.sum(axis=1)
     sampling.num_output[rows] += num_emitted
+
+
+def record_emitted_lists(batch: InputBatch, rows: Sequence[int], emitted: Sequence[Sequence[int]]) -> None:
+    """`record_emitted` for a few rows with each row's emitted tokens as a list (`greedy_verify_lists`' result):
+    slices and scalars, no [S, K+1] table. Rows whose sampling state records every token (penalties, bad-word
+    history) go through `record_emitted` (one table, built here)."""
+    sampling = batch.sampling
+    penalized, tracked = sampling.penalized, sampling.tracks_history
+    if any(penalized[r] or tracked[r] for r in rows):
+        table = np.full((len(rows), max(map(len, emitted), default=0)), -1, dtype=np.int64)
+        for i, toks in enumerate(emitted):
+            table[i, : len(toks)] = toks
+        counts = np.fromiter(map(len, emitted), np.int64, len(emitted))
+        record_emitted(batch, np.asarray(rows, dtype=np.int64), table, counts)
+        return
+    vocab, max_len = sampling.vocab_size, batch.max_model_len
+    num_tokens, token_ids, num_output = batch.num_tokens, batch.token_ids, sampling.num_output
+    for r, toks in zip(rows, emitted):
+        n = len(toks)
+        if n and not (0 <= min(toks) and max(toks) < vocab):
+            raise ValueError(f"token_ids must be in [0, {vocab}), got {toks!r}.")
+        start = int(num_tokens[r])
+        stop = max(start, min(start + n, max_len))
+        token_ids[r, start:stop] = toks[: stop - start]
+        num_tokens[r] = stop
+        num_output[r] += n
 
 
 def changes_argmax(md: SamplingMetadata) -> bool:
@@ -331,8 +362,18 @@ class SpecDecodeStep:
         if self.draft is not None and req_ids:
             self.draft.forget(req_ids)
 
-    def observe(self, req_ids: list[str], num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
-        """A verified step's outcome per request (from the token table every rank holds): next proposal lengths."""
+    def observe(
+        self, req_ids: list[str], num_draft: np.ndarray | list[int], num_accepted: np.ndarray | list[int]
+    ) -> None:
+        """A verified step's outcome per request (from the token table every rank holds): next proposal lengths.
+        The counts may be int arrays or lists (the greedy list path's)."""
+        if isinstance(num_draft, list) and (self.lengths is not None or self._real_drafts):
+            num_draft, num_accepted = np.array(num_draft, dtype=np.int64), np.array(num_accepted, dtype=np.int64)
+        elif isinstance(num_draft, list):  # n-gram, no padding fillers: the budget takes lists
+            if self.budget is not None:
+                self._step_drafts = sum(num_draft)
+                self.budget.observe(req_ids, num_draft, num_accepted)
+            return
         if self.lengths is not None:
             self.lengths.observe(req_ids, num_draft, num_accepted)
         if self.budget is not None:
@@ -425,6 +466,13 @@ class SpecDecodeStep:
         last = inputs.query_start_loc[1:][s_idx] - 1
         offsets = np.minimum(np.arange(k + 1)[None, :], num_draft[:, None])
         return last[:, None] - num_draft[:, None] + offsets
+
+    @staticmethod
+    def verify_greedy(logits: torch.Tensor, drafts: list[list[int]], reps: int) -> list[list[int]]:
+        """Driver only. `verify` for all-greedy rows that no logits processor touches, a few of them, with the
+        scheduler's draft lists: logits [S*reps, V] (row i's positions at i*reps .. i*reps + len(drafts[i])) ->
+        each row's emitted tokens (`greedy_verify_lists`: one argmax, one read back, the match in Python)."""
+        return greedy_verify_lists(logits.view(len(drafts), reps, -1), drafts)
 
     @staticmethod
     def verify(
