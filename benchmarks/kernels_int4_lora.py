@@ -23,7 +23,7 @@ says nothing about speed), on smaller shapes, and the JSON says so. The last lin
 graph holds it, for the 100M Qwen2's four projections (qkv 768 -> 768|256|256, o 768 -> 768, gate_up 768 ->
 3072|3072, down 3072 -> 768; 8 adapters of rank 16, bfloat16, tokens round robin over the slots) at 1, 8, 16, 32,
 64 and 256 tokens: ``add_lora_bgmv`` in two launches (``two``) against the fused single launch with the module's
-tiles (``fused``) and other tiles (``fused_n64`` ...), and the base projection (``base``) for scale. Each way is
+tiles (``fused``) and other tiles (``fused_n128`` ...), and the base projection (``base``) for scale. Each way is
 captured 20 times in a row in one graph; median microseconds per call over interleaved rounds of replays. Per
 token count it sums the four projections (``layer_us``, what one decoder layer adds) and suggests
 FUSED_MAX_TOKENS: the largest count up to which the fused launch beats the two at every count. Under a minute:
@@ -191,11 +191,10 @@ QWEN2_100M_PROJECTIONS = {  # name: (input size, the fused sub-projections' outp
 FUSED_TOKENS = (1, 8, 16, 32, 64, 256)
 FUSED_VARIANTS = {  # add_lora_bgmv's fused tiles and warps; "fused" is the module's defaults (FUSED_*)
     "fused": {},
-    "fused_n64": dict(block_n=64, chunk_n=64),
     "fused_n128": dict(block_n=128),
     "fused_n512": dict(block_n=512),
-    "fused_k256_w4": dict(block_k=256, num_warps=4),
     "fused_k512": dict(block_k=512),
+    "fused_k256_w4": dict(block_k=256, num_warps=4),
     "fused_w4": dict(num_warps=4),
 }
 GRAPH_CALLS = 20  # calls captured back to back in one graph
@@ -296,8 +295,8 @@ def bench_lora_fused(rounds: int, tokens: tuple[int, ...] = FUSED_TOKENS) -> dic
         "graph_calls": GRAPH_CALLS,
         "module_tiles": {
             "FUSED_BLOCK_N": triton_ops.FUSED_BLOCK_N,
-            "FUSED_CHUNK_N": triton_ops.FUSED_CHUNK_N,
             "FUSED_BLOCK_K": triton_ops.FUSED_BLOCK_K,
+            "FUSED_NUM_WARPS": triton_ops.FUSED_NUM_WARPS,
         },
         "fused_max_tokens_now": triton_ops.FUSED_MAX_TOKENS,
         "rows": rows,

@@ -5,6 +5,8 @@
 #   2. micro: benchmarks/kernels_int4_lora.py --lora-fused (the fused launch against the two launches, the four
 #      projections at 1-256 tokens, in CUDA graphs; its JSON suggests FUSED_MAX_TOKENS and the best tiles);
 #   3. engine: benchmarks/lora_throughput.py --device cuda --quick (LoRA over base; target 0.80).
+# Optional: engine_two, the same engine benchmark with triton_ops.FUSED_MAX_TOKENS = 0 (every step in two
+# launches, as before the fused kernel): an A/B against step 3 in a second process.
 # Each step under its own time limit; logs and each step's JSON line in $OUT (else /tmp/lora_fused_gpu/), and a
 # summary line per step on stdout. Steps: all three by default, or name them: bash scripts/lora_fused_gpu.sh micro
 set -uo pipefail
@@ -45,7 +47,10 @@ for s in $steps; do
     tests) step tests 150 "$py" -m pytest -q -p no:cacheprovider tests/test_lora_triton_bgmv.py -k cuda ;;
     micro) step micro 150 "$py" benchmarks/kernels_int4_lora.py --lora-fused ;;
     engine) step engine 240 "$py" benchmarks/lora_throughput.py --device cuda --quick ;;
-    *) echo "unknown step $s (tests, micro, engine)" >&2; exit 2 ;;
+    engine_two)
+      step engine_two 240 "$py" -c "import runpy, vllm_lite.lora.triton_ops as t; t.FUSED_MAX_TOKENS = 0
+runpy.run_path('benchmarks/lora_throughput.py', run_name='__main__')" --device cuda --quick ;;
+    *) echo "unknown step $s (tests, micro, engine, engine_two)" >&2; exit 2 ;;
   esac
 done
 if [[ -s $out/micro.json ]]; then

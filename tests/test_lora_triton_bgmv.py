@@ -43,31 +43,13 @@ INTERPRETER_CASES = {
     "one-sub-f16-split2": ([40], 4, 2, torch.float16, 16, 300),
     "qkv-tile16-f32-split1": ([64, 32, 16], 9, 1, torch.float32, 8, 48),
 }
-# The fused kernel: (subs' output sizes, tokens, dtype, rank, hidden, tiles (add_lora_bgmv's block_n / chunk_n /
+# The fused kernel: (subs' output sizes, tokens, dtype, rank, hidden, tiles (add_lora_bgmv's block_n /
 # block_k), slot pattern (see _inputs), real rank (None: every rank row used; else the adapters' rank, the rest of
 # the layer's max rank zero as LoRALinear pads it)).
 FUSED_CASES = {
     "qkv-f32-r8-default-tiles": ([48, 16, 16], 7, torch.float32, 8, 200, {}, "random", None),
-    "qkv-bf16-r16-n32-chunk16-k64": (
-        [64, 32, 32],
-        6,
-        torch.bfloat16,
-        16,
-        300,
-        dict(block_n=32, chunk_n=16, block_k=64),
-        "rr",
-        None,
-    ),
-    "gate_up-bf16-r12-n64-chunk16": (
-        [64, 64],
-        5,
-        torch.bfloat16,
-        12,
-        256,
-        dict(block_n=64, chunk_n=16),
-        "padded",
-        None,
-    ),
+    "qkv-bf16-r16-n32-k64": ([64, 32, 32], 6, torch.bfloat16, 16, 300, dict(block_n=32, block_k=64), "rr", None),
+    "gate_up-bf16-r12-n64": ([64, 64], 5, torch.bfloat16, 12, 256, dict(block_n=64), "padded", None),
     "gate_up-f16-r16-padded-rank": ([32, 32], 4, torch.float16, 16, 96, dict(block_k=32), "random", 5),
     "one-sub-f32-r32-tile-past-the-end": ([40], 4, torch.float32, 32, 100, dict(block_n=64), "random", None),
     "one-sub-bf16-r4-k16-many-tiles": ([48], 3, torch.bfloat16, 4, 40, dict(block_n=16, block_k=16), "one", None),
@@ -433,8 +415,8 @@ def test_fused_kernel_compiles_for_sm90_without_atomics(n_sub: int) -> None:
         sig[name] = "i32"
     for name in ("stride_w0_s", "stride_w1_s", "stride_w2_s", "stride_w_n", "stride_out_t"):
         sig[name] = "i32"
-    consts = dict(stride_x_k=1, stride_a_k=1, stride_w_k=1, stride_out_n=1, N_SUB=n_sub, BLOCK_N=256, CHUNK_N=128)
-    consts.update(BLOCK_R=16, BLOCK_K=256)
+    consts = dict(stride_x_k=1, stride_a_k=1, stride_w_k=1, stride_out_n=1, N_SUB=n_sub, BLOCK_N=256)
+    consts.update(BLOCK_R=16, BLOCK_K=1024)
     compiled = compile_for_sm90(triton_ops._bgmv_fused_kernel, sig, consts)
     atomics = re.findall(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.\S*", compiled.asm["ptx"], re.M)
     assert compiled.asm["cubin"] and not atomics, atomics

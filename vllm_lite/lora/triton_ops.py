@@ -59,11 +59,10 @@ BGMV_MAX_TOKENS = 1 << 20
 FUSED_MAX_TOKENS = 32
 FUSED_MAX_RANK = 64
 # The fused kernel's output tile (the widest power of two up to this that divides every sub boundary; one shrink
-# per tile), the pieces it walks that tile in, its K tile (at most FUSED_TILE_ELEMS // rank: the [rank, BLOCK_K]
-# shrink tile stays in registers) and its warps. A wide K tile keeps a whole hidden size's loads in flight at once
+# per tile), its K tile and its warps; the [BLOCK_N, rank] B tile and the [rank, BLOCK_K] shrink tile each hold at
+# most FUSED_TILE_ELEMS elements (registers). A wide K tile keeps a whole hidden size's loads in flight at once
 # (Triton does not pipeline this loop: its loads feed no tl.dot), so the shrink is one or two round trips to L2.
 FUSED_BLOCK_N = 256
-FUSED_CHUNK_N = 128
 FUSED_BLOCK_K = 1024
 FUSED_TILE_ELEMS = 16384
 FUSED_NUM_WARPS = 8
@@ -448,7 +447,7 @@ if HAS_TRITON:
         x_ptr, a_ptr, w0_ptr, w1_ptr, w2_ptr, out_ptr, slots_ptr, num_slots, n_out, k_in, rank, start1, start2,
         stride_x_t, stride_x_k, stride_a_s, stride_a_r, stride_a_k, stride_w0_s, stride_w1_s, stride_w2_s,
         stride_w_n, stride_w_k, stride_out_t, stride_out_n, N_SUB: tl.constexpr, BLOCK_N: tl.constexpr,
-        CHUNK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """A whole BGMV LoRA delta in one launch: program (t, pid_n) computes h = A_sub[slot(t)] @ x[t] (rank
         values, float32 accumulation, rounded to the weights' dtype) for the one sub its output tile lies in, then
@@ -456,8 +455,8 @@ if HAS_TRITON:
         from start1, sub 2 from start2 (n_out when absent); BLOCK_N divides both, so a tile is one sub's. Every
         output element is written by one program (plain load-add-store: no atomics, no scratch buffer); rows of
         tokens without an adapter are not touched. The shrink is repeated per tile: cheap for decode-sized steps.
-        The tile's expand runs in CHUNK_N-column pieces (BLOCK_N a multiple of it), one [CHUNK_N, BLOCK_R] B piece
-        in registers at a time."""
+        The tile's B and y are loaded before the shrink, so their round trip overlaps it: a program waits on
+        memory about twice (its slot, then everything else at once for hidden sizes up to BLOCK_K)."""
         t = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
         slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -465,8 +464,27 @@ if HAS_TRITON:
             return
         n0 = pid_n * BLOCK_N
         sub = (n0 >= start1).to(tl.int32) + (n0 >= start2).to(tl.int32)  # this tile's sub
+        w_base = w0_ptr + slot * stride_w0_s
+        col0 = n0 * 0
+        if N_SUB > 1:
+            if sub == 1:
+                w_base = w1_ptr + slot * stride_w1_s
+                col0 = start1 + n0 * 0
+        if N_SUB > 2:
+            if sub == 2:
+                w_base = w2_ptr + slot * stride_w2_s
+                col0 = start2 + n0 * 0
         offs_r = tl.arange(0, BLOCK_R)
         r_ok = offs_r < rank
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_out
+        w = tl.load(
+            w_base + (offs_n - col0)[:, None] * stride_w_n + offs_r[None, :] * stride_w_k,
+            mask=n_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        out = out_ptr + t * stride_out_t + offs_n * stride_out_n
+        prev = tl.load(out, mask=n_ok, other=0.0)
         a_base = a_ptr + slot * stride_a_s + (sub * rank).to(tl.int64) * stride_a_r
         h = tl.zeros((BLOCK_R,), dtype=tl.float32)
         if _INTERPRET:  # as _bgmv_k_loop: a while loop under the interpreter, the for loop (scf.for) compiled
@@ -483,29 +501,9 @@ if HAS_TRITON:
                     h, x_ptr, a_base, t, offs_r, r_ok, k0, k_in, stride_x_t, stride_x_k, stride_a_r, stride_a_k,
                     BLOCK_K,
                 )  # fmt: skip
-        w_base = w0_ptr + slot * stride_w0_s
-        col0 = n0 * 0
-        if N_SUB > 1:
-            if sub == 1:
-                w_base = w1_ptr + slot * stride_w1_s
-                col0 = start1 + n0 * 0
-        if N_SUB > 2:
-            if sub == 2:
-                w_base = w2_ptr + slot * stride_w2_s
-                col0 = start2 + n0 * 0
-        h = h.to(w0_ptr.dtype.element_ty).to(tl.float32)  # rounded to the weights' dtype, as the two launches do
-        for c in tl.static_range(BLOCK_N // CHUNK_N):  # the tile in CHUNK_N-column pieces: fewer registers
-            offs_n = n0 + c * CHUNK_N + tl.arange(0, CHUNK_N)
-            n_ok = offs_n < n_out
-            w = tl.load(
-                w_base + (offs_n - col0)[:, None] * stride_w_n + offs_r[None, :] * stride_w_k,
-                mask=n_ok[:, None] & r_ok[None, :],
-                other=0.0,
-            )
-            acc = tl.sum(w.to(tl.float32) * h[None, :], axis=1)
-            out = out_ptr + t * stride_out_t + offs_n * stride_out_n
-            prev = tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(out, (prev + acc).to(out_ptr.dtype.element_ty), mask=n_ok)
+        h = h.to(w.dtype).to(tl.float32)  # rounded to the weights' dtype, as the two launches do
+        acc = tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+        tl.store(out, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def _uniform_block_n(sizes: list[int], hi: int = 64) -> Optional[int]:
@@ -531,7 +529,6 @@ def add_lora_bgmv(
     fused: Optional[bool] = None,
     block_n: Optional[int] = None,
     block_k: Optional[int] = None,
-    chunk_n: Optional[int] = None,
     num_warps: Optional[int] = None,
 ) -> bool:
     """ops.add_lora for a BGMV step without a memset: ONE launch (``_bgmv_fused_kernel``) for steps of at most
@@ -542,8 +539,8 @@ def add_lora_bgmv(
     returns False (nothing done) otherwise, for the caller's shrink + expand.
 
     ``fused`` forces one launch (True; the rank must be at most FUSED_MAX_RANK) or two (False); ``block_n``,
-    ``chunk_n``, ``block_k`` and ``num_warps`` set the fused kernel's tiles and warps (default FUSED_BLOCK_N,
-    FUSED_CHUNK_N, FUSED_BLOCK_K and FUSED_NUM_WARPS; tests, benchmarks).
+    ``block_k`` and ``num_warps`` set the fused kernel's tiles and warps (default FUSED_BLOCK_N, FUSED_BLOCK_K and
+    FUSED_NUM_WARPS; tests, benchmarks).
     Against lora_shrink + lora_expand(_subs) it drops the zeroing of the shrink's buffer (a memset node per
     projection in a captured graph) and the split-K atomics; the partials are summed in a fixed order."""
     n_sub = len(lora_b)
@@ -572,7 +569,7 @@ def add_lora_bgmv(
         fused = num_tokens <= FUSED_MAX_TOKENS and rank <= FUSED_MAX_RANK
     elif fused and rank > FUSED_MAX_RANK:
         raise ValueError(f"the fused BGMV kernel takes ranks up to {FUSED_MAX_RANK}, got {rank}")
-    for name, block in (("block_n", block_n), ("block_k", block_k), ("chunk_n", chunk_n)):
+    for name, block in (("block_n", block_n), ("block_k", block_k)):
         if block is not None and (block < 16 or block & (block - 1)):
             raise ValueError(f"{name} must be a power of two of at least 16, got {block}")
     _check_slots(token_slots, num_tokens)
@@ -583,14 +580,15 @@ def add_lora_bgmv(
     target = y[:, off : off + n_out]
     num_slots, r_all, k_in = lora_a.shape
     if fused:
-        tile_n = _uniform_block_n(sizes, block_n or FUSED_BLOCK_N) or block_64
         block_r = max(2, triton.next_power_of_2(rank))
-        tile_k = _pow2_block(k_in, 16, min(block_k or FUSED_BLOCK_K, max(16, FUSED_TILE_ELEMS // block_r)))
+        widest = max(16, FUSED_TILE_ELEMS // block_r)
+        tile_n = _uniform_block_n(sizes, min(block_n or FUSED_BLOCK_N, widest)) or block_64
+        tile_k = _pow2_block(k_in, 16, min(block_k or FUSED_BLOCK_K, widest))
         _bgmv_fused_kernel[(num_tokens, triton.cdiv(n_out, tile_n))](
             x, lora_a, w[0], w[1], w[2], target, token_slots, num_slots, n_out, k_in, rank, start1, start2,
             x.stride(0), x.stride(1), *lora_a.stride(), w[0].stride(0), w[1].stride(0), w[2].stride(0),
             b0.stride(1), b0.stride(2), target.stride(0), target.stride(1), N_SUB=n_sub, BLOCK_N=tile_n,
-            CHUNK_N=min(tile_n, chunk_n or FUSED_CHUNK_N), BLOCK_R=block_r,
+            BLOCK_R=block_r,
             BLOCK_K=tile_k, num_warps=num_warps or FUSED_NUM_WARPS,
         )  # fmt: skip
         return True
