@@ -299,6 +299,7 @@ def bench_lora_fused(rounds: int, tokens: tuple[int, ...] = FUSED_TOKENS) -> dic
             "FUSED_NUM_WARPS": triton_ops.FUSED_NUM_WARPS,
         },
         "fused_max_tokens_now": triton_ops.FUSED_MAX_TOKENS,
+        "variants": FUSED_VARIANTS,
         "rows": rows,
         "layer_us": {str(t): v for t, v in layer_us.items()},
         "fused_over_two_layer": {str(t): round(v["fused"] / v["two"], 3) for t, v in layer_us.items()},

@@ -6,7 +6,9 @@
 #      projections at 1-256 tokens, in CUDA graphs; its JSON suggests FUSED_MAX_TOKENS and the best tiles);
 #   3. engine: benchmarks/lora_throughput.py --device cuda --quick (LoRA over base; target 0.80).
 # Optional: engine_two, the same engine benchmark with triton_ops.FUSED_MAX_TOKENS = 0 (every step in two
-# launches, as before the fused kernel): an A/B against step 3 in a second process.
+# launches, as before the fused kernel): an A/B against step 3 in a second process; engine_tuned, the engine
+# benchmark with the way micro found fastest for a 16-token layer (its tiles as FUSED_BLOCK_N / FUSED_BLOCK_K /
+# FUSED_NUM_WARPS and its suggested FUSED_MAX_TOKENS; "two": FUSED_MAX_TOKENS = 0), set in-process (needs micro).
 # Each step under its own time limit; logs and each step's JSON line in $OUT (else /tmp/lora_fused_gpu/), and a
 # summary line per step on stdout. Steps: all three by default, or name them: bash scripts/lora_fused_gpu.sh micro
 set -uo pipefail
@@ -50,7 +52,25 @@ for s in $steps; do
     engine_two)
       step engine_two 240 "$py" -c "import runpy, vllm_lite.lora.triton_ops as t; t.FUSED_MAX_TOKENS = 0
 runpy.run_path('benchmarks/lora_throughput.py', run_name='__main__')" --device cuda --quick ;;
-    *) echo "unknown step $s (tests, micro, engine, engine_two)" >&2; exit 2 ;;
+    engine_tuned)
+      step engine_tuned 240 "$py" -c "
+import json, runpy, sys
+import vllm_lite.lora.triton_ops as t
+r = json.load(open(sys.argv.pop(1)))['lora_fused']
+best = r['best_way_layer']['16']
+if best == 'two':
+    t.FUSED_MAX_TOKENS = 0
+else:
+    kw = r['variants'][best]
+    t.FUSED_BLOCK_N = kw.get('block_n', t.FUSED_BLOCK_N)
+    t.FUSED_BLOCK_K = kw.get('block_k', t.FUSED_BLOCK_K)
+    t.FUSED_NUM_WARPS = kw.get('num_warps', t.FUSED_NUM_WARPS)
+    t.FUSED_MAX_TOKENS = max(16, r['suggested_fused_max_tokens_by_variant'][best])
+print('engine_tuned:', best, dict(FUSED_MAX_TOKENS=t.FUSED_MAX_TOKENS, FUSED_BLOCK_N=t.FUSED_BLOCK_N,
+      FUSED_BLOCK_K=t.FUSED_BLOCK_K, FUSED_NUM_WARPS=t.FUSED_NUM_WARPS), flush=True)
+runpy.run_path('benchmarks/lora_throughput.py', run_name='__main__')
+" "$out/micro.json" --device cuda --quick ;;
+    *) echo "unknown step $s (tests, micro, engine, engine_two, engine_tuned)" >&2; exit 2 ;;
   esac
 done
 if [[ -s $out/micro.json ]]; then
