@@ -598,6 +598,13 @@ class SpecDecodeStep:
 
     def _propose_ngram(self, batch: InputBatch, inputs: StepInputs, s_idx: np.ndarray) -> list[list[int]]:
         assert self.proposer is not None and self.budget is not None
+        if inputs.num_reqs == 1 and len(s_idx) == 1 and self.proposer.row_search_max_batch >= 1:
+            # Batch 1 (every step of a lone request): its row's search, nothing around it (it keeps what it finds:
+            # disable_by_batch_size is at least 2, and the batch rule leaves batch 1 alone).
+            if not self.budget.should_search(1, 1):
+                return [[]]
+            row = int(inputs.rows[0])
+            return [self.proposer.propose_row(batch.token_ids[row], int(batch.num_tokens[row]))]
         out: list[list[int]] = [[] for _ in range(inputs.num_reqs)]
         if len(s_idx) == 0:
             return out
