@@ -7,7 +7,7 @@ measured (async: step N+1 is scheduled before step N's update, as the engine cor
 buffer is written before each timed call (untimed), as a CPU model forward evicts the caches between the
 scheduler's calls in a real step. Prints one JSON line.
 
-    python benchmarks/scheduler_step.py [--batch 256] [--steps 200] [--reps 5] [--cold]
+    python benchmarks/scheduler_step.py [--batch 256] [--steps 200] [--reps 5] [--cold] [--reverse]
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ from vllm_lite.testing.scheduler_config import make_config  # noqa: E402
 from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 
 
-def _mro(so: SchedulerOutput) -> ModelRunnerOutput:
+def _mro(so: SchedulerOutput, reverse: bool = False) -> ModelRunnerOutput:
     ids = list(so.num_scheduled_tokens)
+    if reverse:  # a runner whose batch rows are not in the scheduler's order (after joins and condensing)
+        ids.reverse()
     return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[7] for _ in ids], None)
 
 
-def run(batch: int, steps: int, async_scheduling: bool, seed: int, cold: bool = False) -> dict:
+def run(batch: int, steps: int, async_scheduling: bool, seed: int, cold: bool = False, reverse: bool = False) -> dict:
     cfg = make_config(
         num_gpu_blocks=batch * (512 + 16 + 4 * steps) // 16 + 64,
         block_size=16,
@@ -66,7 +68,7 @@ def run(batch: int, steps: int, async_scheduling: bool, seed: int, cold: bool = 
         so = sched.schedule()
         t1 = clock()
         decode = len(so.num_scheduled_tokens) == batch and so.total_num_scheduled_tokens == batch
-        pending.append((so, _mro(so)))
+        pending.append((so, _mro(so, reverse)))
         if async_scheduling and len(pending) < 2:
             continue
         so_u, mro_u = pending.pop(0)
@@ -95,11 +97,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cold", action="store_true", help="evict the caches before each timed call")
+    ap.add_argument("--reverse", action="store_true", help="the runner's output in the reverse of the step's order")
     args = ap.parse_args()
     out: dict = {"benchmark": "scheduler_step", "batch": args.batch, "steps": args.steps, "reps": args.reps}
     out["cold"] = args.cold
+    out["reverse"] = args.reverse
     for mode in ("sync", "async"):
-        runs = [run(args.batch, args.steps, mode == "async", args.seed + r, args.cold) for r in range(args.reps)]
+        runs = [
+            run(args.batch, args.steps, mode == "async", args.seed + r, args.cold, args.reverse)
+            for r in range(args.reps)
+        ]
         out[mode] = {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}
         out[mode]["step_us"] = round(out[mode]["schedule_us"] + out[mode]["update_us"], 1)
     out["load"] = os.getloadavg()[0]

@@ -228,19 +228,20 @@ def test_decode_fast_paths_match_the_general_path(w):
         event("preemption")
 
 
-def _long_workload(async_: bool, reverse: bool, prefix: bool) -> dict:
+def _long_workload(async_: bool, reverse: bool, prefix: bool, num_blocks: int = 64, mode: str = "recompute") -> dict:
     """Six requests decoding together for many steps (EOS ignored, lengths capped), two frontends, one abort while
-    steps are in flight: the whole-step decode path of update_from_output (see _InFlightStep.fast_ids) runs."""
+    steps are in flight: the whole-step decode path of update_from_output (see _InFlightStep.fast_ids) runs. With
+    few blocks, requests are preempted while their step is in flight (async)."""
     add = [("add", (5 + 3 * i, i % 2, 10 + 4 * i, 0, True, [], i % 2)) for i in range(6)]
     return {
         "async": async_,
         "reverse": reverse,
         "block_size": 4,
-        "num_blocks": 64,
+        "num_blocks": num_blocks,
         "budget": 64,
         "max_num_seqs": 6,
         "max_model_len": 40,
-        "mode": "recompute",
+        "mode": mode,
         "prefix": prefix,
         "vocab": 50,
         "ops": [*add, ("step", 6), ("abort", 2), ("step", 5), ("abort", 4), ("step", 3)],
@@ -266,3 +267,49 @@ def test_whole_step_decode_path_matches_the_general_path(async_, reverse, prefix
     fast = _run(w, True)
     assert sum(taken) >= 5
     assert fast == _run(w, False)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("num_blocks", [14, 18, 24])
+def test_whole_step_decode_path_with_preemptions_in_flight(mode, num_blocks):
+    """Async, the runner's order reversed, KV cache too small for all six: a request of a whole-step decode is
+    preempted while the step runs, the whole-step loop stops there and the general loop takes the rest (each
+    request's tokens must still be its own)."""
+    w = _long_workload(True, True, False, num_blocks, mode)
+    fast = _run(w, True)
+    assert fast == _run(w, False)
+    assert any(stats and stats[3] for kind, view in fast if kind == "update" for _, stats in view.values())
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_whole_step_decode_with_a_request_missing_from_the_output(async_):
+    """A runner output without one of the step's requests (as a recovered step's may be): that request gets no
+    token and the others theirs, as on the general path."""
+
+    def run(fast: bool) -> list:
+        cfg = make_config(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+        cfg.scheduler_config.async_scheduling = async_
+        s = Scheduler(cfg)
+        s.decode_fast_path = fast
+        for i in range(3):
+            s.add_request(Request(f"r{i}", [1, 2, 3, 4 + i], SamplingParams(max_tokens=20, ignore_eos=True), EOS, 0.0))
+        worker = TokenWorker(50, reverse=True)
+        trace, pending = [], []
+        for n in range(8):
+            so = s.schedule()
+            mro = worker.execute(so)
+            if n == 5:  # drop r1 from this step's output
+                keep = [i for i, rid in enumerate(mro.req_ids) if rid != "r1"]
+                ids = [mro.req_ids[i] for i in keep]
+                mro = ModelRunnerOutput(
+                    ids, {r: i for i, r in enumerate(ids)}, [mro.sampled_token_ids[i] for i in keep]
+                )
+            pending.append((so, mro))
+            if not async_ or len(pending) == 2:
+                trace.append(_outs_view(s.update_from_output(*pending.pop(0))))
+            trace.append(_state_view(s))
+        return trace
+
+    fast = run(True)
+    assert fast == run(False)
+    assert any(outs and len(outs[0][0]) == 2 for outs in fast if isinstance(outs, dict))

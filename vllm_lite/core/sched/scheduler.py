@@ -309,15 +309,19 @@ class Scheduler:
         if fast:
             assert held_blocks is not None
             async_scheduling = self.async_scheduling
-            while i < num_running:
-                req = running[i]
+            skipped = 0
+            add_req = fast_reqs.append
+            add_id = fast_ids.append
+            add_computed = fast_computed.append
+            add_block_ids = fast_block_ids.append
+            for req in running:
                 placeholders = req.num_output_placeholders
                 num_tokens = len(req.all_token_ids)
                 if placeholders and (
                     num_tokens + placeholders >= max_len
                     or (req.max_tokens is not None and len(req.output_token_ids) + placeholders >= req.max_tokens)
                 ):
-                    i += 1  # as below: its last token is in flight and ends it
+                    skipped += 1  # as below: its last token is in flight and ends it
                     continue
                 num_computed = req.num_computed_tokens
                 if num_tokens + placeholders - num_computed != 1 or num_computed >= max_len:
@@ -333,15 +337,15 @@ class Scheduler:
                     if blocks:
                         new_blocks_of[rid] = blocks
                     block_ids = [b.block_id for b in blocks]
-                num_scheduled[rid] = 1
-                fast_reqs.append(req)
-                fast_ids.append(rid)
-                fast_computed.append(num_computed)
-                fast_block_ids.append(block_ids)
+                add_req(req)
+                add_id(rid)
+                add_computed(num_computed)
+                add_block_ids(block_ids)
                 req.num_computed_tokens = num_computed + 1
                 if async_scheduling:  # it samples (its known tokens are all computed after this step)
                     req.num_output_placeholders = placeholders + 1
-                i += 1
+            i = len(fast_reqs) + skipped  # the request the loop stopped at (num_running: none)
+            num_scheduled = dict.fromkeys(fast_ids, 1)  # it was empty: the same keys, in the same order
             budget -= len(fast_reqs)
             if i < num_running:  # stopped early: the general path advances every request in step 3
                 for req in fast_reqs:
@@ -785,22 +789,22 @@ class Scheduler:
         ids = list(scheduler_output.num_scheduled_tokens)
         start = 0
         fast_reqs = step.fast_reqs
-        steady = (
-            fast
-            and fast_reqs is not None
-            and step.release_mark == self._num_released
-            and step.fast_ids == ids
-            and mro.req_ids == ids
-        )
+        steady = fast and fast_reqs is not None and step.release_mark == self._num_released and step.fast_ids == ids
+        step_sampled = all_sampled
+        if steady and mro.req_ids != ids:  # the runner's order (its batch rows'): each request's tokens, in ours
+            try:
+                step_sampled = list(map(all_sampled.__getitem__, map(mro.req_id_to_index.__getitem__, ids)))
+            except (KeyError, IndexError):  # not every request in the output: the general loop looks each up
+                steady = False
         if steady:
             assert fast_reqs is not None
             # Every request of the step went through schedule's decode fast path and none was released since: each
             # is still live (the lookups below would find the same request), each samples with async scheduling
-            # (in sync: once its tokens are all computed), and the runner returned them in the step's order. The
-            # decode body below without the lookups, up to the first request that is anything else (preempted
+            # (in sync: once its tokens are all computed), and step_sampled holds their tokens in the step's order.
+            # The decode body below without the lookups, up to the first request that is anything else (preempted
             # while in flight, several tokens, pooling): the loop after this one takes it from there.
             last_max = max_len - 1
-            for rid, req, sampled in zip(ids, fast_reqs, all_sampled):
+            for rid, req, sampled in zip(ids, fast_reqs, step_sampled):
                 if req.status != RUNNING or len(sampled) != 1 or req.pooling_params is not None:
                     break
                 num_computed = req.num_computed_tokens
@@ -861,8 +865,13 @@ class Scheduler:
         if steady:
             assert fast_reqs is not None
             rest_reqs = fast_reqs[start:]
+            rest_ids = ids[start:]
             items: Iterable[tuple[str, Optional[Request], bool, Optional[Request], Optional[int]]] = zip(
-                ids[start:], rest_reqs, itertools.repeat(async_scheduling), rest_reqs, range(start, len(ids))
+                rest_ids,
+                rest_reqs,
+                itertools.repeat(async_scheduling),
+                rest_reqs,
+                map(index_get, rest_ids),
             )
         else:
             items = zip(
