@@ -211,8 +211,8 @@ def test_greedy_requests_verify_through_lists_and_emit_plain_decodings_tokens(en
         assert any(min(counts) < reps - 1 for reps, counts in calls["greedy"]), "no step with mixed draft counts"
 
 
-def test_logprobs_and_sampled_requests_keep_the_table_path(engines, monkeypatch) -> None:
-    """What the list path does not cover (logprobs, random rows) still verifies through SpecDecodeStep.verify."""
+def test_logprobs_and_sampled_requests_verify_through_the_table_path(engines, monkeypatch) -> None:
+    """What the greedy list path does not cover (logprobs, random rows) verifies through SpecDecodeStep.verify."""
     base, spec = engines
     calls = _spy(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
@@ -223,4 +223,19 @@ def test_logprobs_and_sampled_requests_keep_the_table_path(engines, monkeypatch)
     assert calls["verify"] and not calls["greedy"]
     calls["verify"].clear()
     spec.generate(prompts, SamplingParams(temperature=0.8, max_tokens=24, seed=1, ignore_eos=True), use_tqdm=False)
+    assert calls["verify"] and not calls["greedy"]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_seeded_sampled_requests_emit_what_they_emit_without_speculation(engines, monkeypatch, batch) -> None:
+    """Seeded random rows with n-gram drafts (point masses: one race draw per emitted token) verify on the table
+    path and finish on lists (a few rows, no logprobs): the same tokens as plain decoding with the same seeds."""
+    base, spec = engines
+    calls = _spy(monkeypatch)
+    params = [SamplingParams(temperature=0.1, max_tokens=32, seed=s, ignore_eos=True) for s in range(batch)]
+    before = _accepted(spec)
+    prompts = token_prompts(REPEATING[:batch])
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert_same_outputs(base.generate(prompts, params, use_tqdm=False), got)
+    assert _accepted(spec) > before, "no draft was accepted: the comparison proves nothing"
     assert calls["verify"] and not calls["greedy"]

@@ -651,6 +651,9 @@ class GPUModelRunner:
             if md is None:
                 md = batch.sampling_metadata(s_rows)
             tokens, lp = SpecDecodeStep.verify(logits, md, bitmask, drafts, num_draft, q, has_q)
+            if self.tp_size == 1 and lp is None and len(req_ids) <= SMALL_BATCH:  # a few rows: lists from here on
+                emitted = [[t for t in row if t >= 0] for row in tokens.tolist()]  # -1 pads only past the end
+                return self._finish_verified(batch, inputs, s_idx, s_rows, req_ids, num_draft.tolist(), emitted)
         shape = (len(s_idx), drafts.shape[1] + 1)
         token_table = broadcast_from_driver(tokens, shape, torch.int64, self.device).cpu().numpy()
         num_emitted = (token_table >= 0).sum(axis=1)
@@ -700,6 +703,22 @@ class GPUModelRunner:
                 positions.extend(first + min(j, n) for j in range(reps))
             rows = hidden[self._h2d(np.array(positions, dtype=np.int64), False)]
         emitted = SpecDecodeStep.verify_greedy(self.model.compute_logits(rows), drafts, reps)
+        return self._finish_verified(batch, inputs, s_idx, s_rows, req_ids, counts, emitted)
+
+    def _finish_verified(
+        self,
+        batch: InputBatch,
+        inputs: StepInputs,
+        s_idx: np.ndarray,
+        s_rows: np.ndarray,
+        req_ids: list[str],
+        counts: list[int],
+        emitted: list[list[int]],
+    ) -> "_Sampled":
+        """A few verified rows' bookkeeping from lists (one rank, no logprobs): each row ran counts[i] drafts and
+        emitted `emitted[i]` (its accepted drafts and one more token). Proposal lengths observed, the batch
+        recorded, the step's result: what the table path leaves, without its [S, K+1] tables."""
+        assert self.spec_decode is not None
         num_emitted = [len(e) for e in emitted]
         self.spec_decode.observe(req_ids, counts, [n - 1 for n in num_emitted])  # next steps' proposal lengths
         record_emitted_lists(batch, s_rows.tolist(), emitted)
