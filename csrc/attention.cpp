@@ -13,7 +13,9 @@
 // Which instruction sets are built follows the compiler's target (-march=native on the host that
 // runs them, see cpu_kernels.py), so a path is never compiled for a CPU that lacks it.
 // Decode items (one query token) of a bfloat16 cache take attention_decode_bf16.h's VDPBF16PS path instead
-// wherever the AVX-512 loop would run and the build targets AVX512-BF16 (2.4-3x faster on Zen 4).
+// wherever the AVX-512 loop would run and the build targets AVX512-BF16 (2.4-3x faster on Zen 4): there a decode
+// request is one work unit with all its KV heads, and each thread runs a contiguous share of the batch's decodes
+// (split by keys) as one prefetched stream, before the rest of the batch's items are shared out dynamically.
 // A sliding window W (query at p sees keys in (p - W, p]) starts the key stream at the first key
 // any row of the item can see, so blocks before the window are never read (they may be freed).
 
@@ -287,8 +289,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
 
   const std::vector<WorkItem> items = plan_items(block_table, seq_lens, query_start_loc, num_tokens,
                                                  block_size, num_blocks, tokens_per_item, window);
-  const int64_t num_work = static_cast<int64_t>(items.size()) * num_kv_heads;
-  if (num_work == 0) return;
+  if (items.empty()) return;
 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
@@ -306,24 +307,95 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   // Decode items of a bf16 cache take the VDPBF16PS path where the AVX-512 key loop would run.
   const bool decode_fast = impl == Impl::kAvx512 && attn::decode_bf16_head_size(D);
 #endif
-  const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_work)));
+  // Items the bf16 decode path takes (one query token), in request order, and the rest (the key loops).
+  std::vector<int64_t> rest;
+#ifdef VLLM_LITE_ATTN_DECODE_BF16
+  std::vector<attn::DecodeReq> decodes;
+#endif
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+#ifdef VLLM_LITE_ATTN_DECODE_BF16
+    const WorkItem& item = items[i];
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (decode_fast && item.q_end - item.q_begin == 1) {
+        const int64_t b = item.req;
+        const int64_t q_len = qsl[b + 1] - qsl[b];
+        const int64_t ctx = sl[b] - q_len;
+        const int64_t tok = qsl[b] + item.q_begin;
+        decodes.push_back({ItemView<T>{k_cache, k_cache + num_blocks * blk_stride, bt + b * max_blocks, block_size,
+                                       blk_stride, tok_stride, 0, ctx + item.q_begin, group, group,
+                                       ctx + item.q_end, window,
+                                       window > 0 ? std::max<int64_t>(0, ctx + item.q_begin - window + 1) : 0,
+                                       soft_cap},
+                           q_ptr + tok * q_tok_stride, o_ptr + tok * o_tok_stride});
+        continue;
+      }
+    }
+#endif
+    rest.push_back(i);
+  }
+#ifdef VLLM_LITE_ATTN_DECODE_BF16
+  // Items came largest first: put the decodes back in request order (a thread's run of requests then walks the
+  // cache roughly in allocation order), and add up their keys (+ one tile each for the per-request work).
+  std::stable_sort(decodes.begin(), decodes.end(),
+                   [](const attn::DecodeReq& a, const attn::DecodeReq& b) { return a.it.table < b.it.table; });
+  std::vector<int64_t> decode_mid;  // twice each request's midpoint in the running sum of the decodes' costs
+  int64_t decode_total = 0;
+  for (const attn::DecodeReq& d : decodes) {
+    const int64_t c = d.it.num_keys - d.it.key_begin + 16;
+    decode_mid.push_back(2 * decode_total + c);
+    decode_total += c;
+  }
+  const int64_t num_decodes = static_cast<int64_t>(decodes.size());
+#else
+  const int64_t num_decodes = 0;
+#endif
+  const int64_t num_rest_work = static_cast<int64_t>(rest.size()) * num_kv_heads;
+  const int num_threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_rest_work + num_decodes)));
   // Per-thread scratch is allocated here, not inside the parallel region: nothing in the region may throw
   // (an exception leaving an OpenMP region ends the process), and an allocation failure must raise.
+  // A decode request holds all its heads' rows at once.
+  const int64_t scratch_rows = num_decodes > 0 ? std::max<int64_t>(max_rows, num_heads) : max_rows;
   std::vector<Scratch> scratch;
   scratch.reserve(num_threads);
-  for (int i = 0; i < num_threads; ++i) scratch.emplace_back(max_rows, D);
+  for (int i = 0; i < num_threads; ++i) scratch.emplace_back(scratch_rows, D);
 
 #pragma omp parallel num_threads(num_threads)
   {
 #ifdef _OPENMP
-    Scratch& s = scratch[omp_get_thread_num()];
+    const int tid = omp_get_thread_num();
+    const int nt = omp_get_num_threads();
 #else
-    Scratch& s = scratch[0];
+    const int tid = 0;
+    const int nt = 1;
 #endif
-    // A request's KV heads go to one thread together: they share the cache's token rows (decode prefetches them).
+    Scratch& s = scratch[tid];
+#ifndef VLLM_LITE_ATTN_DECODE_BF16
+    (void)nt;
+#else
+    if (num_decodes > 0) {
+      // Decodes first, each thread a contiguous run of requests with an equal share of the keys, streamed as one
+      // (attention_decode_bf16.h's DecodeStream); the rest of the batch is shared out dynamically after them, which
+      // also evens out what the static split leaves.
+      // Request i goes to the thread whose share of the total holds its midpoint.
+      const auto first_at = [&](int64_t t) {
+        const auto at = std::lower_bound(decode_mid.begin(), decode_mid.end(), 2 * decode_total * t / nt);
+        return static_cast<int64_t>(at - decode_mid.begin());
+      };
+      const int64_t lo = first_at(tid), hi = tid + 1 == nt ? num_decodes : first_at(tid + 1);
+      if (lo < hi) {
+        attn::DecodeStream stream(decodes.data() + lo, hi - lo);
+        for (int64_t i = lo; i < hi; ++i) {
+          attn::decode_bf16_dispatch(D, decodes[i], i - lo, num_kv_heads, q_head_stride, o_head_stride, scale, s,
+                                     stream);
+        }
+      }
+    }
+#endif
+    // A request's KV heads go to one thread together: they share the cache's token rows.
 #pragma omp for schedule(dynamic, num_kv_heads)
-    for (int64_t w = 0; w < num_work; ++w) {
-      const WorkItem& item = items[w / num_kv_heads];
+    for (int64_t w = 0; w < num_rest_work; ++w) {
+      const WorkItem& item = items[rest[w / num_kv_heads]];
       const int64_t kvh = w % num_kv_heads;
       const int64_t b = item.req;
       const int64_t q_len = qsl[b + 1] - qsl[b];
@@ -333,17 +405,6 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
                      ctx + item.q_end, window,
                      window > 0 ? std::max<int64_t>(0, ctx + item.q_begin - window + 1) : 0, soft_cap};
 
-#ifdef VLLM_LITE_ATTN_DECODE_BF16
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (decode_fast && item.q_end - item.q_begin == 1) {  // one query token: attention_decode_bf16.h
-          const int64_t tok = qsl[b] + item.q_begin;
-          attn::decode_bf16_dispatch(D, it, q_ptr + tok * q_tok_stride + kvh * group * q_head_stride, q_head_stride,
-                                     o_ptr + tok * o_tok_stride + kvh * group * o_head_stride, o_head_stride, scale,
-                                     s);
-          continue;
-        }
-      }
-#endif
       // Load this item's query rows (row = token * group + head-in-group), pre-scaled, as float32.
       for (int64_t r = 0; r < it.rows; ++r) {
         const int64_t tok = qsl[b] + item.q_begin + r / group;

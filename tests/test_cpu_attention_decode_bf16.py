@@ -89,3 +89,37 @@ def test_a_request_decodes_the_same_bits_alone_in_a_batch_and_on_any_thread_coun
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, together)
+
+
+def test_a_one_token_tail_of_a_prompt_takes_the_decode_path_at_its_own_position(backend):
+    # 3 query heads per KV head -> 21 tokens per item: a 22-token prompt's last token is an item of its own, at
+    # query offset 21 (the decode path must place it there, not at the request's first token), beside decodes.
+    query, cache, md = make_case([1, 22, 1, 43], [90, 300, 17, 43], 12, 4, 64, 16, torch.bfloat16, seed=5)
+    out = backend.forward(query, cache, md, 0.125)
+    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, 0.125), atol=TOL, rtol=TOL)
+
+
+def test_decodes_with_more_query_heads_than_an_item_has_rows(backend):
+    # A decode request is one work unit with every head: 80 query heads (group 1, head 32) outnumber the 64 rows
+    # an item's scratch holds, so the scratch must be sized for the heads.
+    query, cache, md = make_case([1, 1, 1], [70, 300, 5], 80, 80, 32, 16, torch.bfloat16, seed=8)
+    out = backend.forward(query, cache, md, 1.0 / math.sqrt(32))
+    torch.testing.assert_close(
+        out.double(), oracle_attention(query, cache, md, 1.0 / math.sqrt(32)), atol=TOL, rtol=TOL
+    )
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_decodes_split_across_threads_cover_every_request_once(backend, threads):
+    # The decodes are split into contiguous per-thread runs by keys (uneven lengths, more threads than some runs
+    # need): every request's output must still come out, the same bits at any thread count.
+    seqs = [700, 3, 40, 41, 1, 300, 16, 17, 257]
+    query, cache, md = make_case([1] * len(seqs), seqs, 6, 2, 64, 16, torch.bfloat16, seed=13)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = backend.forward(query, cache, md, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got.double(), oracle_attention(query, cache, md, 0.125), atol=TOL, rtol=TOL)
+    assert torch.equal(got, backend.forward(query, cache, md, 0.125))
