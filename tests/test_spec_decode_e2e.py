@@ -28,7 +28,7 @@ from vllm_lite.spec_decode.draft_budget import DraftBudget
 from vllm_lite.spec_decode.metrics import SpecDecodingStats
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.chi_square import chi_square_homogeneity_pvalue
-from vllm_lite.testing.spec_outputs import assert_same_outputs, token_counts, token_prompts
+from vllm_lite.testing.spec_outputs import REPEATING, assert_same_outputs, tiny_llm, token_counts, token_prompts
 from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -36,20 +36,11 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, 
 SIGNIFICANCE = 1e-3
 # Prompts whose continuation repeats spans of themselves (the tiny model's greedy output falls into cycles too),
 # and prompts of unrelated token ids.
-REPEATING = [[5, 6, 7, 8, 9, 10] * 3 + [5, 6, 7], [40, 41, 42, 43] * 4 + [40], [300, 301, 302, 300, 301]]
 RANDOM = [[17, 1203, 845, 77, 1500, 9, 333, 1024, 64], [1999, 3, 1400, 250, 88]]
 
 
 def _llm(**kwargs: Any) -> LLM:
-    return LLM(
-        model=get_checkpoint("llama"),
-        dtype="float32",
-        max_model_len=128,
-        multiprocess=False,
-        num_threads=1,
-        disable_log_stats=True,
-        **kwargs,
-    )
+    return tiny_llm(**kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,14 @@ from vllm_lite.sampling_params import SamplingParams as Params
 from vllm_lite.spec_decode import rejection_sampler as rs
 from vllm_lite.spec_decode.draft_budget import DraftBudget
 from vllm_lite.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, greedy_verify, greedy_verify_lists
-from vllm_lite.testing.checkpoints import get_checkpoint
-from vllm_lite.testing.spec_outputs import assert_same_outputs, token_prompts
+from vllm_lite.testing.spec_outputs import (
+    REPEATING,
+    assert_same_outputs,
+    record_params,
+    record_requests,
+    tiny_llm,
+    token_prompts,
+)
 from vllm_lite.worker.input_batch import InputBatch
 from vllm_lite.worker.spec_decode_step import SpecDecodeStep, record_emitted, record_emitted_lists
 from vllm_lite.worker.step import NewRequestData
@@ -76,21 +82,12 @@ def test_verify_greedy_splits_the_flat_logits_by_row() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- recording
-RECORD_PARAMS = [
-    Params(temperature=0.0),
-    Params(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3),
-    Params(temperature=1.0, _bad_words_token_ids=[[14], [15, 16]]),
-    Params(temperature=0.8, top_k=5),
-]
+RECORD_PARAMS = record_params()
 
 
 @settings(max_examples=80, deadline=None)
 @given(
-    reqs=st.lists(
-        st.tuples(st.integers(0, len(RECORD_PARAMS) - 1), st.integers(1, 23), st.integers(0, 3)),
-        min_size=1,
-        max_size=4,
-    ),
+    reqs=record_requests(),
     data=st.data(),
 )
 def test_record_emitted_lists_equals_record_emitted(reqs, data) -> None:
@@ -146,20 +143,10 @@ def test_budget_observe_takes_lists_as_it_takes_arrays() -> None:
 
 # ---------------------------------------------------------------------------------------------- the engine
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-REPEATING = [[5, 6, 7, 8, 9, 10] * 3 + [5, 6, 7], [40, 41, 42, 43] * 4 + [40], [300, 301, 302, 300, 301]]
 
 
 def _llm(**kwargs: Any) -> LLM:
-    return LLM(
-        model=get_checkpoint("llama"),
-        dtype="float32",
-        max_model_len=128,
-        multiprocess=False,
-        num_threads=1,
-        disable_log_stats=True,
-        kv_cache_memory_bytes=4 << 20,
-        **kwargs,
-    )
+    return tiny_llm(kv_cache_memory_bytes=4 << 20, **kwargs)
 
 
 @pytest.fixture(scope="module")

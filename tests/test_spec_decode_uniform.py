@@ -20,13 +20,12 @@ from vllm_lite.spec_decode.rejection_sampler import greedy_verify_host, rejectio
 from vllm_lite.spec_decode.uniform_drafts import UniformDrafts, verify_graph_sizes
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.chi_square import chi_square_homogeneity_pvalue
-from vllm_lite.testing.spec_outputs import assert_same_outputs, token_counts, token_prompts
+from vllm_lite.testing.spec_outputs import REPEATING, assert_same_outputs, tiny_llm, token_counts, token_prompts
 from vllm_lite.worker.cuda_graphs import resolve_capture_sizes, resolve_graph_keys, sizes_by_query_len
 from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SIGNIFICANCE = 1e-3  # every draw is seeded, so the distribution test's outcome is fixed
-REPEATING = [[5, 6, 7, 8, 9, 10] * 3 + [5, 6, 7], [40, 41, 42, 43] * 4 + [40], [300, 301, 302, 300, 301]]
 RANDOM = [[17, 1203, 845, 77, 1500, 9, 333, 1024, 64], [1999, 3, 1400, 250, 88]]
 
 
@@ -253,17 +252,7 @@ def test_fillers_change_no_emitted_token(greedy: bool) -> None:
 # ---------------------------------------------------------------------------------------------- end to end
 def _llm(**kwargs: Any) -> LLM:
     """On the CPU also on a GPU machine (these pin the CPU's no-graph rule; the CUDA case has its own test below)."""
-    return LLM(
-        model=get_checkpoint("llama"),
-        device="cpu",
-        dtype="float32",
-        max_model_len=128,
-        multiprocess=False,
-        num_threads=1,
-        disable_log_stats=True,
-        kv_cache_memory_bytes=4 << 20,
-        **kwargs,
-    )
+    return tiny_llm(device="cpu", kv_cache_memory_bytes=4 << 20, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.spec_decode import draft_budget
 from vllm_lite.spec_decode.draft_budget import DraftBudget
 from vllm_lite.spec_decode.draft_length import AdaptiveDraftLength
@@ -21,6 +20,7 @@ from vllm_lite.spec_decode.rejection_sampler import (
     rejection_sample_rows,
 )
 from vllm_lite.testing.chi_square import chi_square_pvalue
+from vllm_lite.testing.spec_outputs import record_params, record_requests
 from vllm_lite.worker.spec_decode_step import penalties_with_drafts
 
 # A distribution test fails when its p-value is below this; every draw is seeded, so the outcome is fixed.
@@ -606,21 +606,12 @@ def test_penalty_tables_count_the_drafts_before_each_position() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- recording a verify step
-RECORD_PARAMS = [
-    SamplingParams(temperature=0.0),
-    SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3),
-    SamplingParams(temperature=1.0, _bad_words_token_ids=[[14], [15, 16]]),
-    SamplingParams(temperature=0.8, top_k=5),
-]
+RECORD_PARAMS = record_params()
 
 
 @settings(max_examples=80, deadline=None)
 @given(
-    reqs=st.lists(
-        st.tuples(st.integers(0, len(RECORD_PARAMS) - 1), st.integers(1, 23), st.integers(0, 3)),
-        min_size=1,
-        max_size=4,
-    ),
+    reqs=record_requests(),
     data=st.data(),
 )
 def test_record_emitted_equals_one_record_sampled_per_column(reqs, data) -> None:

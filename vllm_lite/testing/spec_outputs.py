@@ -6,6 +6,46 @@ from typing import Any
 
 LOGPROB_TOL = 1e-5  # issue 20: logprobs of accepted tokens equal the non-speculative ones within this
 
+# Prompts whose continuations repeat spans of themselves (n-gram lookups hit), for the tiny llama checkpoint.
+REPEATING = [[5, 6, 7, 8, 9, 10] * 3 + [5, 6, 7], [40, 41, 42, 43] * 4 + [40], [300, 301, 302, 300, 301]]
+
+
+def tiny_llm(**kwargs: Any) -> Any:
+    """The spec-decode tests' engine: the tiny llama checkpoint, float32, in-process, one thread, 128 tokens."""
+    from vllm_lite import LLM
+    from vllm_lite.testing.checkpoints import get_checkpoint
+
+    return LLM(
+        model=get_checkpoint("llama"),
+        dtype="float32",
+        max_model_len=128,
+        multiprocess=False,
+        num_threads=1,
+        disable_log_stats=True,
+        **kwargs,
+    )
+
+
+def record_params() -> list[Any]:
+    """Sampling settings whose rows record emitted tokens differently (greedy, penalties, bad words, top-k): the
+    recording tests draw each request's from these."""
+    from vllm_lite.sampling_params import SamplingParams
+
+    return [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3),
+        SamplingParams(temperature=1.0, _bad_words_token_ids=[[14], [15, 16]]),
+        SamplingParams(temperature=0.8, top_k=5),
+    ]
+
+
+def record_requests() -> Any:
+    """Hypothesis: 1-4 requests as (index into record_params(), prompt length 1-23, output tokens 0-3)."""
+    from hypothesis import strategies as st
+
+    n = len(record_params())
+    return st.lists(st.tuples(st.integers(0, n - 1), st.integers(1, 23), st.integers(0, 3)), min_size=1, max_size=4)
+
 
 def token_prompts(ids: list[list[int]]) -> list[dict[str, list[int]]]:
     return [{"prompt_token_ids": p} for p in ids]

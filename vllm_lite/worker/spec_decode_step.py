@@ -109,16 +109,8 @@ def record_emitted(batch: InputBatch, rows: np.ndarray, token_table: np.ndarray,
         rows, token_table, num_emitted = rows[~tracked], token_table[~tracked], num_emitted[~tracked]
     vocab = sampling.vocab_size
     if len(rows) <= SMALL_BATCH:  # a few rows: slices and scalars (2 rows: ~10 us against ~45 for the masks below)
-        max_len, num_tokens, token_ids = batch.max_model_len, batch.num_tokens, batch.token_ids
-        for r, n, row in zip(rows.tolist(), num_emitted.tolist(), token_table.tolist()):
-            toks = row[:n]
-            if n and not (0 <= min(toks) and max(toks) < vocab):
-                raise ValueError(f"token_ids must be in [0, {vocab}), got {toks!r}.")
-            start = int(num_tokens[r])
-            stop = max(start, min(start + n, max_len))
-            token_ids[r, start:stop] = toks[: stop - start]
-            num_tokens[r] = stop
-        sampling.num_output[rows] += num_emitted
+        lists = [row[:n] for row, n in zip(token_table.tolist(), num_emitted.tolist())]
+        _append_untracked(batch, rows.tolist(), lists)
         return
     emitted = np.arange(token_table.shape[1])[None, :] < num_emitted[:, None]
     toks = token_table[emitted]
@@ -144,6 +136,13 @@ def record_emitted_lists(batch: InputBatch, rows: Sequence[int], emitted: Sequen
         counts = np.fromiter(map(len, emitted), np.int64, len(emitted))
         record_emitted(batch, np.asarray(rows, dtype=np.int64), table, counts)
         return
+    _append_untracked(batch, rows, emitted)
+
+
+def _append_untracked(batch: InputBatch, rows: Sequence[int], emitted: Sequence[Sequence[int]]) -> None:
+    """Append each row's emitted tokens (rows that track no token history), slices and scalars: the few-row form
+    of record_emitted and record_emitted_lists."""
+    sampling = batch.sampling
     vocab, max_len = sampling.vocab_size, batch.max_model_len
     num_tokens, token_ids, num_output = batch.num_tokens, batch.token_ids, sampling.num_output
     for r, toks in zip(rows, emitted):
