@@ -378,6 +378,8 @@ def phase_times(
     # The runner calls both verify forms through the class (verify_greedy: a few all-greedy rows, as lists): timed
     # into the stepping engine's acc as "verify".
     real_verify, real_greedy = SpecDecodeStep.verify, SpecDecodeStep.verify_greedy
+    # The class's own entries (staticmethod objects) go back afterwards, not the functions read through it.
+    saved = {name: SpecDecodeStep.__dict__[name] for name in ("verify", "verify_greedy")}
     current: dict[str, Any] = {"acc": None}
 
     def timed_verify(fn: Any) -> Any:
@@ -452,8 +454,8 @@ def phase_times(
                 if host_cpu:
                     out[f"{wl}/batch{b}/ngram/verify_steps_with_mixed_draft_lengths"] = nonuniform["ngram"]
     finally:
-        SpecDecodeStep.verify = real_verify  # type: ignore[method-assign]
-        SpecDecodeStep.verify_greedy = real_greedy  # type: ignore[method-assign]
+        SpecDecodeStep.verify = saved["verify"]  # type: ignore[method-assign]
+        SpecDecodeStep.verify_greedy = saved["verify_greedy"]  # type: ignore[method-assign]
         for llm, _, _ in engines.values():
             llm.shutdown()
     return out

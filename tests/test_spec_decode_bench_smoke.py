@@ -32,6 +32,8 @@ def test_step_times_split_plain_and_verify_steps_into_phases() -> None:
     prompt = PROMPT
     out = bench.phase_times(resolve_model(None), {"rep": [prompt]}, SPEC, 12, (1,), 1, "float32", host_cpu=False)
     assert SpecDecodeStep.verify is verify and SpecDecodeStep.verify_greedy is greedy
+    # restored as the class's own staticmethod entries (a plain function there would take an instance as an argument)
+    assert all(isinstance(SpecDecodeStep.__dict__[n], staticmethod) for n in ("verify", "verify_greedy"))
     plain = out["rep/batch1/plain/plain_step_us"]
     assert plain["steps"] > 0
     assert {"step", "schedule", "update_states", "forward", "lm_head", "sample", "update", "frontend"} <= set(plain)

@@ -701,7 +701,7 @@ class GPUModelRunner:
             for i, n in zip(s_idx.tolist(), counts):
                 first = ends[i + 1] - 1 - n
                 positions.extend(first + min(j, n) for j in range(reps))
-            rows = hidden[self._h2d(np.array(positions, dtype=np.int64), False)]
+            rows = hidden[self._h2d(np.array(positions, dtype=np.int64), True)]
         emitted = SpecDecodeStep.verify_greedy(self.model.compute_logits(rows), drafts, reps)
         return self._finish_verified(batch, inputs, s_idx, s_rows, req_ids, counts, emitted)
 

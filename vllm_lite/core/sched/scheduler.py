@@ -141,6 +141,7 @@ class Scheduler:
         self._arrival_order: dict[str, int] = {}
         self._order_counter = itertools.count()
         self._num_released = 0  # requests released so far (_release): the only way one leaves self.requests
+        self.num_whole_step_requests = 0  # requests update_from_output took through its whole-step decode loop
         self._num_preemptions = 0
         self._step_counter = 0
         # Structured outputs: requests whose grammar is compiling, and error messages owed to finished ones.
@@ -864,6 +865,7 @@ class Scheduler:
         # the runner's output), found by C loops (map) rather than per-request lookups in the loop below.
         if steady:
             assert fast_reqs is not None
+            self.num_whole_step_requests += start
             rest_reqs = fast_reqs[start:]
             rest_ids = ids[start:]
             items: Iterable[tuple[str, Optional[Request], bool, Optional[Request], Optional[int]]] = zip(
