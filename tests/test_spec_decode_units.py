@@ -20,7 +20,7 @@ from vllm_lite.spec_decode.rejection_sampler import (
     rejection_sample_rows,
 )
 from vllm_lite.testing.chi_square import chi_square_pvalue
-from vllm_lite.testing.spec_outputs import record_params, record_requests
+from vllm_lite.testing.spec_outputs import assert_same_recording, record_requests, recording_batches
 from vllm_lite.worker.spec_decode_step import penalties_with_drafts
 
 # A distribution test fails when its p-value is below this; every draw is seeded, so the outcome is fixed.
@@ -606,9 +606,6 @@ def test_penalty_tables_count_the_drafts_before_each_position() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- recording a verify step
-RECORD_PARAMS = record_params()
-
-
 @settings(max_examples=80, deadline=None)
 @given(
     reqs=record_requests(),
@@ -619,19 +616,11 @@ def test_record_emitted_equals_one_record_sampled_per_column(reqs, data) -> None
     record_sampled call per column does: token rows, counts (past max_model_len too), output counts, bad-word
     history and penalty tables; both the small-batch loop and the numpy form."""
     from vllm_lite.worker import spec_decode_step
-    from vllm_lite.worker.input_batch import InputBatch
     from vllm_lite.worker.spec_decode_step import record_emitted
-    from vllm_lite.worker.step import NewRequestData
 
-    vocab, max_len, k = 32, 24, 3
+    vocab, k = 32, 3
     small_batch = data.draw(st.sampled_from([0, 64]))
-    batches = [InputBatch(4, max_len, 6, vocab, torch.device("cpu")) for _ in range(2)]
-    rng = np.random.default_rng(len(reqs))
-    for i, (p, n_prompt, n_out) in enumerate(reqs):
-        prompt = rng.integers(0, vocab, size=n_prompt).tolist()
-        outputs = rng.integers(0, vocab, size=min(n_out, max_len - n_prompt)).tolist()
-        for b in batches:
-            b.add_request(NewRequestData(f"r{i}", prompt, outputs, RECORD_PARAMS[p], [1], 0, 2))
+    batches, rng = recording_batches(reqs, vocab)
     rows = np.array(sorted(batches[0].req_id_to_row[f"r{i}"] for i in range(len(reqs))), dtype=np.int64)
     order = np.array(data.draw(st.permutations(list(range(len(rows))))), dtype=np.int64)
     rows = rows[order]
@@ -647,22 +636,7 @@ def test_record_emitted_equals_one_record_sampled_per_column(reqs, data) -> None
     for j in range(int(num_emitted.max())):
         keep = num_emitted > j
         ref.record_sampled(rows[keep], table[keep, j])
-    got = batches[0]
-    assert got.num_tokens.tolist() == ref.num_tokens.tolist()
-    for r in rows.tolist():
-        n = int(ref.num_tokens[r])
-        assert got.token_ids[r, :n].tolist() == ref.token_ids[r, :n].tolist()
-    assert got.sampling.num_output.tolist() == ref.sampling.num_output.tolist()
-    if ref.sampling.history is not None:
-        assert np.array_equal(got.sampling.history, ref.sampling.history)
-    md_got, md_ref = got.sampling_metadata(rows), ref.sampling_metadata(rows)
-    for name in ("penalty_token_ids", "penalty_output_counts", "banned_index"):
-        a, b = getattr(md_got, name), getattr(md_ref, name)
-        assert (a is None) == (b is None), name
-        if isinstance(a, tuple):
-            assert all(torch.equal(x, y) for x, y in zip(a, b)), name
-        elif a is not None:
-            assert torch.equal(a, b), name
+    assert_same_recording(batches[0], ref, rows)
 
 
 @settings(max_examples=80, deadline=None)

@@ -75,3 +75,47 @@ def token_counts(outputs: list[Any], position: int) -> dict[int, int]:
         tok = out.outputs[0].token_ids[position]
         counts[tok] = counts.get(tok, 0) + 1
     return counts
+
+
+def recording_batches(reqs: list[tuple[int, int, int]], vocab: int = 32, max_len: int = 24) -> tuple[list[Any], Any]:
+    """Two identical CPU InputBatches holding `reqs` (record_requests()' draws: params index, prompt length, output
+    tokens), random prompts and outputs, and the generator that made them (for the tokens a test records next)."""
+    import numpy as np
+    import torch
+
+    from vllm_lite.worker.input_batch import InputBatch
+    from vllm_lite.worker.step import NewRequestData
+
+    params = record_params()
+    batches = [InputBatch(4, max_len, 6, vocab, torch.device("cpu")) for _ in range(2)]
+    rng = np.random.default_rng(len(reqs))
+    for i, (p, n_prompt, n_out) in enumerate(reqs):
+        prompt = rng.integers(0, vocab, size=n_prompt).tolist()
+        outputs = rng.integers(0, vocab, size=min(n_out, max_len - n_prompt)).tolist()
+        for b in batches:
+            b.add_request(NewRequestData(f"r{i}", prompt, outputs, params[p], [1], 0, 2))
+    return batches, rng
+
+
+def assert_same_recording(got: Any, ref: Any, rows: Any) -> None:
+    """Two batches after recording emitted tokens for `rows`: the same token counts, each row's tokens, output
+    counts, bad-word history and penalty tables."""
+    import numpy as np
+    import torch
+
+    rows = np.asarray(rows, dtype=np.int64)
+    assert got.num_tokens.tolist() == ref.num_tokens.tolist()
+    for r in rows.tolist():
+        n = int(ref.num_tokens[r])
+        assert got.token_ids[r, :n].tolist() == ref.token_ids[r, :n].tolist()
+    assert got.sampling.num_output.tolist() == ref.sampling.num_output.tolist()
+    if ref.sampling.history is not None:
+        assert np.array_equal(got.sampling.history, ref.sampling.history)
+    md_got, md_ref = got.sampling_metadata(rows), ref.sampling_metadata(rows)
+    for name in ("penalty_token_ids", "penalty_output_counts", "banned_index"):
+        a, b = getattr(md_got, name), getattr(md_ref, name)
+        assert (a is None) == (b is None), name
+        if isinstance(a, tuple):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), name
+        elif a is not None:
+            assert torch.equal(a, b), name
