@@ -306,10 +306,12 @@ def phase_times(
     from vllm_lite import LLM, SamplingParams
     from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 
+    if host_cpu and device != "cpu":
+        raise ValueError(f"host_cpu=True times the CPU engine (thread CPU time); got device={device!r}")
     cuda_events = not host_cpu and device.startswith("cuda")
     clock = time.thread_time if host_cpu else time.perf_counter
-    if host_cpu:
-        engine_kw: dict[str, Any] = {"num_threads": 1}
+    if host_cpu:  # the CPU engine pinned: the engine's default is CUDA wherever a GPU is visible
+        engine_kw: dict[str, Any] = {"num_threads": 1, "device": "cpu"}
     else:  # plain steps synchronous too, as verify steps are: one step's parts each
         engine_kw = {**engine_kwargs(device), "async_scheduling": False}
     engines: dict[str, Any] = {}

@@ -22,6 +22,8 @@ from vllm_lite.testing.checkpoints import get_checkpoint
 # A server process of its own: uvicorn's serve() is replaced by a report of the collector's state at the moment
 # uvicorn would start serving, so the script exits at once (no socket, no waiting).
 _SCRIPT = """
+import gc
+gc.unfreeze()  # the collector as CPython starts it, whatever the interpreter's start-up froze (the H100 image's did)
 import asyncio, json, sys
 import uvicorn
 from vllm_lite.core.gc_heap import gc_state

@@ -64,6 +64,7 @@ def clean_gc(monkeypatch):
     """No in-process holder yet (cores other tests never shut down keep theirs: set aside here), nothing frozen;
     the collector as it was afterwards, whatever the test does."""
     before = gc.get_threshold()
+    gc.unfreeze()  # some interpreters start with objects frozen (the H100 image's Python did)
     monkeypatch.setattr(gc_heap, "_young_gen", HeldSetting(gc.get_threshold, lambda t: gc.set_threshold(*t)))
     monkeypatch.setenv("VLLM_LITE_GC_FREEZE", "1")
     monkeypatch.setenv("VLLM_LITE_GC_GEN0_THRESHOLD", "9999")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import pytest
+
 from vllm_lite.default_model import resolve_model
 from vllm_lite.worker.spec_decode_step import SpecDecodeStep
 
@@ -57,3 +59,11 @@ def test_host_times_report_the_host_part_of_plain_and_verify_steps() -> None:
     assert 0 < verified["host"] < verified["step"]
     mixed, verify_steps = out["rep/batch1/ngram/verify_steps_with_mixed_draft_lengths"]
     assert verify_steps == verified["steps"] and 0 <= mixed <= verify_steps
+
+
+def test_host_times_refuse_a_device_other_than_the_cpu() -> None:
+    """--host-times pins the CPU engine (on a GPU machine the engine's default device is CUDA, where the phases
+    differ); asked for another device it says so before building anything."""
+    bench = _script()
+    with pytest.raises(ValueError, match="device='cuda'"):
+        bench.phase_times("unused", {}, SPEC, 12, (1,), 1, "float32", host_cpu=True, device="cuda")
