@@ -472,6 +472,9 @@ def test_pinned_ring_stages_arrays_by_value_and_grows_without_moving_earlier_one
     big = np.ones((600, 300), dtype=np.int64)  # past the first buffer: a new one; the old stays alive
     tbig = ring.host(big)
     assert tbig.shape == (600, 300) and int(tbig.sum()) == 180000 and ta.tolist() == [0, 1, 2, 3, 4]
+    tc = ring.host(np.array([7, 8, 9], dtype=np.int64))  # same dtype, in the new buffer: its own typed view
+    assert tc.tolist() == [7, 8, 9] and int(tbig.sum()) == 180000 and tb.tolist() == [1.5, 2.5]
+    assert ring.host(np.array([[1, 2], [3, 4]], dtype=np.int32)).tolist() == [[1, 2], [3, 4]]
     slot = ring.slot
     ring.begin_step()
     assert ring.slot != slot  # two slots: the next step never writes over this one's arrays
@@ -485,7 +488,7 @@ def test_a_cpu_ring_is_a_passthrough() -> None:
     arr = np.arange(3)
     assert ring.stage(arr).data_ptr() == torch.from_numpy(arr).data_ptr()
     sampled = SampledRing(torch.device("cpu"), 4)
-    assert sampled.copy_stream is None and sampled.acquire() == 0 and sampled.acquire() == 1
+    assert sampled.events == [None, None] and sampled.acquire() == 0 and sampled.acquire() == 1
     with pytest.raises(RuntimeError):
         sampled.acquire()
     sampled.release(0)

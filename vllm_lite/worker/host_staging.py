@@ -23,8 +23,14 @@ _ALIGN = 64  # bytes: every staged array starts on a cache line (and any dtype's
 _MIN_SLOT_BYTES = 1 << 20
 
 
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    t = _TORCH_DTYPES.get(dtype)
+    if t is None:
+        t = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    return t
 
 
 class PinnedRing:
@@ -40,6 +46,14 @@ class PinnedRing:
         self._buffers: list[Optional[torch.Tensor]] = [None] * num_slots
         self._retired: list[list[torch.Tensor]] = [[] for _ in range(num_slots)]  # outgrown, maybe still read
         self._events: list[Optional[torch.cuda.Event]] = [None] * num_slots
+        # Per slot: the buffer as a numpy byte array (writes), and its typed views by numpy dtype (the tensors
+        # handed out are slices of these: one torch op an array, not a slice and two views).
+        self._bytes: list[Optional[np.ndarray]] = [None] * num_slots
+        self._typed: list[dict[np.dtype, torch.Tensor]] = [{} for _ in range(num_slots)]
+        # The stream the runner's steps run on: the device's current stream at the first step, cached
+        # (torch.cuda.current_stream costs ~10 us a call on an H100; the runner never switches streams, and CUDA
+        # graph capture's side stream exists only inside capture, which runs no step).
+        self.stream: Optional[torch.cuda.Stream] = None
         self.steps = 0
 
     def begin_step(self) -> None:
@@ -47,6 +61,8 @@ class PinnedRing:
         self.steps += 1
         if self.passthrough:
             return
+        if self.stream is None and self.device.type == "cuda":
+            self.stream = torch.cuda.current_stream(self.device)
         self.slot = (self.slot + 1) % self.num_slots
         event = self._events[self.slot]
         if event is not None and not event.query():  # recorded two steps ago: done by the time the engine
@@ -61,18 +77,28 @@ class PinnedRing:
             return torch.from_numpy(arr)
         nbytes = arr.nbytes
         start = -(-self._offset // _ALIGN) * _ALIGN
-        buf = self._buffers[self.slot]
+        slot = self.slot
+        buf = self._buffers[slot]
         if buf is None or start + nbytes > buf.numel():
             if buf is not None:
-                self._retired[self.slot].append(buf)  # earlier copies of this step may still read it
+                self._retired[slot].append(buf)  # earlier copies of this step may still read it
             size = max(_MIN_SLOT_BYTES, 2 * (nbytes + _ALIGN), 0 if buf is None else 2 * buf.numel())
-            buf = self._buffers[self.slot] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            size = -(-size // _ALIGN) * _ALIGN  # every dtype's view of it covers it whole
+            buf = self._buffers[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self._bytes[slot] = buf.numpy()
+            self._typed[slot] = {}
             start = 0
         self._offset = start + nbytes
-        view = buf[start : start + nbytes]
+        host = self._bytes[slot]
+        assert host is not None
         if nbytes:
-            view.numpy()[:] = arr.reshape(-1).view(np.uint8)
-        return view.view(_torch_dtype(arr.dtype)).view(arr.shape)
+            host[start : start + nbytes] = (arr if arr.ndim == 1 else arr.reshape(-1)).view(np.uint8)
+        typed = self._typed[slot].get(arr.dtype)
+        if typed is None:
+            typed = self._typed[slot][arr.dtype] = buf.view(_torch_dtype(arr.dtype))
+        first = start // arr.itemsize
+        view = typed[first : first + arr.size]
+        return view if arr.ndim == 1 else view.view(arr.shape)
 
     def stage(self, arr: np.ndarray) -> torch.Tensor:
         """`arr` on the device, copied asynchronously from pinned memory (the array itself on CPU)."""
@@ -80,18 +106,25 @@ class PinnedRing:
         return t if self.passthrough else t.to(self.device, non_blocking=True)
 
     def record(self) -> None:
-        """Mark the slot's copies issued so far (on the current stream); `begin_step` waits for the last mark."""
+        """Mark the slot's copies issued so far (on the step stream); `begin_step` waits for the last mark."""
         if self.passthrough:
             return
         event = self._events[self.slot]
         if event is None:
             event = self._events[self.slot] = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self.stream)
 
 
 class SampledRing:
-    """Pinned host slots the sampled token ids of a step are copied into, one per step in flight, with the
-    event of that copy (issued on a side stream once the sampler's work is queued)."""
+    """Pinned host slots the sampled token ids of a step are copied into, one per step in flight, each with its
+    event (CUDA; made once and recorded again each time the slot is used: a slot is acquired again only after
+    its tokens were read, i.e. after its last record was waited on).
+
+    The copies are queued on the step's own stream, right after the sampler's kernels: stream order makes them
+    read the finished ids, and the next step's kernels (which may reuse the freed device memory) run only after
+    them, so no side stream, stream switch or held device reference is needed. The id copy is a few bytes a row;
+    logprobs (rows x (k + 1) x 12 bytes) and prompt logprobs take the same path: they delay the next step's
+    kernels by their copy time, against ~45 us of host work a step that a side stream costs (issue #14)."""
 
     def __init__(self, device: torch.device, max_rows: int, num_slots: int = 2) -> None:
         self.device = torch.device(device)
@@ -100,8 +133,10 @@ class SampledRing:
         self.buffers = [
             torch.empty(max(1, max_rows), dtype=torch.int64, pin_memory=self.cuda) for _ in range(num_slots)
         ]
+        self.events: list[Optional[torch.cuda.Event]] = [
+            torch.cuda.Event() if self.cuda else None for _ in range(num_slots)
+        ]
         self.in_use = [False] * num_slots
-        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._next = 0
 
     def acquire(self) -> int:

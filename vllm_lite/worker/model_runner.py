@@ -424,7 +424,7 @@ class GPUModelRunner:
         inputs = build_step_inputs(batch, num_scheduled_tokens, self.block_size, self._arange)
         fix = None
         if self.async_scheduling and (idx := self._prev_token_fix(batch, inputs)) is not None:
-            assert prev is not None
+            assert prev is not None and prev.sampled is not None
             fix = self._fix_on_device(idx[0], idx[1], prev.sampled)
         if self.lora_manager is not None:  # this step's adapters in slots, and each token's slot, built once
             self.lora_manager.prepare_step(batch.lora_ids[inputs.rows], inputs.num_scheduled)
@@ -594,19 +594,16 @@ class GPUModelRunner:
             sampled=sampled,
             slot=slot,
         )
-        if ring.copy_stream is not None:
-            main = torch.cuda.current_stream(self.device)
-            ring.copy_stream.wait_stream(main)
-            with torch.cuda.stream(ring.copy_stream):
-                if slot >= 0:
-                    ring.buffers[slot][: len(s_idx)].copy_(sampled, non_blocking=True)
-                step.logprobs = None if lp is None else _to_host(lp)
+        if ring.cuda:  # queued on the step's stream, after the sampler's kernels (SampledRing: why no side stream)
+            if slot >= 0:
+                ring.buffers[slot][: len(s_idx)].copy_(sampled, non_blocking=True)
+            step.logprobs = None if lp is None else _to_host(lp)
+            if prompt_lp:
                 step.prompt_lp = {r: None if p is None else _to_host(p) for r, p in prompt_lp.items()}
-                step.event = torch.cuda.Event()
-                step.event.record(ring.copy_stream)
-            # The copies read these on the side stream: held until its event, or the allocator could hand their
-            # memory to the next step's kernels on the main stream while the copies still read it.
-            step.device_refs = (lp, prompt_lp)
+            event = ring.events[slot] if slot >= 0 else torch.cuda.Event() if prompt_lp else None
+            if event is not None:
+                event.record(self._staging.stream if self._staging is not None else None)
+                step.event = event
         else:
             if slot >= 0:
                 ring.buffers[slot][: len(s_idx)].copy_(sampled)
@@ -771,7 +768,7 @@ class GPUModelRunner:
 
 
 def _to_host(lp: LogprobsTensors) -> LogprobsTensors:
-    """Logprobs queued for the host (CUDA: into pinned memory, complete once the copy stream's event is)."""
+    """Logprobs queued for the host (CUDA: into pinned memory, complete once the step's sampled-ids event is)."""
     return LogprobsTensors(
         *(t.to("cpu", non_blocking=True) for t in (lp.logprob_token_ids, lp.logprobs, lp.selected_token_ranks))
     )
@@ -785,14 +782,13 @@ class _LaunchedStep:
     step_id: int
     inputs: StepInputs
     s_idx: np.ndarray  # int64 [S] positions (in the step's request order) that sampled
-    sampled: torch.Tensor  # int64 [S] on the device: the next step's input ids read it there
+    sampled: Optional[torch.Tensor]  # int64 [S] on the device: the next step's input ids read it there
     slot: int  # the SampledRing slot its ids are copied into
-    event: Optional[torch.cuda.Event] = None  # that copy's (CUDA)
+    event: Optional[torch.cuda.Event] = None  # that copy's (CUDA): the slot's, recorded again on its next use
     logprobs: Optional[LogprobsTensors] = None  # host copies on CUDA
     prompt_lp: dict[str, Optional[LogprobsTensors]] = field(default_factory=dict)
     tokens: Optional[np.ndarray] = None  # int64 [S] once on the host
     output: Optional[ModelRunnerOutput] = None
-    device_refs: Any = None  # device tensors the side stream's copies read (CUDA), dropped after its event
 
     def tokens_on_host(self) -> np.ndarray:
         """Wait for the ids, and write them over their placeholders in the batch (once)."""
@@ -801,7 +797,6 @@ class _LaunchedStep:
             assert ring is not None
             if self.event is not None:
                 self.event.synchronize()
-            self.device_refs = None
             if self.slot < 0:  # sampled nothing
                 self.tokens = np.zeros(0, dtype=np.int64)
                 return self.tokens
@@ -818,7 +813,7 @@ class _LaunchedStep:
             if self.logprobs is not None:
                 logprobs = _scatter_rows(self.logprobs, self.s_idx, self.inputs.num_reqs)
             self.output = _build_output(self.inputs, _Sampled(self.s_idx, tokens, logprobs), self.prompt_lp)
-            self.sampled = self.sampled.new_empty(0)  # the device tensor is no longer needed
+            self.sampled = None  # the device tensor is no longer needed
             if self.runner._prev is self:
                 self.runner._prev = None
         return self.output
