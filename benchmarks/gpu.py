@@ -18,7 +18,8 @@ a "full" run measures, all in this one invocation:
     kernel/copy intervals over the wall time of a window of decode steps, on an in-process engine
     (LLM(multiprocess=False)) in a fresh interpreter (gpu_busy_fraction: there the frontend's output processing
     shares the core's thread), and at batch 256 ALSO on the default multiprocess engine with vLLM's profiler API
-    (gpu_busy_fraction_multiprocess, decode_step_multiprocess): a worker interpreter sets
+    (gpu_busy_fraction_multiprocess, decode_step_multiprocess; gpu_busy_fraction_multiprocess_unprofiled_window:
+    the same kernel time over an unprofiled window, since CUPTI slows every launch): a worker interpreter sets
     VLLM_TORCH_PROFILER_DIR for its private engine core, calls llm.start_profile() / stop_profile() around
     decode steps of the 256 prompts, and reads the core's Chrome trace back (the window's engine steps in
     gpu_busy_multiprocess_steps; null with a note on CPU; --skip-mp-profile skips it, --mp-trace-dir keeps the
@@ -123,6 +124,8 @@ LABELS = {
     "host_ms": "host ms/step",
     "busy_ms_per_step": "busy ms/step",
     "window_ms_per_step": "window ms/step",
+    "unprofiled_window_ms_per_step": "unprofiled window ms/step",
+    "busy_unprofiled_window": "busy fraction (unprofiled window)",
     "engine_steps": "engine steps",
     "tok_s_ratio": "tok/s ratio",
     "batch1_ms_ratio": "batch-1 ms ratio",
@@ -672,7 +675,9 @@ MP_PROFILE_NOTE = (
     "kernel/copy intervals over the profiled window (busy_fraction; the start/stop calls drain the steps in "
     "flight, so the window's edges hold a pipeline refill) and over the first-to-last kernel span "
     "(busy_fraction_device_span); engine_steps: the core's steps inside the window (it ends once the core's step "
-    "counter, read with get_stats, has moved target_engine_steps)"
+    "counter, read with get_stats, has moved target_engine_steps); the same window run unprofiled just before "
+    "(unprofiled_window_ms_per_step: CUPTI's tracing slows every launch, graph replays per kernel node) and "
+    "busy_fraction_unprofiled_window = busy_ms_per_step / unprofiled_window_ms_per_step"
 )
 
 
@@ -710,23 +715,34 @@ def mp_profile_worker(spec: dict[str, Any]) -> dict[str, Any]:
             prefill_steps += 1
         for _ in range(2):  # past the last prefill's step: decode only from here
             _engine_step(engine, state)
-        # The core runs ahead of this frontend: leave it enough tokens that no request ends inside the window.
-        k = min(s["mp_profile_steps"], (out_len - max(state["gen"].values())) // 2 - 2)
+        # The core runs ahead of this frontend: leave it enough tokens (two windows) that no request ends inside.
+        k = min(s["mp_profile_steps"], (out_len - max(state["gen"].values())) // 3 - 2)
         if k < 1:
             raise RuntimeError(f"no decode steps left to profile after {prefill_steps} prefill steps")
         live = len([r for r in state["gen"] if r not in state["done"]])
+
+        def window(k: int) -> tuple[int, int]:
+            """Until the core has run k steps (its own counter: outputs this frontend reads may have been queued
+            before the start; the frontend reads outputs meanwhile, as a frontend does): (core steps, its steps)."""
+            start_step = engine.call_utility("get_stats")["step_counter"]
+            fe, moved = 0, 0
+            while not state["done"] and fe < 8 * k:
+                _engine_step(engine, state)
+                fe += 1
+                moved = engine.call_utility("get_stats")["step_counter"] - start_step
+                if moved >= k:
+                    break
+            return moved, fe
+
+        # The same window unprofiled first: the profiler's CUPTI tracing adds host time to every launch (each
+        # kernel node of a replayed graph), so the profiled window's length overstates the step the GPU waits on.
+        t0 = time.perf_counter()
+        plain_steps, _ = window(k)
+        plain_wall = time.perf_counter() - t0
         before = set(os.listdir(trace_dir))
         t0 = time.perf_counter()
         llm.start_profile()
-        # The window ends once the core has run k steps (its own counter: outputs this frontend reads may have
-        # been queued before the start); the frontend reads outputs meanwhile, as a frontend does.
-        start_step = engine.call_utility("get_stats")["step_counter"]
-        fe_steps = 0
-        while not state["done"] and fe_steps < 8 * k:
-            _engine_step(engine, state)
-            fe_steps += 1
-            if engine.call_utility("get_stats")["step_counter"] - start_step >= k:
-                break
+        _, fe_steps = window(k)
         llm.stop_profile()
         wall = time.perf_counter() - t0
         ended_inside = len(state["done"])
@@ -739,6 +755,12 @@ def mp_profile_worker(spec: dict[str, Any]) -> dict[str, Any]:
         path = os.path.join(trace_dir, new[0])
         parsed = read_chrome_trace(path)
         res.update(trace_busy_facts(parsed, s["device"].startswith("cuda")))
+        res["unprofiled_core_steps"] = plain_steps
+        res["unprofiled_window_ms_per_step"] = round(1e3 * plain_wall / max(1, plain_steps), 4)
+        busy_ms = res.get("busy_ms_per_step")  # kernel time a step (CUDA): the profiler does not slow the device
+        res["busy_fraction_unprofiled_window"] = (
+            None if busy_ms is None else round(min(1.0, busy_ms / res["unprofiled_window_ms_per_step"]), 4)
+        )
         res.update(
             batch=live,
             requests_finished_in_window=ended_inside,
@@ -998,6 +1020,7 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
 
     def record_mp_profile(mp: dict[str, Any]) -> None:
         entry["gpu_busy_fraction_multiprocess"] = mp["busy_fraction"]
+        entry["gpu_busy_fraction_multiprocess_unprofiled_window"] = mp.get("busy_fraction_unprofiled_window")
         entry["gpu_busy_multiprocess_steps"] = mp["engine_steps"]
         entry["decode_step_multiprocess"] = mp
         if mp["busy_fraction"] is None:
@@ -1012,6 +1035,8 @@ def run_shape(name: str, mode: str, s: dict[str, Any], probes: dict[str, Any], w
             busy=mp["busy_fraction"],
             busy_ms_per_step=mp.get("busy_ms_per_step"),
             window_ms_per_step=mp.get("window_ms_per_step"),
+            unprofiled_window_ms_per_step=mp.get("unprofiled_window_ms_per_step"),
+            busy_unprofiled_window=mp.get("busy_fraction_unprofiled_window"),
             engine_steps=mp["engine_steps"],
             batch=mp.get("batch"),
         )

@@ -96,6 +96,7 @@ if b is not None:
     for name, e in (b.get("shapes") or {}).items():
         keys = ("vllm_lite_tokens_per_s", "batch1_ms_per_token", "batch1_ttft_ms", "time_to_ready_s",
                 "gpu_busy_fraction", "gpu_busy_fraction_batch1", "gpu_busy_fraction_multiprocess",
+                "gpu_busy_fraction_multiprocess_unprofiled_window",
                 "hf_tokens_per_s", "ratio_vs_hf")
         print(f"  {name}: " + ", ".join(f"{k}={e[k]}" for k in keys if k in e))
         for k in ("decode_step", "decode_step_batch1_inprocess", "prefill_step"):

@@ -286,6 +286,9 @@ def test_gpu_benchmark_multiprocess_busy_worker_on_cpu_writes_and_parses_the_cor
     assert res["busy_fraction"] is None and "no GPU" in res["note"]  # CPU: no device figure, said so
     assert res["batch"] == 8 and res["target_engine_steps"] == 4 and res["engine_steps"] >= 4
     assert res["requests_finished_in_window"] == 0 and res["cpu_ops"] > 0 and res["window_ms"] > 0
+    # the same window unprofiled before it: its core steps and time a step; no busy figure without a GPU
+    assert res["unprofiled_core_steps"] >= 4 and res["unprofiled_window_ms_per_step"] > 0
+    assert res["busy_fraction_unprofiled_window"] is None
     trace = tmp_path / "profiler" / res["trace_file"]
     assert "aten::embedding" in op_names(load(trace))
     assert load(trace)[METADATA_KEY]["engine_steps"] == res["engine_steps"]
