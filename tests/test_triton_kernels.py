@@ -59,6 +59,20 @@ def test_this_process_runs_triton_compiled_not_interpreted():
     assert type(triton_attn._paged_attention_kernel).__name__ == "JITFunction"
 
 
+def test_arguments_that_change_every_step_are_not_specialised():
+    """Triton compiles a kernel again for each new kind (== 1, a multiple of 16, other) of an int argument it
+    specialises on; the step's request count and block-table width (attention) and its token-expert pairs (MoE)
+    change from step to step, so specialising them compiles mid-serving (likely the H100 batch-1 TTFT of 310 ms)."""
+    from vllm_lite.worker.attention import triton_attn
+    from vllm_lite.worker.models import fused_moe_triton
+
+    def unspecialised(kernel) -> set[str]:
+        return {p.name for p in kernel.params if p.do_not_specialize}
+
+    assert {"num_reqs", "stride_bt"} <= unspecialised(triton_attn._paged_attention_kernel)
+    assert {"num_pairs"} <= unspecialised(fused_moe_triton._expert_gemm)
+
+
 @pytest.mark.skipif(envs.TRITON_INTERPRET, reason="the check is about running without the interpreter")
 def test_cpu_tensors_without_interpreter_raise_a_clear_error():
     query, cache, md = random_attention_case([1], [3], 2, 2, 32, 16, torch.float32)

@@ -99,7 +99,10 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + pv
         return m_new, l_i, acc
 
-    @triton.jit
+    # The step's request count and block-table width change from step to step: specialised (== 1, % 16 == 0,
+    # other) each new combination would be a fresh compile (hundreds of ms) in the middle of serving, e.g. the
+    # first single-request prefill after a warm-up of batches.
+    @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
     def _paged_attention_kernel(
         out_ptr,
         q_ptr,

@@ -85,7 +85,7 @@ if HAS_TRITON:
             acc += tl.dot(a, w)
         return acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])  # tokens x top_k changes every step: no compile per new kind
     def _expert_gemm(
         a_ptr,
         w_ptr,
