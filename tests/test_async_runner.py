@@ -446,6 +446,25 @@ def test_fill_sampled_goes_by_request_id_and_skips_removed_and_readded_requests(
     assert batch.token_ids[0, 2] == 13
 
 
+def test_fix_on_device_maps_token_indices_and_sampled_entries() -> None:
+    """_fix_on_device's shortcuts (a device arange for dst 0..k-1, `sampled` itself for src 0..S-1) and its copies
+    for anything else: dst after a request with every token known, src out of order or a prefix of `sampled`."""
+    runner = _runner(True)
+    sampled = torch.tensor([70, 71, 72])
+    cases = [
+        ([0, 1, 2], [0, 1, 2], [0, 1, 2], [70, 71, 72]),
+        ([0, 1], [0, 1], [0, 1], [70, 71]),
+        ([4, 5], [0, 1], [4, 5], [70, 71]),  # a prefill of 4 tokens runs first
+        ([1, 2], [2, 0], [1, 2], [72, 70]),
+        ([3], [1], [3], [71]),
+    ]
+    for dst, src, want_dst, want_ids in cases:
+        d, ids = runner._fix_on_device(np.array(dst), np.array(src), sampled)
+        assert (d.tolist(), ids.tolist()) == (want_dst, want_ids), (dst, src)
+    d, ids = runner._fix_on_device(np.array([0, 1, 2]), np.array([0, 1, 2]), sampled)
+    assert ids is sampled  # the steady decode step: no view, no gather
+
+
 # ---------------------------------------------------------------------------------------------- host staging
 class _HostRing(PinnedRing):
     """The CUDA ring's bookkeeping on CPU: ordinary (not pinned) buffers, no device copy, no events."""

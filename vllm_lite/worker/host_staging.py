@@ -133,6 +133,7 @@ class SampledRing:
         self.buffers = [
             torch.empty(max(1, max_rows), dtype=torch.int64, pin_memory=self.cuda) for _ in range(num_slots)
         ]
+        self.host_views = [b.numpy() for b in self.buffers]  # the same memory, read without a torch call
         self.events: list[Optional[torch.cuda.Event]] = [
             torch.cuda.Event() if self.cuda else None for _ in range(num_slots)
         ]

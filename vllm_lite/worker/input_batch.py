@@ -61,6 +61,7 @@ class InputBatch:
         # pending_idx[row, step % 2]: that token's index in the launched step's sampled tensor (where the next step
         # reads it on the device, and where its value lands on the host); -1 where pending_pos is.
         self.pending_idx = np.full((max_num_reqs, PENDING_STEPS), -1, dtype=np.int64)
+        self._arange = np.arange(max_num_reqs, dtype=np.int64)  # pending_idx's values: 0 .. rows sampled - 1
         # Requests in the batch whose parameters ask for prompt logprobs (the runner skips that work at 0).
         self.num_prompt_logprob_reqs = 0
         # rows_of's last answer: (version, request ids, rows); `_version` counts removals (the only change that
@@ -223,19 +224,24 @@ class InputBatch:
         needs only the count) and remember where it goes. Row i's token is entry i of the step's sampled tensor
         (rows distinct)."""
         rows = np.asarray(rows, dtype=np.int64)
+        n = len(rows)
+        if not n:
+            return
+        col = step_id % PENDING_STEPS
+        if self.pending_pos[rows, col].max() >= 0:
+            raise RuntimeError(f"step {step_id}: rows {rows.tolist()} still wait for a token of step {step_id - 2}")
         pos = self.num_tokens[rows]
-        ok = pos < self.max_model_len
-        if ok.all():
+        if pos.max() < self.max_model_len:  # every row has room (always, but for a request at max_model_len)
             self.token_ids[rows, pos] = PLACEHOLDER_TOKEN
             self.num_tokens[rows] = pos + 1
+            self.pending_pos[rows, col] = pos
+            self.pending_idx[rows, col] = self._arange[:n]
         else:
+            ok = pos < self.max_model_len
             self.token_ids[rows[ok], pos[ok]] = PLACEHOLDER_TOKEN
             self.num_tokens[rows[ok]] += 1
-        col = step_id % PENDING_STEPS
-        if (self.pending_pos[rows, col] >= 0).any():
-            raise RuntimeError(f"step {step_id}: rows {rows.tolist()} still wait for a token of step {step_id - 2}")
-        self.pending_pos[rows, col] = np.where(ok, pos, -1)
-        self.pending_idx[rows, col] = np.where(ok, np.arange(len(rows)), -1)
+            self.pending_pos[rows, col] = np.where(ok, pos, -1)
+            self.pending_idx[rows, col] = np.where(ok, self._arange[:n], -1)
         self.sampling.count_sampled(rows)
 
     def pending_sources(self, rows: np.ndarray, step_id: int) -> np.ndarray:
@@ -249,7 +255,7 @@ class InputBatch:
         col = step_id % PENDING_STEPS
         n = self.num_reqs
         pos = self.pending_pos[:n, col]
-        rows = np.flatnonzero(pos >= 0)
+        rows = (pos >= 0).nonzero()[0]
         if not len(rows):
             return
         pos = pos[rows]

@@ -116,6 +116,7 @@ class GPUModelRunner:
         self._staging: Optional[PinnedRing] = None
         self._sampled_ring: Optional[SampledRing] = None
         self._dev_arange: Optional[torch.Tensor] = None  # _device_arange's
+        self._dev_arange_k: Optional[torch.Tensor] = None  # its last answer, a view of it
         if not self.async_scheduling:
             return
         if self.spec_decode is not None or self.tp_size > 1 or self.pooler is not None:
@@ -368,19 +369,20 @@ class GPUModelRunner:
         if prev is None or prev.tokens is not None:
             return None
         pos = batch.pending_rows(inputs.rows, prev.step_id)
-        hit = np.nonzero(pos >= 0)[0]
+        hit = (pos >= 0).nonzero()[0]
         if len(hit) == 0:
             return None
         off = pos[hit] - inputs.num_computed[hit]
-        if (off < 0).any():
+        if off.min() < 0:
             raise RuntimeError(
                 f"requests {[inputs.req_ids[i] for i in hit[off < 0]]} were computed past a token of step "
                 f"{prev.step_id} that is not known yet"
             )
         here = off < inputs.num_scheduled[hit]  # a row may run without reaching its pending token (not sampled)
-        hit, off = hit[here], off[here]
-        if len(hit) == 0:
-            return None
+        if not here.all():
+            hit, off = hit[here], off[here]
+            if len(hit) == 0:
+                return None
         dst = inputs.query_start_loc[hit] + off
         return dst, batch.pending_sources(inputs.rows[hit], prev.step_id)
 
@@ -389,22 +391,27 @@ class GPUModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """_prev_token_fix's (token indices, indices into the previous step's sampled tensor) as (token indices,
         token ids) on the device. The steady decode step has both ranges 0..k-1 (every token is the previous step's
-        sample of the same row, rows in the same order): then a slice of a device arange and a view of `sampled`
-        stand in for two host-to-device copies and a gather; anything else is copied and gathered."""
+        sample of the same row, rows in the same order): then a device arange (cached per k) and `sampled` itself
+        (or a view) stand in for two host-to-device copies and a gather; anything else is copied and gathered.
+        `dst` rises strictly from >= 0 (a token index in each hit request's own query range, requests in order),
+        so it is 0..k-1 exactly when its last entry is k - 1."""
         k = len(dst)
-        ar = self._arange[:k]
-        dev = self._device_arange(k)
-        dst_t = dev[:k] if np.array_equal(dst, ar) else self._h2d(dst, True)
-        if np.array_equal(src, ar):
-            return dst_t, sampled[:k]
+        dst_t = self._device_arange(k) if dst[-1] == k - 1 else self._h2d(dst, True)
+        if (src == self._arange[:k]).all():
+            return dst_t, sampled if len(sampled) == k else sampled[:k]
         return dst_t, sampled.index_select(0, self._h2d(src, True))
 
     def _device_arange(self, k: int) -> torch.Tensor:
-        """0..n-1 (n >= k) int64 on the device, made once (a launch, no copy from the host)."""
+        """0..k-1 int64 on the device: a view of one arange made once (a launch, no copy from the host), the last
+        k's view kept (a slice is a torch call, ~µs of host time a step on CUDA)."""
+        last = self._dev_arange_k
+        if last is not None and len(last) == k:
+            return last
         dev = self._dev_arange
         if dev is None or len(dev) < k:
             dev = self._dev_arange = torch.arange(max(k, len(self._arange)), dtype=torch.int64, device=self.device)
-        return dev
+        self._dev_arange_k = dev[:k]
+        return self._dev_arange_k
 
     def _run_step(
         self,
@@ -800,7 +807,7 @@ class _LaunchedStep:
             if self.slot < 0:  # sampled nothing
                 self.tokens = np.zeros(0, dtype=np.int64)
                 return self.tokens
-            self.tokens = ring.buffers[self.slot][: len(self.s_idx)].numpy().copy()
+            self.tokens = ring.host_views[self.slot][: len(self.s_idx)].copy()
             ring.release(self.slot)
             # Rows still waiting for these tokens (InputBatch.pending_idx: entry i of `sampled` per row).
             self.runner.input_batch.fill_pending(self.tokens, self.step_id)
