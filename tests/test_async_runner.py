@@ -512,6 +512,10 @@ def test_a_cpu_ring_is_a_passthrough() -> None:
         sampled.acquire()
     sampled.release(0)
     assert sampled.acquire() == 0
+    head = sampled.head(1, 3)  # a slot's copy destination: kept while the length stays, the slot's memory
+    assert sampled.head(1, 3) is head and len(sampled.head(1, 2)) == 2 and sampled.head(0, 2) is not head
+    sampled.head(1, 2).copy_(torch.tensor([4, 5]))
+    assert sampled.host_views[1][:2].tolist() == [4, 5]
 
 
 # ---------------------------------------------------------------------------------------------- GPU script

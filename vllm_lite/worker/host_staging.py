@@ -138,6 +138,7 @@ class SampledRing:
             torch.cuda.Event() if self.cuda else None for _ in range(num_slots)
         ]
         self.in_use = [False] * num_slots
+        self._heads: list[Optional[torch.Tensor]] = [None] * num_slots
         self._next = 0
 
     def acquire(self) -> int:
@@ -153,3 +154,11 @@ class SampledRing:
 
     def release(self, slot: int) -> None:
         self.in_use[slot] = False
+
+    def head(self, slot: int, n: int) -> torch.Tensor:
+        """The slot's first n entries (the copy's destination), the view kept per slot while n stays the same (a
+        slice is a torch call, microseconds of host time on CUDA)."""
+        view = self._heads[slot]
+        if view is None or len(view) != n:
+            view = self._heads[slot] = self.buffers[slot][:n]
+        return view

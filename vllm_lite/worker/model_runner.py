@@ -603,7 +603,7 @@ class GPUModelRunner:
         )
         if ring.cuda:  # queued on the step's stream, after the sampler's kernels (SampledRing: why no side stream)
             if slot >= 0:
-                ring.buffers[slot][: len(s_idx)].copy_(sampled, non_blocking=True)
+                ring.head(slot, len(s_idx)).copy_(sampled, non_blocking=True)
             step.logprobs = None if lp is None else _to_host(lp)
             if prompt_lp:
                 step.prompt_lp = {r: None if p is None else _to_host(p) for r, p in prompt_lp.items()}
@@ -613,7 +613,7 @@ class GPUModelRunner:
                 step.event = event
         else:
             if slot >= 0:
-                ring.buffers[slot][: len(s_idx)].copy_(sampled)
+                ring.head(slot, len(s_idx)).copy_(sampled)
             step.logprobs, step.prompt_lp = lp, prompt_lp
         if slot < 0:
             return AsyncModelRunnerOutput(step.get_output)
