@@ -6,7 +6,8 @@ Drives a CPU runner (the tiny float32 llama) through testing.stand_in_core.Stand
 so decode steps take the replay path the GPU takes. Each decode step's host time is execute_model (plus, async, the
 get_output of the step before) with the model's forward left out (on CUDA a graph replay, one launch), and its ATen
 ops outside the forward (each one a launch or ~5-10 us of dispatch on CUDA). Sync and async run interleaved, round
-by round, on runners built once; medians over rounds of the per-step mean. Prints one JSON line per (batch, mode)
+by round, on runners built once; the median step of each round, and the median of those over rounds (robust to
+other processes' bursts on a shared machine; --threads 1 keeps the forward off the second core). Prints one JSON line per (batch, mode)
 and a final JSON object.
 """
 
@@ -18,6 +19,8 @@ import os
 import statistics
 import time
 from typing import Any
+
+import torch
 
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.testing.cpu_runner import cpu_runner
@@ -33,6 +36,7 @@ class _Timed:
 
     def __init__(self, runner: Any, count_ops: bool) -> None:
         self.host_s = 0.0
+        self.steps: list[float] = []  # each decode step's host seconds
         self.ops = 0
         self.calls = 0
         self._fwd = 0.0
@@ -82,14 +86,17 @@ class _Core(StandInCore):
         so = self.schedule()
         decode = all(n == 1 for n in so.num_scheduled_tokens.values()) and so.total_num_scheduled_tokens > 0
         call = self.timed.call if (self.timing and decode) else (lambda fn, *a, **k: fn(*a, **k))
+        before = self.timed.host_s
         if decode and self.timing:
             self.timed.calls += 1
         if not self.async_:
             self.update(call(self.runner.execute_model, so))
-            return
-        self.in_flight.append(call(self.runner.execute_model, so, non_block=True))
-        if len(self.in_flight) == 2:
-            self.update(call(self.in_flight.popleft().get_output))
+        else:
+            self.in_flight.append(call(self.runner.execute_model, so, non_block=True))
+            if len(self.in_flight) == 2:
+                self.update(call(self.in_flight.popleft().get_output))
+        if decode and self.timing:
+            self.timed.steps.append(self.timed.host_s - before)
 
 
 def _generation(runner: Any, async_: bool, batch: int, tokens: int, seed0: int) -> _Core:
@@ -125,7 +132,7 @@ def run(batch: int, tokens: int, rounds: int, count_ops: bool) -> dict[str, Any]
             so = core.schedule()
             runner.execute_model(so)
             if rnd:
-                per_step[mode].append(1e6 * timed.host_s / timed.calls)
+                per_step[mode].append(1e6 * statistics.median(timed.steps))
                 ops[mode].append(timed.ops / timed.calls)
             outs.setdefault(mode, []).append([r.out for r in core.reqs.values()])
     assert outs["sync"] == outs["async"], "async tokens differ from sync"
@@ -146,7 +153,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ops", action="store_true", help="count ATen ops outside the forward (slows the host)")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     result: dict[str, Any] = {"load_avg": os.getloadavg()}
     for b in a.batches:
         row = run(b, a.tokens, a.rounds, a.ops)
