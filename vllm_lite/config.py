@@ -30,6 +30,20 @@ def _note_once(message: str) -> None:
         logger.info(message)
 
 
+# vLLM's load formats that we implement (worker/model_loader.py); its others (npcache, tensorizer, gguf,
+# bitsandbytes, ...) are refused.
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+
+
+def check_load_format(load_format: str) -> str:
+    """load_format if we implement it; ValueError naming the field and the formats we have otherwise."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format={load_format!r} is not supported; vllm-lite implements: {', '.join(LOAD_FORMATS)}."
+        )
+    return load_format
+
+
 @dataclass
 class ModelConfig:
     model: str
@@ -55,6 +69,8 @@ class ModelConfig:
     # vLLM's `quantization` (the method, resolved against the checkpoint) and the format's settings.
     quantization: Optional[str] = None
     quant_config: Optional[QuantizationConfig] = None
+    # vLLM's --load-format (vLLM keeps it in its LoadConfig): auto, safetensors, pt or dummy (random weights).
+    load_format: str = "auto"
 
     @property
     def name(self) -> str:
@@ -82,6 +98,10 @@ class CacheConfig:
     prefix_caching_scope: str = "client"
     swap_space_bytes: int = 1 << 30
     preemption_mode: str = "recompute"  # or "swap"
+    # vLLM's --kv-cache-dtype; "auto" (the model's dtype) is the only one we have.
+    cache_dtype: str = "auto"
+    # vLLM's --num-gpu-blocks-override: the KV cache's block count, used instead of the memory budget.
+    num_gpu_blocks_override: Optional[int] = None
     # Set once the worker has sized the cache.
     num_gpu_blocks: Optional[int] = None
     num_cpu_blocks: Optional[int] = None
@@ -99,6 +119,9 @@ class SchedulerConfig:
     # vLLM's async scheduling: step N+1 is scheduled and launched while step N runs (at most two steps in
     # flight); step N+1's input token comes from step N's sampled tensor on the device. Off: today's step.
     async_scheduling: bool = False
+    # vLLM's chunked prefill: a prompt longer than the step's budget runs over several steps. Always on for
+    # generative models (vLLM V1's default); off for pooling models, whose prompts run whole.
+    enable_chunked_prefill: bool = True
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from vllm_lite import platform as _platform
 from vllm_lite.config import (
+    LOAD_FORMATS,
     CacheConfig,
     CompilationConfig,
     DeviceConfig,
@@ -26,6 +27,7 @@ from vllm_lite.config import (
     StructuredOutputsConfig,
     VllmConfig,
     _note_once,
+    check_load_format,
     resolve_async_scheduling,
     verify_parallel_config,
 )
@@ -69,6 +71,39 @@ def default_max_num_batched_tokens(device: Any, max_model_len: int, usage_contex
     if memory >= LARGE_GPU_BYTES and "a100" not in name:
         return 16384 if usage_context == LLM_CLASS else 8192
     return fallback
+
+
+# vLLM's --kv-cache-dtype choices; we run only "auto" (and "bfloat16" when the model computes in it).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, model_dtype: Any) -> str:
+    """ "auto" (the model's dtype) or a name for the model's own dtype; ValueError naming the field otherwise."""
+    if kv_cache_dtype == "auto" or _STR_DTYPES.get(kv_cache_dtype) == model_dtype:
+        return "auto"
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}.")
+    raise ValueError(
+        f"kv_cache_dtype={kv_cache_dtype!r} is not supported: vllm-lite keeps the KV cache in the model's dtype "
+        f"({str(model_dtype).replace('torch.', '')}); use kv_cache_dtype='auto'."
+    )
+
+
+def resolve_chunked_prefill(enable_chunked_prefill: Optional[bool], runner_type: str) -> bool:
+    """vLLM's enable_chunked_prefill against what our scheduler does: generative models always chunk long
+    prompts (V1's default), pooling models never do; a value that asks for the other is a ValueError."""
+    chunked = runner_type != "pooling"
+    if enable_chunked_prefill is None or enable_chunked_prefill == chunked:
+        return chunked
+    if chunked:
+        raise ValueError(
+            "enable_chunked_prefill=False is not supported: vllm-lite's scheduler always chunks long prompts "
+            "(vLLM V1's default); leave enable_chunked_prefill unset or True."
+        )
+    raise ValueError(
+        "enable_chunked_prefill=True is not supported for pooling models (runner='pooling'): each prompt runs "
+        "whole in one step; leave enable_chunked_prefill unset or False."
+    )
 
 
 # Default step budget of a pooling model when none is given (see create_engine_config).
@@ -143,6 +178,16 @@ class EngineArgs:
         default=None,
         metadata={"help": "Hugging Face cache directory to read and download repo ids into (default: HF's own)."},
     )
+    load_format: str = field(
+        default="auto",
+        metadata={
+            "help": "How the weights are read, as vLLM: auto (*.safetensors, else PyTorch *.bin), safetensors, pt "
+            "(PyTorch *.pt, else *.bin; tensors only, never pickled code) or dummy (no weight file read: small "
+            "deterministic random values in the checkpoint's shapes, for benchmarks). vLLM's other formats are "
+            "refused.",
+            "metavar": "{" + ",".join(LOAD_FORMATS) + "}",
+        },
+    )
     trust_remote_code: bool = field(
         default=False,
         metadata={"help": "Accepted for vLLM compatibility; True is refused: vllm-lite runs only its own model code."},
@@ -198,8 +243,23 @@ class EngineArgs:
         metadata={"help": "Context length: prompt plus output tokens (default: the model's max_position_embeddings)."},
     )
     block_size: int = field(default=16, metadata={"help": "Tokens per KV-cache block (a power of two)."})
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "KV cache data type, as vLLM: auto (the model's dtype). vllm-lite has no fp8 KV cache: the "
+            "fp8 kinds are refused, and bfloat16 only where the model computes in bfloat16.",
+            "choices": KV_CACHE_DTYPES,
+        },
+    )
     kv_cache_memory_bytes: Optional[int] = field(
         default=None, metadata={"help": "KV cache size in bytes (default: a size for the device)."}
+    )
+    num_gpu_blocks_override: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Exactly this many KV-cache blocks, instead of what the memory budget gives (vLLM's, for tests "
+            "and benchmarks); no memory profiling. Must hold one max_model_len request."
+        },
     )
     gpu_memory_utilization: float = field(
         default=0.9,
@@ -234,6 +294,14 @@ class EngineArgs:
         metadata={
             "help": "Token budget per engine step (default: 16384 for the offline LLM and 8192 for a server on a "
             "CUDA GPU of 70 GiB or more other than an A100, as vLLM; else max(2048, min(max_model_len, 8192)))."
+        },
+    )
+    enable_chunked_prefill: Optional[bool] = field(
+        default=None,
+        metadata={
+            "help": "Chunked prefill (a long prompt runs over several steps, beside decodes): always on for "
+            "generative models, as vLLM V1's default, so --no-enable-chunked-prefill is refused there; pooling "
+            "models run each prompt whole (off). Default: whichever the model runs."
         },
     )
     max_num_seqs: int = field(default=128, metadata={"help": "Most requests running at once."})
@@ -454,6 +522,11 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs!r}.")
+        check_load_format(self.load_format)
+        kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype, dtype)
+        override = self.num_gpu_blocks_override
+        if override is not None and (isinstance(override, bool) or not isinstance(override, int) or override < 1):
+            raise ValueError(f"num_gpu_blocks_override must be a positive integer, got {override!r}.")
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size,
@@ -495,7 +568,13 @@ class EngineArgs:
                 )
         elif self.pooler_config is not None:
             raise ValueError("pooler_config applies to pooling models only (runner='pooling').")
+        chunked_prefill = resolve_chunked_prefill(self.enable_chunked_prefill, runner_type)
         quant_config = resolve_quantization(self.quantization, hf, model_dir)
+        if quant_config is not None and self.load_format == "dummy":
+            raise ValueError(
+                f"load_format='dummy' does not support quantized checkpoints ({quant_config.quant_method}): random "
+                "packed int4 weights and group indices would not make a valid model; use a non-quantized config."
+            )
         model_config = ModelConfig(
             model=model_dir,
             tokenizer=tokenizer_dir,
@@ -515,6 +594,7 @@ class EngineArgs:
             convert_type=convert_type,
             quantization=quant_config.quant_method if quant_config else None,
             quant_config=quant_config,
+            load_format=self.load_format,
         )
         config = VllmConfig(
             model_config=model_config,
@@ -526,6 +606,8 @@ class EngineArgs:
                 prefix_caching_scope=self.prefix_caching_scope,
                 swap_space_bytes=int(self.swap_space * (1 << 30)),
                 preemption_mode=self.preemption_mode,
+                cache_dtype=kv_cache_dtype,
+                num_gpu_blocks_override=override,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_batched,
@@ -535,6 +617,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 log_stats_interval_s=None if self.disable_log_stats else 10.0,
                 async_scheduling=bool(self.async_scheduling),
+                enable_chunked_prefill=chunked_prefill,
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device, num_threads=self.num_threads),

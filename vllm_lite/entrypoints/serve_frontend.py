@@ -68,6 +68,8 @@ class FrontendArgs(msgspec.Struct, kw_only=True):
     ssl_keyfile: Optional[str] = None
     ssl_certfile: Optional[str] = None
     lora_modules: list[LoRAModulePath] = []  # --lora-modules: loaded before the frontend says it is ready
+    disable_fastapi_docs: bool = False
+    disable_uvicorn_access_log: bool = False
 
 
 class FrontendReady(msgspec.Struct):
@@ -127,6 +129,8 @@ async def serve(
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             lora_modules=list(args.lora_modules),
+            disable_fastapi_docs=args.disable_fastapi_docs,
+            disable_uvicorn_access_log=args.disable_uvicorn_access_log,
             **on_death,
         ),
     )

@@ -13,6 +13,7 @@ from vllm_lite.worker.kv_cache_sizing import (
     describe_kv_cache,
     kv_budget_from_utilization,
     num_kv_blocks,
+    override_num_blocks,
 )
 from vllm_lite.worker.model_runner import GPUModelRunner
 from vllm_lite.worker.models.sliding_window import uniform_sliding_window
@@ -50,22 +51,28 @@ class GPUWorker:
         self.model_runner = GPUModelRunner(vllm_config, self.device)
 
     def determine_num_blocks(self) -> tuple[int, int]:
-        """(device blocks, host swap blocks) from the memory budget, capped at what can ever be used."""
+        """(device blocks, host swap blocks) from the memory budget, capped at what can ever be used; or exactly
+        num_gpu_blocks_override device blocks (vLLM's: no budget, no profiling pass)."""
         cc, sc = self.config.cache_config, self.config.scheduler_config
         per_block = self.model_runner.kv_cache_bytes_per_block()
-        if per_block == 0:  # no layer keeps a KV cache (an encoder such as BERT): blocks are bookkeeping only
-            return -(-sc.max_model_len // cc.block_size) * sc.max_num_seqs + 1, 0
-        if cc.kv_cache_memory_bytes is not None:
-            budget = cc.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = self._profiled_cuda_budget()
-        else:
-            budget = _CPU_DEFAULT_KV_BYTES
         per_seq = self._blocks_per_seq()
-        num_gpu = num_kv_blocks(budget, per_block, cc.block_size, sc.max_model_len, sc.max_num_seqs, per_seq)
-        logger.info(describe_kv_cache(num_gpu, per_block, cc.block_size, sc.max_model_len, per_seq))
+        if cc.num_gpu_blocks_override is not None:
+            num_gpu = override_num_blocks(cc.num_gpu_blocks_override, cc.block_size, sc.max_model_len, per_seq)
+            logger.info("num_gpu_blocks_override=%d: the KV cache gets exactly that many blocks", num_gpu)
+        elif per_block == 0:  # no layer keeps a KV cache (an encoder such as BERT): blocks are bookkeeping only
+            return -(-sc.max_model_len // cc.block_size) * sc.max_num_seqs + 1, 0
+        else:
+            if cc.kv_cache_memory_bytes is not None:
+                budget = cc.kv_cache_memory_bytes
+            elif self.device.type == "cuda":
+                budget = self._profiled_cuda_budget()
+            else:
+                budget = _CPU_DEFAULT_KV_BYTES
+            num_gpu = num_kv_blocks(budget, per_block, cc.block_size, sc.max_model_len, sc.max_num_seqs, per_seq)
+        if per_block:
+            logger.info(describe_kv_cache(num_gpu, per_block, cc.block_size, sc.max_model_len, per_seq))
         num_cpu = 0
-        if cc.preemption_mode == "swap":
+        if cc.preemption_mode == "swap" and per_block:
             num_cpu = min(cc.swap_space_bytes // per_block, per_seq * sc.max_num_seqs + 1)
         return int(num_gpu), int(num_cpu)
 

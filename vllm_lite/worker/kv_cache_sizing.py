@@ -91,6 +91,21 @@ def num_kv_blocks(
     return int(min(fit, useful))
 
 
+def override_num_blocks(override: int, block_size: int, max_model_len: int, per_seq: Optional[int] = None) -> int:
+    """vLLM's num_gpu_blocks_override, checked: exactly `override` blocks, or a ValueError when they cannot hold
+    one max_model_len sequence (plus the null block) or the value is not a positive integer."""
+    if isinstance(override, bool) or not isinstance(override, int) or override < 1:
+        raise ValueError(f"num_gpu_blocks_override must be a positive integer, got {override!r}.")
+    per_seq = blocks_per_seq(block_size, max_model_len) if per_seq is None else per_seq
+    if override < per_seq + 1:
+        raise ValueError(
+            f"num_gpu_blocks_override={override} is too small: one max_model_len={max_model_len} sequence needs "
+            f"{per_seq + 1} blocks of {block_size} tokens (the null block included). Raise "
+            "num_gpu_blocks_override or lower max_model_len."
+        )
+    return override
+
+
 def max_concurrency(num_blocks: int, block_size: int, max_model_len: int, per_seq: Optional[int] = None) -> float:
     """How many max_model_len sequences the cache holds at once: its tokens / max_model_len, or under a
     sliding window (`per_seq` below a full sequence's blocks) its blocks / the blocks one sequence holds."""

@@ -1,8 +1,12 @@
-"""Build our model for a checkpoint and stream its safetensors weights in, one tensor at a time.
+"""Build our model for a checkpoint and stream its weights in, one tensor at a time.
 
 The module is constructed on the meta device (no random init, no memory),
 materialised empty on the target device in the target dtype, then filled
 from the checkpoint; so peak memory is one model plus one tensor.
+
+`load_format` is vLLM's: auto (safetensors, else PyTorch *.bin state dicts), safetensors, pt (PyTorch *.pt,
+else *.bin, read with ``torch.load(weights_only=True)``: tensors only, never pickled code) or dummy (no weight
+file read: small deterministic random values, for benchmarks).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from vllm_lite.config import ModelConfig
+from vllm_lite.config import LOAD_FORMATS, ModelConfig, check_load_format  # noqa: F401 (LOAD_FORMATS: re-export)
 from vllm_lite.quantization.int4_linear import quantized_linears
 from vllm_lite.worker.models.registry import get_model_class
 from vllm_lite.worker.parallel_state import get_tp_size
@@ -44,14 +48,87 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iterate_weights(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+# Files next to PyTorch weights that are not weights (trainer state), skipped as vLLM does.
+_NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth")
+# vLLM's dummy initialisation: uniform in [-1e-3, 1e-3] from a fixed seed, so two loads give the same model.
+DUMMY_LOW, DUMMY_HIGH, DUMMY_SEED = -1e-3, 1e-3, 1234
+
+
+def pt_files(model_dir: str, patterns: tuple[str, ...] = ("*.pt", "*.bin")) -> list[str]:
+    """PyTorch weight files: those named by pytorch_model.bin.index.json, else the first of `patterns` that
+    matches (trainer state files left out); empty when there are none."""
+    index = os.path.join(model_dir, "pytorch_model.bin.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        files = sorted({os.path.join(model_dir, v) for v in weight_map.values()})
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"shards named in {index} are missing: {missing}.")
+        return files
+    for pattern in patterns:
+        files = sorted(
+            f for f in glob.glob(os.path.join(model_dir, pattern)) if os.path.basename(f) not in _NOT_WEIGHTS
+        )
+        if files:
+            return files
+    return []
+
+
+def weight_files(model_dir: str, load_format: str = "auto") -> tuple[str, list[str]]:
+    """("safetensors" or "pt", the files) that `load_format` reads from model_dir; FileNotFoundError if none.
+
+    auto: *.safetensors, else PyTorch *.bin (vLLM's order); safetensors: only those; pt: *.pt, else *.bin."""
+    check_load_format(load_format)
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory {model_dir!r} does not exist.")
+    if load_format == "pt":
+        files = pt_files(model_dir)
+        if not files:
+            raise FileNotFoundError(f"load_format='pt': no *.pt or *.bin weights in {model_dir!r}.")
+        return "pt", files
+    if load_format == "auto":
+        has_st = os.path.isfile(os.path.join(model_dir, "model.safetensors.index.json")) or glob.glob(
+            os.path.join(model_dir, "*.safetensors")
+        )
+        if not has_st:
+            files = pt_files(model_dir, ("*.bin",))
+            if files:
+                return "pt", files
+    return "safetensors", safetensors_files(model_dir)
+
+
+def _load_pt(path: str) -> dict[str, Any]:
+    """A PyTorch state dict, tensors only: weights_only=True refuses anything that would run code on load."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ValueError(f"{path!r} holds a {type(state).__name__}, not a state dict of tensors.")
+    return state
+
+
+def iterate_weights(model_dir: str, lazy: bool = False, load_format: str = "auto") -> Iterator[tuple[str, Any]]:
     """(name, tensor) for every tensor of the checkpoint, read one at a time.
 
     lazy=True yields safetensors slices instead of tensors: a tensor-parallel
-    rank then reads only its shard's bytes (`slice[a:b]`)."""
+    rank then reads only its shard's bytes (`slice[a:b]`); PyTorch files (load_format pt, or auto without
+    safetensors) are memory-mapped where their format allows."""
     from safetensors import safe_open
 
-    for path in safetensors_files(model_dir):
+    kind, files = weight_files(model_dir, load_format)
+    if kind == "pt":
+        for path in files:
+            state = _load_pt(path)
+            for name, tensor in state.items():
+                if isinstance(tensor, torch.Tensor):
+                    yield name, tensor
+            del state
+        return
+    for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
@@ -124,12 +201,37 @@ def init_non_persistent_buffers(model: nn.Module) -> None:
             m.init_buffers()
 
 
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED) -> None:
+    """Fill every floating-point parameter with uniform values in [DUMMY_LOW, DUMMY_HIGH] (vLLM's dummy format).
+
+    Each parameter draws from its own generator seeded by its position, on its own device, so the fill is the
+    same on every load of the same model on the same device (and does not touch torch's global RNG)."""
+    for i, (_, p) in enumerate(model.named_parameters()):
+        if not p.dtype.is_floating_point:
+            continue
+        g = torch.Generator(device=p.device).manual_seed(seed + i)
+        if p.dtype.itemsize < 2:  # fp8: draw in float16, then round
+            p.copy_(
+                torch.empty(p.shape, dtype=torch.float16, device=p.device).uniform_(DUMMY_LOW, DUMMY_HIGH, generator=g)
+            )
+        else:
+            p.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=g)
+
+
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    """Our model for model_config.model in model_config.dtype on device, with the checkpoint's weights.
+    """Our model for model_config.model in model_config.dtype on device, with the checkpoint's weights
+    (load_format dummy: none read, deterministic small random values instead).
 
     Under tensor parallelism (parallel_state initialised) this builds and loads only this rank's shard."""
     device = torch.device(device)
-    files = safetensors_files(model_config.model)  # fail on a bad dir before building anything
+    load_format = check_load_format(model_config.load_format)
+    if load_format == "dummy" and model_config.quant_config is not None:
+        raise ValueError(
+            f"load_format='dummy' cannot make {model_config.quant_config.quant_method} weights (packed int4 "
+            "values, group indices); use a non-quantized checkpoint's config for dummy weights."
+        )
+    files = [] if load_format == "dummy" else weight_files(model_config.model, load_format)[1]  # fail early
     hf_config = _hf_config(model_config)
     archs = getattr(hf_config, "architectures", None) or [model_config.architecture]
     if model_config.convert_type != "none":  # --convert: built as the converted architecture (e.g. Qwen2Model)
@@ -139,7 +241,11 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         model = cls(hf_config)
     materialize(model, model_config.dtype, device)
     init_non_persistent_buffers(model)
-    loaded = model.load_weights(iterate_weights(model_config.model, lazy=get_tp_size() > 1))
+    if load_format == "dummy":
+        initialize_dummy_weights(model)
+        process_weights_after_loading(model)
+        return model.eval()
+    loaded = model.load_weights(iterate_weights(model_config.model, lazy=get_tp_size() > 1, load_format=load_format))
     expected = {name for name, _ in model.named_parameters()}
     missing = sorted(expected - loaded)
     if missing:

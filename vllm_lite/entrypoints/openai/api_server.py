@@ -193,6 +193,8 @@ def build_app(
     tool_call_parser: Optional[str] = None,
     lora_modules: Sequence[LoRAModulePath] = (),
     allow_runtime_lora_updating: Optional[bool] = None,
+    disable_fastapi_docs: bool = False,
+    disable_uvicorn_access_log: bool = False,
 ) -> FastAPI:
     """The FastAPI app for `engine` (AsyncLLM or anything with its interface).
 
@@ -280,7 +282,11 @@ def build_app(
         version=vllm_lite.__version__,
         lifespan=lifespan,
         root_path=root_path,
+        # --disable-fastapi-docs: no /openapi.json, /docs, /redoc (vLLM's flag).
+        **({"openapi_url": None, "docs_url": None, "redoc_url": None} if disable_fastapi_docs else {}),
     )
+    # --disable-uvicorn-access-log, read by serve_app when it configures uvicorn.
+    app.state.disable_uvicorn_access_log = disable_uvicorn_access_log
     app.state.engine = engine
     app.state.engine_dead = False
     # Set by a supervisor that stops the cores on purpose (serve_frontend's "stop" control): a core exit then
@@ -536,6 +542,7 @@ async def serve_app(
         log_level=log_level,
         timeout_keep_alive=5,
         lifespan="on",
+        access_log=not getattr(app.state, "disable_uvicorn_access_log", False),
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,
         # Exit even if a client holds a stream open (the engine may be dead and a supervisor waiting).
@@ -647,6 +654,8 @@ def server_options(args: Any) -> dict[str, Any]:
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
         "lora_modules": list(getattr(args, "lora_modules", None) or []),
+        "disable_fastapi_docs": bool(getattr(args, "disable_fastapi_docs", False)),
+        "disable_uvicorn_access_log": bool(getattr(args, "disable_uvicorn_access_log", False)),
     }
 
 

@@ -55,6 +55,14 @@ def add_http_options(srv: argparse._ArgumentGroup) -> None:
     srv.add_argument("--root-path", default="", help="URL prefix when behind a path-based proxy (FastAPI root_path).")
     srv.add_argument("--disable-log-requests", action="store_true", help="Do not log each generation request.")
     srv.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="Turn off uvicorn's per-request access log."
+    )
+    srv.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="Serve no OpenAPI schema or docs pages (/openapi.json, /docs, /redoc are 404).",
+    )
+    srv.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=16 << 20,

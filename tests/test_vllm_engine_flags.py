@@ -1,0 +1,324 @@
+"""vLLM's everyday engine and server flags, with vLLM's names and meanings: --load-format (auto, safetensors, pt,
+dummy), --enable-chunked-prefill, --kv-cache-dtype, --num-gpu-blocks-override, --disable-fastapi-docs and
+--disable-uvicorn-access-log. Each is parsed from the command line into EngineArgs and the engine config, and its
+effect checked on a real engine, server or loader; bad values are refused naming the field."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+
+import httpx
+import pytest
+import torch
+
+from vllm_lite.engine_args import EngineArgs
+from vllm_lite.entrypoints.openai.api_server import server_options
+from vllm_lite.entrypoints.openai.cli_args import make_arg_parser
+from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.testing.checkpoints import get_checkpoint
+from vllm_lite.testing.core_harness import Result, drain, make_request, tiny_engine_core, unique_id
+from vllm_lite.testing.openai_fake_engine import FakeAsyncLLM
+from vllm_lite.testing.openai_server import ServerThread
+from vllm_lite.testing.quantize import quantization_config
+from vllm_lite.worker.model_loader import (
+    DUMMY_HIGH,
+    DUMMY_LOW,
+    iterate_weights,
+    load_model,
+    weight_files,
+)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return make_arg_parser(argparse.ArgumentParser()).parse_args(argv)
+
+
+def _weightless_copy(src: str, dst: str, config_edit=None) -> str:
+    """dst with src's config.json, tokenizer and generation config, and no weight file."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if not name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt")):
+            shutil.copy(os.path.join(src, name), dst)
+    if config_edit is not None:
+        path = os.path.join(dst, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config_edit(config)
+        with open(path, "w") as f:
+            json.dump(config, f)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def weightless(tmp_path_factory) -> str:
+    return _weightless_copy(get_checkpoint("llama"), str(tmp_path_factory.mktemp("weightless") / "llama"))
+
+
+def _model_config(path: str, **kw):
+    return EngineArgs(model=path, device="cpu", dtype="float32", **kw).create_engine_config().model_config
+
+
+# ---------------------------------------------------------------------------- the command line
+
+
+def test_flags_parse_into_engine_args_and_the_engine_config(weightless):
+    args = _parse(
+        [
+            "--model",
+            weightless,
+            "--device",
+            "cpu",
+            "--load-format",
+            "dummy",
+            "--kv-cache-dtype",
+            "auto",
+            "--num-gpu-blocks-override",
+            "40",
+            "--enable-chunked-prefill",
+            "--disable-fastapi-docs",
+            "--disable-uvicorn-access-log",
+        ]
+    )
+    ea = EngineArgs.from_cli_args(args)
+    assert (ea.load_format, ea.kv_cache_dtype, ea.num_gpu_blocks_override, ea.enable_chunked_prefill) == (
+        "dummy",
+        "auto",
+        40,
+        True,
+    )
+    config = ea.create_engine_config()
+    assert config.model_config.load_format == "dummy"
+    assert config.cache_config.num_gpu_blocks_override == 40
+    assert config.cache_config.cache_dtype == "auto"
+    assert config.scheduler_config.enable_chunked_prefill is True
+    options = server_options(args)
+    assert options["disable_fastapi_docs"] is True and options["disable_uvicorn_access_log"] is True
+    # Unset: vLLM's defaults.
+    plain = _parse(["--model", weightless])
+    assert (plain.load_format, plain.kv_cache_dtype, plain.num_gpu_blocks_override) == ("auto", "auto", None)
+    assert plain.enable_chunked_prefill is None
+    assert not server_options(plain)["disable_fastapi_docs"] and not server_options(plain)["disable_uvicorn_access_log"]
+    assert _parse(["--model", weightless, "--no-enable-chunked-prefill"]).enable_chunked_prefill is False
+
+
+def test_serve_subcommand_takes_the_flags(weightless):
+    from vllm_lite.entrypoints.cli import build_parser
+    from vllm_lite.entrypoints.cli.serve import serve_config_from
+
+    parser, _ = build_parser()
+    args = parser.parse_args(
+        ["serve", weightless, "--load-format", "dummy", "--num-gpu-blocks-override", "33", "--disable-fastapi-docs"]
+    )
+    cfg = serve_config_from(args)
+    assert cfg.engine_args.load_format == "dummy" and cfg.engine_args.num_gpu_blocks_override == 33
+    assert cfg.http_options["disable_fastapi_docs"] is True
+    assert cfg.http_options["disable_uvicorn_access_log"] is False
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--kv-cache-dtype", "int8"],
+        ["--num-gpu-blocks-override", "many"],
+        ["--enable-chunked-prefill", "yes"],
+    ],
+)
+def test_malformed_values_are_argparse_errors(flags, weightless, capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--model", weightless, *flags])
+    assert "error" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- values we refuse, naming the field
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"load_format": "npcache"}, "load_format"),
+        ({"load_format": "gguf"}, "load_format"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
+        ({"kv_cache_dtype": "bfloat16"}, "kv_cache_dtype"),  # the model computes in float32 here
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),  # Python callers skip argparse's choices
+        ({"enable_chunked_prefill": False}, "enable_chunked_prefill"),
+        ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
+        ({"num_gpu_blocks_override": -5}, "num_gpu_blocks_override"),
+        ({"num_gpu_blocks_override": True}, "num_gpu_blocks_override"),
+    ],
+)
+def test_unsupported_values_are_value_errors_naming_the_field(kwargs, field, weightless):
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(model=weightless, device="cpu", dtype="float32", **kwargs).create_engine_config()
+
+
+def test_load_format_error_lists_the_formats_we_have(weightless):
+    with pytest.raises(ValueError) as e:
+        EngineArgs(model=weightless, load_format="tensorizer").create_engine_config()
+    assert all(name in str(e.value) for name in ("auto", "safetensors", "pt", "dummy"))
+
+
+def test_kv_cache_dtype_naming_the_models_dtype_is_auto(weightless):
+    config = EngineArgs(model=weightless, device="cpu", dtype="bfloat16", kv_cache_dtype="bfloat16")
+    assert config.create_engine_config().cache_config.cache_dtype == "auto"
+
+
+def test_chunked_prefill_follows_the_runner(weightless):
+    """Generative models always chunk (True/None); pooling models run prompts whole (False/None)."""
+    gen = EngineArgs(model=weightless, device="cpu", enable_chunked_prefill=True).create_engine_config()
+    assert gen.scheduler_config.enable_chunked_prefill is True
+    pool = EngineArgs(model=weightless, device="cpu", runner="pooling").create_engine_config()
+    assert pool.scheduler_config.enable_chunked_prefill is False
+    off = EngineArgs(model=weightless, device="cpu", runner="pooling", enable_chunked_prefill=False)
+    assert off.create_engine_config().scheduler_config.enable_chunked_prefill is False
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        EngineArgs(model=weightless, device="cpu", runner="pooling", enable_chunked_prefill=True).create_engine_config()
+
+
+def test_dummy_weights_are_refused_for_a_quantized_checkpoint(tmp_path):
+    path = _weightless_copy(
+        get_checkpoint("llama"),
+        str(tmp_path / "awq"),
+        lambda c: c.update(quantization_config=quantization_config("awq", 32)),
+    )
+    with pytest.raises(ValueError, match="load_format='dummy'"):
+        EngineArgs(model=path, device="cpu", load_format="dummy").create_engine_config()
+
+
+# ---------------------------------------------------------------------------- load_format: what is read
+
+
+def test_dummy_needs_no_weight_file_and_is_deterministic_small_and_finite(weightless):
+    config = _model_config(weightless, load_format="dummy")
+    with pytest.raises(FileNotFoundError):  # the directory really holds no weights
+        weight_files(weightless, "auto")
+    a = load_model(config, torch.device("cpu"))
+    b = load_model(config, torch.device("cpu"))
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys() and pa
+    for name, p in pa.items():
+        torch.testing.assert_close(p, pb[name], rtol=0, atol=0, msg=name)
+        assert torch.isfinite(p).all(), name
+        assert p.min() >= DUMMY_LOW and p.max() <= DUMMY_HIGH, name
+        if p.numel() > 16:  # random, not a constant fill
+            assert p.std() > (DUMMY_HIGH - DUMMY_LOW) / 10, name
+
+
+def test_dummy_engine_generates_from_config_and_tokenizer_only(weightless):
+    from vllm_lite import LLM
+
+    llm = LLM(model=weightless, load_format="dummy", device="cpu", dtype="float32", max_model_len=128)
+    try:
+        params = SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.0, logprobs=1)
+        outs = llm.generate(["hello there", "a b c"], params)
+    finally:
+        llm.shutdown()
+    for out in outs:
+        comp = out.outputs[0]
+        assert len(comp.token_ids) == 9
+        assert all(torch.isfinite(torch.tensor([lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs)])))
+
+
+def _torch_save_weights(src: str, dst: str, name: str) -> str:
+    """The safetensors checkpoint `src` as one PyTorch state dict file dst/name (plus config and tokenizer)."""
+    _weightless_copy(src, dst)
+    state = {k: v.clone() for k, v in iterate_weights(src)}
+    torch.save(state, os.path.join(dst, name))
+    return dst
+
+
+@pytest.mark.parametrize("load_format, file_name", [("auto", "pytorch_model.bin"), ("pt", "model.pt")])
+def test_pytorch_state_dicts_load_the_same_weights_as_safetensors(load_format, file_name, tmp_path):
+    src = get_checkpoint("llama")
+    dst = _torch_save_weights(src, str(tmp_path / "pt"), file_name)
+    assert weight_files(dst, load_format)[0] == "pt"
+    with pytest.raises(FileNotFoundError):  # safetensors only: there are none
+        weight_files(dst, "safetensors")
+    want = dict(load_model(_model_config(src), torch.device("cpu")).named_parameters())
+    got = dict(load_model(_model_config(dst, load_format=load_format), torch.device("cpu")).named_parameters())
+    assert want.keys() == got.keys()
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, rtol=0, atol=0, msg=name)
+
+
+class _RunsCode:
+    """An object whose unpickling would call os.system: weights_only loading must refuse it."""
+
+    def __reduce__(self):
+        return (os.system, ("touch should-not-exist",))
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])  # zip format (mmap) and a legacy pickle
+def test_pt_files_that_would_run_code_are_refused(writer, tmp_path, monkeypatch):
+    dst = _weightless_copy(get_checkpoint("llama"), str(tmp_path / "evil"))
+    payload = {"model.embed_tokens.weight": _RunsCode()}
+    with open(os.path.join(dst, "pytorch_model.bin"), "wb") as f:
+        if writer == "torch.save":
+            torch.save(payload, f)
+        else:
+            pickle.dump(payload, f, protocol=2)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(pickle.UnpicklingError):
+        list(iterate_weights(dst, load_format="pt"))
+    assert not (tmp_path / "should-not-exist").exists()
+
+
+def test_safetensors_format_ignores_pytorch_files(tmp_path):
+    """load_format=safetensors reads the *.safetensors even when PyTorch files sit beside them."""
+    src = get_checkpoint("llama")
+    dst = str(tmp_path / "both")
+    shutil.copytree(src, dst)
+    torch.save({"junk": torch.zeros(1)}, os.path.join(dst, "pytorch_model.bin"))
+    kind, files = weight_files(dst, "safetensors")
+    assert kind == "safetensors" and all(f.endswith(".safetensors") for f in files)
+    assert weight_files(dst, "auto")[0] == "safetensors"  # auto prefers them too
+
+
+# ---------------------------------------------------------------------------- num_gpu_blocks_override
+
+
+def test_num_gpu_blocks_override_sizes_the_kv_cache_exactly():
+    core = tiny_engine_core(num_gpu_blocks_override=37)  # its kv_cache_memory_bytes would give another count
+    try:
+        assert core.model_facts["num_gpu_blocks"] == 37
+        assert core.scheduler.num_total_blocks == 37 - 1  # the null block is never handed out
+        caches = [layer.kv_cache for layer in core.executor.worker.model_runner.attn_layers]
+        assert caches and all(c.shape[1] == 37 for c in caches)
+        results: dict[str, Result] = {}
+        rid = unique_id("override")
+        core.add_request(make_request(rid, [5, 6, 7, 8]))
+        drain(core, results)
+        assert len(results[rid].token_ids) == 4
+    finally:
+        core.shutdown()
+
+
+def test_num_gpu_blocks_override_too_small_for_one_request_is_refused():
+    # max_model_len 64 in blocks of 8: one request needs 8 blocks plus the null block.
+    with pytest.raises(ValueError, match="num_gpu_blocks_override=8 is too small"):
+        tiny_engine_core(num_gpu_blocks_override=8)
+    core = tiny_engine_core(num_gpu_blocks_override=9)
+    core.shutdown()
+
+
+# ---------------------------------------------------------------------------- server flags
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_fastapi_docs_and_access_log_flags(disabled):
+    srv = ServerThread(
+        lambda: FakeAsyncLLM(get_checkpoint("llama")),
+        disable_fastapi_docs=disabled,
+        disable_uvicorn_access_log=disabled,
+    )
+    try:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(srv.base_url + path, timeout=30).status_code == (404 if disabled else 200), path
+        assert httpx.get(srv.base_url + "/health", timeout=30).status_code == 200
+        assert srv.app.state.server.config.access_log is (not disabled)
+    finally:
+        srv.stop()
