@@ -145,6 +145,7 @@ def run(args: argparse.Namespace, profile: Optional[Any] = None) -> dict:
         max_model_len=4096,
     )
     cfg.scheduler_config.async_scheduling = not args.sync
+    cfg.device_config.num_threads = 1  # as on CUDA: no adaptive CPU thread policy around the steps
     StandInExecutor.gpu_s = args.gpu_us * 1e-6
     StandInExecutor.reverse = args.reverse
 

@@ -96,6 +96,7 @@ class EngineCore:
             "lora_config": dataclasses.asdict(lc) if (lc := vllm_config.lora_config) is not None else None,
         }
         self._stats_log = _StatsLogger(vllm_config.scheduler_config.log_stats_interval_s)
+        self._num_generation_tokens_logged = 0  # the scheduler's num_generation_tokens at the last record
         # Async scheduling: steps launched, oldest first, and outputs of steps finished early (a drain before a
         # utility call), handed out one per step() call ahead of anything else.
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
@@ -172,7 +173,7 @@ class EngineCore:
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Only grammars compiling (or nothing runnable): wait briefly for one rather than spin.
             self.scheduler.wait_for_grammar(_GRAMMAR_WAIT_S)
-        self._stats_log.record(scheduler_output.total_num_scheduled_tokens, outputs)
+        self._record_stats(scheduler_output.total_num_scheduled_tokens, outputs)
         return outputs
 
     # ------------------------------------------------------------------ async scheduling
@@ -213,8 +214,16 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(so, model_output)
         if recovered is not None:
             _add_error_outputs(outputs, recovered)
-        self._stats_log.record(so.total_num_scheduled_tokens, outputs)
+        self._record_stats(so.total_num_scheduled_tokens, outputs)
         return outputs
+
+    def _record_stats(self, num_scheduled_tokens: int, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """The stats line's counters for one updated step: its sampled tokens are the scheduler's count since the
+        last record (every update_from_output is recorded once), not a walk over the step's outputs."""
+        total = self.scheduler.num_generation_tokens
+        generated = total - self._num_generation_tokens_logged
+        self._num_generation_tokens_logged = total
+        self._stats_log.record(num_scheduled_tokens, outputs, generated)
 
     def _launch_failed(self, so: SchedulerOutput, exc: Exception) -> dict[int, EngineCoreOutputs]:
         """Launching step N+1 raised: finish step N first, then recover N+1 exactly as the synchronous step does
@@ -229,7 +238,7 @@ class EngineCore:
             raise exc
         later = self.scheduler.update_from_output(so, recovered.model_output)
         _add_error_outputs(later, recovered)
-        self._stats_log.record(so.total_num_scheduled_tokens, later)
+        self._record_stats(so.total_num_scheduled_tokens, later)
         if not outputs:
             return later
         self._ready_outputs.append(later)
@@ -338,13 +347,18 @@ class _StatsLogger:
         self.preemptions = 0
         self.spec: Optional[SpecDecodingStats] = None  # speculative decoding counters since the last line
 
-    def record(self, num_scheduled_tokens: int, outputs: dict[int, EngineCoreOutputs]) -> None:
+    def record(
+        self, num_scheduled_tokens: int, outputs: dict[int, EngineCoreOutputs], num_generated: Optional[int] = None
+    ) -> None:
+        """``num_generated``: the step's sampled tokens when the caller knows them (the engine core: from the
+        scheduler); None counts them in ``outputs``."""
         if self.interval_s is None:  # no log line: nothing to count (a pass over every output a step)
             return
         stats = None
         gen = 0
         for o in outputs.values():
-            gen += sum([len(x.new_token_ids) for x in o.outputs])  # a list: faster than a generator here
+            if num_generated is None:
+                gen += sum([len(x.new_token_ids) for x in o.outputs])  # a list: faster than a generator here
             stats = o.scheduler_stats or stats
             if o.scheduler_stats is not None:  # the step's counters ride on one frontend's batch only
                 self.queries += o.scheduler_stats.prefix_cache_queries
@@ -356,6 +370,8 @@ class _StatsLogger:
                         self.spec = SpecDecodingStats.new(spec.num_spec_tokens)
                     self.spec.merge(spec)
                     num_scheduled_tokens -= spec.num_draft_tokens - spec.num_accepted_tokens  # not prompt tokens
+        if num_generated is not None:
+            gen = num_generated
         self.gen_tokens += gen
         self.prompt_tokens += max(0, num_scheduled_tokens - gen)
         now = time.monotonic()

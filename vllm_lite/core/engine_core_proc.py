@@ -365,16 +365,20 @@ class EngineCoreProc:
     def _take_input(self, block: bool) -> list[InputItem]:
         """Everything queued now; when ``block``, wait a little for the first item."""
         items: list[InputItem] = []
+        q = self.sockets.input_queue
         if block:
             try:
-                items.append(self.sockets.input_queue.get(timeout=_IDLE_POLL_S))
+                items.append(q.get(timeout=_IDLE_POLL_S))
             except queue.Empty:
                 return items
-        while True:
+        # The queue's own deque, read without its lock (this loop is its only reader): an item the input thread
+        # has put is in it. A busy step finds it empty, so no get_nowait raising queue.Empty every step.
+        while q.queue:
             try:
-                items.append(self.sockets.input_queue.get_nowait())
+                items.append(q.get_nowait())
             except queue.Empty:
-                return items
+                break
+        return items
 
     def _handle_hello(self, identity: bytes, hello: HelloRequest) -> None:
         client, reason = self.registry.hello(identity, hello, accepting=not self.shutdown_state.requested)

@@ -28,7 +28,10 @@ def hash_block_tokens(
     parent_hash: Optional[BlockHash], token_ids: Sequence[int], extra_keys: Optional[tuple] = None
 ) -> BlockHash:
     """sha256 over (parent hash, token ids, extra keys), msgpack-encoded so the encoding is unambiguous."""
-    payload = _encoder.encode((parent_hash or ROOT_BLOCK_HASH, list(token_ids), list(extra_keys or ())))
+    # msgpack writes a list and a tuple alike: no copies of a list or tuple (the same bytes, the same hash).
+    if type(token_ids) is not list and type(token_ids) is not tuple:
+        token_ids = list(token_ids)
+    payload = _encoder.encode((parent_hash or ROOT_BLOCK_HASH, token_ids, extra_keys or ()))
     return hashlib.sha256(payload).digest()
 
 

@@ -20,7 +20,6 @@ import itertools
 import logging
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 import msgspec
@@ -42,20 +41,56 @@ from vllm_lite.worker.step import CachedRequestData, ModelRunnerOutput, NewReque
 logger = logging.getLogger("vllm_lite.scheduler")
 
 
-@dataclass
 class _InFlightStep:
     """One scheduled step not yet updated: the request objects it ran (guards against an id reused after an
-    abort) and, with async scheduling, which of them sample a token (each holds a placeholder for it)."""
+    abort) and, with async scheduling, which of them sample a token (each holds a placeholder for it).
 
-    scheduler_output: Optional[SchedulerOutput]
-    requests: dict[str, Request]
-    samplers: set[str] = field(default_factory=set)
-    # A step whose every request went through schedule's decode fast path: their ids and requests in the step's
-    # order (that of num_scheduled_tokens), and the scheduler's release count then (`Scheduler._num_released`):
-    # while it is unchanged every one of them is still live, and update_from_output skips its per-request lookups.
-    fast_ids: Optional[list[str]] = None
-    fast_reqs: Optional[list[Request]] = None
-    release_mark: int = -1
+    A step whose every request went through schedule's decode fast path (a whole-step decode) keeps their ids and
+    requests in the step's order (that of num_scheduled_tokens), `fast_ids` and `fast_reqs`, and the scheduler's
+    release count then (`Scheduler._num_released`): while it is unchanged every one of them is still live, and
+    update_from_output skips its per-request lookups. Such a step builds `requests` and `samplers` from those lists
+    only when something reads them (the whole-step update and `_scheduled_later` do not)."""
+
+    __slots__ = ("scheduler_output", "_requests", "_samplers", "fast_ids", "fast_reqs", "release_mark", "_sample_all")
+
+    def __init__(self, scheduler_output: Optional[SchedulerOutput], requests: dict[str, Request]) -> None:
+        self.scheduler_output = scheduler_output
+        self._requests: Optional[dict[str, Request]] = requests
+        self._samplers: Optional[set[str]] = set()
+        self.fast_ids: Optional[list[str]] = None
+        self.fast_reqs: Optional[list[Request]] = None
+        self.release_mark = -1
+        self._sample_all = False
+
+    def set_whole_step(self, ids: list[str], reqs: list[Request], release_mark: int, sample_all: bool) -> None:
+        """A whole-step decode: `requests` is (ids -> reqs), `samplers` every id (`sample_all`, async) or none,
+        both built when first read."""
+        self.fast_ids = ids
+        self.fast_reqs = reqs
+        self.release_mark = release_mark
+        self._requests = None
+        self._samplers = None
+        self._sample_all = sample_all
+
+    @property
+    def is_lazy(self) -> bool:
+        """A whole-step decode whose `requests` nobody has read yet."""
+        return self._requests is None
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        r = self._requests
+        if r is None:
+            assert self.fast_ids is not None and self.fast_reqs is not None
+            r = self._requests = dict(zip(self.fast_ids, self.fast_reqs))
+        return r
+
+    @property
+    def samplers(self) -> set[str]:
+        s = self._samplers
+        if s is None:
+            s = self._samplers = set(self.fast_ids or ()) if self._sample_all else set()
+        return s
 
 
 def new_request_data(r: Request, block_ids: list[int]) -> NewRequestData:
@@ -142,6 +177,9 @@ class Scheduler:
         self._order_counter = itertools.count()
         self._num_released = 0  # requests released so far (_release): the only way one leaves self.requests
         self.num_whole_step_requests = 0  # requests update_from_output took through its whole-step decode loop
+        # Sampled tokens reported in outputs so far (all steps): the engine's stats line reads the step's share
+        # from it instead of walking every output of every step.
+        self.num_generation_tokens = 0
         self._num_preemptions = 0
         self._step_counter = 0
         # Structured outputs: requests whose grammar is compiling, and error messages owed to finished ones.
@@ -315,6 +353,8 @@ class Scheduler:
             add_id = fast_ids.append
             add_computed = fast_computed.append
             add_block_ids = fast_block_ids.append
+            # One empty list for every request that gets no new block: the worker only reads the lists.
+            no_block_ids: list[int] = []
             for req in running:
                 placeholders = req.num_output_placeholders
                 num_tokens = len(req.all_token_ids)
@@ -328,9 +368,13 @@ class Scheduler:
                 if num_tokens + placeholders - num_computed != 1 or num_computed >= max_len:
                     break  # not a decode (or nothing to run): the general loop
                 rid = req.request_id
-                held = held_blocks(rid)
-                if held and (num_computed + block_size) // block_size <= len(held):
-                    block_ids: list[int] = []
+                if num_computed % block_size:
+                    # Mid-block: its previous token, already scheduled, sits in this token's block, which it
+                    # therefore holds (a running request holds the blocks of every token scheduled so far, and
+                    # without a sliding window none is freed): nothing to allocate, no lookup.
+                    block_ids = no_block_ids
+                elif (held := held_blocks(rid)) and num_computed // block_size < len(held):
+                    block_ids = no_block_ids
                 else:
                     blocks = kv.allocate_slots(req, 1)
                     if blocks is None:
@@ -502,14 +546,13 @@ class Scheduler:
             cached_ids.extend(fast_ids)
             cached_block_ids.extend(fast_block_ids)
             cached_computed.extend(fast_computed)
-            step_requests.update(zip(fast_ids, fast_reqs))
-            if async_scheduling:
-                step.samplers.update(fast_ids)
             rest = self.running[num_running:]  # those admitted in step 2 (the fast path ran on no others)
-            if not rest:  # the whole step: update_from_output may take it as one (see _InFlightStep.fast_ids)
-                step.fast_ids = fast_ids
-                step.fast_reqs = fast_reqs
-                step.release_mark = self._num_released
+            if not rest:  # the whole step: update_from_output may take it as one (see _InFlightStep)
+                step.set_whole_step(fast_ids, fast_reqs, self._num_released, async_scheduling)
+            else:
+                step_requests.update(zip(fast_ids, fast_reqs))
+                if async_scheduling:
+                    step.samplers.update(fast_ids)
         for r in rest:
             rid = r.request_id
             n = scheduled_get(rid)
@@ -536,12 +579,13 @@ class Scheduler:
             sor = r.structured_output_request
             if sor is not None and sor.matcher is not None and not sor.matcher.resync(r.output_token_ids):
                 logger.error("request %s: its kept output tokens no longer match its grammar", r.request_id)
-        so_ids, bitmask = self._grammar_bitmask(step.requests, spec_tokens)
+        so_ids, bitmask = self._grammar_bitmask(step, spec_tokens)
         step.scheduler_output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            # A whole-step decode scheduled one token for each of its requests and nothing else.
+            total_num_scheduled_tokens=len(num_scheduled) if step.fast_ids is not None else sum(num_scheduled.values()),
             finished_req_ids=finished_ids,
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
@@ -566,11 +610,19 @@ class Scheduler:
     def _scheduled_later(self, req: Request) -> int:
         """Tokens of `req` in the steps scheduled after the one being updated (async scheduling; 0 in sync)."""
         rid = req.request_id
-        return sum(
-            step.scheduler_output.num_scheduled_tokens.get(rid, 0)
-            for step in self._in_flight
-            if step.requests.get(rid) is req and step.scheduler_output is not None
-        )
+        n = 0
+        num_released = self._num_released
+        for step in self._in_flight:  # a plain loop: update_from_output asks once per newly full block
+            so = step.scheduler_output
+            if so is None:
+                continue
+            if step.is_lazy and step.release_mark == num_released:
+                # A whole-step decode none of whose requests was released since: the one it ran under this id is
+                # still the live one, which `req` is (update_from_output asks only for live requests).
+                n += so.num_scheduled_tokens.get(rid, 0)
+            elif step.requests.get(rid) is req:
+                n += so.num_scheduled_tokens.get(rid, 0)
+        return n
 
     def _reaches_length_cap(self, req: Request) -> bool:
         """Its tokens in flight already bring it to max_tokens or max_model_len: it finishes when they land."""
@@ -623,14 +675,14 @@ class Scheduler:
             self.structured_output_manager.wait_for_grammar(timeout)
 
     def _grammar_bitmask(
-        self, scheduled: dict[str, Request], spec_tokens: dict[str, list[int]]
+        self, step: _InFlightStep, spec_tokens: dict[str, list[int]]
     ) -> tuple[dict[str, int], Optional[np.ndarray]]:
         """Bitmask rows for each constrained request that samples this step (its whole sequence is computed): one,
         plus one per draft it verifies (`grammar_bitmask_with_drafts`)."""
         if not self._num_constrained:
             return {}, None
         constrained = []
-        for rid, req in scheduled.items():
+        for rid, req in step.requests.items():
             sor = req.structured_output_request
             if sor is None or sor.matcher is None or req.num_computed_tokens < req.num_tokens:
                 continue
@@ -749,8 +801,6 @@ class Scheduler:
         else:
             step = self._in_flight.pop() if self._in_flight else _InFlightStep(None, {})
             self._in_flight.clear()
-        scheduled = step.requests
-        samplers = step.samplers
         per_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped: list[Request] = []
         stopped_off_device: list[Request] = []  # async: preempted while this step ran, ended by its token
@@ -789,6 +839,7 @@ class Scheduler:
         last_outs: list[EngineCoreOutput] = []
         ids = list(scheduler_output.num_scheduled_tokens)
         start = 0
+        num_generated = 0  # tokens this update reports (self.num_generation_tokens)
         fast_reqs = step.fast_reqs
         steady = fast and fast_reqs is not None and step.release_mark == self._num_released and step.fast_ids == ids
         step_sampled = all_sampled
@@ -806,7 +857,7 @@ class Scheduler:
             # while in flight, several tokens, pooling): the loop after this one takes it from there.
             last_max = max_len - 1
             for rid, req, sampled in zip(ids, fast_reqs, step_sampled):
-                if req.status != RUNNING or len(sampled) != 1 or req.pooling_params is not None:
+                if req.status is not RUNNING or len(sampled) != 1 or req.pooling_params is not None:
                     break
                 num_computed = req.num_computed_tokens
                 all_ids = req.all_token_ids
@@ -866,6 +917,7 @@ class Scheduler:
         if steady:
             assert fast_reqs is not None
             self.num_whole_step_requests += start
+            num_generated = start
             rest_reqs = fast_reqs[start:]
             rest_ids = ids[start:]
             items: Iterable[tuple[str, Optional[Request], bool, Optional[Request], Optional[int]]] = zip(
@@ -876,6 +928,8 @@ class Scheduler:
                 map(index_get, rest_ids),
             )
         else:
+            scheduled = step.requests
+            samplers = step.samplers
             items = zip(
                 ids,
                 list(map(scheduled.get, ids)),
@@ -894,6 +948,7 @@ class Scheduler:
                 if samples and req.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED):
                     out = self._take_off_device_token(req, mro)
                     if out is not None:
+                        num_generated += 1
                         per_client[req.client_index].append(out)
                         if req.is_finished():
                             stopped_off_device.append(req)
@@ -939,6 +994,7 @@ class Scheduler:
                     )
                     if finished:
                         stopped.append(req)
+                    num_generated += 1
                     client = req.client_index
                     if client != last_client:
                         last_outs = per_client[client]
@@ -990,6 +1046,7 @@ class Scheduler:
             elif rope_switch and req.uses_long_rope != was_long_rope:
                 self._recompute_for_long_rope(req)
             if new_token_ids or finished or prompt_lp is not None:
+                num_generated += len(new_token_ids)
                 first = len(new_token_ids) == len(req.output_token_ids) and bool(new_token_ids)
                 per_client[req.client_index].append(
                     EngineCoreOutput(
@@ -1005,6 +1062,7 @@ class Scheduler:
                         scheduled_ts=req.scheduled_ts if first else 0.0,
                     )
                 )
+        self.num_generation_tokens += num_generated
         failed, self._failed_before_running = self._failed_before_running, []
         for req in failed:  # grammar compile errors: one ERROR output each, to their own frontend
             message = self._errors.pop(req.request_id, None)
