@@ -117,6 +117,14 @@ def test_serve_subcommand_takes_the_flags(weightless):
     assert cfg.engine_args.load_format == "dummy" and cfg.engine_args.num_gpu_blocks_override == 33
     assert cfg.http_options["disable_fastapi_docs"] is True
     assert cfg.http_options["disable_uvicorn_access_log"] is False
+    # What serve's HTTP frontend processes are started with (typed, msgpack on the launcher's pipe).
+    import msgspec
+
+    from vllm_lite.entrypoints.serve_frontend import FrontendArgs
+
+    sent = FrontendArgs(engine=["ipc:///x"], listen_fd=3, **cfg.http_options)
+    got = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=FrontendArgs)
+    assert got.disable_fastapi_docs is True and got.disable_uvicorn_access_log is False
 
 
 @pytest.mark.parametrize(
