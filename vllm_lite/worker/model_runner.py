@@ -561,7 +561,7 @@ class GPUModelRunner:
         so: Optional[SchedulerOutput],
         prompt_lp: dict[str, Optional[LogprobsTensors]],
     ) -> AsyncModelRunnerOutput:
-        """Async scheduling: sample on the device, queue the tokens' copy to pinned memory on a side stream and
+        """Async scheduling: sample on the device, queue the tokens' copy to pinned memory on the step's stream and
         return without waiting; the batch holds placeholders where the tokens go until get_output()."""
         assert self._sampled_ring is not None and self._staging is not None
         s_idx = np.nonzero(inputs.sampling_mask(batch.num_tokens[inputs.rows]))[0]
