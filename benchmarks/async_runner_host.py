@@ -38,6 +38,7 @@ class _Timed:
         self.host_s = 0.0
         self.steps: list[float] = []  # each decode step's host seconds
         self.ops = 0
+        self.kernels = 0
         self.calls = 0
         self._fwd = 0.0
         self._counter: Any = None
@@ -67,7 +68,8 @@ class _Timed:
                     dt = time.perf_counter() - t0
                 finally:
                     self._counter = None
-            self.ops += c.num_kernels
+            self.ops += c.num_ops
+            self.kernels += c.num_kernels
         else:
             t0 = time.perf_counter()
             out = fn(*a, **k)
@@ -115,6 +117,7 @@ def run(batch: int, tokens: int, rounds: int, count_ops: bool) -> dict[str, Any]
         runners[mode] = r
     per_step: dict[str, list[float]] = {"sync": [], "async": []}
     ops: dict[str, list[float]] = {"sync": [], "async": []}
+    kernels: dict[str, list[float]] = {"sync": [], "async": []}
     outs: dict[str, list] = {}
     for rnd in range(rounds + 1):  # round 0 warms up
         for mode in ("sync", "async") if rnd % 2 else ("async", "sync"):
@@ -134,6 +137,7 @@ def run(batch: int, tokens: int, rounds: int, count_ops: bool) -> dict[str, Any]
             if rnd:
                 per_step[mode].append(1e6 * statistics.median(timed.steps))
                 ops[mode].append(timed.ops / timed.calls)
+                kernels[mode].append(timed.kernels / timed.calls)
             outs.setdefault(mode, []).append([r.out for r in core.reqs.values()])
     assert outs["sync"] == outs["async"], "async tokens differ from sync"
     row = {
@@ -143,7 +147,8 @@ def run(batch: int, tokens: int, rounds: int, count_ops: bool) -> dict[str, Any]
         "host_us_per_step_all_rounds": {m: [round(x, 1) for x in v] for m, v in per_step.items()},
     }
     if count_ops:
-        row["aten_ops_per_step"] = {m: round(statistics.median(v), 1) for m, v in ops.items()}
+        row["aten_ops_per_step"] = {m: round(statistics.median(v), 1) for m, v in ops.items()}  # views included
+        row["kernels_per_step"] = {m: round(statistics.median(v), 1) for m, v in kernels.items()}  # views not
     return row
 
 
