@@ -143,7 +143,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return
-        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        num_full = num_computed_tokens // self.block_size
+        if num_full > len(blocks):
+            num_full = len(blocks)
         num_cached = self.num_cached_block.get(request.request_id, 0)
         if num_full <= num_cached:
             return
@@ -173,7 +175,8 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens!r}.")
         rid = request.request_id
-        self.remove_skipped_blocks(rid, request.num_computed_tokens)
+        if self.sliding_window is not None:  # (a call the scheduler's decode steps make for every new block)
+            self.remove_skipped_blocks(rid, request.num_computed_tokens)
         req_blocks = self.req_to_blocks.get(rid)
         num_held = len(req_blocks) if req_blocks is not None else 0
         if not new_computed_blocks:
@@ -183,9 +186,10 @@ class KVCacheManager:
             num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - num_held
             if num_needed <= 0:
                 return []
-            if num_needed > self.block_pool.get_num_free_blocks():
+            pool = self.block_pool
+            if num_needed > pool.free_block_queue.num_free_blocks:
                 return None
-            new_blocks = self.block_pool.get_new_blocks(num_needed)
+            new_blocks = pool.get_new_blocks(num_needed)
             if req_blocks is None:
                 self.req_to_blocks[rid] = new_blocks[:]
             else:
