@@ -219,12 +219,21 @@ def test_dummy_needs_no_weight_file_and_is_deterministic_small_and_finite(weight
 def test_dummy_engine_generates_from_config_and_tokenizer_only(weightless):
     from vllm_lite import LLM
 
-    llm = LLM(model=weightless, load_format="dummy", device="cpu", dtype="float32", max_model_len=128)
+    llm = LLM(
+        model=weightless,
+        load_format="dummy",
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        override_generation_config={"top_k": 7, "max_new_tokens": 11},
+    )
     try:
         params = SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.0, logprobs=1)
         outs = llm.generate(["hello there", "a b c"], params)
+        defaults = llm.get_default_sampling_params()  # what a request without params gets
     finally:
         llm.shutdown()
+    assert (defaults.top_k, defaults.max_tokens) == (7, 11)
     for out in outs:
         comp = out.outputs[0]
         assert len(comp.token_ids) == 9
@@ -330,3 +339,100 @@ def test_fastapi_docs_and_access_log_flags(disabled):
         assert srv.app.state.server.config.access_log is (not disabled)
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------------------- override_generation_config
+
+
+@pytest.fixture(scope="module")
+def with_gen_config(tmp_path_factory) -> str:
+    """A weightless checkpoint whose generation_config.json recommends temperature 0.7 and top_k 20."""
+    path = _weightless_copy(get_checkpoint("llama"), str(tmp_path_factory.mktemp("gen") / "llama"))
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": 2, "temperature": 0.7, "top_k": 20}, f)
+    return path
+
+
+def _defaults(model_config) -> SamplingParams:
+    from vllm_lite.client.processor import Processor
+
+    return Processor(model_config, None).get_default_sampling_params()
+
+
+def test_override_generation_config_is_laid_over_the_checkpoints_defaults(with_gen_config):
+    args = _parse(
+        ["--model", with_gen_config, "--override-generation-config", '{"temperature": 0.2, "max_new_tokens": 5}']
+    )
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.model_config.override_generation_config == {"temperature": 0.2, "max_new_tokens": 5}
+    got = _defaults(config.model_config)
+    assert (got.temperature, got.top_k, got.max_tokens) == (0.2, 20, 5)  # top_k still the checkpoint's
+    plain = _defaults(EngineArgs(model=with_gen_config).create_engine_config().model_config)
+    assert (plain.temperature, plain.top_k) == (0.7, 20)
+    # generation_config="vllm": vLLM's defaults, and the override on top of them (as vLLM).
+    vllm_defaults = EngineArgs(
+        model=with_gen_config, generation_config="vllm", override_generation_config={"temperature": 0.2}
+    ).create_engine_config()
+    got = _defaults(vllm_defaults.model_config)
+    assert got.temperature == 0.2 and got.top_k == SamplingParams().top_k
+
+
+def test_override_generation_config_reaches_serves_attached_frontends(with_gen_config, monkeypatch):
+    """serve's HTTP frontends build their config from the core's handshake facts; the override rides in their
+    FrontendArgs (the core does not report it) and lands in their processor."""
+    from types import SimpleNamespace
+
+    import msgspec
+
+    import vllm_lite.client.async_llm as async_llm
+    from vllm_lite.entrypoints.cli import build_parser
+    from vllm_lite.entrypoints.cli.serve import serve_config_from
+    from vllm_lite.entrypoints.reattach import build_attached_engine
+    from vllm_lite.entrypoints.serve_frontend import FrontendArgs
+
+    parser, _ = build_parser()
+    argv = ["serve", with_gen_config, "--override-generation-config", '{"top_p": 0.5}']
+    cfg = serve_config_from(parser.parse_args(argv))
+    # As the daemon starts a frontend process: FrontendArgs from http_options, msgpack over the launcher's pipe.
+    sent = FrontendArgs(engine=["ipc:///x"], listen_fd=3, **cfg.http_options)
+    frontend_args = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=FrontendArgs)
+    client = SimpleNamespace(  # the handshake's facts of a core serving the checkpoint
+        model_path=with_gen_config,
+        tokenizer_path=with_gen_config,
+        model_facts={"model": with_gen_config, "max_model_len": 128, "block_size": 16},
+    )
+    monkeypatch.setattr(async_llm, "AsyncLLM", lambda config, client: config)  # the config it would run on
+    got = _defaults(build_attached_engine(frontend_args, client).model_config)
+    assert (got.top_p, got.temperature) == (0.5, 0.7)  # the override, over the checkpoint's defaults
+    plain = FrontendArgs(engine=["ipc:///x"], listen_fd=3)
+    assert _defaults(build_attached_engine(plain, client).model_config).top_p == SamplingParams().top_p
+
+
+def test_api_server_attached_to_a_running_core_refuses_the_override(weightless):
+    from vllm_lite.entrypoints.openai.cli_args import check_api_server_args
+
+    args = _parse(["--engine", "tcp://127.0.0.1:1", "--override-generation-config", '{"top_p": 0.5}'])
+    with pytest.raises(ValueError, match="--override-generation-config"):
+        check_api_server_args(args)
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ({"temprature": 0.5}, "unknown key"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 2.0}, "top_p"),
+        ([("temperature", 0.5)], "dict"),
+    ],
+)
+def test_bad_override_generation_config_is_a_value_error(value, match, weightless):
+    with pytest.raises(ValueError, match=match) as e:
+        EngineArgs(model=weightless, override_generation_config=value).create_engine_config()
+    assert "override_generation_config" in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["temperature=0.5", "[1, 2]"])
+def test_override_generation_config_flag_takes_a_json_object(text, weightless, capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--model", weightless, "--override-generation-config", text])
+    assert "JSON object" in capsys.readouterr().err

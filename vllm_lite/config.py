@@ -30,6 +30,17 @@ def _note_once(message: str) -> None:
         logger.info(message)
 
 
+# generation_config.json keys that vLLM turns into request defaults -> the SamplingParams field each sets
+# (the frontend's Processor reads them; --override-generation-config may set only these).
+GENERATION_CONFIG_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
 # vLLM's load formats that we implement (worker/model_loader.py); its others (npcache, tensorizer, gguf,
 # bitsandbytes, ...) are refused.
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
@@ -71,6 +82,9 @@ class ModelConfig:
     quant_config: Optional[QuantizationConfig] = None
     # vLLM's --load-format (vLLM keeps it in its LoadConfig): auto, safetensors, pt or dummy (random weights).
     load_format: str = "auto"
+    # vLLM's --override-generation-config: generation_config keys laid over the request defaults (after
+    # generation_config's own: the checkpoint's file under "auto", nothing under "vllm").
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

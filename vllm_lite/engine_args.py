@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from vllm_lite import platform as _platform
 from vllm_lite.config import (
+    GENERATION_CONFIG_DEFAULTS,
     LOAD_FORMATS,
     CacheConfig,
     CompilationConfig,
@@ -142,6 +143,43 @@ def parse_pooler_config(text: str) -> Optional[PoolerConfig]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object value, e.g. --override-generation-config '{"temperature": 0.5}'."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object, e.g. '{{\"temperature\": 0.5}}', got {text!r}"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def check_override_generation_config(value: Any) -> dict[str, Any]:
+    """vLLM's override_generation_config, checked: a dict of the generation_config keys that become request
+    defaults (vLLM's), each a value SamplingParams takes; ValueError naming the field otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"override_generation_config must be a dict (JSON object), got {type(value).__name__}.")
+    from vllm_lite.sampling_params import SamplingParams
+
+    unknown = sorted(str(k) for k in value if k not in GENERATION_CONFIG_DEFAULTS)
+    if unknown:
+        raise ValueError(
+            f"override_generation_config: unknown key(s) {', '.join(unknown)}; the request defaults it can set are "
+            f"{', '.join(GENERATION_CONFIG_DEFAULTS)}."
+        )
+    try:
+        SamplingParams(**{GENERATION_CONFIG_DEFAULTS[k]: v for k, v in value.items() if v is not None})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"override_generation_config {value!r}: {e}") from None
+    return dict(value)
+
+
 def parse_device_name(text: str) -> str:
     """The --device flag's value, checked for form (whether CUDA is there is checked at engine start)."""
     if not _DEVICE_NAME.fullmatch(text):
@@ -197,6 +235,16 @@ class EngineArgs:
         metadata={
             "help": "Request defaults: auto (the model's generation_config.json), vllm (vLLM's defaults) or a "
             "directory holding a generation_config.json."
+        },
+    )
+    override_generation_config: Optional[dict[str, Any]] = field(
+        default=None,
+        metadata={
+            "help": "Request defaults laid over --generation-config's, as vLLM: JSON, e.g. '{\"temperature\": "
+            "0.5}' (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); with "
+            "--generation-config vllm only these. Python: a dict.",
+            "type": parse_json_object,
+            "metavar": "JSON",
         },
     )
     quantization: Optional[str] = field(
@@ -523,6 +571,7 @@ class EngineArgs:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs!r}.")
         check_load_format(self.load_format)
+        override_generation_config = check_override_generation_config(self.override_generation_config)
         kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype, dtype)
         override = self.num_gpu_blocks_override
         if override is not None and (isinstance(override, bool) or not isinstance(override, int) or override < 1):
@@ -595,6 +644,7 @@ class EngineArgs:
             quantization=quant_config.quant_method if quant_config else None,
             quant_config=quant_config,
             load_format=self.load_format,
+            override_generation_config=override_generation_config,
         )
         config = VllmConfig(
             model_config=model_config,

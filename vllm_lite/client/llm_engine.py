@@ -250,10 +250,11 @@ class LLMEngine:
         self.engine_core.shutdown()
 
 
-def attached_frontend_config(client: Any) -> VllmConfig:
+def attached_frontend_config(client: Any, override_generation_config: Optional[dict[str, Any]] = None) -> VllmConfig:
     """The frontend's config for an attached core, from the facts its handshake reported.
 
-    The frontend computes nothing on a device, so it is always a CPU config.
+    The frontend computes nothing on a device, so it is always a CPU config. ``override_generation_config``: the
+    request defaults `serve` was given (a frontend-side setting the core does not report).
     """
     facts = client.model_facts
     config = EngineArgs(
@@ -263,6 +264,7 @@ def attached_frontend_config(client: Any) -> VllmConfig:
         block_size=facts["block_size"],
         max_logprobs=int(facts.get("max_logprobs", 20)),  # the core's request rules, applied here first
         generation_config=str(facts.get("generation_config", "auto")),
+        override_generation_config=override_generation_config,
         runner=str(facts.get("runner_type", "auto")),
         convert=str(facts.get("convert_type", "auto")),
         pooler_config=facts.get("pooler_config"),

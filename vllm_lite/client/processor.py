@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 from vllm_lite.client.pooling import make_pooling_request
 from vllm_lite.client.token_types import prompt_token_type_boundary
-from vllm_lite.config import LoRAConfig, ModelConfig
+from vllm_lite.config import GENERATION_CONFIG_DEFAULTS, LoRAConfig, ModelConfig
 from vllm_lite.core.messages import EngineCoreRequest
 from vllm_lite.lora.request import LoRARequest
 from vllm_lite.pooling_params import GENERATE_ON_POOLING, PoolingParams
@@ -88,15 +88,9 @@ def check_priority(priority: Any) -> int:
     return priority
 
 
-# generation_config.json keys that vLLM turns into default sampling params.
-_GEN_CONFIG_DEFAULTS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
+# generation_config.json keys that vLLM turns into default sampling params (config.py: EngineArgs checks
+# --override-generation-config against the same keys).
+_GEN_CONFIG_DEFAULTS = GENERATION_CONFIG_DEFAULTS
 
 
 def read_generation_config(model_dir: str) -> dict[str, Any]:
@@ -149,6 +143,8 @@ class Processor:
         gen = model_config.generation_config
         eos_config = read_generation_config(model_config.model)
         self.generation_config = eos_config if gen == "auto" else {} if gen == "vllm" else read_generation_config(gen)
+        # --override-generation-config: laid over those (under "vllm" too), as vLLM's get_diff_sampling_param.
+        self.generation_config = {**self.generation_config, **model_config.override_generation_config}
         self.eos_token_id: Optional[int] = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         if self.eos_token_id is None:
             gen_eos = _eos_ids(eos_config.get("eos_token_id"))

@@ -50,7 +50,9 @@ def build_attached_engine(args: AttachTarget, client: Any = None) -> Any:
     if client is None:
         client = attach_client(args)
     try:
-        return AsyncLLM(attached_frontend_config(client), client=client)
+        # serve's --override-generation-config (its FrontendArgs carry it; `api-server --engine` refuses it).
+        override = getattr(args, "override_generation_config", None)
+        return AsyncLLM(attached_frontend_config(client, override), client=client)
     except BaseException:
         client.shutdown()
         raise

@@ -70,6 +70,8 @@ class FrontendArgs(msgspec.Struct, kw_only=True):
     lora_modules: list[LoRAModulePath] = []  # --lora-modules: loaded before the frontend says it is ready
     disable_fastapi_docs: bool = False
     disable_uvicorn_access_log: bool = False
+    # --override-generation-config: request defaults this frontend lays over the checkpoint's.
+    override_generation_config: Optional[dict[str, Any]] = None
 
 
 class FrontendReady(msgspec.Struct):

@@ -196,5 +196,11 @@ def serve_config_from(args: argparse.Namespace):
         api_key=args.api_key or None,
         served_model_names=list(args.served_model_name or []),
         uvicorn_log_level=args.uvicorn_log_level,
-        http_options={**server_options(args), "ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile},
+        http_options={
+            **server_options(args),
+            "ssl_keyfile": args.ssl_keyfile,
+            "ssl_certfile": args.ssl_certfile,
+            # Request defaults are the frontends' (they build requests); the core does not report them.
+            "override_generation_config": engine_args.override_generation_config,
+        },
     )
