@@ -406,6 +406,8 @@ def test_override_generation_config_reaches_serves_attached_frontends(with_gen_c
     assert (got.top_p, got.temperature) == (0.5, 0.7)  # the override, over the checkpoint's defaults
     plain = FrontendArgs(engine=["ipc:///x"], listen_fd=3)
     assert _defaults(build_attached_engine(plain, client).model_config).top_p == SamplingParams().top_p
+    with pytest.raises(ValueError, match="--override-generation-config"):  # no frontend would apply it
+        serve_config_from(parser.parse_args([*argv, "--headless"]))
 
 
 def test_api_server_attached_to_a_running_core_refuses_the_override(weightless):

@@ -183,6 +183,11 @@ def serve_config_from(args: argparse.Namespace):
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: pass both for HTTPS.")
     engine_args = EngineArgs.from_cli_args(args)  # no MODEL: the bundled default model
+    if args.headless and engine_args.override_generation_config:
+        raise ValueError(
+            "--override-generation-config sets the request defaults of serve's HTTP frontends; --headless starts "
+            "none (frontends that attach later build their own requests)."
+        )
     return ServeConfig(
         engine_args=engine_args,
         address=make_address(core_host or "127.0.0.1", core_port, args.address),
