@@ -66,7 +66,8 @@ fi
 part tests 130 "$py" -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_async_runner.py tests/test_async_e2e.py \
   tests/test_cuda_graphs.py tests/test_cuda_graphs_spec_lora.py tests/test_triton_kernels.py tests/test_moe.py \
   tests/test_lora_triton_bgmv.py tests/test_gc_heap.py tests/test_frontend_gc_heap.py \
-  tests/test_spec_decode_bench_smoke.py tests/test_spec_decode_greedy_lists.py tests/test_profiler_api.py
+  tests/test_spec_decode_bench_smoke.py tests/test_spec_decode_greedy_lists.py tests/test_profiler_api.py \
+  tests/test_input_batch.py tests/test_step_op_budget.py tests/test_vllm_engine_flags.py
 tail -n 3 "$logs/tests.log" >>"$summary"
 part async 90 "$py" scripts/async_gpu_check.py
 tail -n 1 "$logs/async.log" | cut -c1-1200 >>"$summary"
