@@ -197,6 +197,12 @@ def _run(w: dict, fast: bool) -> list:
             # The engine's stats line counts the step's sampled tokens from this counter, not from the outputs.
             assert s.num_generation_tokens - before == _num_tokens_out(outs)
             trace.append(("update", _outs_view(outs)))
+            # The prefix cache after the update: which blocks of each request are registered, and under which hashes
+            # (the whole-step loop registers decoded blocks without the general path's bound over later steps).
+            kv = s.kv_cache_manager
+            trace.append(
+                ("cached", (sorted(kv.num_cached_block.items()), sorted(kv.block_pool.cached_block_hash_to_block)))
+            )
 
     for op in w["ops"]:
         if op[0] == "add":

@@ -867,11 +867,12 @@ class Scheduler:
                 elif num_computed < num_tokens:
                     break
                 start += 1
-                if caching and (
-                    num_computed if num_computed < num_tokens else num_tokens
-                ) // block_size > num_cached_get(rid, 0):
-                    computed = num_computed - self._scheduled_later(req) if self._in_flight else num_computed
-                    kv.cache_blocks(req, min(computed, num_tokens))
+                # Prefix caching: every block full of known tokens is computed. Step N ran this request's last known
+                # or in-flight position (a one-token decode), so the tokens computed through N (num_computed less
+                # those of the steps after it, _scheduled_later) are at least its known tokens (each earlier step
+                # in flight brought at most one), and the general path's min(computed, num_tokens) is num_tokens.
+                if caching and num_tokens // block_size > num_cached_get(rid, 0):
+                    kv.cache_blocks(req, num_tokens)
                 tok = sampled[0]
                 out_ids = req.output_token_ids
                 out_ids.append(tok)
