@@ -4,14 +4,16 @@ by iteration in one process (issue #14).
 benchmarks/core_step.py's setup (a real EngineCoreProc with its sockets and output thread over a real EngineCore and
 Scheduler, a model-free stand-in executor, a frontend in a child process sending `--batch` requests) twice: once
 from this tree and once from the baseline's `vllm_lite` imported as `vllm_lite_base` (benchmarks/scheduler_ab.py's
-loader). Their busy loops are driven one iteration each in turn (alternating which goes first), since the VM's
-speed drifts more than the changes measured. An iteration is the busy loop's body: read input, housekeeping,
+loader). Their busy loops are driven `--chunk` iterations each in turn (alternating which goes first), since the
+VM's speed drifts more than the changes measured. With one iteration a turn the same code on both sides measured
+0.72-1.45 (each side's output thread takes the GIL during the other's iterations); with 20, 0.94-1.06: run the
+baseline against this tree's own copy first to see the spread. An iteration is the busy loop's body: read input, housekeeping,
 `step()`, route the outputs. Only steady decode iterations count (the step launched and the step updated both ran
 `--batch` one-token requests); `core_us` is an iteration less the stand-in executor's own time. Prints one JSON
 line: medians of each side and the median of the per-iteration ratios new/base.
 
     git archive <commit> vllm_lite | tar -x -C /tmp/base
-    python benchmarks/core_step_ab.py --baseline /tmp/base [--batch 256] [--steps 300] [--sync]
+    python benchmarks/core_step_ab.py --baseline /tmp/base [--batch 256] [--steps 300] [--sync] [--chunk 20]
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (default: async)")
+    ap.add_argument("--chunk", type=int, default=20, help="iterations a side runs at its turn")
     args = ap.parse_args()
     import logging
 
@@ -133,7 +136,8 @@ def main() -> None:
     deadline = time.monotonic() + 120
     while min(len(s.times) for s in sides) < args.steps + 10 and time.monotonic() < deadline:
         for i in (0, 1) if n % 2 == 0 else (1, 0):
-            sides[i].iterate()
+            for _ in range(args.chunk):
+                sides[i].iterate()
         n += 1
     # Drain: let both frontends see every request finish.
     while any(s.core.has_unfinished_requests() for s in sides) and time.monotonic() < deadline:
