@@ -228,7 +228,7 @@ class InputBatch:
         if not n:
             return
         col = step_id % PENDING_STEPS
-        if self.pending_pos[rows, col].max() >= 0:
+        if self.pending_pos[:, col][rows].max() >= 0:  # a column view, then a 1-D gather: faster than [rows, col]
             raise RuntimeError(f"step {step_id}: rows {rows.tolist()} still wait for a token of step {step_id - 2}")
         pos = self.num_tokens[rows]
         if pos.max() < self.max_model_len:  # every row has room (always, but for a request at max_model_len)
@@ -246,7 +246,7 @@ class InputBatch:
 
     def pending_sources(self, rows: np.ndarray, step_id: int) -> np.ndarray:
         """Where the listed rows' tokens pending from `step_id` sit in that step's sampled tensor (-1: none)."""
-        return self.pending_idx[np.asarray(rows, dtype=np.int64), step_id % PENDING_STEPS]
+        return self.pending_idx[:, step_id % PENDING_STEPS][np.asarray(rows, dtype=np.int64)]
 
     def fill_pending(self, token_ids: np.ndarray, step_id: int) -> None:
         """Step `step_id`'s sampled tokens (its whole sampled tensor, on the host) reached the host: each row still
@@ -267,7 +267,7 @@ class InputBatch:
 
     def pending_rows(self, rows: np.ndarray, step_id: int) -> np.ndarray:
         """Positions (per row; -1: none) of the listed rows' tokens sampled by `step_id` and not yet on the host."""
-        return self.pending_pos[np.asarray(rows, dtype=np.int64), step_id % PENDING_STEPS]
+        return self.pending_pos[:, step_id % PENDING_STEPS][np.asarray(rows, dtype=np.int64)]
 
     def fill_sampled(self, req_ids: list[str], token_ids: np.ndarray, step_id: int) -> None:
         """Step `step_id`'s tokens reached the host: write them where their placeholders are, by request id (rows

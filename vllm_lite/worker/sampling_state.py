@@ -75,8 +75,11 @@ class SamplingState:
         # multi-token bad words, no min_tokens ban left): (rows, version, stage, metadata). Reused while the same
         # rows come again and no row was added, removed or moved (`_version`); see make_metadata.
         self._version = 0
-        self._md_cache: Optional[tuple[np.ndarray, int, object, SamplingMetadata]] = None
+        self._md_cache: Optional[tuple[bytes, int, object, SamplingMetadata]] = None
         self.reuse_metadata = True  # False: build every step (tests compare the two)
+        # (version, whether any row has penalties or multi-token bad words): the per-step calls ask it every step,
+        # and it changes only when a row is added, removed or moved (each bumps _version); see _values_rows.
+        self._values_cache: tuple[int, bool] = (-1, False)
 
     # ------------------------------------------------------------------ row lifecycle
     def _check_row(self, row: int, field: str = "row") -> int:
@@ -218,9 +221,20 @@ class SamplingState:
         np.add.at(self.num_output, rows, 1)
 
     def _checked_rows(self, rows: np.ndarray) -> np.ndarray:
-        if len(rows) and (rows.min() < 0 or rows.max() >= self.max_num_reqs):
+        # int64 seen as uint64: a negative row is huge, so one max() checks both ends.
+        if len(rows) and rows.view(np.uint64).max() >= self.max_num_reqs:
             raise ValueError(f"rows must be in [0, {self.max_num_reqs}), got {rows!r}.")
         return rows
+
+    def _values_rows(self) -> bool:
+        """Whether any row has penalties or multi-token bad words (reads its output tokens' values), cached per
+        `_version`: `penalized` and `tracks_history` change only in add_request, remove_request and move_row."""
+        c = self._values_cache
+        if c[0] == self._version:
+            return c[1]
+        flag = bool(self.penalized.any()) or bool(self.tracks_history.any())
+        self._values_cache = (self._version, flag)
+        return flag
 
     def count_sampled(self, rows: np.ndarray) -> None:
         """Async scheduling, at launch: one more output token per listed row whose value is not known yet (the
@@ -240,8 +254,10 @@ class SamplingState:
             self._record_values(self._checked_rows(rows), toks, out_pos)
 
     def _record_values(self, rows: np.ndarray, toks: np.ndarray, out_pos: np.ndarray) -> None:
-        if toks.min() < 0 or toks.max() >= self.vocab_size:
+        if toks.view(np.uint64).max() >= self.vocab_size:  # a negative id seen as uint64 is huge
             raise ValueError(f"token_ids must be in [0, {self.vocab_size}), got {toks!r}.")
+        if not self._values_rows():  # the usual batch: no row keeps its tokens' values
+            return
         if self.history is not None:
             h = self.tracks_history[rows]
             if h.any():
@@ -257,8 +273,9 @@ class SamplingState:
 
     def any_needs_token_values(self) -> bool:
         """Whether any row at all has penalties or multi-token bad words (needs_token_values can be True only
-        then): the usual batch answers without looking its rows up."""
-        return bool(self.penalized.any()) or bool(self.tracks_history.any())
+        then): the usual batch answers without looking its rows up (cached until a row is added, removed or
+        moved)."""
+        return self._values_rows()
 
     def needs_token_values(self, rows: np.ndarray) -> bool:
         """Whether sampling these rows reads their output tokens' values (penalties, multi-token bad words), not
@@ -284,17 +301,13 @@ class SamplingState:
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         n = len(rows)
         c = self._md_cache
-        if (
-            c is not None
-            and c[1] == self._version
-            and c[2] is self.stage
-            and len(c[0]) == n
-            and self.reuse_metadata
-            and np.array_equal(c[0], rows)
-        ):
-            return c[3]
+        # The rows compared as bytes (int64 each, in order): one memcmp, no numpy comparison and reduction.
+        if c is not None and c[1] == self._version and c[2] is self.stage and self.reuse_metadata:
+            key = rows.tobytes()
+            if key == c[0]:
+                return c[3]
         md, static = self._build_metadata(rows, n)
-        self._md_cache = (rows.copy(), self._version, self.stage, md) if static and self.reuse_metadata else None
+        self._md_cache = (rows.tobytes(), self._version, self.stage, md) if static and self.reuse_metadata else None
         return md
 
     def _build_metadata(self, rows: np.ndarray, n: int) -> tuple[SamplingMetadata, bool]:
