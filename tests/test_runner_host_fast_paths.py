@@ -233,6 +233,7 @@ class _FixStub:
         self.device = torch.device("cpu")
         self._arange = np.arange(n + 1, dtype=np.int64)
         self._dev_arange = None
+        self._dev_arange_k = None
         self._staging = None
 
     from vllm_lite.worker.model_runner import GPUModelRunner as _R
