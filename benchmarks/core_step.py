@@ -130,16 +130,11 @@ class StandInExecutor:
         pass
 
 
-def run(args: argparse.Namespace, profile: Optional[Any] = None) -> dict:
-    from vllm_lite.core import core_sockets
-    from vllm_lite.core.engine_core import EngineCore
-    from vllm_lite.core.engine_core_proc import CoreProcOptions, EngineCoreProc
-    from vllm_lite.endpoints import CoreAddresses
-    from vllm_lite.testing.scheduler_config import make_config
-
-    total_steps = args.steps + 40
+def core_config(make_config: Any, args: argparse.Namespace) -> Any:
+    """The measured core's config (make_config from this tree's or a baseline's vllm_lite.testing): KV room for
+    the whole run at args.batch, the step budget and async setting the run asks for."""
     cfg = make_config(
-        num_gpu_blocks=args.batch * (512 + total_steps + 32) // 16 + 64,
+        num_gpu_blocks=args.batch * (512 + args.steps + 40 + 32) // 16 + 64,
         block_size=16,
         max_num_batched_tokens=8192,
         max_num_seqs=args.batch,
@@ -147,6 +142,17 @@ def run(args: argparse.Namespace, profile: Optional[Any] = None) -> dict:
     )
     cfg.scheduler_config.async_scheduling = not args.sync
     cfg.device_config.num_threads = 1  # as on CUDA: no adaptive CPU thread policy around the steps
+    return cfg
+
+
+def run(args: argparse.Namespace, profile: Optional[Any] = None) -> dict:
+    from vllm_lite.core import core_sockets
+    from vllm_lite.core.engine_core import EngineCore
+    from vllm_lite.core.engine_core_proc import CoreProcOptions, EngineCoreProc
+    from vllm_lite.endpoints import CoreAddresses
+    from vllm_lite.testing.scheduler_config import make_config
+
+    cfg = core_config(make_config, args)
     StandInExecutor.gpu_s = args.gpu_us * 1e-6
     StandInExecutor.reverse = args.reverse
 
@@ -245,7 +251,7 @@ def run(args: argparse.Namespace, profile: Optional[Any] = None) -> dict:
             addresses.input,
             addresses.output,
             str(args.batch),
-            str(total_steps),
+            str(args.steps + 40),
             str(args.seed),
         ]
     )

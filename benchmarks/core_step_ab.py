@@ -46,18 +46,8 @@ class Side:
         mod = importlib.import_module
         engine_core = mod(f"{package}.core.engine_core")
         proc_mod = mod(f"{package}.core.engine_core_proc")
-        make_config = mod(f"{package}.testing.scheduler_config").make_config
         addresses_cls = mod(f"{package}.endpoints").CoreAddresses
-        total_steps = args.steps + 40
-        cfg = make_config(
-            num_gpu_blocks=args.batch * (512 + total_steps + 32) // 16 + 64,
-            block_size=16,
-            max_num_batched_tokens=8192,
-            max_num_seqs=args.batch,
-            max_model_len=4096,
-        )
-        cfg.scheduler_config.async_scheduling = not args.sync
-        cfg.device_config.num_threads = 1
+        cfg = core_step.core_config(mod(f"{package}.testing.scheduler_config").make_config, args)
 
         class Proc(proc_mod.EngineCoreProc):
             def _make_engine_core(self, vllm_config: Any) -> Any:
@@ -93,7 +83,7 @@ class Side:
         self.core.executor.execute_model = timed_execute
         self.child = subprocess.Popen(
             [sys.executable, core_step.__file__, "--frontend", self.addresses.input, self.addresses.output]
-            + [str(args.batch), str(total_steps), str(args.seed)]
+            + [str(args.batch), str(args.steps + 40), str(args.seed)]
         )
         self.times: list[float] = []
 

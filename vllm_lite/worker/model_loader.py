@@ -16,7 +16,7 @@ import glob
 import json
 import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -29,19 +29,26 @@ from vllm_lite.worker.parallel_state import get_tp_size
 logger = logging.getLogger(__name__)
 
 
+def _indexed_files(model_dir: str, index_name: str) -> Optional[list[str]]:
+    """The shards a sharded checkpoint's index file names (all must exist), or None without that index."""
+    index = os.path.join(model_dir, index_name)
+    if not os.path.isfile(index):
+        return None
+    with open(index) as f:
+        weight_map = json.load(f).get("weight_map") or {}
+    files = sorted({os.path.join(model_dir, v) for v in weight_map.values()})
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise FileNotFoundError(f"shards named in {index} are missing: {missing}.")
+    return files
+
+
 def safetensors_files(model_dir: str) -> list[str]:
     """The checkpoint's weight files: those named by model.safetensors.index.json, else every *.safetensors."""
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist.")
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map") or {}
-        files = sorted({os.path.join(model_dir, v) for v in weight_map.values()})
-        missing = [f for f in files if not os.path.isfile(f)]
-        if missing:
-            raise FileNotFoundError(f"shards named in {index} are missing: {missing}.")
-    else:
+    files = _indexed_files(model_dir, "model.safetensors.index.json")
+    if files is None:
         files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir!r}.")
@@ -57,14 +64,8 @@ DUMMY_LOW, DUMMY_HIGH, DUMMY_SEED = -1e-3, 1e-3, 1234
 def pt_files(model_dir: str, patterns: tuple[str, ...] = ("*.pt", "*.bin")) -> list[str]:
     """PyTorch weight files: those named by pytorch_model.bin.index.json, else the first of `patterns` that
     matches (trainer state files left out); empty when there are none."""
-    index = os.path.join(model_dir, "pytorch_model.bin.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map") or {}
-        files = sorted({os.path.join(model_dir, v) for v in weight_map.values()})
-        missing = [f for f in files if not os.path.isfile(f)]
-        if missing:
-            raise FileNotFoundError(f"shards named in {index} are missing: {missing}.")
+    files = _indexed_files(model_dir, "pytorch_model.bin.index.json")
+    if files is not None:
         return files
     for pattern in patterns:
         files = sorted(
