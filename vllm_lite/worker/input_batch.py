@@ -25,6 +25,8 @@ from vllm_lite.worker.step import NewRequestData
 
 # Async scheduling: a token sampled by a step whose ids are not on the host yet (its row's slot in token_ids).
 PLACEHOLDER_TOKEN = -1
+# update_requests appends one new block each for this many requests or more in one numpy write (fewer: a loop).
+_VECTOR_APPEND = 4
 # Steps whose tokens may be pending at once (the engine keeps at most two in flight): pending_pos's columns.
 PENDING_STEPS = 2
 
@@ -134,8 +136,17 @@ class InputBatch:
             return
         rows = self.rows_of(req_ids)
         # A decode step gives a new block to about one request in block_size: find those in C (compress tests
-        # each list's truth), then append in Python.
-        for i in compress(range(len(new_block_ids)), new_block_ids):
+        # each list's truth), then append in Python; many requests with one block each (a large batch's usual
+        # step) in one numpy write instead.
+        got = list(compress(range(len(new_block_ids)), new_block_ids))
+        if len(got) >= _VECTOR_APPEND and all(len(new_block_ids[i]) == 1 for i in got):
+            r = rows[got]
+            start = self.num_blocks[r]
+            if start.max() < self.max_blocks_per_req and len(np.unique(r)) == len(r):
+                self.block_table[r, start] = [new_block_ids[i][0] for i in got]
+                self.num_blocks[r] = start + 1
+                got = []
+        for i in got:
             self.append_block_ids(int(rows[i]), new_block_ids[i])
         self.num_computed_tokens[rows] = num_computed_tokens
 
