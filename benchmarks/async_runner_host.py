@@ -57,10 +57,11 @@ class _Timed:
 
         runner.model.forward = forward
         self._in_replay = False
-        if device_out:  # the stand-in's whole replay left out (its metadata and forward context too), and the LM head
+        if device_out:  # the stand-in's whole replay (its metadata and forward context too), LM head and sampler
             for g in runner.cuda_graphs.graphs.values():
                 g.replay = self._timed_replay(g.replay)
             runner.model.compute_logits = self._timed_replay(runner.model.compute_logits)
+            runner.sampler.forward = self._timed_replay(runner.sampler.forward)
 
     def _timed_replay(self, fn: Any) -> Any:
         def timed(*a: Any, **k: Any) -> Any:
@@ -152,6 +153,7 @@ def run(batch: int, tokens: int, rounds: int, count_ops: bool, device_out: bool 
             for g in runner.cuda_graphs.graphs.values():
                 g.__dict__.pop("replay", None)
             runner.model.__dict__.pop("compute_logits", None)
+            runner.sampler.__dict__.pop("forward", None)
             for i in range(batch):  # every request done: the next round re-adds them under new ids
                 core.to_finish.add(f"r{i}")
             core.timing = False
@@ -186,8 +188,9 @@ def main() -> None:
         "--device-out",
         action="store_true",
         help="leave out, as the forward, the stand-in graphs' whole replay (on CUDA one launch; the stand-in's "
-        "attention metadata and forward context are CPU-only work) and the LM head (compute_logits: device work "
-        "that grows with the batch on CPU)",
+        "attention metadata and forward context are CPU-only work), the LM head (compute_logits) and the sampler "
+        "(its argmax over the vocabulary is device work that grows with the batch on CPU; its Python is left out "
+        "too): what remains is the runner's own bookkeeping",
     )
     a = ap.parse_args()
     if a.threads:
