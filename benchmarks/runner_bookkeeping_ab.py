@@ -60,7 +60,8 @@ class Side:
                 }.items()
             }
         )
-        self.m, self.async_, self.new = m, async_, package == "vllm_lite"
+        # a tree whose runner keeps req_id_to_index between steps passes it to _build_output, as its runner does
+        self.m, self.async_, self.new = m, async_, hasattr(m.mr.GPUModelRunner, "_req_id_to_index")
         self.batch = m.ib.InputBatch(batch, MAX_LEN, MAX_LEN // BLOCK, 1000, torch.device("cpu"))
         self.ids = [f"r{i}" for i in range(batch)]
         for i, rid in enumerate(self.ids):
