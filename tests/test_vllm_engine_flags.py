@@ -102,7 +102,53 @@ def test_flags_parse_into_engine_args_and_the_engine_config(weightless):
     assert (plain.load_format, plain.kv_cache_dtype, plain.num_gpu_blocks_override) == ("auto", "auto", None)
     assert plain.enable_chunked_prefill is None
     assert not server_options(plain)["disable_fastapi_docs"] and not server_options(plain)["disable_uvicorn_access_log"]
-    assert _parse(["--model", weightless, "--no-enable-chunked-prefill"]).enable_chunked_prefill is False
+    off = _parse(["--model", weightless, "--no-enable-chunked-prefill"])
+    assert off.enable_chunked_prefill is False
+    assert EngineArgs.from_cli_args(off).create_engine_config().scheduler_config.enable_chunked_prefill is False
+
+
+@pytest.mark.parametrize(
+    "max_model_len, max_num_seqs, given, expected",
+    [
+        (512, 128, None, 2048),  # vLLM's max(max_model_len, 2048)
+        (1024, 128, None, 2048),
+        (512, 2, None, 1024),  # at most max_num_seqs * max_model_len, as vLLM
+        (512, 128, 512, 512),  # given and >= max_model_len: kept
+    ],
+)
+def test_no_chunked_prefill_budget(weightless, max_model_len, max_num_seqs, given, expected):
+    """Off, the step budget holds a whole max_model_len prompt: vLLM's default, or the given value if it does."""
+    config = EngineArgs(
+        model=weightless,
+        device="cpu",
+        enable_chunked_prefill=False,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=given,
+    ).create_engine_config()
+    assert config.scheduler_config.max_num_batched_tokens == expected
+    assert config.scheduler_config.enable_chunked_prefill is False
+    # On (unset), the default is unchanged: max(2048, min(max_model_len, 8192)) on CPU.
+    on = EngineArgs(
+        model=weightless,
+        device="cpu",
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=given,
+    )
+    assert on.create_engine_config().scheduler_config.max_num_batched_tokens == (
+        given or max(2048, min(max_model_len, 8192))
+    )
+
+
+def test_no_chunked_prefill_refuses_a_budget_below_max_model_len(weightless):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(511\) is smaller than max_model_len \(512\)"):
+        EngineArgs(
+            model=weightless, device="cpu", enable_chunked_prefill=False, max_model_len=512, max_num_batched_tokens=511
+        ).create_engine_config()
+    # The same budget with chunked prefill on is fine (prompts run in chunks).
+    on = EngineArgs(model=weightless, device="cpu", max_model_len=512, max_num_batched_tokens=511)
+    assert on.create_engine_config().scheduler_config.max_num_batched_tokens == 511
 
 
 def test_serve_subcommand_takes_the_flags(weightless):
@@ -153,7 +199,8 @@ def test_malformed_values_are_argparse_errors(flags, weightless, capsys):
         ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
         ({"kv_cache_dtype": "bfloat16"}, "kv_cache_dtype"),  # the model computes in float32 here
         ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),  # Python callers skip argparse's choices
-        ({"enable_chunked_prefill": False}, "enable_chunked_prefill"),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 100}, "max_num_batched_tokens"),
+        ({"enable_chunked_prefill": False, "long_prefill_token_threshold": 64}, "long_prefill_token_threshold"),
         ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
         ({"num_gpu_blocks_override": -5}, "num_gpu_blocks_override"),
         ({"num_gpu_blocks_override": True}, "num_gpu_blocks_override"),
@@ -176,9 +223,14 @@ def test_kv_cache_dtype_naming_the_models_dtype_is_auto(weightless):
 
 
 def test_chunked_prefill_follows_the_runner(weightless):
-    """Generative models always chunk (True/None); pooling models run prompts whole (False/None)."""
+    """Generative models chunk unless told not to (True/None: on, False: off); pooling models run prompts whole
+    (False/None)."""
     gen = EngineArgs(model=weightless, device="cpu", enable_chunked_prefill=True).create_engine_config()
     assert gen.scheduler_config.enable_chunked_prefill is True
+    unset = EngineArgs(model=weightless, device="cpu").create_engine_config()
+    assert unset.scheduler_config.enable_chunked_prefill is True
+    gen_off = EngineArgs(model=weightless, device="cpu", enable_chunked_prefill=False).create_engine_config()
+    assert gen_off.scheduler_config.enable_chunked_prefill is False
     pool = EngineArgs(model=weightless, device="cpu", runner="pooling").create_engine_config()
     assert pool.scheduler_config.enable_chunked_prefill is False
     off = EngineArgs(model=weightless, device="cpu", runner="pooling", enable_chunked_prefill=False)

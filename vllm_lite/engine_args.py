@@ -91,21 +91,43 @@ def check_kv_cache_dtype(kv_cache_dtype: str, model_dtype: Any) -> str:
 
 
 def resolve_chunked_prefill(enable_chunked_prefill: Optional[bool], runner_type: str) -> bool:
-    """vLLM's enable_chunked_prefill against what our scheduler does: generative models always chunk long
-    prompts (V1's default), pooling models never do; a value that asks for the other is a ValueError."""
-    chunked = runner_type != "pooling"
-    if enable_chunked_prefill is None or enable_chunked_prefill == chunked:
-        return chunked
-    if chunked:
+    """vLLM's enable_chunked_prefill for a runner: generative models chunk long prompts unless it is False
+    (vLLM V1's default is on; off, each prompt runs whole in one step), pooling models never chunk (True is a
+    ValueError there)."""
+    if runner_type != "pooling":
+        return enable_chunked_prefill is None or bool(enable_chunked_prefill)
+    if enable_chunked_prefill:
         raise ValueError(
-            "enable_chunked_prefill=False is not supported: vllm-lite's scheduler always chunks long prompts "
-            "(vLLM V1's default); leave enable_chunked_prefill unset or True."
+            "enable_chunked_prefill=True is not supported for pooling models (runner='pooling'): each prompt runs "
+            "whole in one step; leave enable_chunked_prefill unset or False."
         )
-    raise ValueError(
-        "enable_chunked_prefill=True is not supported for pooling models (runner='pooling'): each prompt runs "
-        "whole in one step; leave enable_chunked_prefill unset or False."
-    )
+    return False
 
+
+def whole_prompt_max_num_batched_tokens(
+    max_num_batched_tokens: Optional[int], max_model_len: int, max_num_seqs: int, long_prefill_token_threshold: int
+) -> int:
+    """The step budget of a generative model with chunked prefill off: each prompt runs whole in one step, so the
+    budget must hold max_model_len tokens. Unset: max(max_model_len, 2048), at most max_num_seqs * max_model_len
+    (vLLM's SchedulerConfig); given and smaller than max_model_len: ValueError, as vLLM."""
+    if long_prefill_token_threshold:
+        raise ValueError(
+            f"long_prefill_token_threshold={long_prefill_token_threshold} cuts prompts into chunks, which "
+            "enable_chunked_prefill=False forbids: leave one of them unset."
+        )
+    if max_num_batched_tokens is None:
+        return min(max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS), max_num_seqs * max_model_len)
+    if max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than max_model_len ({max_model_len}): "
+            "with enable_chunked_prefill=False each prompt runs whole in one step, so longer prompts could never "
+            "run; raise max_num_batched_tokens or lower max_model_len (or turn chunked prefill back on)."
+        )
+    return max_num_batched_tokens
+
+
+# vLLM's DEFAULT_MAX_NUM_BATCHED_TOKENS: the least default step budget with chunked prefill off.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 # Default step budget of a pooling model when none is given (see create_engine_config).
 POOLING_MIN_BATCHED_TOKENS = 4096
@@ -347,9 +369,10 @@ class EngineArgs:
     enable_chunked_prefill: Optional[bool] = field(
         default=None,
         metadata={
-            "help": "Chunked prefill (a long prompt runs over several steps, beside decodes): always on for "
-            "generative models, as vLLM V1's default, so --no-enable-chunked-prefill is refused there; pooling "
-            "models run each prompt whole (off). Default: whichever the model runs."
+            "help": "Chunked prefill (a long prompt runs over several steps, beside decodes): on for generative "
+            "models by default, as vLLM V1; --no-enable-chunked-prefill runs each prompt whole in one step (then "
+            "max_num_batched_tokens defaults to max(max_model_len, 2048) and must be >= max_model_len). Pooling "
+            "models always run each prompt whole (off)."
         },
     )
     max_num_seqs: int = field(default=128, metadata={"help": "Most requests running at once."})
@@ -618,6 +641,10 @@ class EngineArgs:
         elif self.pooler_config is not None:
             raise ValueError("pooler_config applies to pooling models only (runner='pooling').")
         chunked_prefill = resolve_chunked_prefill(self.enable_chunked_prefill, runner_type)
+        if not chunked_prefill and runner_type != "pooling":
+            max_batched = whole_prompt_max_num_batched_tokens(
+                self.max_num_batched_tokens, max_model_len, self.max_num_seqs, self.long_prefill_token_threshold
+            )
         quant_config = resolve_quantization(self.quantization, hf, model_dir)
         if quant_config is not None and self.load_format == "dummy":
             raise ValueError(

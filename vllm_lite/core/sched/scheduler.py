@@ -140,6 +140,8 @@ class Scheduler:
         self.max_num_batched_tokens = sc.max_num_batched_tokens
         self.max_num_seqs = sc.max_num_seqs
         self.long_prefill_token_threshold = sc.long_prefill_token_threshold
+        # vLLM's enable_chunked_prefill. False: a prompt runs whole in one step or waits (see schedule's step 2).
+        self.enable_chunked_prefill = bool(sc.enable_chunked_prefill)
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cc.num_gpu_blocks,
             block_size=cc.block_size,
@@ -159,6 +161,18 @@ class Scheduler:
                 self.block_size,
                 sc.max_model_len,
                 capacity,
+            )
+
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}): with enable_chunked_prefill=False a prompt runs whole in one step, so "
+                "longer ones could never run."
+            )
+        if not self.enable_chunked_prefill and self.long_prefill_token_threshold:
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} cuts prompts into chunks, which "
+                "enable_chunked_prefill=False forbids."
             )
 
         self.requests: dict[str, Request] = {}
@@ -417,6 +431,9 @@ class Scheduler:
             if 0 < threshold < n:
                 n = threshold
             if n > budget:
+                if n - len(drafts) > budget and not self.enable_chunked_prefill:
+                    i += 1  # a prompt rewound by unschedule_last: it runs whole in a later step, never chunked
+                    continue
                 n = budget
             if n > max_len - num_computed:
                 n = max_len - num_computed
@@ -466,6 +483,13 @@ class Scheduler:
                     blocked = True
                     break
                 n = self._num_new_tokens(req, req.num_computed_tokens, budget)
+                if (
+                    n == budget
+                    and not self.enable_chunked_prefill
+                    and (req.num_tokens + req.num_output_placeholders - req.num_computed_tokens > budget)
+                ):
+                    blocked = True  # its rest would be cut by the budget: wait for a step with room for it whole
+                    break
                 pairs = kv.swap_in(req, n)
                 if pairs is None:
                     blocked = True  # swapped requests go before new ones: wait for room
@@ -494,7 +518,16 @@ class Scheduler:
                 else:
                     assert not req.num_output_placeholders, "a waiting request is re-added with known tokens only"
                     hit_blocks, num_hit = kv.get_computed_blocks(req)
-                    n = self._num_new_tokens(req, num_hit, budget)
+                    if self.enable_chunked_prefill:
+                        n = self._num_new_tokens(req, num_hit, budget)
+                    else:
+                        # vLLM's enable_chunked_prefill=False: its whole prompt past the cached prefix (add_request
+                        # keeps it within max_model_len) runs in this step, or it waits, and those behind it too
+                        # (as vLLM V1: FCFS order holds). max_num_batched_tokens >= max_model_len, so it fits
+                        # a step once the running requests leave it room.
+                        n = req.num_tokens - num_hit
+                        if n > budget:
+                            break
                 n_alloc = n + self.spec.lookahead(num_hit + n, self.max_model_len)
                 if kv.allocate_slots(req, n_alloc, num_hit, hit_blocks) is None:
                     break
