@@ -88,6 +88,10 @@ def test_token_checks_without_value_rows(bad: int) -> None:
         s.record_values(np.array([0]), np.array([bad]), np.array([0]))
     with pytest.raises(ValueError, match="token_ids must be in"):
         s.append_token_ids(np.array([0]), np.array([bad]))
+    with pytest.raises(ValueError, match="token_ids must be in"):
+        s.check_token_ids(np.array([3, bad]))  # InputBatch.fill_pending's check when no row keeps values
+    s.check_token_ids(np.array([0, V - 1]))
+    s.check_token_ids(np.zeros(0, np.int64))
     assert s.num_output[0] == 0  # nothing counted by a refused call
 
 
@@ -117,3 +121,22 @@ def test_metadata_cache_misses_on_reordered_rows() -> None:
     assert b.temperature.tolist() == pytest.approx([0.9, 0.5])
     c = s.make_metadata(np.array([1]))
     assert c.num_rows == 1 and c.temperature is not None and c.temperature.tolist() == pytest.approx([0.9])
+
+
+@pytest.mark.parametrize("penalized", [False, True])
+@pytest.mark.parametrize("bad", [-1, V])
+def test_fill_pending_refuses_ids_outside_the_vocabulary(penalized: bool, bad: int) -> None:
+    """InputBatch.fill_pending checks the ids whether or not a row keeps their values (record_values or the check
+    alone)."""
+    from vllm_lite.worker.input_batch import InputBatch
+    from vllm_lite.worker.step import NewRequestData
+
+    batch = InputBatch(2, L, 2, V, torch.device("cpu"))
+    params = SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.2 if penalized else 1.0)
+    batch.add_request(NewRequestData("a", [1, 2], [], params, [1], 1))
+    batch.note_sampled(np.array([0]), 1)
+    with pytest.raises(ValueError, match="token_ids must be in"):
+        batch.fill_pending(np.array([bad]), 1)
+    batch.note_sampled(np.array([0]), 2)
+    batch.fill_pending(np.array([7]), 2)  # a valid id goes through
+    assert batch.token_ids[0, 3] == 7

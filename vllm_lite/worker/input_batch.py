@@ -274,7 +274,10 @@ class InputBatch:
         self.token_ids[rows, pos] = toks
         self.pending_pos[rows, col] = -1
         self.pending_idx[rows, col] = -1
-        self.sampling.record_values(rows, toks, pos - self.num_prompt_tokens[rows])
+        if self.sampling.any_needs_token_values():
+            self.sampling.record_values(rows, toks, pos - self.num_prompt_tokens[rows])
+        else:  # no row keeps values (rows valid: found above): the ids' check alone
+            self.sampling.check_token_ids(toks)
 
     def pending_rows(self, rows: np.ndarray, step_id: int) -> np.ndarray:
         """Positions (per row; -1: none) of the listed rows' tokens sampled by `step_id` and not yet on the host."""

@@ -253,6 +253,13 @@ class SamplingState:
         if len(rows):
             self._record_values(self._checked_rows(rows), toks, out_pos)
 
+    def check_token_ids(self, token_ids: np.ndarray) -> None:
+        """record_values' check of the ids alone: what a step whose rows keep no values (`any_needs_token_values`
+        False) still runs on its tokens (int64)."""
+        toks = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if len(toks) and toks.view(np.uint64).max() >= self.vocab_size:
+            raise ValueError(f"token_ids must be in [0, {self.vocab_size}), got {toks!r}.")
+
     def _record_values(self, rows: np.ndarray, toks: np.ndarray, out_pos: np.ndarray) -> None:
         if toks.view(np.uint64).max() >= self.vocab_size:  # a negative id seen as uint64 is huge
             raise ValueError(f"token_ids must be in [0, {self.vocab_size}), got {toks!r}.")
