@@ -271,27 +271,33 @@ def test_random_workloads_never_chunk_and_leak_no_block(
 
 
 def test_llm_without_chunked_prefill_gives_the_default_greedy_tokens():
-    """A real engine: off (with a cache small enough to preempt) and the default (a small budget, so prompts are
-    chunked) give the same greedy tokens."""
+    """A real engine: off (with a cache small enough to preempt; alone and with n-gram speculative decoding) and
+    the default (a small budget, so prompts are chunked) give the same greedy tokens, constrained ones too."""
     from vllm_lite import LLM
+    from vllm_lite.sampling_params import StructuredOutputsParams
     from vllm_lite.testing.checkpoints import get_checkpoint
 
-    prompts = [
-        {"prompt_token_ids": [(7 * i + 3 * j) % 500 + 5 for j in range(n)]} for i, n in enumerate([5, 40, 61, 17, 33])
-    ]
+    lengths = [5, 40, 61, 17, 33]
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 5 for j in range(n)]} for i, n in enumerate(lengths)]
     sp = SamplingParams(max_tokens=8, temperature=0.0)
+    choice = SamplingParams(
+        max_tokens=8, temperature=0.0, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
     common = dict(model=get_checkpoint("llama"), dtype="float32", multiprocess=False, max_model_len=96)
+    off = dict(enable_chunked_prefill=False, max_num_batched_tokens=96, num_gpu_blocks_override=12, block_size=16)
     results = []
     for kwargs in (
         dict(max_num_batched_tokens=16),
-        dict(enable_chunked_prefill=False, num_gpu_blocks_override=12, block_size=16),
+        off,
+        dict(off, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
     ):
-        llm = LLM(**common, **kwargs)
-        try:
+        with LLM(**common, **kwargs) as llm:
             config = llm.llm_engine.vllm_config.scheduler_config
             assert config.enable_chunked_prefill is ("enable_chunked_prefill" not in kwargs)
-            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
-        finally:
-            llm.shutdown()
-    assert results[0] == results[1]
-    assert all(len(t) == 8 for t in results[0])
+            outs = llm.generate(prompts + prompts[:2], [sp] * len(prompts) + [choice] * 2, use_tqdm=False)
+            results.append([o.outputs[0].token_ids for o in outs])
+            tok = llm.get_tokenizer()
+            for o in outs[len(prompts) :]:  # (its text starts with the byte tokens the prompt left undecoded)
+                assert tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) in ("yes", "no")
+    assert results[0] == results[1] == results[2]
+    assert all(len(t) == 8 for t in results[0][: len(prompts)])

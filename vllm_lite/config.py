@@ -133,8 +133,9 @@ class SchedulerConfig:
     # vLLM's async scheduling: step N+1 is scheduled and launched while step N runs (at most two steps in
     # flight); step N+1's input token comes from step N's sampled tensor on the device. Off: today's step.
     async_scheduling: bool = False
-    # vLLM's chunked prefill: a prompt longer than the step's budget runs over several steps. Always on for
-    # generative models (vLLM V1's default); off for pooling models, whose prompts run whole.
+    # vLLM's chunked prefill: a prompt longer than the step's budget runs over several steps. On by default for
+    # generative models (vLLM V1's); off (always for pooling models), each prompt runs whole in one step or waits,
+    # and max_num_batched_tokens must be >= max_model_len (the scheduler refuses less).
     enable_chunked_prefill: bool = True
 
 
