@@ -64,6 +64,7 @@ def clean_gc(monkeypatch):
     """No in-process holder yet (cores other tests never shut down keep theirs: set aside here), nothing frozen;
     the collector as it was afterwards, whatever the test does."""
     before = gc.get_threshold()
+    was_frozen = gc.get_freeze_count() > 0
     gc.unfreeze()  # some interpreters start with objects frozen (the H100 image's Python did)
     monkeypatch.setattr(gc_heap, "_young_gen", HeldSetting(gc.get_threshold, lambda t: gc.set_threshold(*t)))
     monkeypatch.setenv("VLLM_LITE_GC_FREEZE", "1")
@@ -73,6 +74,8 @@ def clean_gc(monkeypatch):
         yield gc.get_threshold()
     finally:
         gc.unfreeze()
+        if was_frozen:  # the interpreter's own frozen heap back (what is alive now, as close as freeze gets)
+            gc.freeze()
         gc.set_threshold(*before)
 
 

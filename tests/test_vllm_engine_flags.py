@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import pickle
 import shutil
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +26,7 @@ from vllm_lite.testing.core_harness import Result, drain, make_request, tiny_eng
 from vllm_lite.testing.openai_fake_engine import FakeAsyncLLM
 from vllm_lite.testing.openai_server import ServerThread
 from vllm_lite.testing.quantize import quantization_config
+from vllm_lite.worker.gpu_worker import GPUWorker
 from vllm_lite.worker.model_loader import (
     DUMMY_HIGH,
     DUMMY_LOW,
@@ -372,6 +375,63 @@ def test_num_gpu_blocks_override_too_small_for_one_request_is_refused():
         tiny_engine_core(num_gpu_blocks_override=8)
     core = tiny_engine_core(num_gpu_blocks_override=9)
     core.shutdown()
+
+
+class _SizingRunner:
+    """What determine_num_blocks asks the runner: a block's bytes (1 MiB here)."""
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return 1 << 20
+
+
+def _cuda_sizing_worker(monkeypatch, budget: Any) -> tuple[GPUWorker, list[int]]:
+    """A GPUWorker shell that sizes its KV cache as on CUDA (no device touched): num_gpu_blocks_override=10,
+    4 blocks a sequence, the profiled budget `budget` bytes (an exception: raised). Returns it and its
+    profiling calls."""
+    from vllm_lite.testing.scheduler_config import make_config
+
+    worker = GPUWorker.__new__(GPUWorker)
+    worker.config = make_config(max_model_len=16, block_size=4)
+    worker.config.cache_config.num_gpu_blocks_override = 10
+    worker.device = torch.device("cuda", 0)
+    worker.model_runner = _SizingRunner()
+    calls: list[int] = []
+
+    def profiled() -> int:
+        calls.append(1)
+        if isinstance(budget, Exception):
+            raise budget
+        return budget
+
+    monkeypatch.setattr(worker, "_profiled_cuda_budget", profiled)
+    monkeypatch.setattr(worker, "_blocks_per_seq", lambda: 4)
+    return worker, calls
+
+
+@pytest.mark.parametrize(
+    ("budget", "warned"),
+    [(100 << 20, None), (5 << 20, "num_gpu_blocks_override=10 needs"), (ValueError("no room"), "no room")],
+)
+def test_num_gpu_blocks_override_on_cuda_still_profiles_and_warns_when_the_card_cannot_hold_it(
+    monkeypatch, caplog, budget, warned
+):
+    """As vLLM: under the override the profiling pass still runs on CUDA (the largest step's kernels compile at
+    start-up), and an override beyond the memory budget is a warning at start-up, the blocks as asked."""
+    worker, calls = _cuda_sizing_worker(monkeypatch, budget)
+    with caplog.at_level(logging.WARNING, logger="vllm_lite.worker.gpu_worker"):
+        assert worker.determine_num_blocks() == (10, 0)
+    assert calls == [1]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if warned is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warned in warnings[0]
+
+
+def test_num_gpu_blocks_override_off_cuda_runs_no_profiling_pass(monkeypatch):
+    worker, calls = _cuda_sizing_worker(monkeypatch, 1 << 30)
+    worker.device = torch.device("cpu")
+    assert worker.determine_num_blocks() == (10, 0) and calls == []
 
 
 # ---------------------------------------------------------------------------- server flags

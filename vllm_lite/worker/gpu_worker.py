@@ -59,6 +59,8 @@ class GPUWorker:
         if cc.num_gpu_blocks_override is not None:
             num_gpu = override_num_blocks(cc.num_gpu_blocks_override, cc.block_size, sc.max_model_len, per_seq)
             logger.info("num_gpu_blocks_override=%d: the KV cache gets exactly that many blocks", num_gpu)
+            if self.device.type == "cuda" and per_block:
+                self._check_override_fits(num_gpu, per_block)
         elif per_block == 0:  # no layer keeps a KV cache (an encoder such as BERT): blocks are bookkeeping only
             return -(-sc.max_model_len // cc.block_size) * sc.max_num_seqs + 1, 0
         else:
@@ -75,6 +77,27 @@ class GPUWorker:
         if cc.preemption_mode == "swap" and per_block:
             num_cpu = min(cc.swap_space_bytes // per_block, per_seq * sc.max_num_seqs + 1)
         return int(num_gpu), int(num_cpu)
+
+    def _check_override_fits(self, num_gpu: int, per_block: int) -> None:
+        """Under num_gpu_blocks_override, still the profiling pass (as vLLM): the largest step's kernels compile at
+        start-up, not in the first big step a user sends, and a block count the card cannot hold is said now (a
+        warning: the user asked for it) instead of as an out-of-memory error mid-serving."""
+        try:
+            budget = self._profiled_cuda_budget()
+        except ValueError as e:  # nothing left for any KV cache under gpu_memory_utilization
+            budget, why = 0, f" ({e})"
+        else:
+            why = ""
+        if num_gpu * per_block > budget:
+            logger.warning(
+                "num_gpu_blocks_override=%d needs %.2f GiB of KV cache, more than the %.2f GiB the memory budget "
+                "leaves (gpu_memory_utilization=%.2f)%s: steps may run out of memory",
+                num_gpu,
+                num_gpu * per_block / (1 << 30),
+                budget / (1 << 30),
+                self.config.cache_config.gpu_memory_utilization,
+                why,
+            )
 
     def _blocks_per_seq(self) -> int:
         """Blocks one sequence holds at most: a uniform sliding window bounds it by the window plus one
