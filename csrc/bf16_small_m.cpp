@@ -25,6 +25,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -38,6 +39,7 @@
 #endif
 
 #include "cpu_common.h"
+#include "cpu_vec.h"
 
 namespace vllm_lite {
 namespace {
@@ -47,6 +49,16 @@ constexpr int64_t kKChunk = 32;       // bf16 lanes of one 512-bit register
 constexpr int64_t kMaxRows = 16;      // x rows accepted (decode batches, speculative verification); more: oneDNN
 constexpr int64_t kRowsPerPass = 4;   // x rows per register block (4 x 4 accumulators)
 constexpr int64_t kVnniBlockN = 32;   // bf16_linear_vnni: outputs per weight block ([N/32, K/2, 32, 2])
+constexpr int64_t kGateUpBlock = 16;  // the gate_up ops: gate and up outputs interleaved in blocks of 16
+
+// Where the gate_up ops' results go (see "gate_up with SiLU-and-mul" below).
+struct GateUpOut {
+  c10::BFloat16* out;
+  int64_t ld;       // out's row stride: d with SiLU, else 2d
+  int64_t d;        // the true intermediate size
+  int64_t vec_end;  // silu_vec_end(d)
+  bool silu;        // silu(gate) * up, else both halves
+};
 
 #ifdef VLLM_LITE_BF16_SMALL_M
 
@@ -146,9 +158,19 @@ void run(const at::Tensor& x, const at::Tensor& wb, int64_t n, const float* bias
 constexpr int64_t kVnniBlock = kVnniBlockN;
 constexpr int64_t kVnniMaxPass = 12;  // rows per register block
 
-template <int MB>
+// Stores a row's two accumulators (outputs 0-15 and 16-31 of the block): bf16_linear_vnni's plain rows.
+struct VnniRowStore {
+  c10::BFloat16* out;
+  int64_t n;
+  void operator()(int m, __m512 a0, __m512 a1) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n), to_bf16_bits(a0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n + 16), to_bf16_bits(a1));
+  }
+};
+
+template <int MB, typename Store>
 static inline void vnni_block(const uint16_t* __restrict w, int64_t k2n, const uint16_t* __restrict x, int64_t k,
-                              __m512 b0, __m512 b1, c10::BFloat16* __restrict out, int64_t n, const char* next) {
+                              __m512 b0, __m512 b1, const char* next, const Store& store) {
   __m512 acc[MB][2];
   for (int m = 0; m < MB; ++m) {
     acc[m][0] = b0;
@@ -169,23 +191,37 @@ static inline void vnni_block(const uint16_t* __restrict w, int64_t k2n, const u
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], as_bh(xb), as_bh(w1));
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n), to_bf16_bits(acc[m][0]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n + 16), to_bf16_bits(acc[m][1]));
-  }
+  for (int m = 0; m < MB; ++m) store(m, acc[m][0], acc[m][1]);
 }
 
-template <int MB>
+template <int MB, typename Store>
 static void vnni_rows(const uint16_t* w, int64_t k2n, const uint16_t* x, int64_t k, __m512 b0, __m512 b1,
-                      c10::BFloat16* out, int64_t n, const char* next) {
-  vnni_block<MB>(w, k2n, x, k, b0, b1, out, n, next);
+                      const char* next, const Store& store) {
+  vnni_block<MB>(w, k2n, x, k, b0, b1, next, store);
 }
 
-using VnniFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, __m512, __m512, c10::BFloat16*, int64_t,
-                        const char*);
-static const VnniFn kVnniFns[kVnniMaxPass + 1] = {
-    nullptr,        &vnni_rows<1>, &vnni_rows<2>, &vnni_rows<3>,  &vnni_rows<4>,  &vnni_rows<5>, &vnni_rows<6>,
-    &vnni_rows<7>,  &vnni_rows<8>, &vnni_rows<9>, &vnni_rows<10>, &vnni_rows<11>, &vnni_rows<12>};
+template <typename Store>
+using VnniFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, __m512, __m512, const char*,
+                        const Store&);
+// The kernel for a register block of mb (1 to kVnniMaxPass) rows.
+template <typename Store>
+static VnniFn<Store> vnni_fn(int64_t mb) {
+  static const VnniFn<Store> fns[kVnniMaxPass + 1] = {
+      nullptr,
+      &vnni_rows<1, Store>,
+      &vnni_rows<2, Store>,
+      &vnni_rows<3, Store>,
+      &vnni_rows<4, Store>,
+      &vnni_rows<5, Store>,
+      &vnni_rows<6, Store>,
+      &vnni_rows<7, Store>,
+      &vnni_rows<8, Store>,
+      &vnni_rows<9, Store>,
+      &vnni_rows<10, Store>,
+      &vnni_rows<11, Store>,
+      &vnni_rows<12, Store>};
+  return fns[mb];
+}
 
 void run_vnni(const at::Tensor& x, const at::Tensor& wv, int64_t n, const float* bias, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), k2n = k / 2;
@@ -203,7 +239,119 @@ void run_vnni(const at::Tensor& x, const at::Tensor& wv, int64_t n, const float*
       int64_t m0 = 0;
       for (int64_t p = 0; p < passes; ++p) {
         const int64_t mb = (rows - m0 + (passes - p) - 1) / (passes - p);  // balanced: 32 rows = 11 + 11 + 10
-        kVnniFns[mb](w, k2n, xp + m0 * k, k, b0, b1, op + m0 * n + g * kVnniBlock, n, p == 0 ? next : nullptr);
+        vnni_fn<VnniRowStore>(mb)(w, k2n, xp + m0 * k, k, b0, b1, p == 0 ? next : nullptr,
+                                  VnniRowStore{op + m0 * n + g * kVnniBlock, n});
+        m0 += mb;
+      }
+    }
+  });
+}
+
+// ---- gate_up with SiLU-and-mul in the epilogue (bf16_gate_up_small_m / bf16_gate_up_vnni) ----
+// Both kernels above, over a copy of a gated MLP's gate_up weight [2d, K] whose rows are interleaved by blocks of
+// kGateUpBlock (cpu_prepack.interleave_gate_up): gate rows [16b, 16b + 16), then up rows [16b, 16b + 16), for
+// b < ceil(d / 16), rows past d zero. So gate output j and up output d + j come out of the same block, 16 of
+// each: the epilogue rounds both to bf16 (as the gate_up tensor would hold them) and writes silu(gate) * up
+// with cpu_vec.h's element rule (the one fused_silu_and_mul applies, SLEEF's exp for the elements torch's
+// vector loop covers, std::exp for the rest), or, without SiLU, both halves where the plain kernel puts them.
+// A block's sums are the plain kernel's for those outputs (a sum does not depend on its column's position), so
+// the results are bit for bit gate_up through the plain kernel then fused_silu_and_mul, without the [rows, 2d]
+// tensor written and read back.
+// The first `len` (<= 16) bf16 of v's lanes to p.
+static inline void store_bf16(c10::BFloat16* p, __m512 v, int64_t len) {
+  const __m256i h = to_bf16_bits(v);
+  if (len == kGateUpBlock) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  } else {
+    alignas(32) uint16_t tmp[kGateUpBlock];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), h);
+    std::memcpy(p, tmp, len * sizeof(uint16_t));
+  }
+}
+
+// Row m of block b: g and u hold gate outputs 16b.. and up outputs d + 16b.., rounded to bf16.
+static inline void gate_up_store(const GateUpOut& o, int64_t m, int64_t b, __m512 g, __m512 u) {
+  using T = c10::BFloat16;
+  const int64_t j0 = b * kGateUpBlock, len = std::min<int64_t>(kGateUpBlock, o.d - j0);
+  T* row = o.out + m * o.ld;
+  if (!o.silu) {
+    store_bf16(row + j0, g, len);
+    store_bf16(row + o.d + j0, u, len);
+  } else if (j0 < o.vec_end) {  // vec_end is a multiple of 64: the whole block is in torch's vector loop
+    store_bf16(row + j0, silu_mul_vec<T>(g, u), len);
+  } else {
+    alignas(64) float gf[kGateUpBlock], uf[kGateUpBlock];
+    _mm512_store_ps(gf, g);
+    _mm512_store_ps(uf, u);
+    for (int64_t i = 0; i < len; ++i) store_f32(silu_mul_scalar<T>(gf[i], uf[i]), row + j0 + i);
+  }
+}
+
+static inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+}
+
+// <= 12 rows: the small-m kernel's tiles, 8 to a block (4 of gate, 4 of up), each tile's 4 x 4 outputs rounded
+// into a block buffer in L1, then the epilogue per row.
+void run_gate_up_small_m(const at::Tensor& x, const at::Tensor& wb, const float* bias, const GateUpOut& o) {
+  const int64_t rows = x.size(0), k = x.size(1), chunks = k / kKChunk;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<c10::BFloat16>());
+  const int64_t group_elems = chunks * kRowsPerGroup * kKChunk;
+  const int64_t passes = (rows + kRowsPerPass - 1) / kRowsPerPass;
+  constexpr int64_t kTiles = 2 * kGateUpBlock / kRowsPerGroup, kBuf = 2 * kGateUpBlock;
+  at::parallel_for(0, wb.size(0) / kTiles, 16 / kTiles, [&](int64_t b0, int64_t b1) {
+    alignas(64) c10::BFloat16 buf[kMaxRows * kBuf];  // row m: 16 gate outputs, then 16 up outputs
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t t = 0; t < kTiles; ++t) {
+        const int64_t g = b * kTiles + t;
+        const uint16_t* w = wp + g * group_elems;
+        const __m512 b4 = bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(bias + g * kRowsPerGroup)) : _mm512_setzero_ps();
+        const char* next = g + 1 < b1 * kTiles ? reinterpret_cast<const char*>(w + group_elems) : nullptr;
+        int64_t m0 = 0;
+        for (int64_t p = 0; p < passes; ++p) {
+          const int64_t mm = (rows - m0 + (passes - p) - 1) / (passes - p);
+          const uint16_t* xm = xp + m0 * k;
+          c10::BFloat16* ob = buf + m0 * kBuf + t * kRowsPerGroup;
+          switch (mm) {
+            case 1: block_dots<1>(w, chunks, xm, k, b4, ob, kBuf, next, p, passes); break;
+            case 2: block_dots<2>(w, chunks, xm, k, b4, ob, kBuf, next, p, passes); break;
+            case 3: block_dots<3>(w, chunks, xm, k, b4, ob, kBuf, next, p, passes); break;
+            default: block_dots<4>(w, chunks, xm, k, b4, ob, kBuf, next, p, passes); break;
+          }
+          m0 += mm;
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m)
+        gate_up_store(o, m, b, Vec::load(buf + m * kBuf), Vec::load(buf + m * kBuf + kGateUpBlock));
+    }
+  });
+}
+
+// A VNNI register block's rows straight from its accumulators (block b: outputs 0-15 gate, 16-31 up).
+struct VnniGateUpStore {
+  const GateUpOut* o;
+  int64_t m0, b;
+  void operator()(int m, __m512 a0, __m512 a1) const { gate_up_store(*o, m0 + m, b, round_bf16(a0), round_bf16(a1)); }
+};
+
+void run_gate_up_vnni(const at::Tensor& x, const at::Tensor& wv, const float* bias, const GateUpOut& o) {
+  const int64_t rows = x.size(0), k = x.size(1), k2n = k / 2;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(wv.data_ptr<c10::BFloat16>());
+  const int64_t block_elems = k * kVnniBlock;
+  const int64_t passes = (rows + kVnniMaxPass - 1) / kVnniMaxPass;
+  at::parallel_for(0, wv.size(0), 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint16_t* w = wp + g * block_elems;
+      const __m512 b0 = bias ? _mm512_loadu_ps(bias + g * kVnniBlock) : _mm512_setzero_ps();
+      const __m512 b1 = bias ? _mm512_loadu_ps(bias + g * kVnniBlock + 16) : _mm512_setzero_ps();
+      const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + block_elems) : nullptr;
+      int64_t m0 = 0;
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t mb = (rows - m0 + (passes - p) - 1) / (passes - p);
+        vnni_fn<VnniGateUpStore>(mb)(w, k2n, xp + m0 * k, k, b0, b1, p == 0 ? next : nullptr,
+                                     VnniGateUpStore{&o, m0, g});
         m0 += mb;
       }
     }
@@ -294,6 +442,89 @@ at::Tensor bf16_linear_vnni(const at::Tensor& x, const at::Tensor& weight_vnni, 
   return out;
 }
 
+// The gate_up ops' shared checks and set-up: the interleaved copy's width against d, the bias interleaved like
+// the weight (float32, zeros in the padding), the output.
+struct GateUpCall {
+  at::Tensor x, bias_f, out;
+  GateUpOut o;
+};
+
+GateUpCall gate_up_call(const char* name, const at::Tensor& x, int64_t n_pad, int64_t d,
+                        const c10::optional<at::Tensor>& bias, bool silu_and_mul) {
+  const int64_t d_pad = (d + kGateUpBlock - 1) / kGateUpBlock * kGateUpBlock;
+  TORCH_CHECK_VALUE(d > 0 && n_pad == 2 * d_pad,
+                    msg(name, ": the interleaved weight has ", n_pad, " outputs; d = ", d, " needs ", 2 * d_pad));
+  GateUpCall c;
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == 2 * d,
+                      msg(name, ": bias must be [", 2 * d, "] (gate, then up), got ", bias->sizes()));
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    c.bias_f = at::zeros({n_pad}, b.options());
+    const float* src = b.data_ptr<float>();
+    float* dst = c.bias_f.data_ptr<float>();
+    for (int64_t j = 0; j < d; ++j) {
+      const int64_t pos = j / kGateUpBlock * 2 * kGateUpBlock + j % kGateUpBlock;
+      dst[pos] = src[j];
+      dst[pos + kGateUpBlock] = src[d + j];
+    }
+  }
+  c.x = x.contiguous();
+  c.out = at::empty({c.x.size(0), silu_and_mul ? d : 2 * d}, c.x.options());
+  c.o = GateUpOut{c.out.data_ptr<c10::BFloat16>(), c.out.size(1), d, silu_vec_end<c10::BFloat16>(d), silu_and_mul};
+  return c;
+}
+
+at::Tensor bf16_gate_up_small_m(const at::Tensor& x, const at::Tensor& weight_blocked, int64_t d,
+                                const c10::optional<at::Tensor>& bias, bool silu_and_mul) {
+  TORCH_CHECK(bf16_small_m_available(), "bf16_gate_up_small_m: not built for this CPU (needs AVX512-BF16)");
+  check_cpu(x, "x");
+  check_cpu(weight_blocked, "weight_blocked");
+  check_dtype(x, at::kBFloat16, "x");
+  check_dtype(weight_blocked, at::kBFloat16, "weight_blocked");
+  check_dim(x, 2, "x");
+  check_dim(weight_blocked, 4, "weight_blocked");
+  check_contiguous(weight_blocked, "weight_blocked");
+  const int64_t k = x.size(1);
+  TORCH_CHECK_VALUE(k > 0 && k % kKChunk == 0 && weight_blocked.size(1) == k / kKChunk &&
+                        weight_blocked.size(2) == kRowsPerGroup && weight_blocked.size(3) == kKChunk,
+                    msg("bf16_gate_up_small_m: weight_blocked must be [N/4, ", k / kKChunk, ", ", kRowsPerGroup, ", ",
+                        kKChunk, "] for K = ", k, " (a multiple of ", kKChunk, "), got ", weight_blocked.sizes()));
+  TORCH_CHECK_VALUE(x.size(0) <= kMaxRows,
+                    msg("bf16_gate_up_small_m: at most ", kMaxRows, " rows of x, got ", x.size(0)));
+  GateUpCall c = gate_up_call("bf16_gate_up_small_m", x, weight_blocked.size(0) * kRowsPerGroup, d,
+                              bias, silu_and_mul);
+  if (c.x.size(0) == 0) return c.out;
+#ifdef VLLM_LITE_BF16_SMALL_M
+  run_gate_up_small_m(c.x, weight_blocked, c.bias_f.defined() ? c.bias_f.data_ptr<float>() : nullptr, c.o);
+#endif
+  return c.out;
+}
+
+at::Tensor bf16_gate_up_vnni(const at::Tensor& x, const at::Tensor& weight_vnni, int64_t d,
+                             const c10::optional<at::Tensor>& bias, bool silu_and_mul) {
+  TORCH_CHECK(bf16_small_m_available(), "bf16_gate_up_vnni: not built for this CPU (needs AVX512-BF16)");
+  check_cpu(x, "x");
+  check_cpu(weight_vnni, "weight_vnni");
+  check_dtype(x, at::kBFloat16, "x");
+  check_dtype(weight_vnni, at::kBFloat16, "weight_vnni");
+  check_dim(x, 2, "x");
+  check_dim(weight_vnni, 4, "weight_vnni");
+  check_contiguous(weight_vnni, "weight_vnni");
+  const int64_t k = x.size(1);
+  TORCH_CHECK_VALUE(k > 0 && k % 2 == 0 && weight_vnni.size(1) == k / 2 && weight_vnni.size(2) == kVnniBlockN &&
+                        weight_vnni.size(3) == 2,
+                    msg("bf16_gate_up_vnni: weight_vnni must be [N/32, ", k / 2, ", ", kVnniBlockN,
+                        ", 2] for K = ", k, " (even), got ", weight_vnni.sizes()));
+  GateUpCall c =
+      gate_up_call("bf16_gate_up_vnni", x, weight_vnni.size(0) * kVnniBlockN, d, bias, silu_and_mul);
+  if (c.x.size(0) == 0) return c.out;
+#ifdef VLLM_LITE_BF16_SMALL_M
+  run_gate_up_vnni(c.x, weight_vnni, c.bias_f.defined() ? c.bias_f.data_ptr<float>() : nullptr, c.o);
+#endif
+  return c.out;
+}
+
 }  // namespace
 }  // namespace vllm_lite
 
@@ -303,9 +534,13 @@ TORCH_LIBRARY_FRAGMENT(vllm_lite, m) {
   m.def("bf16_small_m_max_rows() -> int", &vllm_lite::bf16_small_m_max_rows);
   m.def("bf16_linear_small_m(Tensor x, Tensor weight_blocked, int n, Tensor? bias) -> Tensor");
   m.def("bf16_linear_vnni(Tensor x, Tensor weight_vnni, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_gate_up_small_m(Tensor x, Tensor weight_blocked, int d, Tensor? bias, bool silu_and_mul) -> Tensor");
+  m.def("bf16_gate_up_vnni(Tensor x, Tensor weight_vnni, int d, Tensor? bias, bool silu_and_mul) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_lite, CPU, m) {
   m.impl("bf16_linear_small_m", &vllm_lite::bf16_linear_small_m);
   m.impl("bf16_linear_vnni", &vllm_lite::bf16_linear_vnni);
+  m.impl("bf16_gate_up_small_m", &vllm_lite::bf16_gate_up_small_m);
+  m.impl("bf16_gate_up_vnni", &vllm_lite::bf16_gate_up_vnni);
 }

@@ -11,8 +11,10 @@
 //       above, the q/k/v, o, gate_up and down linears through the kernels cpu_prepack.linear picks for the row
 //       count (bf16_linear_small_m / bf16_linear_vnni / oneDNN's packed linear, or for unpacked weights
 //       cpu_linear.linear's per-case choice handed in: F.linear, f32_linear_kblocked at a kc, or 768-output
-//       slices), the K/V write and paged attention (ops.h). A layer's MLP may instead be a sparse mixture of
-//       experts (Mixtral, Qwen3-MoE: fused_moe.py's SparseMoeBlock): the router and its top-k in one
+//       slices), the K/V write and paged attention (ops.h); at decode row counts the gate_up kernel writes
+//       silu(gate) * up itself (bf16_gate_up_small_m / _vnni over an interleaved copy: stack_mlp_act). A
+//       layer's MLP may instead be a sparse mixture of experts (Mixtral, Qwen3-MoE: fused_moe.py's
+//       SparseMoeBlock): the router and its top-k in one
 //       moe_cpu_route call and the whole expert path in one moe_cpu_experts (float32) or moe_cpu_experts_bf16
 //       call (csrc/moe_cpu.cpp), as SparseMoeBlock.forward runs them. Each layer's tensors are held by a
 //       CpuDecoderWeights object built once per model (vllm_lite/worker/models/cpu_decoder_stack.py). Same
@@ -48,15 +50,8 @@
 #endif
 
 #include "cpu_common.h"
+#include "cpu_vec.h"
 #include "ops.h"
-
-#if defined(__AVX512F__)
-extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));  // exported by libtorch_cpu
-#define VLLM_LITE_FUSED_AVX512 1
-#elif defined(__AVX2__)
-extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
-#define VLLM_LITE_FUSED_AVX2 1
-#endif
 
 namespace vllm_lite {
 namespace {
@@ -72,103 +67,8 @@ inline float nc(float v) {
 #endif
 }
 
-// Round a float to T's precision (torch rounds every elementwise result to the tensor's dtype).
-template <typename T>
-inline float round_t(float v);
-template <>
-inline float round_t<float>(float v) {
-  return v;
-}
-template <>
-inline float round_t<c10::BFloat16>(float v) {
-  return to_f32(c10::BFloat16(v));
-}
-
-#if defined(VLLM_LITE_FUSED_AVX512)
-struct Vec {
-  using R = __m512;
-  static constexpr int64_t W = 16;
-  static R zero() { return _mm512_setzero_ps(); }
-  static R set1(float v) { return _mm512_set1_ps(v); }
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static R load(const c10::BFloat16* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  static R add(R a, R b) { return _mm512_add_ps(a, b); }
-  static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
-  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
-  static R div(R a, R b) { return _mm512_div_ps(a, b); }
-  static R neg(R a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
-  static R nc(R v) {
-    asm("" : "+v"(v));
-    return v;
-  }
-  // bfloat16 bits (round to nearest even, NaN -> 0x7fc0, as c10::BFloat16) in the low half of each lane.
-  static __m512i bf16_bits(R v) {
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  }
-  static R round_bf16(R v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
-  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
-  static void store(c10::BFloat16* p, R v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
-  }
-  static bool has_exp() { return Sleef_expf16_u10 != nullptr; }
-  static R exp(R v) { return Sleef_expf16_u10(v); }
-};
-#elif defined(VLLM_LITE_FUSED_AVX2)
-struct Vec {
-  using R = __m256;
-  static constexpr int64_t W = 8;
-  static R zero() { return _mm256_setzero_ps(); }
-  static R set1(float v) { return _mm256_set1_ps(v); }
-  static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static R load(const c10::BFloat16* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  static R add(R a, R b) { return _mm256_add_ps(a, b); }
-  static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
-  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
-  static R div(R a, R b) { return _mm256_div_ps(a, b); }
-  static R neg(R a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
-  static R nc(R v) {
-    asm("" : "+x"(v));
-    return v;
-  }
-  static __m256i bf16_bits(R v) {
-    const __m256i b = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  }
-  static R round_bf16(R v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
-  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
-  static void store(c10::BFloat16* p, R v) {
-    const __m256i r = bf16_bits(v);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-  }
-  static bool has_exp() { return Sleef_expf8_u10 != nullptr; }
-  static R exp(R v) { return Sleef_expf8_u10(v); }
-};
-#endif
-
-#if defined(VLLM_LITE_FUSED_AVX512) || defined(VLLM_LITE_FUSED_AVX2)
-#define VLLM_LITE_FUSED_VEC 1
+#ifdef VLLM_LITE_FUSED_VEC
 constexpr int64_t kVecWidth = Vec::W;
-template <typename T>
-inline Vec::R vround(Vec::R v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return Vec::round_bf16(v);
-  }
-}
 inline Vec::R addv(Vec::R a, Vec::R b) { return Vec::add(a, b); }
 template <typename A>
 inline A zerov() {
@@ -557,8 +457,8 @@ void fused_rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::
 }
 
 // ------------------------------------------------------------------ SiLU and mul
-
-inline float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
+// The element rule (silu_mul_vec / silu_mul_scalar, and which elements take which) is cpu_vec.h's, shared with
+// the gate_up kernels' fused epilogue (bf16_small_m.cpp).
 
 template <typename T>
 void silu_rows(const at::Tensor& x, at::Tensor& out) {
@@ -566,15 +466,7 @@ void silu_rows(const at::Tensor& x, at::Tensor& out) {
   const Rows xr(x);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  // torch's vectorised loop covers whole pairs of Vectorized<T> (2 x 64 bytes on AVX-512); the rest of a row
-  // goes through its scalar lambda (std::exp). Same split here, so the same exp computes each element.
-  int64_t vec_end = 0;
-#ifdef VLLM_LITE_FUSED_VEC
-  if (Vec::has_exp()) {
-    const int64_t pair = 2 * Vec::W * static_cast<int64_t>(sizeof(float) / sizeof(T));
-    vec_end = d - d % pair;
-  }
-#endif
+  const int64_t vec_end = silu_vec_end<T>(d);
   at::parallel_for(0, xr.count, grain_rows(2 * d), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = xp + xr.offset(r);
@@ -582,14 +474,9 @@ void silu_rows(const at::Tensor& x, at::Tensor& out) {
       T* o = op + r * d;
       int64_t i = 0;
 #ifdef VLLM_LITE_FUSED_VEC
-      const Vec::R one = Vec::set1(1.0f);
-      for (; i < vec_end; i += Vec::W) {
-        const Vec::R gv = Vec::load(g + i);
-        const Vec::R sv = vround<T>(Vec::div(gv, Vec::add(one, Vec::exp(Vec::neg(gv)))));
-        Vec::store(o + i, Vec::mul(sv, Vec::load(u + i)));
-      }
+      for (; i < vec_end; i += Vec::W) Vec::store(o + i, silu_mul_vec<T>(Vec::load(g + i), Vec::load(u + i)));
 #endif
-      for (; i < d; ++i) store_f32(round_t<T>(silu_scalar(to_f32(g[i]))) * to_f32(u[i]), o + i);
+      for (; i < d; ++i) store_f32(silu_mul_scalar<T>(to_f32(g[i]), to_f32(u[i])), o + i);
     }
   });
 }
@@ -635,7 +522,7 @@ enum LinearIndex : int64_t { kQkv = 0, kO, kGateUp, kDown };
 // Per layer, in CpuDecoderWeights::ints / floats:
 // kMlpKind: kDenseMlp, or a MoE layer whose experts run moe_cpu_experts (float32) / moe_cpu_experts_bf16;
 // kTopK, kRenormalize, kRoundWeights, kMoeInter: fused_moe.FusedMoE's top_k, renormalize, round_weights and
-// per-rank intermediate size (0 for dense layers).
+// per-rank intermediate size (0 for dense layers). kGateUpD: cpu_prepack's gate_up_interleaved (0: none).
 enum LayerInt : int64_t {
   kNumHeads = 0,
   kNumKvHeads,
@@ -647,6 +534,7 @@ enum LayerInt : int64_t {
   kRenormalize,
   kRoundWeights,
   kMoeInter,
+  kGateUpD,  // d where gate_up's small-m / VNNI copies are interleaved for the fused SiLU (see stack_mlp_act), else 0
   kIntsPerLayer
 };
 enum MlpKind : int64_t { kDenseMlp = 0, kMoeF32, kMoeBf16 };
@@ -717,6 +605,10 @@ struct CpuDecoderWeights : torch::CustomClassHolder {
                       msg("CpuDecoderWeights: layer ", l, ": unknown MLP kind ", kind));
     const bool moe = kind != kDenseMlp;
     if (moe) check_moe(l, hidden, dt);
+    TORCH_CHECK_VALUE(iv(l, kGateUpD) == 0 || (!moe && dt == at::kBFloat16 && iv(l, kGateUpD) > 0 &&
+                                               (lin_in(l, kDown) < 0 || iv(l, kGateUpD) == lin_in(l, kDown))),
+                      msg("CpuDecoderWeights: layer ", l, ": interleaved gate_up for d = ", iv(l, kGateUpD),
+                          " on a layer whose down projection takes ", lin_in(l, kDown)));
     // Widths the weights tell (oneDNN's packed layout alone does not: -1, and oneDNN checks those itself).
     const int64_t inter = moe ? -1 : lin_in(l, kDown);
     const int64_t want[4][2] = {{hidden, qkv_n}, {h * d, hidden}, {hidden, moe ? -1 : 2 * inter}, {inter, hidden}};
@@ -783,6 +675,7 @@ struct CpuDecoderWeights : torch::CustomClassHolder {
   int64_t lin_out(int64_t l, int64_t which, int64_t fallback) const {
     const at::Tensor& p = lin(l, which, kPlain);
     if (has(p)) return p.size(0);
+    if (which == kGateUp && iv(l, kGateUpD) > 0) return 2 * iv(l, kGateUpD);  // its copies hold padded blocks
     const at::Tensor& s = lin(l, which, kSmall);
     if (has(s)) return s.size(0) * 4;
     const at::Tensor& v = lin(l, which, kVnni);
@@ -807,6 +700,20 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
           .findSchemaOrThrow("vllm_lite::bf16_linear_vnni", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&)>();
   return op.call(x, w, n, b);
+}
+
+using GateUpFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&, bool);
+
+at::Tensor gate_up_small_m(const at::Tensor& x, const at::Tensor& w, int64_t d, const c10::optional<at::Tensor>& b) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("vllm_lite::bf16_gate_up_small_m", "").typed<GateUpFn>();
+  return op.call(x, w, d, b, true);
+}
+
+at::Tensor gate_up_vnni(const at::Tensor& x, const at::Tensor& w, int64_t d, const c10::optional<at::Tensor>& b) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("vllm_lite::bf16_gate_up_vnni", "").typed<GateUpFn>();
+  return op.call(x, w, d, b, true);
 }
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& b) {
@@ -865,6 +772,36 @@ at::Tensor stack_linear(const CpuDecoderWeights& w, int64_t l, int64_t which, co
     if (CpuDecoderWeights::has(v)) return vnni_linear(x, v, v.size(0) * 32, bias);
   }
   return onednn_linear(x, packed, bias);
+}
+
+// The MLP's gate_up and SiLU-and-mul: silu(gate) * up [rows, d]. Where gate_up's small-m / VNNI copies are
+// interleaved (kGateUpD > 0; cpu_prepack.interleave_gate_up) and stack_linear would run one of them for this row
+// count, that kernel runs with SiLU-and-mul in its epilogue (bf16_gate_up_small_m / _vnni): the same bits as
+// the kernel's [rows, 2d] output through silu_rows, without it. Otherwise stack_linear, then silu_rows (it never
+// reaches an interleaved copy: the same row rules pick them here first).
+at::Tensor stack_mlp_act(const CpuDecoderWeights& w, int64_t l, const at::Tensor& x, int64_t small_max,
+                         int64_t vnni_max, int64_t plan) {
+  const int64_t d = w.iv(l, kGateUpD), rows = x.size(0);
+  if (d > 0 && x.scalar_type() == at::kBFloat16 && CpuDecoderWeights::has(w.lin(l, kGateUp, kPacked))) {
+    const at::Tensor& bias_t = w.lin(l, kGateUp, kBias);
+    const c10::optional<at::Tensor> bias = CpuDecoderWeights::has(bias_t) ? c10::optional<at::Tensor>(bias_t)
+                                                                           : c10::optional<at::Tensor>();
+    if (rows <= small_max) {
+      const at::Tensor& s = w.lin(l, kGateUp, kSmall);
+      if (CpuDecoderWeights::has(s)) return gate_up_small_m(x, s, d, bias);
+    } else if (rows <= vnni_max) {
+      const at::Tensor& v = w.lin(l, kGateUp, kVnni);
+      if (CpuDecoderWeights::has(v)) return gate_up_vnni(x, v, d, bias);
+    }
+  }
+  at::Tensor gu = stack_linear(w, l, kGateUp, x, small_max, vnni_max, plan);
+  at::Tensor act = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  if (gu.scalar_type() == at::kFloat) {
+    silu_rows<float>(gu, act);
+  } else {
+    silu_rows<c10::BFloat16>(gu, act);
+  }
+  return act;
 }
 
 at::Tensor stack_norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
@@ -1045,13 +982,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layers(
       x = stack_moe(w, l, hn2);
       continue;
     }
-    at::Tensor gu = stack_linear(w, l, kGateUp, hn2, small_m_max, vnni_max, plan(l, kGateUp));
-    at::Tensor act = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
-    if (gu.scalar_type() == at::kFloat) {
-      silu_rows<float>(gu, act);
-    } else {
-      silu_rows<c10::BFloat16>(gu, act);
-    }
+    at::Tensor act = stack_mlp_act(w, l, hn2, small_m_max, vnni_max, plan(l, kGateUp));
     x = stack_linear(w, l, kDown, act, small_m_max, vnni_max, plan(l, kDown));
   }
   return {x, res};

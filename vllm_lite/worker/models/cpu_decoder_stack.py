@@ -5,7 +5,8 @@ kernels (module calls, q/k/v splits and views, the attention layer's slicing, th
 step on a 2-core Zen 4, where the linears themselves take ~7-9 ms (benchmarks/PROFILE.md, "CPU decode: the
 layers in one call"). The C++ op runs the same operations in the same order (the fused norm, rotary and SiLU
 kernels, the linear kernel cpu_prepack.linear picks for the row count, the K/V write and paged attention of
-the CPU backend), so its results are the Python layers' bit for bit; tests/test_cpu_decoder_stack.py compares
+the CPU backend; at decode row counts gate_up and SiLU-and-mul as one kernel call where cpu_prepack interleaved
+gate_up's copies, with the same bits as the two), so its results are the Python layers' bit for bit; tests/test_cpu_decoder_stack.py compares
 them on every path (bf16 small-m / VNNI / oneDNN rows, float32, Qwen3's q/k norm, the last layer's kept rows).
 
 When: `LlamaModel.forward` (llama.py) and the mixture-of-experts decoders' (mixtral.py: Mixtral, Qwen3-MoE) on
@@ -187,11 +188,17 @@ class CpuDecoderStack:
             linears = [(attn.qkv_proj, QKVLinear), (attn.o_proj, RowParallelLinear)]
             if not moe:
                 linears += [(mlp.gate_up_proj, MergedLinear), (mlp.down_proj, RowParallelLinear)]
+            gate_up_d = 0  # cpu_prepack's interleaved gate_up copies: the op runs SiLU-and-mul in their epilogue
             for which, (lin, cls) in enumerate(linears):
                 need(type(lin) is cls and lin.tp_size == 1 and getattr(lin, "quant_method", None) is None)
                 small, vnni, packed = (lin.__dict__.get(n) for n in _LINEAR_ATTRS)
                 for n, v in zip(_LINEAR_ATTRS, (small, vnni, packed)):
                     watch.append((lin.__dict__, n, v))
+                interleaved = lin.__dict__.get(cpu_prepack._GATE_UP_ATTR)
+                watch.append((lin.__dict__, cpu_prepack._GATE_UP_ATTR, interleaved))
+                if interleaved is not None:
+                    need(which == 2 and dtype == torch.bfloat16)
+                    gate_up_d = int(interleaved)
                 watch.append((lin._parameters, "weight", lin.weight))
                 watch.append((lin._parameters, "bias", lin.bias))
                 plain = None
@@ -231,6 +238,7 @@ class CpuDecoderStack:
                 tensors += [_EMPTY] * 3
             ints += [attn.num_heads, attn.num_kv_heads, attn.head_dim, rot.rotary_dim, int(a.sliding_window or 0)]
             ints += moe_ints
+            ints.append(gate_up_d)
             floats += [
                 float(layer.input_layernorm.eps),
                 float(layer.post_attention_layernorm.eps),

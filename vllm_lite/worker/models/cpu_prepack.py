@@ -24,6 +24,15 @@ packed GEMM at 32 rows on 1 and 2 Zen 4 cores, 1.36x at 16, 1.06-1.08x at 48-64 
 weights, PROFILE.md "offline batch 32"). Same rounding rule (one float32 sum in K order, rounded once);
 larger batches (prefill chunks) stay on oneDNN, which reaches ~85% of the bf16 peak there. Another copy of
 the weights in memory; the same switch turns it off.
+
+A gated SiLU MLP's gate_up weight (LlamaMLP and its kin: a MergedLinear of two equal halves feeding SiluAndMul)
+gets both decode copies with its rows interleaved by blocks of 16 (`interleave_gate_up`: gate rows 16b.., then up
+rows 16b.., zero rows past d) and `gate_up_interleaved = d` on the module: the C++ decoder stack
+(cpu_decoder_stack.py) then runs gate_up and SiLU-and-mul as one kernel call at decode row counts
+(`bf16_gate_up_small_m` / `bf16_gate_up_vnni` with silu_and_mul), without writing and reading back the [rows, 2d]
+gate_up output, with the same bits as the plain kernel then fused_silu_and_mul. `linear` below runs the same
+kernels without the SiLU (both halves where the plain kernel puts them, the same bits), so every other caller
+sees an ordinary gate_up. oneDNN's copy and the module's weight are not interleaved.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ _GROUP, _CHUNK = 4, 32  # the kernel's layout: 4 output rows interleaved in 32-w
 _VNNI_ATTR = "vnni_weight"  # [N/32, K/2, 32, 2] copy for bf16_linear_vnni
 VNNI_MAX = 64  # rows (past SMALL_M_MAX) for the VNNI kernel: measured 1.06-1.36x oneDNN at 16-64 rows
 _VNNI_BLOCK = 32
+_GATE_UP_ATTR = "gate_up_interleaved"  # d, where this gate_up's two copies above are interleave_gate_up's rows
+GATE_UP_BLOCK = 16  # the gate_up ops' interleave (csrc/bf16_small_m.cpp, kGateUpBlock)
 
 
 def small_m_kernel_available() -> bool:
@@ -90,6 +101,46 @@ def vnni_weight(w: torch.Tensor) -> torch.Tensor:
     return huge_page_contiguous(w.detach().reshape(n // _VNNI_BLOCK, _VNNI_BLOCK, k // 2, 2).permute(0, 2, 1, 3))
 
 
+def interleave_gate_up(w: torch.Tensor, d: int) -> torch.Tensor:
+    """[2d, K] (gate rows, then up rows) -> [2 * d_pad, K], d_pad = d rounded up to GATE_UP_BLOCK: for each block b,
+    gate rows [16b, 16b + 16) then up rows [16b, 16b + 16), rows past d zero. The order the gate_up ops read, so
+    each of their 32-output blocks holds gate j and up d + j together."""
+    k = w.shape[1]
+    d_pad = -(-d // GATE_UP_BLOCK) * GATE_UP_BLOCK
+    halves = torch.zeros(2, d_pad, k, dtype=w.dtype)
+    halves[:, :d] = w.detach().reshape(2, d, k)
+    return halves.reshape(2, d_pad // GATE_UP_BLOCK, GATE_UP_BLOCK, k).transpose(0, 1).reshape(2 * d_pad, k)
+
+
+def _gate_up_small_m_op(
+    x: torch.Tensor, blocked: torch.Tensor, d: int, bias: Optional[torch.Tensor], silu_and_mul: bool
+) -> torch.Tensor:
+    return torch.ops.vllm_lite.bf16_gate_up_small_m(x, blocked, d, bias, silu_and_mul)
+
+
+def _gate_up_vnni_op(
+    x: torch.Tensor, wv: torch.Tensor, d: int, bias: Optional[torch.Tensor], silu_and_mul: bool
+) -> torch.Tensor:
+    return torch.ops.vllm_lite.bf16_gate_up_vnni(x, wv, d, bias, silu_and_mul)
+
+
+def silu_gate_ups(model: nn.Module) -> dict[int, int]:
+    """id(gate_up module) -> d for every gated SiLU MLP in `model` (a MergedLinear of two halves of d rows, gate
+    then up, whose output goes to a SiluAndMul): the gate_up weights whose decode copies prepacking interleaves."""
+    from vllm_lite.worker.models.layers import SiluAndMul
+    from vllm_lite.worker.models.parallel_linear import MergedLinear
+
+    out = {}
+    for m in model.modules():
+        gu, act = m._modules.get("gate_up_proj"), m._modules.get("act")
+        if type(act) is not SiluAndMul or not isinstance(gu, MergedLinear) or set(gu.shards) != {0, 1}:
+            continue
+        d = gu.shards[0][1]
+        if gu.shards[0] == (0, d) and gu.shards[1] == (d, d) and gu.weight.shape[0] == 2 * d > 0:
+            out[id(gu)] = d
+    return out
+
+
 def maybe_prepack(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int = 64) -> int:
     """Prepack a freshly loaded model where it applies (bf16 on CPU, $VLLM_LITE_PREPACK on); returns how many."""
     if device.type != "cpu" or dtype != torch.bfloat16 or not envs.VLLM_LITE_PREPACK:
@@ -97,8 +148,11 @@ def maybe_prepack(model: nn.Module, device: torch.device, dtype: torch.dtype, ba
     return prepack_linear_weights(model, batch_hint)
 
 
-def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
+def prepack_linear_weights(model: nn.Module, batch_hint: int = 64, fuse_gate_up: bool = True) -> int:
     """Attach a packed copy of every bfloat16 CPU weight used as a matmul; returns how many.
+
+    `fuse_gate_up` False keeps gated SiLU MLPs' gate_up copies in the plain layout (no fused SiLU: the path
+    before it, for tests and A/B timing).
 
     The original weight of a parallel linear layer is released (it is never read
     again); the LM head's is kept, as a tied head shares it with the embedding.
@@ -111,6 +165,8 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
     head = getattr(model, "lm_head", None)
     small_m = small_m_kernel_available()
     vnni = vnni_kernel_available()  # implies small_m
+    fused = fuse_gate_up and small_m and hasattr(torch.ops.vllm_lite, "bf16_gate_up_vnni")
+    gate_ups = silu_gate_ups(model) if fused else {}
     n = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
@@ -126,10 +182,14 @@ def prepack_linear_weights(model: nn.Module, batch_hint: int = 64) -> int:
             logger.warning("weight prepacking stopped after %d weights (%s); the rest use plain F.linear", n, e)
             break
         setattr(module, _ATTR, packed)
+        d = gate_ups.get(id(module))
+        copy_of = w if d is None else interleave_gate_up(w, d)  # the same kernels' rules on the plain shape
         if small_m and w.shape[0] % _GROUP == 0 and w.shape[1] % _CHUNK == 0:
-            setattr(module, _SMALL_ATTR, block_weight(w))
+            setattr(module, _SMALL_ATTR, block_weight(copy_of))
         if vnni and w.shape[0] % _VNNI_BLOCK == 0 and w.shape[1] % 2 == 0:
-            setattr(module, _VNNI_ATTR, vnni_weight(w))
+            setattr(module, _VNNI_ATTR, vnni_weight(copy_of))
+        if d is not None and (_SMALL_ATTR in module.__dict__ or _VNNI_ATTR in module.__dict__):
+            setattr(module, _GATE_UP_ATTR, d)
         if is_linear:
             module.weight.data = torch.empty((0, w.shape[1]), dtype=w.dtype)
         n += 1
@@ -156,10 +216,16 @@ def linear(x: torch.Tensor, module: nn.Module, bias: Optional[torch.Tensor]) -> 
     if x.shape[0] <= SMALL_M_MAX and x.dtype == torch.bfloat16:
         blocked = getattr(module, _SMALL_ATTR, None)
         if blocked is not None:
+            d = module.__dict__.get(_GATE_UP_ATTR)
+            if d is not None:
+                return _gate_up_small_m_op(x, blocked, d, bias, False)
             n_out = blocked.shape[0] * _GROUP
             return _small_m_op(x, blocked, n_out, bias)
     elif x.shape[0] <= VNNI_MAX and x.dtype == torch.bfloat16:
         wv = getattr(module, _VNNI_ATTR, None)
         if wv is not None:
+            d = module.__dict__.get(_GATE_UP_ATTR)
+            if d is not None:
+                return _gate_up_vnni_op(x, wv, d, bias, False)
             return _vnni_op(x, wv, wv.shape[0] * _VNNI_BLOCK, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
