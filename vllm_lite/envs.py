@@ -70,6 +70,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "On CPU, let the engine core change its torch thread count between steps by what other processes "
         "use (default on; 0 keeps the start-up count: all cores but one). An explicit num_threads is fixed.",
     ),
+    "VLLM_LITE_CPU_MALLOC_POLICY": (
+        _flag("VLLM_LITE_CPU_MALLOC_POLICY", True),
+        "On CPU, a process that runs the model sets glibc's M_MMAP_THRESHOLD (256 MiB) and M_TRIM_THRESHOLD "
+        "(512 MiB) once its KV cache is allocated, so step activations reuse heap pages instead of being trimmed or "
+        "unmapped and faulted back every step (worker/cpu_malloc.py; default on; 0 leaves malloc alone).",
+    ),
     "VLLM_CPU_OMP_THREADS_BIND": (
         _str("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         "vLLM's name: 'auto' (default) binds the CPU engine core's compute threads one per core while it uses "

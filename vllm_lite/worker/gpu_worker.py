@@ -8,6 +8,7 @@ from typing import Any, Union
 import torch
 
 from vllm_lite.config import VllmConfig
+from vllm_lite.worker.cpu_malloc import apply_cpu_malloc_policy
 from vllm_lite.worker.kv_cache_sizing import (
     blocks_per_seq,
     describe_kv_cache,
@@ -135,6 +136,8 @@ class GPUWorker:
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self.model_runner.capture_cuda_graphs()  # decode graphs bind the cache's tensors (none off CUDA)
+        if self.device.type == "cpu":
+            apply_cpu_malloc_policy()  # steps' activations keep their heap pages from here on (worker/cpu_malloc.py)
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
