@@ -9,12 +9,13 @@ alike: read the ratios, and the load average printed at start and end.
 
 Batches (the bench checkpoint's attention: 12 query heads / 4 KV heads, head 64):
 decode_32x300 (32 sequences of 280-320 tokens, one new token each: the offline workload's decode
-step) and prefill_4x512 (four 512-token prompts from scratch).
+step), prefill_4x512 (four 512-token prompts from scratch) and prefill_NxM (N prompts of 32-256 tokens, M on
+average, up to 2,048 tokens from scratch: a vs_vllm.py prefill step).
 --shape moe: moe_throughput.py's checkpoint (8 query heads / 2 KV heads, head 32) at its decode step,
-decode_64x240 (64 sequences of 160-320 tokens), and prefill_4x512.
+decode_64x240 (64 sequences of 160-320 tokens), and the prefill batches.
 
     python benchmarks/attention.py [--threads 1] [--dtype float32|bfloat16] [--block-size 16] [--rounds 7]
-        [--shape bench|moe]
+        [--shape bench|moe] [--impls avx512,portable]
 """
 
 from __future__ import annotations
@@ -127,17 +128,18 @@ def bench_batch(
         out[f"{batch_name}_{name}_us"] = round(sec * 1e6, 1)
         out[f"{batch_name}_{name}_gflops"] = round(gflop / sec, 2)
     for name in (n for n in native if n != "portable"):
-        out[f"{batch_name}_{name}_vs_portable"] = round(times["portable"] / times[name], 2)
+        if "portable" in times:
+            out[f"{batch_name}_{name}_vs_portable"] = round(times["portable"] / times[name], 2)
         if "torch_ref" in times:
             out[f"{batch_name}_{name}_vs_torch_ref"] = round(times["torch_ref"] / times[name], 2)
-    if "torch_ref" in times:
+    if "torch_ref" in times and "portable" in times:
         out[f"{batch_name}_portable_vs_torch_ref"] = round(times["torch_ref"] / times["portable"], 2)
     # The KV write of this batch's new tokens (what a step writes before attending).
     n = query.shape[0]
     key = torch.randn(n, kv_heads, head_size).to(dtype)
     value = torch.randn(n, kv_heads, head_size).to(dtype)
     slots = torch.randperm(cache.shape[1] * args.block_size)[:n]
-    write = native["portable"]
+    write = next(iter(native.values()))
     sec = interleaved({"write_kv": lambda: write.write_kv(key, value, cache, slots)}, args.rounds, args.seconds)
     out[f"{batch_name}_write_kv_us"] = round(sec["write_kv"] * 1e6, 1)
     return out
@@ -153,6 +155,7 @@ def main() -> None:
     ap.add_argument("--skip-torch", action="store_true", help="leave out the (slow) torch reference")
     ap.add_argument("--cold", action="store_true", help="evict the caches before each timed call (KV from DRAM)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench", help="attention shape and decode batch")
+    ap.add_argument("--impls", default=None, help="comma-separated key loops to time (default: every one built)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -163,11 +166,20 @@ def main() -> None:
         decode_name, decode_ctx = "decode_64x240", (160 + torch.randint(0, 161, (64,), generator=gen)).tolist()
     else:
         decode_name, decode_ctx = "decode_32x300", (280 + torch.randint(0, 41, (32,), generator=gen)).tolist()
+    # A vs_vllm.py prefill step: 2,048 prompt tokens of 32-256-token prompts from scratch.
+    mix: list[int] = []
+    for n in (32 + torch.randint(0, 225, (32,), generator=gen)).tolist():
+        if sum(mix) + n > 2048:
+            break
+        mix.append(n)
     batches = {
         decode_name: ([1] * len(decode_ctx), decode_ctx),
         "prefill_4x512": ([512] * 4, [512] * 4),
+        f"prefill_{len(mix)}x{sum(mix) // len(mix)}": (mix, mix),
     }
-    native = {impl: CpuNativeBackend(impl) for impl in CpuNativeBackend().built_impls()}
+    built = CpuNativeBackend().built_impls()
+    impls = [i for i in built if args.impls is None or i in args.impls.split(",")]
+    native = {impl: CpuNativeBackend(impl) for impl in impls}
     backends: dict[str, AttentionBackend] = {**native}
     if not args.skip_torch:
         backends["torch_ref"] = TorchRefBackend()

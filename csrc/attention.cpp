@@ -16,6 +16,8 @@
 // wherever the AVX-512 loop would run and the build targets AVX512-BF16 (2.4-3x faster on Zen 4): there a decode
 // request is one work unit with all its KV heads, and each thread runs a contiguous share of the batch's decodes
 // (split by keys) as one prefetched stream, before the rest of the batch's items are shared out dynamically.
+// Prompt items of a bfloat16 cache without a sliding window take attention_prefill_bf16.h (VDPBF16PS over query
+// rows x key tiles per 256-key chunk; each token's bits are those of the decode path at its position).
 // A sliding window W (query at p sees keys in (p - W, p]) starts the key stream at the first key
 // any row of the item can see, so blocks before the window are never read (they may be freed).
 
@@ -23,6 +25,7 @@
 #include "attention_avx512.h"
 #include "attention_common.h"
 #include "attention_decode_bf16.h"
+#include "attention_prefill_bf16.h"
 #include "cpu_common.h"
 #include "ops.h"
 
@@ -306,6 +309,10 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
 #ifdef VLLM_LITE_ATTN_DECODE_BF16
   // Decode items of a bf16 cache take the VDPBF16PS path where the AVX-512 key loop would run.
   const bool decode_fast = impl == Impl::kAvx512 && attn::decode_bf16_head_size(D);
+  // Prefill items (several query tokens) of a bf16 cache without a sliding window: attention_prefill_bf16.h.
+  const bool prefill_fast = std::is_same_v<T, c10::BFloat16> && decode_fast && window == 0;
+#else
+  const bool prefill_fast = false;
 #endif
   // Items the bf16 decode path takes (one query token), in request order, and the rest (the key loops).
   std::vector<int64_t> rest;
@@ -358,7 +365,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t scratch_rows = num_decodes > 0 ? std::max<int64_t>(max_rows, num_heads) : max_rows;
   std::vector<Scratch> scratch;
   scratch.reserve(num_threads);
-  for (int i = 0; i < num_threads; ++i) scratch.emplace_back(scratch_rows, D);
+  for (int i = 0; i < num_threads; ++i) scratch.emplace_back(scratch_rows, D, prefill_fast && !rest.empty());
 
 #pragma omp parallel num_threads(num_threads)
   {
@@ -404,6 +411,17 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
                      tok_stride, kvh * D, ctx + item.q_begin, (item.q_end - item.q_begin) * group, group,
                      ctx + item.q_end, window,
                      window > 0 ? std::max<int64_t>(0, ctx + item.q_begin - window + 1) : 0, soft_cap};
+#ifdef VLLM_LITE_ATTN_PREFILL_BF16
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (prefill_fast) {
+          const int64_t tok = qsl[b] + item.q_begin;
+          attn::prefill_bf16_dispatch(D, it, q_ptr + tok * q_tok_stride + kvh * group * q_head_stride, q_tok_stride,
+                                      q_head_stride, o_ptr + tok * o_tok_stride + kvh * group * o_head_stride,
+                                      o_tok_stride, o_head_stride, scale, s);
+          continue;
+        }
+      }
+#endif
 
       // Load this item's query rows (row = token * group + head-in-group), pre-scaled, as float32.
       for (int64_t r = 0; r < it.rows; ++r) {

@@ -18,12 +18,14 @@ constexpr int64_t kDecodeChunk = 256;  // keys per softmax pass of the bf16 deco
 
 // Per-thread scratch, sized once per call.
 struct Scratch {
-  std::vector<float> q, acc, row_max, row_sum, k_t, v, sc, alpha;
+  std::vector<float> q, acc, row_max, row_sum, k_t, v, sc, alpha, kc, vp;
   // q is padded to a multiple of 4 rows (zeros) so the vector paths can score rows four at a time; sc (the
-  // decode path's scores of one chunk) likewise.
-  Scratch(int64_t rows, int64_t d)
+  // decode path's scores of one chunk) likewise. kc / vp (the bf16 prefill path's transposed keys and paired
+  // values of one chunk, kDecodeChunk * d bf16 each) only where that path runs (chunk_buffers).
+  Scratch(int64_t rows, int64_t d, bool chunk_buffers = false)
       : q(((rows + 3) / 4) * 4 * d, 0.0f), acc(rows * d), row_max(rows), row_sum(rows), k_t(d * kKeyTile),
-        v(kKeyTile * d), sc(((rows + 3) / 4) * 4 * kDecodeChunk, 0.0f), alpha(rows) {}
+        v(kKeyTile * d), sc(((rows + 3) / 4) * 4 * kDecodeChunk, 0.0f), alpha(rows),
+        kc(chunk_buffers ? kDecodeChunk * d / 2 : 0), vp(chunk_buffers ? kDecodeChunk * d / 2 : 0) {}
 };
 
 // What one work item needs to stream its keys: where they live and which rows it owns.
