@@ -105,8 +105,10 @@ void prefill_bf16_item(const ItemView<c10::BFloat16>& it, const c10::BFloat16* q
   constexpr int NV = static_cast<int>(D / 32);
   const int64_t R = it.rows, G = it.group;
   uint32_t* qdw = reinterpret_cast<uint32_t*>(s.q.data());
-  for (int64_t r = 0; r < R; ++r) {
-    std::memcpy(qdw + r * P, q + (r / G) * q_tok_stride + (r % G) * q_head_stride, D * sizeof(c10::BFloat16));
+  for (int64_t tok = 0, r = 0; r < R; ++tok) {
+    for (int64_t h = 0; h < G; ++h, ++r) {
+      std::memcpy(qdw + r * P, q + tok * q_tok_stride + h * q_head_stride, D * sizeof(c10::BFloat16));
+    }
   }
   float* kt = s.kc.data();                                // [tile][P][16]
   __m512i* vp = reinterpret_cast<__m512i*>(s.vp.data());  // [pair][2 * NV]
