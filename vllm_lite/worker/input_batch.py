@@ -223,9 +223,13 @@ class InputBatch:
         rows = np.asarray(rows, dtype=np.int64)
         token_ids = np.asarray(token_ids, dtype=np.int64)
         pos = self.num_tokens[rows]
-        ok = pos < self.max_model_len
-        self.token_ids[rows[ok], pos[ok]] = token_ids[ok]
-        self.num_tokens[rows[ok]] += 1
+        if len(pos) and pos.max() < self.max_model_len:  # every row has room (always, but at max_model_len)
+            self.token_ids[rows, pos] = token_ids  # a few numpy calls: each is ~10-30 us cold after a CPU forward
+            self.num_tokens[rows] = pos + 1
+        else:
+            ok = pos < self.max_model_len
+            self.token_ids[rows[ok], pos[ok]] = token_ids[ok]
+            self.num_tokens[rows[ok]] += 1
         self.sampling.append_token_ids(rows, token_ids)
 
     # ------------------------------------------------------------------ async scheduling

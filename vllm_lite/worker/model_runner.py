@@ -535,8 +535,9 @@ class GPUModelRunner:
         self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor, so: Optional[SchedulerOutput] = None
     ) -> "_Sampled":
         """Sample one token for each row whose prompt is complete, and record it in the batch."""
-        sampling = inputs.sampling_mask(batch.num_tokens[inputs.rows])
-        s_idx = np.nonzero(sampling)[0]
+        # Every request's known tokens as build_step_inputs read them (nothing changes them before sampling).
+        known = inputs.req_num_tokens if inputs.req_num_tokens is not None else batch.num_tokens[inputs.rows]
+        s_idx = np.flatnonzero(inputs.sampling_mask(known))
         if len(s_idx) == 0:
             return _Sampled(s_idx, np.zeros(0, np.int64), None)
         if so is not None and so.scheduled_spec_decode_tokens and self.spec_decode is not None:

@@ -217,7 +217,11 @@ class SamplingState:
             raise ValueError(f"rows and token_ids must have the same length, got {len(rows)} and {len(toks)}.")
         if len(rows) == 0:
             return
-        self._record_values(rows, toks, self.num_output[self._checked_rows(rows)])
+        self._checked_rows(rows)
+        if self._values_rows():  # only rows that keep their tokens' values read the output positions
+            self._record_values(rows, toks, self.num_output[rows])
+        elif toks.view(np.uint64).max() >= self.vocab_size:  # the ids' check alone (a negative id wraps huge)
+            raise ValueError(f"token_ids must be in [0, {self.vocab_size}), got {toks!r}.")
         np.add.at(self.num_output, rows, 1)
 
     def _checked_rows(self, rows: np.ndarray) -> np.ndarray:

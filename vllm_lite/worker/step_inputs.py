@@ -54,7 +54,10 @@ class StepInputs:
         the step still running; None copies from the arrays themselves, as ever."""
         qsl_cpu = torch.from_numpy(self.query_start_loc.astype(np.int32))
         seq_cpu = torch.from_numpy(self.seq_lens.astype(np.int32))
-        if stage is None:
+        if stage is None and device.type == "cpu":  # the arrays themselves, as `.to(cpu)` returns them
+            stage = torch.from_numpy
+            qsl_dev, seq_dev = qsl_cpu, seq_cpu
+        elif stage is None:
 
             def stage(arr: np.ndarray) -> torch.Tensor:
                 return torch.from_numpy(arr).to(device, non_blocking=True)
