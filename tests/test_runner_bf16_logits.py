@@ -67,7 +67,6 @@ def test_engine_tokens_and_logprobs_match_compute_logits(llm, monkeypatch: pytes
         "penalty": [greedy] * 3
         + [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, presence_penalty=2.0)],
     }
-    monkeypatch.setattr(sampler_mod, "_BF16_ARGMAX_MIN_NUMEL", 0)  # the tiny vocabulary takes the int16 path too
     dtypes = []
     real = sampler_mod.Sampler.forward
 
@@ -76,6 +75,9 @@ def test_engine_tokens_and_logprobs_match_compute_logits(llm, monkeypatch: pytes
         return real(self, logits, metadata, grammar_bitmask)
 
     monkeypatch.setattr(sampler_mod.Sampler, "forward", spy)
+    _generate(llm, mixes["greedy"])
+    assert set(dtypes) == {torch.float32}  # small batches (rows x vocab under the threshold): compute_logits
+    monkeypatch.setattr(sampler_mod, "BF16_ARGMAX_MIN_NUMEL", 0)  # the tiny vocabulary takes the int16 path too
     head = runner._sampling_head
     assert head is not None
     for name, params in mixes.items():

@@ -78,7 +78,7 @@ def test_torch_tie_rule_is_first_maximum_for_both_dtypes() -> None:
 
 def test_crafted_rows_match_the_float32_argmax() -> None:
     x = _crafted()
-    assert x.numel() >= sampler_mod._BF16_ARGMAX_MIN_NUMEL  # the int16 path, not the small-batch copy
+    assert x.numel() >= sampler_mod.BF16_ARGMAX_MIN_NUMEL  # the int16 path, not the small-batch copy
     want = _float_argmax(x)
     assert torch.equal(want, x.float().argmax(dim=-1))
     got = greedy_argmax(x)

@@ -19,6 +19,7 @@ import torch
 
 from vllm_lite.config import VllmConfig
 from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.worker import sampler as sampler_module
 from vllm_lite.worker.attention.backend import AttentionBackend
 from vllm_lite.worker.attention.layer import Attention
 from vllm_lite.worker.compile import maybe_compile
@@ -560,7 +561,10 @@ class GPUModelRunner:
         else:
             rows = hidden[self._h2d(inputs.query_start_loc[1:][s_idx] - 1, False)]
         head = self._sampling_head
-        logits = self.model.compute_logits(rows) if head is None else linear(rows, head, None)
+        if head is None or len(rows) * self.vocab_size < sampler_module.BF16_ARGMAX_MIN_NUMEL:
+            logits = self.model.compute_logits(rows)  # float32 (a small batch's copy is cheap: as ever)
+        else:
+            logits = linear(rows, head, None)  # bfloat16: the sampler converts only if a row needs float32
         if not self.is_driver:  # under tensor parallelism only rank 0 samples; the others take its tokens
             return None
         bitmask = None
@@ -796,7 +800,8 @@ def _sampling_head(model: torch.nn.Module, device: torch.device, dtype: torch.dt
     models whose compute_logits is CausalLM's (`lm_head_logits`: this head's linear, then a float32 copy). The
     sampler makes that copy itself when some row needs float32 (logprobs, processors, random draws); an all-greedy
     batch takes the argmax of the bfloat16 logits, which is the argmax of their exact float32 conversion
-    (sampler.greedy_argmax), without the copy (~0.2 ms of a 32-row step on 2 Zen 4 cores). None: compute_logits,
+    (sampler.greedy_argmax), without the copy (~0.2 ms of a 32-row step on 2 Zen 4 cores). Used from
+    sampler.BF16_ARGMAX_MIN_NUMEL logits on (smaller batches: compute_logits, as before). None: compute_logits,
     as on CUDA, under tensor parallelism and for models with their own (Gemma 2's soft cap)."""
     head = getattr(model, "lm_head", None)
     if (

@@ -422,8 +422,8 @@ _BF16_MIN_NORMAL = 0x0080
 _BF16_INF = 0x7F80
 # The int16 path pays off from about this many logits (~8 rows of a 32K vocabulary): below it the float32 copy is
 # small, and its few operations cost less than the int16 path's checks (each numpy call after a decode step's
-# forward runs with cold caches, ~10-30 us on 2 Zen 4 cores).
-_BF16_ARGMAX_MIN_NUMEL = 1 << 18
+# forward runs with cold caches, ~10-30 us on 2 Zen 4 cores). The runner hands over bfloat16 logits only from here.
+BF16_ARGMAX_MIN_NUMEL = 1 << 18
 
 
 def _argmax_bf16_cpu(logits: torch.Tensor) -> torch.Tensor:
@@ -474,7 +474,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     and torch's own bfloat16 argmax ~1.9 ms); another floating CPU dtype is converted to float32 first. Other
     devices, and 1-D or empty rows, stay on torch (another dtype converted to float32, as the sampler did before)."""
     if HOST_FAST_PATHS and logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0:
-        if logits.dtype == torch.bfloat16 and logits.numel() >= _BF16_ARGMAX_MIN_NUMEL:
+        if logits.dtype == torch.bfloat16 and logits.numel() >= BF16_ARGMAX_MIN_NUMEL:
             return _argmax_bf16_cpu(logits)
         if logits.dtype.is_floating_point:
             values = logits.to(torch.float32).numpy()
