@@ -168,6 +168,7 @@ def test_the_worker_captures_after_binding_the_kv_cache() -> None:
 
     worker = GPUWorker.__new__(GPUWorker)
     worker.model_runner = Runner()
+    worker.device = torch.device("cuda")  # a CUDA worker: no CPU malloc policy in this test's process
     worker.initialize_cache(10, 2)
     assert calls == [("kv", 10, 2), ("capture",)]
 
