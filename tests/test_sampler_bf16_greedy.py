@@ -178,3 +178,11 @@ def test_batches_that_need_float32_get_its_results() -> None:
                 assert torch.equal(getattr(got.logprobs_tensors, field), getattr(want.logprobs_tensors, field)), name
     got, _ = _both(mixes["bias"], logits)
     assert got.sampled_token_ids[-1].item() == 7
+
+
+def test_float64_logits_keep_their_own_argmax() -> None:
+    """float64 values a float32 copy would merge (1 and 1 + 1e-12) keep float64's winner: no rounding first."""
+    x = torch.zeros(2, 8, dtype=torch.float64)
+    x[:, 2] = 1.0
+    x[:, 5] = 1.0 + 1e-12
+    assert greedy_argmax(x).tolist() == [5, 5]

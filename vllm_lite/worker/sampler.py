@@ -462,6 +462,10 @@ def _row_index(n: int) -> np.ndarray:
     return _ROW_INDEX[:n]
 
 
+# Dtypes whose values float32 holds exactly: their argmax is the argmax of the float32 copy.
+_EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """int64 [N]: each row's first index of its largest logit (NaN counts as largest), as `logits.argmax(-1)` over
     the logits' float32 values.
@@ -471,12 +475,12 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return the first position of the maximum and treat NaN as the maximum, so the tokens are the same. A bfloat16
     CPU batch (the LM head's own output: Sampler.forward's all-greedy path) takes numpy's int16 argmax over its
     bit patterns (`_argmax_bf16_cpu`: ~50 us at [32, 32000], against ~160 us for the float32 copy and its argmax,
-    and torch's own bfloat16 argmax ~1.9 ms); another floating CPU dtype is converted to float32 first. Other
+    and torch's own bfloat16 argmax ~1.9 ms); float16 is converted to float32 first (exactly); float64 keeps torch's argmax. Other
     devices, and 1-D or empty rows, stay on torch (another dtype converted to float32, as the sampler did before)."""
     if HOST_FAST_PATHS and logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0:
         if logits.dtype == torch.bfloat16 and logits.numel() >= BF16_ARGMAX_MIN_NUMEL:
             return _argmax_bf16_cpu(logits)
-        if logits.dtype.is_floating_point:
+        if logits.dtype in _EXACT_IN_FLOAT32:  # float64 would round first: it stays on torch's argmax
             values = logits.to(torch.float32).numpy()
             return torch.from_numpy(np.argmax(values, axis=-1).astype(np.int64, copy=False))
     return logits.argmax(dim=-1)
