@@ -19,31 +19,18 @@ import torch
 from vllm_lite.testing.attention_oracle import poison_blocks_before_window
 from vllm_lite.testing.attention_oracle import random_attention_case as make_case
 from vllm_lite.testing.attention_oracle import reference_paged_attention as oracle_attention
-from vllm_lite.worker.attention import cpu_kernels
+from vllm_lite.testing.cpu_bf16_attention import avx512_native_backend, requires_avx512_bf16
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 
 TOL = 3e-2  # bf16 output rounding and bf16 probabilities, as test_cpu_attention_impls.py's bf16 tolerance
 
 
-def _has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(
-    not _has_avx512_bf16(), reason="needs a CPU with AVX512-BF16 (the decode path is not built elsewhere)"
-)
+pytestmark = requires_avx512_bf16
 
 
 @pytest.fixture(scope="module")
 def backend() -> CpuNativeBackend:
-    assert cpu_kernels.load_cpu_ops(), "the CPU kernels must build on a machine with a C++ compiler"
-    b = CpuNativeBackend("auto")
-    assert b.key_loop(64) == "avx512"
-    return b
+    return avx512_native_backend()
 
 
 # Decodes only: no context, one tile, a partial tile, one chunk exactly, and several chunks with a partial one.
