@@ -124,16 +124,25 @@ def _gate_up_vnni_op(
     return torch.ops.vllm_lite.bf16_gate_up_vnni(x, wv, d, bias, silu_and_mul)
 
 
+# The two classes silu_gate_ups looks for, by name: layers and parallel_linear import this module, so importing
+# them here would close an import cycle (tests/test_import_graph.py).
+_SILU_AND_MUL = ("vllm_lite.worker.models.layers", "SiluAndMul")
+_MERGED_LINEAR = ("vllm_lite.worker.models.parallel_linear", "MergedLinear")
+
+
+def _is_class(cls: type, where: tuple[str, str]) -> bool:
+    return (cls.__module__, cls.__qualname__) == where
+
+
 def silu_gate_ups(model: nn.Module) -> dict[int, int]:
     """id(gate_up module) -> d for every gated SiLU MLP in `model` (a MergedLinear of two halves of d rows, gate
     then up, whose output goes to a SiluAndMul): the gate_up weights whose decode copies prepacking interleaves."""
-    from vllm_lite.worker.models.layers import SiluAndMul
-    from vllm_lite.worker.models.parallel_linear import MergedLinear
-
     out = {}
     for m in model.modules():
         gu, act = m._modules.get("gate_up_proj"), m._modules.get("act")
-        if type(act) is not SiluAndMul or not isinstance(gu, MergedLinear) or set(gu.shards) != {0, 1}:
+        if not _is_class(type(act), _SILU_AND_MUL) or not any(_is_class(c, _MERGED_LINEAR) for c in type(gu).__mro__):
+            continue
+        if set(gu.shards) != {0, 1}:
             continue
         d = gu.shards[0][1]
         if gu.shards[0] == (0, d) and gu.shards[1] == (d, d) and gu.weight.shape[0] == 2 * d > 0:
