@@ -368,7 +368,9 @@ def main() -> None:
 
         args.model = get_checkpoint("qwen2", size="100m")
     from vllm_lite.platform import describe_host
+    from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
 
+    load_cpu_ops()  # the served engine loads the same cached build: say whether it loads on this tree
     result: dict[str, Any] = {
         "benchmark": "serve_vs_vllm",
         "model": os.path.basename(args.model.rstrip("/")),

@@ -180,7 +180,9 @@ def _child_limit(spec: dict) -> dict:
     import torch
 
     from vllm_lite.platform import describe_host
+    from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
 
+    load_cpu_ops()  # the engines below load the same cached build: say whether it loads on this tree
     host = describe_host()
     host["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
 
