@@ -14,7 +14,6 @@ and a final JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.testing.baselines import bench_json
 from vllm_lite.testing.cpu_runner import cpu_runner
 from vllm_lite.testing.device_ops import DeviceOpCounter, install_stand_in_graphs
 from vllm_lite.testing.stand_in_core import StandInCore
@@ -198,9 +198,9 @@ def main() -> None:
     result: dict[str, Any] = {"load_avg": os.getloadavg()}
     for b in a.batches:
         row = run(b, a.tokens, a.rounds, a.ops, a.device_out)
-        print(json.dumps(row), flush=True)
+        print(bench_json(row), flush=True)
         result[f"b{b}"] = row
-    print(json.dumps(result))
+    print(bench_json(result))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ longer than T an iteration took. `--cprofile N`: also print the top N functions 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -31,6 +30,8 @@ import sys
 import tempfile
 import time
 from typing import Any, Callable, Optional
+
+from vllm_lite.testing.baselines import bench_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -314,7 +315,7 @@ def main() -> None:
         result["gpu_us"] = args.gpu_us
     result.update({k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]})
     result["load"] = round(os.getloadavg()[0], 2)
-    print(json.dumps(result))
+    print(bench_json(result))
     if args.cprofile:
         import cProfile
         import pstats

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import statistics
 import subprocess
@@ -28,6 +27,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from vllm_lite.testing.baselines import bench_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -142,7 +143,7 @@ def main() -> None:
     out["core_new_us"] = round(1e6 * statistics.median(new), 1)
     out["ratio"] = round(statistics.median(y / x for x, y in zip(base, new)), 3)
     out["load"] = round(os.getloadavg()[0], 2)
-    print(json.dumps(out))
+    print(bench_json(out))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import vllm_lite.worker.models.cpu_prepack as cpp  # noqa: E402
 import vllm_lite.worker.sampler as smp  # noqa: E402
 import vllm_lite.worker.step_inputs as sim  # noqa: E402
 from vllm_lite import LLM, SamplingParams  # noqa: E402
+from vllm_lite.testing.baselines import bench_json  # noqa: E402
 from vllm_lite.testing.checkpoints import get_checkpoint  # noqa: E402
 
 pc = time.perf_counter
@@ -121,7 +122,7 @@ def main() -> None:
     for batch in (32, 1):
         parts = {k: round(1e3 * statistics.median(v), 3) for (b, k), v in sorted(times.items()) if b == batch}
         result[f"b{batch}_ms"] = {"steps": len(times[(batch, "total")]), **parts}
-    print(json.dumps(result))
+    print(bench_json(result))
     llm.shutdown()
 
 

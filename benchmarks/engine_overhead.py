@@ -11,9 +11,10 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
+
+from vllm_lite.testing.baselines import bench_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -71,7 +72,7 @@ def main() -> None:
         result["100m_multiproc_over_inproc"] = round(
             result["100m_multiproc_tokens_per_s"] / result["100m_inproc_tokens_per_s"], 3
         )
-    print(json.dumps(result))
+    print(bench_json(result))
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ average. Checks the two sides' outputs bit for bit first.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 import torch
 
+from vllm_lite.testing.baselines import bench_json
 from vllm_lite.worker.models import cpu_prepack
 
 
@@ -78,7 +78,7 @@ def main() -> None:
                     times[s].append(dt)
         ratios = [f / p for f, p in zip(times["fused"], times["plain"])]
         print(
-            json.dumps(
+            bench_json(
                 {
                     "rows": rows,
                     "plain_us": round(statistics.median(times["plain"]), 1),

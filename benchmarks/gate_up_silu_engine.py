@@ -17,7 +17,6 @@ and the load average, as one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -25,6 +24,7 @@ import time
 import torch
 
 from vllm_lite import LLM, SamplingParams
+from vllm_lite.testing.baselines import bench_json
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.worker.models import cpu_prepack
 
@@ -99,7 +99,7 @@ def main() -> None:
         }
     res["threads"] = torch.get_num_threads()
     res["load"] = [round(v, 2) for v in os.getloadavg()]
-    print(json.dumps(res), flush=True)
+    print(bench_json(res), flush=True)
 
 
 if __name__ == "__main__":

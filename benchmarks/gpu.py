@@ -94,6 +94,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_lite.testing import bench_deadline  # noqa: E402
+from vllm_lite.testing.baselines import host_description  # noqa: E402
 from vllm_lite.testing.bench_deadline import (  # noqa: E402
     END_LOCK,
     RUN,
@@ -1396,6 +1397,7 @@ def main() -> int:
         if args.test_hang == "main":  # tests: a run stuck where no TimeLimit reaches (only the hard wall ends it)
             _test_hang_main()
         result.update(environment(s["device"]))
+        result["host"] = host_description()  # the CPU beside the device: the host side's figures depend on it
         result["settings"] = {
             **{k: v for k, v in s.items() if not k.startswith("_")},
             "workload": f"{s['num_prompts']} prompts of {s['input_len'][0]}-{s['input_len'][1]} random token ids "

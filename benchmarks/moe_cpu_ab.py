@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import time
@@ -28,6 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from throughput import make_prompts  # noqa: E402
+
+from vllm_lite.testing.baselines import bench_json
 
 
 def main() -> None:
@@ -127,7 +128,7 @@ def main() -> None:
         for m in res
     }
     print(
-        json.dumps(
+        bench_json(
             {
                 "benchmark": "moe_cpu_ab",
                 "dtype": args.dtype,

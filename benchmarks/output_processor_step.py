@@ -12,12 +12,13 @@ first 10) and us per request.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+
+from vllm_lite.testing.baselines import bench_json
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # PYTHONPATH (an A/B tree) wins
 
@@ -83,7 +84,7 @@ def main() -> None:
                 q.get_nowait()
     us = statistics.median(times[10:]) * 1e6
     print(
-        json.dumps(
+        bench_json(
             {
                 "batch": a.batch,
                 "kind": a.kind,

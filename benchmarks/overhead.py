@@ -10,7 +10,6 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 from vllm_lite.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.serialization import MsgpackDecoder, MsgpackEncoder
+from vllm_lite.testing.baselines import bench_json
 from vllm_lite.testing.null_core import NullInprocClient, NullSyncMPClient, null_config
 from vllm_lite.worker.step import LogprobsTensors
 
@@ -101,7 +101,7 @@ def main() -> None:
         result["mp_step_us"] = 1e6 * time_steps(mp, args.batch, args.steps)
     finally:
         mp.shutdown()
-    print(json.dumps(result))
+    print(bench_json(result))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import json
 import os
 import time
 
+from vllm_lite.testing.baselines import bench_json
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
@@ -72,7 +74,7 @@ def main() -> None:
         u_on = a if u_on is None or a["tokens_per_s"] > u_on["tokens_per_s"] else u_on
         u_off = b if u_off is None or b["tokens_per_s"] > u_off["tokens_per_s"] else u_off
     print(
-        json.dumps(
+        bench_json(
             {
                 "benchmark": "prefix_cache",
                 "dtype": args.dtype,

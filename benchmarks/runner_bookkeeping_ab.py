@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_lite.testing.baselines import bench_json
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (REPO, os.path.join(REPO, "benchmarks")):
     if p not in sys.path:
@@ -164,7 +166,7 @@ def main() -> None:
     print(json.dumps({"load_avg": os.getloadavg()}))
     for b in a.batches:
         for async_ in (False, True):
-            print(json.dumps(run(b, async_, a.steps)), flush=True)
+            print(bench_json(run(b, async_, a.steps)), flush=True)
 
 
 if __name__ == "__main__":

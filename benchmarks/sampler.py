@@ -6,7 +6,6 @@ python benchmarks/sampler.py [--batch 64] [--vocab 32000] [--iters 50] [--thread
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 
 from vllm_lite.platform import resolve_device
 from vllm_lite.sampling_params import SamplingParams
+from vllm_lite.testing.baselines import bench_json
 from vllm_lite.worker.sampler import Sampler
 from vllm_lite.worker.sampling_state import SamplingState
 
@@ -70,7 +70,7 @@ def main() -> None:
     seeded = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i) for i in range(args.batch)]
     seeded_us = _time_us(*_state(seeded, args.vocab, device), logits, args.iters)
     print(
-        json.dumps(
+        bench_json(
             {
                 "benchmark": "sampler",
                 "device": str(device),

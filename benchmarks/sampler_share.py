@@ -14,7 +14,6 @@ and reports the sampler's share over pure-decode steps (every one of the 64 rows
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections import defaultdict
@@ -25,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from vllm_lite import LLM, SamplingParams  # noqa: E402
+from vllm_lite.testing.baselines import bench_json
 from vllm_lite.testing.checkpoints import get_checkpoint  # noqa: E402
 
 
@@ -138,7 +138,7 @@ def main() -> None:
     steps = max(timers.decode_steps, 1)
     sampling_all = t["sampler"] + t["make_metadata"] + t["append_token_ids"]
     print(
-        json.dumps(
+        bench_json(
             {
                 "bench": "sampler_share",
                 "model": "qwen2-100m",

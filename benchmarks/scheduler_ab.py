@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import random
 import re
@@ -27,6 +26,8 @@ import tempfile
 import time
 from types import SimpleNamespace
 from typing import Any
+
+from vllm_lite.testing.baselines import bench_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -154,7 +155,7 @@ def main() -> None:
         result["reverse"] = args.reverse
         result.update(run(base, new, args, mode == "async"))
         result["load"] = round(os.getloadavg()[0], 2)
-        print(json.dumps(result), flush=True)
+        print(bench_json(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ scheduler's calls in a real step. Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -29,6 +28,7 @@ if REPO not in sys.path:
 from vllm_lite.core.request import Request  # noqa: E402
 from vllm_lite.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm_lite.sampling_params import SamplingParams  # noqa: E402
+from vllm_lite.testing.baselines import bench_json  # noqa: E402
 from vllm_lite.testing.scheduler_config import make_config  # noqa: E402
 from vllm_lite.worker.step import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 
@@ -110,7 +110,7 @@ def main() -> None:
         out[mode] = {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}
         out[mode]["step_us"] = round(out[mode]["schedule_us"] + out[mode]["update_us"], 1)
     out["load"] = os.getloadavg()[0]
-    print(json.dumps(out))
+    print(bench_json(out))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from vllm_lite.testing.baselines import bench_json  # noqa: E402 - after HF_HUB_OFFLINE is set
+
 
 @dataclass
 class Result:
@@ -199,7 +201,7 @@ def main() -> None:
             args.model = get_checkpoint("llama")
         proc, base_url = start_server(args)
     try:
-        print(json.dumps(asyncio.run(run_benchmark(args, base_url))))
+        print(bench_json(asyncio.run(run_benchmark(args, base_url))))
     finally:
         if proc is not None:
             proc.terminate()

@@ -32,6 +32,7 @@ import httpx
 from vllm_lite import LLM, SamplingParams
 from vllm_lite.core.core_sockets import max_input_message_bytes
 from vllm_lite.testing.abort_soak import abort_soak
+from vllm_lite.testing.baselines import host_description
 from vllm_lite.testing.http_fuzz import HttpFuzzer
 from vllm_lite.testing.processes import process_gone, rank_children
 from vllm_lite.testing.target_daemon import (
@@ -308,6 +309,7 @@ def main() -> int:
     out: dict[str, Any] = {
         "benchmark": "soak",
         "host": {
+            **host_description(),
             "cpus": os.cpu_count(),
             "loadavg_at_start": [round(x, 2) for x in load_before],
             "note": "shared machine, loaded by other work: times are upper bounds",

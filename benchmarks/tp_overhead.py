@@ -14,11 +14,12 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
+
+from vllm_lite.testing.baselines import bench_json
 
 
 def _core(path: str, tp: int):
@@ -94,7 +95,7 @@ def main() -> None:
     finally:
         core.shutdown()
     result["tp2_overhead_us"] = round(result["step_us_tp2"] - result["step_us_tp1"], 1)  # type: ignore[operator]
-    print(json.dumps(result))
+    print(bench_json(result))
 
 
 if __name__ == "__main__":

@@ -122,3 +122,29 @@ def test_module_imports_nothing_above_it() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
+def test_bench_json_adds_the_host_to_a_benchmark_line() -> None:
+    from vllm_lite.testing.baselines import bench_json
+
+    line = bench_json({"benchmark": "x", "tok_per_s": 1.5})
+    assert "\n" not in line
+    d = json.loads(line)
+    assert d["benchmark"] == "x" and d["tok_per_s"] == 1.5
+    assert d["host"]["cpu_model"] == platform.cpu_model_name()
+    assert d["host"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_every_benchmark_prints_the_machine_it_ran_on() -> None:
+    """Issue #15: every benchmark says which CPU (model, capability) its figures come from."""
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    scripts = sorted(f for f in os.listdir(bench_dir) if f.endswith(".py"))
+    assert len(scripts) > 20
+    markers = ("bench_json(", "describe_host()", "host_description()")
+    missing = []
+    for name in scripts:
+        with open(os.path.join(bench_dir, name)) as f:
+            src = f.read()
+        if "__main__" in src and not any(m in src for m in markers):
+            missing.append(name)
+    assert missing == []

@@ -110,3 +110,8 @@ def host_description() -> dict[str, Any]:
     from vllm_lite.platform import describe_host
 
     return describe_host()
+
+
+def bench_json(result: dict[str, Any]) -> str:
+    """A benchmark's JSON output line: its result plus the machine it ran on (CPU model, capability, kernels)."""
+    return json.dumps({**result, "host": host_description()})
