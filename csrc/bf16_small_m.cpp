@@ -60,9 +60,33 @@ struct GateUpOut {
   bool silu;        // silu(gate) * up, else both halves
 };
 
+// A plain linear's bias as the kernels read it, in place: bfloat16 (the model's dtype, widened exactly as
+// bias.to(float32) widens it, a 16-bit shift) or float32; null for none. Read in the loop, so a call converts and
+// allocates nothing for it (a per-call bias.to(float32) was one aten::_to_copy per linear, ~18 us for the qkv
+// projection's at decode).
+struct BiasRef {
+  const void* p = nullptr;
+  bool bf16 = false;
+};
+
 #ifdef VLLM_LITE_BF16_SMALL_M
 
 static inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+// Bias outputs j..j+3 / j..j+15 as float32 (zeros without a bias).
+static inline __m128 bias4(const BiasRef& b, int64_t j) {
+  if (!b.p) return _mm_setzero_ps();
+  if (!b.bf16) return _mm_loadu_ps(static_cast<const float*>(b.p) + j);
+  const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(b.p) + j));
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 bias16(const BiasRef& b, int64_t j) {
+  if (!b.p) return _mm512_setzero_ps();
+  if (!b.bf16) return _mm512_loadu_ps(static_cast<const float*>(b.p) + j);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(b.p) + j));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 
 // 4 accumulators -> one register whose 128-bit block i holds 4 partial sums of accumulator i.
 static inline __m512 fold4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -120,7 +144,7 @@ static inline void block_dots(const uint16_t* __restrict w, int64_t chunks, cons
   for (int m = 0; m < MM; ++m) std::memcpy(out + m * n, &rows4[m], sizeof(rows4[m]));
 }
 
-void run(const at::Tensor& x, const at::Tensor& wb, int64_t n, const float* bias, at::Tensor& out) {
+void run(const at::Tensor& x, const at::Tensor& wb, int64_t n, const BiasRef& bias, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), chunks = k / kKChunk;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<c10::BFloat16>());
@@ -130,7 +154,7 @@ void run(const at::Tensor& x, const at::Tensor& wb, int64_t n, const float* bias
   at::parallel_for(0, n / kRowsPerGroup, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint16_t* w = wp + g * group_elems;
-      const __m512 b4 = bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(bias + g * kRowsPerGroup)) : _mm512_setzero_ps();
+      const __m512 b4 = _mm512_broadcast_f32x4(bias4(bias, g * kRowsPerGroup));
       const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + group_elems) : nullptr;
       int64_t m0 = 0;
       for (int64_t p = 0; p < passes; ++p) {
@@ -223,7 +247,7 @@ static VnniFn<Store> vnni_fn(int64_t mb) {
   return fns[mb];
 }
 
-void run_vnni(const at::Tensor& x, const at::Tensor& wv, int64_t n, const float* bias, at::Tensor& out) {
+void run_vnni(const at::Tensor& x, const at::Tensor& wv, int64_t n, const BiasRef& bias, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), k2n = k / 2;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wv.data_ptr<c10::BFloat16>());
@@ -233,8 +257,7 @@ void run_vnni(const at::Tensor& x, const at::Tensor& wv, int64_t n, const float*
   at::parallel_for(0, n / kVnniBlock, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint16_t* w = wp + g * block_elems;
-      const __m512 b0 = bias ? _mm512_loadu_ps(bias + g * kVnniBlock) : _mm512_setzero_ps();
-      const __m512 b1 = bias ? _mm512_loadu_ps(bias + g * kVnniBlock + 16) : _mm512_setzero_ps();
+      const __m512 b0 = bias16(bias, g * kVnniBlock), b1 = bias16(bias, g * kVnniBlock + 16);
       const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + block_elems) : nullptr;
       int64_t m0 = 0;
       for (int64_t p = 0; p < passes; ++p) {
@@ -293,7 +316,7 @@ static inline __m512 round_bf16(__m512 v) {
 
 // <= 12 rows: the small-m kernel's tiles, 8 to a block (4 of gate, 4 of up), each tile's 4 x 4 outputs rounded
 // into a block buffer in L1, then the epilogue per row.
-void run_gate_up_small_m(const at::Tensor& x, const at::Tensor& wb, const float* bias, const GateUpOut& o) {
+void run_gate_up_small_m(const at::Tensor& x, const at::Tensor& wb, const BiasRef& bias, const GateUpOut& o) {
   const int64_t rows = x.size(0), k = x.size(1), chunks = k / kKChunk;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<c10::BFloat16>());
@@ -306,7 +329,7 @@ void run_gate_up_small_m(const at::Tensor& x, const at::Tensor& wb, const float*
       for (int64_t t = 0; t < kTiles; ++t) {
         const int64_t g = b * kTiles + t;
         const uint16_t* w = wp + g * group_elems;
-        const __m512 b4 = bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(bias + g * kRowsPerGroup)) : _mm512_setzero_ps();
+        const __m512 b4 = _mm512_broadcast_f32x4(bias4(bias, g * kRowsPerGroup));
         const char* next = g + 1 < b1 * kTiles ? reinterpret_cast<const char*>(w + group_elems) : nullptr;
         int64_t m0 = 0;
         for (int64_t p = 0; p < passes; ++p) {
@@ -335,7 +358,7 @@ struct VnniGateUpStore {
   void operator()(int m, __m512 a0, __m512 a1) const { gate_up_store(*o, m0 + m, b, round_bf16(a0), round_bf16(a1)); }
 };
 
-void run_gate_up_vnni(const at::Tensor& x, const at::Tensor& wv, const float* bias, const GateUpOut& o) {
+void run_gate_up_vnni(const at::Tensor& x, const at::Tensor& wv, const BiasRef& bias, const GateUpOut& o) {
   const int64_t rows = x.size(0), k = x.size(1), k2n = k / 2;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wv.data_ptr<c10::BFloat16>());
@@ -344,8 +367,7 @@ void run_gate_up_vnni(const at::Tensor& x, const at::Tensor& wv, const float* bi
   at::parallel_for(0, wv.size(0), 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint16_t* w = wp + g * block_elems;
-      const __m512 b0 = bias ? _mm512_loadu_ps(bias + g * kVnniBlock) : _mm512_setzero_ps();
-      const __m512 b1 = bias ? _mm512_loadu_ps(bias + g * kVnniBlock + 16) : _mm512_setzero_ps();
+      const __m512 b0 = bias16(bias, g * kVnniBlock), b1 = bias16(bias, g * kVnniBlock + 16);
       const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + block_elems) : nullptr;
       int64_t m0 = 0;
       for (int64_t p = 0; p < passes; ++p) {
@@ -370,6 +392,20 @@ bool bf16_small_m_available() {
 
 int64_t bf16_small_m_max_rows() { return kMaxRows; }
 
+// The plain ops' bias: [n] on the CPU, read in place where it is contiguous bfloat16 or float32, else converted to
+// float32 into `copy` (another dtype, a strided view).
+BiasRef bias_ref(const char* name, const c10::optional<at::Tensor>& bias, int64_t n, at::Tensor& copy) {
+  if (!bias.has_value()) return {};
+  check_cpu(*bias, "bias");
+  TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, msg(name, ": bias must be [", n, "], got ", bias->sizes()));
+  const at::ScalarType dt = bias->scalar_type();
+  if (bias->is_contiguous() && (dt == at::kBFloat16 || dt == at::kFloat)) {
+    return {bias->data_ptr(), dt == at::kBFloat16};
+  }
+  copy = bias->to(at::kFloat).contiguous();
+  return {copy.data_ptr(), false};
+}
+
 at::Tensor bf16_linear_small_m(const at::Tensor& x, const at::Tensor& weight_blocked, int64_t n,
                                const c10::optional<at::Tensor>& bias) {
   // Every check runs before any data is read and before the parallel loop (whose body cannot throw).
@@ -391,18 +427,13 @@ at::Tensor bf16_linear_small_m(const at::Tensor& x, const at::Tensor& weight_blo
                         kRowsPerGroup, ", ", kKChunk, "], got ", weight_blocked.sizes()));
   TORCH_CHECK_VALUE(x.size(0) <= kMaxRows,
                     msg("bf16_linear_small_m: at most ", kMaxRows, " rows of x, got ", x.size(0)));
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    check_cpu(*bias, "bias");
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n,
-                      msg("bf16_linear_small_m: bias must be [", n, "], got ", bias->sizes()));
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  at::Tensor bias_copy;
+  const BiasRef b = bias_ref("bf16_linear_small_m", bias, n, bias_copy);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({xc.size(0), n}, xc.options());
   if (xc.size(0) == 0) return out;
 #ifdef VLLM_LITE_BF16_SMALL_M
-  run(xc, weight_blocked, n, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out);
+  run(xc, weight_blocked, n, b, out);
 #endif
   return out;
 }
@@ -426,18 +457,13 @@ at::Tensor bf16_linear_vnni(const at::Tensor& x, const at::Tensor& weight_vnni, 
                         weight_vnni.size(2) == kVnniBlockN && weight_vnni.size(3) == 2,
                     msg("bf16_linear_vnni: weight_vnni must be [", n / kVnniBlockN, ", ", k / 2, ", ", kVnniBlockN,
                         ", 2], got ", weight_vnni.sizes()));
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    check_cpu(*bias, "bias");
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n,
-                      msg("bf16_linear_vnni: bias must be [", n, "], got ", bias->sizes()));
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  at::Tensor bias_copy;
+  const BiasRef b = bias_ref("bf16_linear_vnni", bias, n, bias_copy);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({xc.size(0), n}, xc.options());
   if (xc.size(0) == 0) return out;
 #ifdef VLLM_LITE_BF16_SMALL_M
-  run_vnni(xc, weight_vnni, n, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out);
+  run_vnni(xc, weight_vnni, n, b, out);
 #endif
   return out;
 }
@@ -446,6 +472,7 @@ at::Tensor bf16_linear_vnni(const at::Tensor& x, const at::Tensor& weight_vnni, 
 // the weight (float32, zeros in the padding), the output.
 struct GateUpCall {
   at::Tensor x, bias_f, out;
+  BiasRef bias;  // bias_f's
   GateUpOut o;
 };
 
@@ -468,6 +495,7 @@ GateUpCall gate_up_call(const char* name, const at::Tensor& x, int64_t n_pad, in
       dst[pos] = src[j];
       dst[pos + kGateUpBlock] = src[d + j];
     }
+    c.bias = BiasRef{dst, false};
   }
   c.x = x.contiguous();
   c.out = at::empty({c.x.size(0), silu_and_mul ? d : 2 * d}, c.x.options());
@@ -496,7 +524,7 @@ at::Tensor bf16_gate_up_small_m(const at::Tensor& x, const at::Tensor& weight_bl
                               bias, silu_and_mul);
   if (c.x.size(0) == 0) return c.out;
 #ifdef VLLM_LITE_BF16_SMALL_M
-  run_gate_up_small_m(c.x, weight_blocked, c.bias_f.defined() ? c.bias_f.data_ptr<float>() : nullptr, c.o);
+  run_gate_up_small_m(c.x, weight_blocked, c.bias, c.o);
 #endif
   return c.out;
 }
@@ -520,7 +548,7 @@ at::Tensor bf16_gate_up_vnni(const at::Tensor& x, const at::Tensor& weight_vnni,
       gate_up_call("bf16_gate_up_vnni", x, weight_vnni.size(0) * kVnniBlockN, d, bias, silu_and_mul);
   if (c.x.size(0) == 0) return c.out;
 #ifdef VLLM_LITE_BF16_SMALL_M
-  run_gate_up_vnni(c.x, weight_vnni, c.bias_f.defined() ? c.bias_f.data_ptr<float>() : nullptr, c.o);
+  run_gate_up_vnni(c.x, weight_vnni, c.bias, c.o);
 #endif
   return c.out;
 }
