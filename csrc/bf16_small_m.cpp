@@ -144,6 +144,13 @@ static inline void block_dots(const uint16_t* __restrict w, int64_t chunks, cons
   for (int m = 0; m < MM; ++m) std::memcpy(out + m * n, &rows4[m], sizeof(rows4[m]));
 }
 
+// Tiles are computed in groups of kStoreTiles (32 outputs): each tile's 4 x 4 block goes to a buffer in L1, then
+// each row's 32 outputs to `out` as one 64-byte store, instead of 8 bytes into each of up to 16 rows a row stride
+// apart per tile (as the gate_up kernel below stages its blocks): 10-15% faster at 4-12 rows. A single row
+// goes straight to `out` (its tiles' outputs are adjacent anyway).
+constexpr int64_t kStoreTiles = 8;
+constexpr int64_t kStoreWidth = kStoreTiles * kRowsPerGroup;
+
 void run(const at::Tensor& x, const at::Tensor& wb, int64_t n, const BiasRef& bias, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), chunks = k / kKChunk;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
@@ -151,23 +158,40 @@ void run(const at::Tensor& x, const at::Tensor& wb, int64_t n, const BiasRef& bi
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t group_elems = chunks * kRowsPerGroup * kKChunk;
   const int64_t passes = (rows + kRowsPerPass - 1) / kRowsPerPass;
-  at::parallel_for(0, n / kRowsPerGroup, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint16_t* w = wp + g * group_elems;
-      const __m512 b4 = _mm512_broadcast_f32x4(bias4(bias, g * kRowsPerGroup));
-      const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + group_elems) : nullptr;
-      int64_t m0 = 0;
-      for (int64_t p = 0; p < passes; ++p) {
-        const int64_t mm = (rows - m0 + (passes - p) - 1) / (passes - p);  // balanced: 6 rows = 3 + 3
-        const uint16_t* xm = xp + m0 * k;
-        c10::BFloat16* o = op + m0 * n + g * kRowsPerGroup;
-        switch (mm) {
-          case 1: block_dots<1>(w, chunks, xm, k, b4, o, n, next, p, passes); break;
-          case 2: block_dots<2>(w, chunks, xm, k, b4, o, n, next, p, passes); break;
-          case 3: block_dots<3>(w, chunks, xm, k, b4, o, n, next, p, passes); break;
-          default: block_dots<4>(w, chunks, xm, k, b4, o, n, next, p, passes); break;
+  const int64_t tiles = n / kRowsPerGroup, spans = (tiles + kStoreTiles - 1) / kStoreTiles;
+  const bool direct = rows == 1;  // one row's tiles are contiguous already: straight to `out`
+  const int64_t ld = direct ? n : kStoreWidth;
+  at::parallel_for(0, spans, 16 / kStoreTiles, [&](int64_t s0, int64_t s1) {
+    alignas(64) c10::BFloat16 buf[kMaxRows * kStoreWidth];  // row m: the span's outputs for row m
+    const int64_t g_end = std::min(s1 * kStoreTiles, tiles);
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t t0 = s * kStoreTiles, t1 = std::min(t0 + kStoreTiles, tiles);
+      for (int64_t g = t0; g < t1; ++g) {
+        const uint16_t* w = wp + g * group_elems;
+        const __m512 b4 = _mm512_broadcast_f32x4(bias4(bias, g * kRowsPerGroup));
+        const char* next = g + 1 < g_end ? reinterpret_cast<const char*>(w + group_elems) : nullptr;
+        int64_t m0 = 0;
+        for (int64_t p = 0; p < passes; ++p) {
+          const int64_t mm = (rows - m0 + (passes - p) - 1) / (passes - p);  // balanced: 6 rows = 3 + 3
+          const uint16_t* xm = xp + m0 * k;
+          c10::BFloat16* o = direct ? op + g * kRowsPerGroup : buf + m0 * kStoreWidth + (g - t0) * kRowsPerGroup;
+          switch (mm) {
+            case 1: block_dots<1>(w, chunks, xm, k, b4, o, ld, next, p, passes); break;
+            case 2: block_dots<2>(w, chunks, xm, k, b4, o, ld, next, p, passes); break;
+            case 3: block_dots<3>(w, chunks, xm, k, b4, o, ld, next, p, passes); break;
+            default: block_dots<4>(w, chunks, xm, k, b4, o, ld, next, p, passes); break;
+          }
+          m0 += mm;
         }
-        m0 += mm;
+      }
+      if (direct) continue;
+      c10::BFloat16* o = op + t0 * kRowsPerGroup;
+      if (t1 - t0 == kStoreTiles) {
+        for (int64_t m = 0; m < rows; ++m)
+          _mm512_storeu_si512(o + m * n, _mm512_load_si512(buf + m * kStoreWidth));
+      } else {
+        for (int64_t m = 0; m < rows; ++m)
+          std::memcpy(o + m * n, buf + m * kStoreWidth, (t1 - t0) * kRowsPerGroup * sizeof(c10::BFloat16));
       }
     }
   });
