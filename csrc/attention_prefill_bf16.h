@@ -9,7 +9,8 @@
 //      interleaved once by key pairs, both shared by every row of the item;
 //   2. scores: register blocks of 4 rows x 4 tiles (64 keys), D/2 VDPBF16PS each against broadcast bf16 query pairs;
 //   3. softmax per row over its visible keys of the chunk (causal mask), probabilities rounded to bf16;
-//   4. values: two keys per VDPBF16PS, register blocks of rows whose accumulators stay in registers over the chunk.
+//   4. values: two keys per VDPBF16PS, register blocks of rows whose accumulators stay in registers over the chunk
+//      (a chunk with a non-finite value: row by row over each row's own keys, so no later key reaches a row).
 // Numerics: each row does exactly the arithmetic the decode path does for a single query token at the same position
 // (same chunks from key 0, same score, max, exp, sum and value order; keys a row may not see weigh 0), so a prompt
 // token's output is the bits decode_bf16_request gives it, whatever the batch, the item split or the thread count;
@@ -91,6 +92,29 @@ inline void prefill_values(const __m512i* vp, int64_t npairs, const uint32_t* pb
   }
 }
 
+// Values of one row over its v >= 1 visible keys of a chunk, for a chunk holding a non-finite value: as
+// prefill_values<D, 1> over the pairs the row sees, except that when v is odd the last pair's partner (key v, which
+// the row may not see) reads as 0, as in decode_values where key v is past the chunk. The register blocks of
+// prefill_values read every row up to its block's last row's pairs with probability 0, and 0 * inf is NaN.
+template <int64_t D>
+inline void prefill_values_row(const __m512i* vp, int64_t v, const uint32_t* pb, float alpha, float* acc) {
+  constexpr int NV = static_cast<int>(D / 32);
+  __m512 a[2 * NV];
+  const __m512 al = _mm512_set1_ps(alpha);
+  for (int c = 0; c < 2 * NV; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), al);
+  const int64_t npairs = (v + 1) / 2;
+  const __m512i even = _mm512_set1_epi32(0xFFFF);  // a pair's first key (low half of each 32-bit lane)
+  for (int64_t m = 0; m < npairs; ++m) {
+    const __m512i* vm = vp + m * 2 * NV;
+    const __m512i keep = 2 * m + 1 < v ? _mm512_set1_epi32(-1) : even;
+    const __m512i pp = _mm512_set1_epi32(static_cast<int>(pb[m]));
+    for (int c = 0; c < 2 * NV; ++c) {
+      a[c] = _mm512_dpbf16_ps(a[c], as_bh512(_mm512_and_si512(_mm512_loadu_si512(vm + c), keep)), as_bh512(pp));
+    }
+  }
+  for (int c = 0; c < 2 * NV; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
 // One prefill item of one KV head: it.kv_off = the KV head's offset in a token row, it.rows = tokens * group
 // (row r: token r / group, head r % group), it.ctx = the position of its first token, it.num_keys = one past the
 // last token's position, no window (key_begin 0). q / out point at the item's first token and the KV head's first
@@ -124,10 +148,15 @@ void prefill_bf16_item(const ItemView<c10::BFloat16>& it, const c10::BFloat16* q
   const auto vis = [&](int64_t r, int64_t c0, int64_t cn) { return std::min(cn, it.ctx + r / G + 1 - c0); };
   constexpr int64_t RB = D <= 64 ? 4 : D <= 128 ? 2 : 1;  // rows per register block of the values pass
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i abs_bits = _mm512_set1_epi16(0x7fff);
+  const __m512i nonfinite_bits = _mm512_set1_epi16(0x7f80);
   for (int64_t c0 = 0; c0 < it.num_keys; c0 += kDecodeChunk) {
     const int64_t cn = std::min<int64_t>(kDecodeChunk, it.num_keys - c0);
     const int64_t ntiles = (cn + 15) / 16;
-    // 1. The chunk's keys transposed as bf16 pairs and its values interleaved by key pairs (zeros past cn).
+    // 1. The chunk's keys transposed as bf16 pairs and its values interleaved by key pairs (zeros past cn); vmag
+    // keeps each 16-bit lane's largest |value| bits, so the chunk holds a non-finite value (exponent all ones) when
+    // one reaches 0x7f80.
+    __m512i vmag = _mm512_setzero_si512();
     for (int64_t t = 0; t < ntiles; ++t) {
       const int64_t kn = std::min<int64_t>(16, cn - 16 * t);
       int64_t offs[16];
@@ -148,6 +177,8 @@ void prefill_bf16_item(const ItemView<c10::BFloat16>& it, const c10::BFloat16* q
         for (int c = 0; c < NV; ++c) {
           const __m512i x = _mm512_loadu_si512(va + 32 * c);
           const __m512i y = vb != nullptr ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+          vmag = _mm512_max_epu16(vmag, _mm512_and_si512(x, abs_bits));
+          vmag = _mm512_max_epu16(vmag, _mm512_and_si512(y, abs_bits));
           _mm512_storeu_si512(dst + 2 * c, _mm512_unpacklo_epi16(x, y));
           _mm512_storeu_si512(dst + 2 * c + 1, _mm512_unpackhi_epi16(x, y));
         }
@@ -194,7 +225,16 @@ void prefill_bf16_item(const ItemView<c10::BFloat16>& it, const c10::BFloat16* q
       s.row_max[r] = new_max;
       s.row_sum[r] = s.row_sum[r] * alpha[r] + _mm512_reduce_add_ps(sum);
     }
-    // 4. Values: register blocks of RB rows over the key pairs the block's last row sees.
+    // 4. Values: register blocks of RB rows over the key pairs the block's last row sees (a row's keys past its
+    // own visible ones weigh 0, and 0 * a finite value adds a zero that leaves the sum's bits as they are). A chunk
+    // with a non-finite value instead runs each row over its own visible keys only (0 * inf would be NaN).
+    if (_mm512_cmpge_epu16_mask(vmag, nonfinite_bits) != 0) {
+      for (int64_t r = first_row; r < R; ++r) {
+        prefill_values_row<D>(vp, vis(r, c0, cn), reinterpret_cast<const uint32_t*>(sc + r * kDecodeChunk), alpha[r],
+                              acc + r * D);
+      }
+      continue;
+    }
     for (int64_t r0 = first_row; r0 < R; r0 += RB) {
       const int64_t nr = std::min<int64_t>(RB, R - r0);
       const int64_t npairs = (vis(r0 + nr - 1, c0, cn) + 1) / 2;
