@@ -430,27 +430,50 @@ BiasRef bias_ref(const char* name, const c10::optional<at::Tensor>& bias, int64_
   return {copy.data_ptr(), false};
 }
 
+// A weight copy's layout, [N / n_block, K / k_block, n_block, k_block], and the rows of x its op takes.
+struct Layout {
+  const char* weight;  // the op's name for it
+  int64_t n_block, k_block;
+  const char* k_rule;  // "K " + this: what K must be
+  int64_t max_rows;    // 0: any
+};
+constexpr Layout kBlockedLayout{"weight_blocked", kRowsPerGroup, kKChunk, "of 32", kMaxRows};
+constexpr Layout kVnniLayout{"weight_vnni", kVnniBlockN, 2, "even", 0};
+static_assert(kKChunk == 32, "kBlockedLayout's k_rule");
+
+// Every op's checks of x and the weight copy, run before any data is read and before the parallel loop (whose body
+// cannot throw): x [M, K] bf16 on the CPU, the copy contiguous bf16 in `l`'s shape for K, and for `n` outputs
+// where n >= 0 (the plain ops; the gate_up ops take N from the copy and check it against d).
+void check_args(const char* name, const at::Tensor& x, const at::Tensor& w, const Layout& l, int64_t n) {
+  TORCH_CHECK(bf16_small_m_available(), msg(name, ": not built for this CPU (needs AVX512-BF16)"));
+  check_cpu(x, "x");
+  check_cpu(w, l.weight);
+  check_dtype(x, at::kBFloat16, "x");
+  check_dtype(w, at::kBFloat16, l.weight);
+  check_dim(x, 2, "x");
+  check_dim(w, 4, l.weight);
+  check_contiguous(w, l.weight);
+  const int64_t k = x.size(1), nb = l.n_block, kb = l.k_block;
+  const bool k_ok = k > 0 && k % kb == 0;
+  if (n >= 0) {
+    TORCH_CHECK_VALUE(n > 0 && n % nb == 0 && k_ok, msg(name, ": needs N a positive multiple of ", nb, " and K ",
+                                                         l.k_rule, ", got N = ", n, ", K = ", k));
+    TORCH_CHECK_VALUE(w.size(0) == n / nb && w.size(1) == k / kb && w.size(2) == nb && w.size(3) == kb,
+                      msg(name, ": ", l.weight, " must be [", n / nb, ", ", k / kb, ", ", nb, ", ", kb, "], got ",
+                          w.sizes()));
+  } else {
+    TORCH_CHECK_VALUE(k_ok && w.size(1) == k / kb && w.size(2) == nb && w.size(3) == kb,
+                      msg(name, ": ", l.weight, " must be [N/", nb, ", ", k / kb, ", ", nb, ", ", kb, "] for K = ", k,
+                          " (K ", l.k_rule, "), got ", w.sizes()));
+  }
+  if (l.max_rows > 0) {
+    TORCH_CHECK_VALUE(x.size(0) <= l.max_rows, msg(name, ": at most ", l.max_rows, " rows of x, got ", x.size(0)));
+  }
+}
+
 at::Tensor bf16_linear_small_m(const at::Tensor& x, const at::Tensor& weight_blocked, int64_t n,
                                const c10::optional<at::Tensor>& bias) {
-  // Every check runs before any data is read and before the parallel loop (whose body cannot throw).
-  TORCH_CHECK(bf16_small_m_available(), "bf16_linear_small_m: not built for this CPU (needs AVX512-BF16)");
-  check_cpu(x, "x");
-  check_cpu(weight_blocked, "weight_blocked");
-  check_dtype(x, at::kBFloat16, "x");
-  check_dtype(weight_blocked, at::kBFloat16, "weight_blocked");
-  check_dim(x, 2, "x");
-  check_dim(weight_blocked, 4, "weight_blocked");
-  check_contiguous(weight_blocked, "weight_blocked");
-  const int64_t k = x.size(1);
-  TORCH_CHECK_VALUE(n > 0 && n % kRowsPerGroup == 0 && k > 0 && k % kKChunk == 0,
-                    msg("bf16_linear_small_m: needs N a positive multiple of ", kRowsPerGroup, " and K of ", kKChunk,
-                        ", got N = ", n, ", K = ", k));
-  TORCH_CHECK_VALUE(weight_blocked.size(0) == n / kRowsPerGroup && weight_blocked.size(1) == k / kKChunk &&
-                        weight_blocked.size(2) == kRowsPerGroup && weight_blocked.size(3) == kKChunk,
-                    msg("bf16_linear_small_m: weight_blocked must be [", n / kRowsPerGroup, ", ", k / kKChunk, ", ",
-                        kRowsPerGroup, ", ", kKChunk, "], got ", weight_blocked.sizes()));
-  TORCH_CHECK_VALUE(x.size(0) <= kMaxRows,
-                    msg("bf16_linear_small_m: at most ", kMaxRows, " rows of x, got ", x.size(0)));
+  check_args("bf16_linear_small_m", x, weight_blocked, kBlockedLayout, n);
   at::Tensor bias_copy;
   const BiasRef b = bias_ref("bf16_linear_small_m", bias, n, bias_copy);
   const at::Tensor xc = x.contiguous();
@@ -464,23 +487,7 @@ at::Tensor bf16_linear_small_m(const at::Tensor& x, const at::Tensor& weight_blo
 
 at::Tensor bf16_linear_vnni(const at::Tensor& x, const at::Tensor& weight_vnni, int64_t n,
                             const c10::optional<at::Tensor>& bias) {
-  // Every check runs before any data is read and before the parallel loop (whose body cannot throw).
-  TORCH_CHECK(bf16_small_m_available(), "bf16_linear_vnni: not built for this CPU (needs AVX512-BF16)");
-  check_cpu(x, "x");
-  check_cpu(weight_vnni, "weight_vnni");
-  check_dtype(x, at::kBFloat16, "x");
-  check_dtype(weight_vnni, at::kBFloat16, "weight_vnni");
-  check_dim(x, 2, "x");
-  check_dim(weight_vnni, 4, "weight_vnni");
-  check_contiguous(weight_vnni, "weight_vnni");
-  const int64_t k = x.size(1);
-  TORCH_CHECK_VALUE(n > 0 && n % kVnniBlockN == 0 && k > 0 && k % 2 == 0,
-                    msg("bf16_linear_vnni: needs N a positive multiple of ", kVnniBlockN, " and K even, got N = ", n,
-                        ", K = ", k));
-  TORCH_CHECK_VALUE(weight_vnni.size(0) == n / kVnniBlockN && weight_vnni.size(1) == k / 2 &&
-                        weight_vnni.size(2) == kVnniBlockN && weight_vnni.size(3) == 2,
-                    msg("bf16_linear_vnni: weight_vnni must be [", n / kVnniBlockN, ", ", k / 2, ", ", kVnniBlockN,
-                        ", 2], got ", weight_vnni.sizes()));
+  check_args("bf16_linear_vnni", x, weight_vnni, kVnniLayout, n);
   at::Tensor bias_copy;
   const BiasRef b = bias_ref("bf16_linear_vnni", bias, n, bias_copy);
   const at::Tensor xc = x.contiguous();
@@ -529,21 +536,7 @@ GateUpCall gate_up_call(const char* name, const at::Tensor& x, int64_t n_pad, in
 
 at::Tensor bf16_gate_up_small_m(const at::Tensor& x, const at::Tensor& weight_blocked, int64_t d,
                                 const c10::optional<at::Tensor>& bias, bool silu_and_mul) {
-  TORCH_CHECK(bf16_small_m_available(), "bf16_gate_up_small_m: not built for this CPU (needs AVX512-BF16)");
-  check_cpu(x, "x");
-  check_cpu(weight_blocked, "weight_blocked");
-  check_dtype(x, at::kBFloat16, "x");
-  check_dtype(weight_blocked, at::kBFloat16, "weight_blocked");
-  check_dim(x, 2, "x");
-  check_dim(weight_blocked, 4, "weight_blocked");
-  check_contiguous(weight_blocked, "weight_blocked");
-  const int64_t k = x.size(1);
-  TORCH_CHECK_VALUE(k > 0 && k % kKChunk == 0 && weight_blocked.size(1) == k / kKChunk &&
-                        weight_blocked.size(2) == kRowsPerGroup && weight_blocked.size(3) == kKChunk,
-                    msg("bf16_gate_up_small_m: weight_blocked must be [N/4, ", k / kKChunk, ", ", kRowsPerGroup, ", ",
-                        kKChunk, "] for K = ", k, " (a multiple of ", kKChunk, "), got ", weight_blocked.sizes()));
-  TORCH_CHECK_VALUE(x.size(0) <= kMaxRows,
-                    msg("bf16_gate_up_small_m: at most ", kMaxRows, " rows of x, got ", x.size(0)));
+  check_args("bf16_gate_up_small_m", x, weight_blocked, kBlockedLayout, -1);
   GateUpCall c = gate_up_call("bf16_gate_up_small_m", x, weight_blocked.size(0) * kRowsPerGroup, d,
                               bias, silu_and_mul);
   if (c.x.size(0) == 0) return c.out;
@@ -555,19 +548,7 @@ at::Tensor bf16_gate_up_small_m(const at::Tensor& x, const at::Tensor& weight_bl
 
 at::Tensor bf16_gate_up_vnni(const at::Tensor& x, const at::Tensor& weight_vnni, int64_t d,
                              const c10::optional<at::Tensor>& bias, bool silu_and_mul) {
-  TORCH_CHECK(bf16_small_m_available(), "bf16_gate_up_vnni: not built for this CPU (needs AVX512-BF16)");
-  check_cpu(x, "x");
-  check_cpu(weight_vnni, "weight_vnni");
-  check_dtype(x, at::kBFloat16, "x");
-  check_dtype(weight_vnni, at::kBFloat16, "weight_vnni");
-  check_dim(x, 2, "x");
-  check_dim(weight_vnni, 4, "weight_vnni");
-  check_contiguous(weight_vnni, "weight_vnni");
-  const int64_t k = x.size(1);
-  TORCH_CHECK_VALUE(k > 0 && k % 2 == 0 && weight_vnni.size(1) == k / 2 && weight_vnni.size(2) == kVnniBlockN &&
-                        weight_vnni.size(3) == 2,
-                    msg("bf16_gate_up_vnni: weight_vnni must be [N/32, ", k / 2, ", ", kVnniBlockN,
-                        ", 2] for K = ", k, " (even), got ", weight_vnni.sizes()));
+  check_args("bf16_gate_up_vnni", x, weight_vnni, kVnniLayout, -1);
   GateUpCall c =
       gate_up_call("bf16_gate_up_vnni", x, weight_vnni.size(0) * kVnniBlockN, d, bias, silu_and_mul);
   if (c.x.size(0) == 0) return c.out;
