@@ -92,21 +92,29 @@ class DecodeStream {
   struct Cursor {
     const DecodeReq* reqs;
     int64_t n, i = 0, key = 0, at = 0;  // request, key, stream position
-    Cursor(const DecodeReq* r, int64_t nn) : reqs(r), n(nn), key(nn > 0 ? r[0].it.key_begin : 0) {}
+    int64_t blk = 0, in_blk = 0;        // key's block (index into the table row) and slot in it
+    Cursor(const DecodeReq* r, int64_t nn) : reqs(r), n(nn) {
+      if (n > 0) start(r[0].it);
+    }
+    void start(const ItemView<c10::BFloat16>& it) {
+      key = it.key_begin;
+      blk = key / it.block_size;
+      in_blk = key % it.block_size;
+    }
     void until(int64_t target, bool values) {
       constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(c10::BFloat16));
       while (at < target && i < n) {
         const ItemView<c10::BFloat16>& it = reqs[i].it;
         if (key >= it.num_keys) {
-          if (++i < n) key = reqs[i].it.key_begin;
+          if (++i < n) start(reqs[i].it);
           continue;
         }
-        const int64_t off = static_cast<int64_t>(it.table[key / it.block_size]) * it.blk_stride +
-                            (key % it.block_size) * it.tok_stride;
+        const int64_t off = static_cast<int64_t>(it.table[blk]) * it.blk_stride + in_blk * it.tok_stride;
         const c10::BFloat16* row = (values ? it.v_cache : it.k_cache) + off;
         for (int64_t e = 0; e < it.tok_stride; e += line) {
           _mm_prefetch(reinterpret_cast<const char*>(row + e), _MM_HINT_T1);
         }
+        if (++in_blk == it.block_size) in_blk = 0, ++blk;
         ++key;
         ++at;
       }
