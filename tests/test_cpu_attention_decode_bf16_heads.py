@@ -18,7 +18,7 @@ import torch
 from vllm_lite.testing.attention_oracle import random_attention_case as make_case
 from vllm_lite.testing.attention_oracle import reference_paged_attention as oracle_attention
 from vllm_lite.testing.cpu_bf16_attention import avx512_native_backend, requires_avx512_bf16
-from vllm_lite.testing.paged import make_attention_metadata
+from vllm_lite.testing.paged import as_decodes
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 
 TOL = 3e-2  # as test_cpu_attention_decode_bf16.py: bf16 output rounding and bf16 probabilities
@@ -29,21 +29,6 @@ pytestmark = requires_avx512_bf16
 @pytest.fixture(scope="module")
 def backend() -> CpuNativeBackend:
     return avx512_native_backend()
-
-
-def decodes_of(md, bs: int):
-    """Each query token of md as a one-token request at its position, on its request's block table row."""
-    qsl = md.query_start_loc.tolist()
-    seq = md.seq_lens.tolist()
-    qlens, slens, tables = [], [], []
-    for b in range(len(seq)):
-        ctx = seq[b] - (qsl[b + 1] - qsl[b])
-        for i in range(qsl[b + 1] - qsl[b]):
-            pos = ctx + i
-            qlens.append(1)
-            slens.append(pos + 1)
-            tables.append(md.block_table[b, : (pos + bs) // bs].tolist())
-    return make_attention_metadata(qlens, slens, tables, bs)
 
 
 # One prompt over a tile edge, a partial last tile and two chunks (its tokens' decodes see 1-290 keys).
@@ -57,7 +42,7 @@ def test_decode_bits_equal_prefill_bits_for_every_head_block(backend, gqa, kv_he
         QLENS, SLENS, gqa * kv_heads, kv_heads, 64, 16, torch.bfloat16, seed=gqa * 10 + kv_heads
     )
     prefill = backend.forward(query, cache, md, 0.125)
-    decode = backend.forward(query, cache, decodes_of(md, 16), 0.125)
+    decode = backend.forward(query, cache, as_decodes(md, 16), 0.125)
     assert torch.equal(prefill, decode), (gqa, kv_heads, (prefill != decode).nonzero()[:5].tolist())
 
 
@@ -67,7 +52,7 @@ def test_decode_bits_equal_prefill_bits_at_every_head_size(backend, head_size, g
     query, cache, md = make_case(QLENS, SLENS, gqa * kv_heads, kv_heads, head_size, 16, torch.bfloat16, seed=head_size)
     scale = 1.0 / math.sqrt(head_size)
     prefill = backend.forward(query, cache, md, scale)
-    decode = backend.forward(query, cache, decodes_of(md, 16), scale)
+    decode = backend.forward(query, cache, as_decodes(md, 16), scale)
     assert torch.equal(prefill, decode), (head_size, gqa, kv_heads, (prefill != decode).nonzero()[:5].tolist())
 
 

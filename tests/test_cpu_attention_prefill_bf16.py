@@ -19,7 +19,7 @@ import torch
 from vllm_lite.testing.attention_oracle import random_attention_case as make_case
 from vllm_lite.testing.attention_oracle import reference_paged_attention as oracle_attention
 from vllm_lite.testing.cpu_bf16_attention import avx512_native_backend, requires_avx512_bf16
-from vllm_lite.testing.paged import make_attention_metadata
+from vllm_lite.testing.paged import as_decodes, make_attention_metadata
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 
 TOL = 3e-2  # as test_cpu_attention_decode_bf16.py: bf16 output rounding and bf16 probabilities
@@ -31,23 +31,6 @@ pytestmark = requires_avx512_bf16
 @pytest.fixture(scope="module")
 def backend() -> CpuNativeBackend:
     return avx512_native_backend()
-
-
-def as_decodes(md, bs: int):
-    """The same query tokens as a batch of decodes: token i of request b as its own one-token request at its
-    position (seq_len = position + 1), reading request b's block table row."""
-    qsl = md.query_start_loc.tolist()
-    seq = md.seq_lens.tolist()
-    table = md.block_table
-    qlens, slens, tables = [], [], []
-    for b in range(len(seq)):
-        ctx = seq[b] - (qsl[b + 1] - qsl[b])
-        for i in range(qsl[b + 1] - qsl[b]):
-            pos = ctx + i
-            qlens.append(1)
-            slens.append(pos + 1)
-            tables.append(table[b, : (pos + bs) // bs].tolist())
-    return make_attention_metadata(qlens, slens, tables, bs)
 
 
 # Prompts from scratch and with cached context; lengths around the 16-key tiles, the 21-token items (3 heads per KV

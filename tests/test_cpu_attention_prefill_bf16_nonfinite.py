@@ -15,7 +15,7 @@ import torch
 
 from vllm_lite.testing.attention_oracle import random_attention_case as make_case
 from vllm_lite.testing.cpu_bf16_attention import avx512_native_backend, requires_avx512_bf16
-from vllm_lite.testing.paged import make_attention_metadata
+from vllm_lite.testing.paged import as_decodes
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 
 pytestmark = requires_avx512_bf16
@@ -24,21 +24,6 @@ pytestmark = requires_avx512_bf16
 @pytest.fixture(scope="module")
 def backend() -> CpuNativeBackend:
     return avx512_native_backend()
-
-
-def as_decodes(md, bs: int):
-    """Each query token as its own one-token request at its position (test_cpu_attention_prefill_bf16.py's)."""
-    qsl = md.query_start_loc.tolist()
-    seq = md.seq_lens.tolist()
-    qlens, slens, tables = [], [], []
-    for b in range(len(seq)):
-        ctx = seq[b] - (qsl[b + 1] - qsl[b])
-        for i in range(qsl[b + 1] - qsl[b]):
-            pos = ctx + i
-            qlens.append(1)
-            slens.append(pos + 1)
-            tables.append(md.block_table[b, : (pos + bs) // bs].tolist())
-    return make_attention_metadata(qlens, slens, tables, bs)
 
 
 def put_value(cache, md, bs: int, pos: int, kv_head: int, value: float, channel: int = 0) -> None:

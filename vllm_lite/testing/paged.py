@@ -146,3 +146,20 @@ class PagedModelDriver:
             self.computed[i] += num_new[i]
             out[i] = chunk
         return out
+
+
+def as_decodes(md: AttentionMetadata, block_size: int) -> AttentionMetadata:
+    """The same query tokens as a batch of decodes: token i of request b as its own one-token request at its
+    position (seq_len = position + 1), reading request b's block table row. A prompt token's attention must equal
+    the decode's there (the CPU bf16 kernels promise the same bits)."""
+    qsl = md.query_start_loc.tolist()
+    seq = md.seq_lens.tolist()
+    qlens, slens, tables = [], [], []
+    for b in range(len(seq)):
+        ctx = seq[b] - (qsl[b + 1] - qsl[b])
+        for i in range(qsl[b + 1] - qsl[b]):
+            pos = ctx + i
+            qlens.append(1)
+            slens.append(pos + 1)
+            tables.append(md.block_table[b, : (pos + block_size) // block_size].tolist())
+    return make_attention_metadata(qlens, slens, tables, block_size)
