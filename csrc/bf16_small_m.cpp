@@ -144,6 +144,26 @@ static inline void block_dots(const uint16_t* __restrict w, int64_t chunks, cons
   for (int m = 0; m < MM; ++m) std::memcpy(out + m * n, &rows4[m], sizeof(rows4[m]));
 }
 
+// One tile of 4 weight rows over all `rows` rows of x, in `passes` balanced passes of <= 4 rows (6 rows = 3 + 3):
+// row m's 4 outputs go to out + m * ld. The plain and the gate_up small-m kernels share it.
+static inline void tile_passes(const uint16_t* __restrict w, int64_t chunks, const uint16_t* __restrict xp,
+                               int64_t rows, int64_t k, __m512 bias4, c10::BFloat16* __restrict out, int64_t ld,
+                               const char* next, int64_t passes) {
+  int64_t m0 = 0;
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t mm = (rows - m0 + (passes - p) - 1) / (passes - p);
+    const uint16_t* xm = xp + m0 * k;
+    c10::BFloat16* o = out + m0 * ld;
+    switch (mm) {
+      case 1: block_dots<1>(w, chunks, xm, k, bias4, o, ld, next, p, passes); break;
+      case 2: block_dots<2>(w, chunks, xm, k, bias4, o, ld, next, p, passes); break;
+      case 3: block_dots<3>(w, chunks, xm, k, bias4, o, ld, next, p, passes); break;
+      default: block_dots<4>(w, chunks, xm, k, bias4, o, ld, next, p, passes); break;
+    }
+    m0 += mm;
+  }
+}
+
 // Tiles are computed in groups of kStoreTiles (32 outputs): each tile's 4 x 4 block goes to a buffer in L1, then
 // each row's 32 outputs to `out` as one 64-byte store, instead of 8 bytes into each of up to 16 rows a row stride
 // apart per tile (as the gate_up kernel below stages its blocks): 10-15% faster at 4-12 rows. A single row
@@ -170,19 +190,8 @@ void run(const at::Tensor& x, const at::Tensor& wb, int64_t n, const BiasRef& bi
         const uint16_t* w = wp + g * group_elems;
         const __m512 b4 = _mm512_broadcast_f32x4(bias4(bias, g * kRowsPerGroup));
         const char* next = g + 1 < g_end ? reinterpret_cast<const char*>(w + group_elems) : nullptr;
-        int64_t m0 = 0;
-        for (int64_t p = 0; p < passes; ++p) {
-          const int64_t mm = (rows - m0 + (passes - p) - 1) / (passes - p);  // balanced: 6 rows = 3 + 3
-          const uint16_t* xm = xp + m0 * k;
-          c10::BFloat16* o = direct ? op + g * kRowsPerGroup : buf + m0 * kStoreWidth + (g - t0) * kRowsPerGroup;
-          switch (mm) {
-            case 1: block_dots<1>(w, chunks, xm, k, b4, o, ld, next, p, passes); break;
-            case 2: block_dots<2>(w, chunks, xm, k, b4, o, ld, next, p, passes); break;
-            case 3: block_dots<3>(w, chunks, xm, k, b4, o, ld, next, p, passes); break;
-            default: block_dots<4>(w, chunks, xm, k, b4, o, ld, next, p, passes); break;
-          }
-          m0 += mm;
-        }
+        c10::BFloat16* o = direct ? op + g * kRowsPerGroup : buf + (g - t0) * kRowsPerGroup;
+        tile_passes(w, chunks, xp, rows, k, b4, o, ld, next, passes);
       }
       if (direct) continue;
       c10::BFloat16* o = op + t0 * kRowsPerGroup;
@@ -355,19 +364,7 @@ void run_gate_up_small_m(const at::Tensor& x, const at::Tensor& wb, const BiasRe
         const uint16_t* w = wp + g * group_elems;
         const __m512 b4 = _mm512_broadcast_f32x4(bias4(bias, g * kRowsPerGroup));
         const char* next = g + 1 < b1 * kTiles ? reinterpret_cast<const char*>(w + group_elems) : nullptr;
-        int64_t m0 = 0;
-        for (int64_t p = 0; p < passes; ++p) {
-          const int64_t mm = (rows - m0 + (passes - p) - 1) / (passes - p);
-          const uint16_t* xm = xp + m0 * k;
-          c10::BFloat16* ob = buf + m0 * kBuf + t * kRowsPerGroup;
-          switch (mm) {
-            case 1: block_dots<1>(w, chunks, xm, k, b4, ob, kBuf, next, p, passes); break;
-            case 2: block_dots<2>(w, chunks, xm, k, b4, ob, kBuf, next, p, passes); break;
-            case 3: block_dots<3>(w, chunks, xm, k, b4, ob, kBuf, next, p, passes); break;
-            default: block_dots<4>(w, chunks, xm, k, b4, ob, kBuf, next, p, passes); break;
-          }
-          m0 += mm;
-        }
+        tile_passes(w, chunks, xp, rows, k, b4, buf + t * kRowsPerGroup, kBuf, next, passes);
       }
       for (int64_t m = 0; m < rows; ++m)
         gate_up_store(o, m, b, Vec::load(buf + m * kBuf), Vec::load(buf + m * kBuf + kGateUpBlock));
