@@ -54,6 +54,26 @@ def test_fewer_threads_than_cores_or_unseen_workers_never_bind(monkeypatch) -> N
     assert counts == [2] and pinner.pinned == {} and affinity.calls == []
 
 
+def test_a_probe_that_misses_the_worker_is_retried_a_bounded_number_of_times(monkeypatch) -> None:
+    """Under a busy neighbour one probe can see the worker run too little; binding must not hang on that."""
+    seen: list[list[int]] = [[], [], [77]]
+    calls: list[int] = []
+
+    def ids(probe, main):
+        calls.append(main)
+        return seen.pop(0) if seen else []
+
+    affinity = Recorder()
+    monkeypatch.setattr(thread_policy, "compute_thread_ids", ids)
+    pinner = ThreadPinner(frozenset((4, 5)), lambda n: None, probe=lambda: None, set_affinity=affinity)
+    pinner(2)
+    assert len(calls) == 3 and pinner.pinned == {threading.get_native_id(): 4, 77: 5}
+    pinner._unpin()
+    calls.clear()
+    pinner(2)  # never seen: gives up after its attempts, unbound
+    assert len(calls) == ThreadPinner.probe_attempts and pinner.pinned == {}
+
+
 def test_a_refused_binding_leaves_every_thread_unbound(monkeypatch) -> None:
     pinner, _, affinity = make(monkeypatch, workers=[77], fail_on=77)
     main = threading.get_native_id()

@@ -261,6 +261,8 @@ class ThreadPinner:
     Called with each new count (start-up and every change of `AdaptiveThreads`). Binding needs Linux (thread
     ids in /proc); anywhere else, or when the workers cannot be told apart, it only sets the count."""
 
+    probe_attempts = 4  # probes before giving up on finding the workers
+
     def __init__(
         self,
         cpus: frozenset[int],
@@ -283,7 +285,11 @@ class ThreadPinner:
 
     def _pin(self, n: int) -> None:
         main = threading.get_native_id()
-        workers = compute_thread_ids(self._probe, main)
+        workers: list[int] = []
+        for _ in range(self.probe_attempts):  # one probe can miss a worker a busy neighbour kept off its core
+            workers = compute_thread_ids(self._probe, main)
+            if len(workers) >= n - 1:
+                break
         if len(workers) < n - 1:
             logger.debug("not binding the engine core's threads: %d of %d OpenMP workers seen", len(workers), n - 1)
             self._unpin()
