@@ -18,8 +18,10 @@ import torch
 
 from vllm_lite.testing.attention_oracle import poison_blocks_before_window
 from vllm_lite.testing.attention_oracle import random_attention_case as make_case
-from vllm_lite.testing.attention_oracle import reference_paged_attention as oracle_attention
 from vllm_lite.testing.cpu_bf16_attention import avx512_native_backend, requires_avx512_bf16
+from vllm_lite.testing.decode_attention_checks import DECODE_SEQ_LENS as SEQ
+from vllm_lite.testing.decode_attention_checks import assert_decode_bits_alone_and_on_one_thread, assert_matches_oracle
+from vllm_lite.testing.torch_threads import torch_threads
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 
 TOL = 3e-2  # bf16 output rounding and bf16 probabilities, as test_cpu_attention_impls.py's bf16 tolerance
@@ -33,67 +35,42 @@ def backend() -> CpuNativeBackend:
     return avx512_native_backend()
 
 
-# Decodes only: no context, one tile, a partial tile, one chunk exactly, and several chunks with a partial one.
-SEQ = [1, 16, 37, 256, 257, 700, 1001]
-
-
 @pytest.mark.parametrize("head_size", [32, 64, 128, 256])
 @pytest.mark.parametrize("gqa", [1, 3, 5, 8])
 def test_decode_matches_the_oracle_across_chunks_and_row_blocks(backend, head_size, gqa):
     query, cache, md = make_case([1] * len(SEQ), SEQ, 2 * gqa, 2, head_size, 16, torch.bfloat16, seed=gqa)
-    scale = 1.0 / math.sqrt(head_size)
-    out = backend.forward(query, cache, md, scale)
-    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, scale), atol=TOL, rtol=TOL)
+    assert_matches_oracle(backend, query, cache, md, 1.0 / math.sqrt(head_size), TOL)
 
 
 @pytest.mark.parametrize("window", [5, 37, 300])
 def test_decode_keeps_sliding_windows(backend, window):
     query, cache, md = make_case([1] * len(SEQ), SEQ, 6, 2, 64, 16, torch.bfloat16, seed=window)
     cache = poison_blocks_before_window(cache, md, window)  # blocks wholly before the window hold NaN
-    out = backend.forward(query, cache, md, 0.125, window)
-    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, 0.125, window), atol=TOL, rtol=TOL)
+    assert_matches_oracle(backend, query, cache, md, 0.125, TOL, window)
 
 
 def test_decode_with_one_token_blocks(backend):
     # Every key of a tile (and each key pair of the values pass) comes from a different block.
     query, cache, md = make_case([1, 1, 1], [33, 300, 5], 6, 2, 64, 1, torch.bfloat16, seed=3)
-    out = backend.forward(query, cache, md, 0.125)
-    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, 0.125), atol=TOL, rtol=TOL)
+    assert_matches_oracle(backend, query, cache, md, 0.125, TOL)
 
 
 def test_a_request_decodes_the_same_bits_alone_in_a_batch_and_on_any_thread_count(backend):
-    query, cache, md = make_case([1, 1, 7, 1], [300, 600, 40, 90], 12, 4, 64, 16, torch.bfloat16, seed=11)
-    together = backend.forward(query, cache, md, 0.125)
-    # The same request as the only one of a batch (its block table row and its query row alone).
-    solo_q, solo_cache, solo_md = make_case([1], [600], 12, 4, 64, 16, torch.bfloat16, seed=11)
-    solo_md.block_table[0, :38] = md.block_table[1, :38]
-    solo = backend.forward(query[1:2].contiguous(), cache, solo_md, 0.125)
-    assert torch.equal(solo[0], together[1])
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = backend.forward(query, cache, md, 0.125)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, together)
+    assert_decode_bits_alone_and_on_one_thread(backend, 12, 4, 64, torch.bfloat16)
 
 
 def test_a_one_token_tail_of_a_prompt_takes_the_decode_path_at_its_own_position(backend):
     # 3 query heads per KV head -> 21 tokens per item: a 22-token prompt's last token is an item of its own, at
     # query offset 21 (the decode path must place it there, not at the request's first token), beside decodes.
     query, cache, md = make_case([1, 22, 1, 43], [90, 300, 17, 43], 12, 4, 64, 16, torch.bfloat16, seed=5)
-    out = backend.forward(query, cache, md, 0.125)
-    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, 0.125), atol=TOL, rtol=TOL)
+    assert_matches_oracle(backend, query, cache, md, 0.125, TOL)
 
 
 def test_decodes_with_more_query_heads_than_an_item_has_rows(backend):
     # A decode request is one work unit with every head: 80 query heads (group 1, head 32) outnumber the 64 rows
     # an item's scratch holds, so the scratch must be sized for the heads.
     query, cache, md = make_case([1, 1, 1], [70, 300, 5], 80, 80, 32, 16, torch.bfloat16, seed=8)
-    out = backend.forward(query, cache, md, 1.0 / math.sqrt(32))
-    torch.testing.assert_close(
-        out.double(), oracle_attention(query, cache, md, 1.0 / math.sqrt(32)), atol=TOL, rtol=TOL
-    )
+    assert_matches_oracle(backend, query, cache, md, 1.0 / math.sqrt(32), TOL)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
@@ -102,11 +79,6 @@ def test_decodes_split_across_threads_cover_every_request_once(backend, threads)
     # need): every request's output must still come out, the same bits at any thread count.
     seqs = [700, 3, 40, 41, 1, 300, 16, 17, 257]
     query, cache, md = make_case([1] * len(seqs), seqs, 6, 2, 64, 16, torch.bfloat16, seed=13)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        got = backend.forward(query, cache, md, 0.125)
-    finally:
-        torch.set_num_threads(before)
-    torch.testing.assert_close(got.double(), oracle_attention(query, cache, md, 0.125), atol=TOL, rtol=TOL)
+    with torch_threads(threads):
+        got = assert_matches_oracle(backend, query, cache, md, 0.125, TOL)
     assert torch.equal(got, backend.forward(query, cache, md, 0.125))

@@ -19,7 +19,8 @@ import torch
 
 from vllm_lite.testing.attention_oracle import poison_blocks_before_window
 from vllm_lite.testing.attention_oracle import random_attention_case as make_case
-from vllm_lite.testing.attention_oracle import reference_paged_attention as oracle_attention
+from vllm_lite.testing.decode_attention_checks import DECODE_SEQ_LENS as SEQ
+from vllm_lite.testing.decode_attention_checks import assert_decode_bits_alone_and_on_one_thread, assert_matches_oracle
 from vllm_lite.worker.attention import cpu_kernels
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 
@@ -35,53 +36,31 @@ def backend() -> CpuNativeBackend:
     return b
 
 
-# Decodes only: no context, one tile, a partial tile, one chunk exactly, and several chunks with a partial one.
-SEQ = [1, 16, 37, 256, 257, 700, 1001]
-
-
 @pytest.mark.parametrize("head_size", [32, 64, 128, 256])
 @pytest.mark.parametrize("gqa", [1, 3, 4, 5, 8])
 def test_decode_matches_the_oracle_across_chunks_and_row_blocks(backend, head_size, gqa):
     query, cache, md = make_case([1] * len(SEQ), SEQ, 2 * gqa, 2, head_size, 16, torch.float32, seed=gqa)
-    scale = 1.0 / math.sqrt(head_size)
-    out = backend.forward(query, cache, md, scale)
-    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, scale), atol=TOL, rtol=TOL)
+    assert_matches_oracle(backend, query, cache, md, 1.0 / math.sqrt(head_size), TOL)
 
 
 @pytest.mark.parametrize("window", [5, 37, 300])
 def test_decode_keeps_sliding_windows(backend, window):
     query, cache, md = make_case([1] * len(SEQ), SEQ, 8, 2, 32, 16, torch.float32, seed=window)
     cache = poison_blocks_before_window(cache, md, window)  # blocks wholly before the window hold NaN
-    out = backend.forward(query, cache, md, 0.125, window)
-    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, 0.125, window), atol=TOL, rtol=TOL)
+    assert_matches_oracle(backend, query, cache, md, 0.125, TOL, window)
 
 
 def test_decode_with_one_token_blocks(backend):
     # Every key of a tile comes from a different block.
     query, cache, md = make_case([1, 1, 1], [33, 300, 5], 8, 2, 32, 1, torch.float32, seed=3)
-    out = backend.forward(query, cache, md, 0.125)
-    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, 0.125), atol=TOL, rtol=TOL)
+    assert_matches_oracle(backend, query, cache, md, 0.125, TOL)
 
 
 def test_decodes_beside_prefill_chunks_match_the_oracle(backend):
     # A mixed step: decode items take this path, the prefill chunks' items the general key loop.
     query, cache, md = make_case([1, 40, 1, 7, 1], [300, 40, 513, 90, 17], 8, 2, 32, 16, torch.float32, seed=5)
-    out = backend.forward(query, cache, md, 0.125)
-    torch.testing.assert_close(out.double(), oracle_attention(query, cache, md, 0.125), atol=TOL, rtol=TOL)
+    assert_matches_oracle(backend, query, cache, md, 0.125, TOL)
 
 
 def test_a_request_decodes_the_same_bits_alone_in_a_batch_and_on_any_thread_count(backend):
-    query, cache, md = make_case([1, 1, 7, 1], [300, 600, 40, 90], 8, 2, 32, 16, torch.float32, seed=11)
-    together = backend.forward(query, cache, md, 0.125)
-    # The same request as the only one of a batch (its block table row and its query row alone).
-    solo_q, solo_cache, solo_md = make_case([1], [600], 8, 2, 32, 16, torch.float32, seed=11)
-    solo_md.block_table[0, :38] = md.block_table[1, :38]
-    solo = backend.forward(query[1:2].contiguous(), cache, solo_md, 0.125)
-    assert torch.equal(solo[0], together[1])
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = backend.forward(query, cache, md, 0.125)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, together)
+    assert_decode_bits_alone_and_on_one_thread(backend, 8, 2, 32, torch.float32)
