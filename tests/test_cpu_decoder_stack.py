@@ -12,31 +12,26 @@ import torch
 import transformers
 from torch import nn
 
-from vllm_lite.testing.decoder_stack import assert_same_step, count_stack_runs, stack_and_python
-from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+from vllm_lite.testing.decoder_stack import (
+    SMALL_DECODER,
+    assert_copies_run_the_same_step,
+    assert_same_step,
+    count_stack_runs,
+    random_decoder_model,
+    requires_stack_op,
+    stack_and_python,
+)
 from vllm_lite.worker.models import cpu_decoder_stack as cds
 from vllm_lite.worker.models import cpu_prepack, llama
-from vllm_lite.worker.models.layers import RotaryEmbedding
 from vllm_lite.worker.models.llama import LlamaForCausalLM, MistralForCausalLM
 from vllm_lite.worker.models.qwen2 import Qwen2ForCausalLM
 from vllm_lite.worker.models.qwen3 import Qwen3ForCausalLM
 
-pytestmark = pytest.mark.skipif(
-    not (load_cpu_ops() and hasattr(torch.ops.vllm_lite, "cpu_decoder_layers")), reason="CPU kernels not built here"
-)
+pytestmark = requires_stack_op
 
 
 def _config(arch: str) -> transformers.PretrainedConfig:
-    common = dict(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-    )
+    common = dict(intermediate_size=256, **SMALL_DECODER)
     if arch == "qwen3":
         return transformers.Qwen3Config(head_dim=32, **common)
     if arch == "qwen2":
@@ -55,21 +50,7 @@ CLASSES = {
 
 
 def _model(arch: str, dtype: torch.dtype, prepack: bool = True) -> nn.Module:
-    torch.manual_seed(0)
-    model = CLASSES[arch](_config(arch)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))  # not all ones: a wrong weight shows
-            elif p.dim() == 1:  # biases
-                p.copy_(0.1 * torch.randn_like(p))
-    model.to(dtype)
-    for m in model.modules():
-        if isinstance(m, RotaryEmbedding):
-            m.init_buffers()  # float32 table, as the loader leaves it
-    if prepack and dtype == torch.bfloat16:
-        assert cpu_prepack.prepack_linear_weights(model) > 0, "oneDNN bf16 prepacking must work on this host"
-    return model
+    return random_decoder_model(CLASSES[arch], _config(arch), dtype, prepack)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
@@ -220,19 +201,7 @@ def test_a_forward_hook_inside_the_layers_keeps_the_python_layers(monkeypatch):
 
 
 def test_a_model_that_ran_the_stack_can_be_copied_and_pickled():
-    import copy
-    import io
-
-    model = _model("llama", torch.float32)
-    x = stack_and_python(model, [1], [10])
-    twin = copy.deepcopy(model)
-    assert model.model._cpu_stack and twin.model._cpu_stack == []
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    for m in (twin, loaded):
-        assert_same_step(stack_and_python(m, [1], [10])[0], x[0])
+    assert_copies_run_the_same_step(_model("llama", torch.float32))
 
 
 @pytest.mark.parametrize("missing", ["_weights_class", "_op"])

@@ -12,8 +12,17 @@ import torch
 import transformers
 from torch import nn
 
-from vllm_lite.testing.decoder_stack import assert_same_step, count_stack_runs, run_step, stack_and_python, step_inputs
-from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+from vllm_lite.testing.decoder_stack import (
+    SMALL_DECODER,
+    assert_copies_run_the_same_step,
+    assert_same_step,
+    count_stack_runs,
+    random_decoder_model,
+    requires_stack_op,
+    run_step,
+    stack_and_python,
+    step_inputs,
+)
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 from vllm_lite.worker.forward_context import set_forward_context
 from vllm_lite.worker.models import cpu_decoder_stack as cds
@@ -22,21 +31,10 @@ from vllm_lite.worker.models.layers import RotaryEmbedding
 from vllm_lite.worker.models.mixtral import MixtralForCausalLM
 from vllm_lite.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
-pytestmark = pytest.mark.skipif(
-    not (load_cpu_ops() and hasattr(torch.ops.vllm_lite, "cpu_decoder_layers")), reason="CPU kernels not built here"
-)
+pytestmark = requires_stack_op
 
 
 def _config(arch: str) -> transformers.PretrainedConfig:
-    common = dict(
-        vocab_size=256,
-        hidden_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-    )
     if arch == "qwen3_moe":  # layer 1 dense (mlp_only_layers), 0 and 2 sparse; weights rounded, not renormalised
         return transformers.Qwen3MoeConfig(
             head_dim=32,
@@ -46,32 +44,18 @@ def _config(arch: str) -> transformers.PretrainedConfig:
             num_experts_per_tok=3,
             norm_topk_prob=False,
             mlp_only_layers=[1],
-            **common,
+            **SMALL_DECODER,
         )
-    return transformers.MixtralConfig(intermediate_size=160, num_local_experts=5, num_experts_per_tok=2, **common)
+    return transformers.MixtralConfig(
+        intermediate_size=160, num_local_experts=5, num_experts_per_tok=2, **SMALL_DECODER
+    )
 
 
 CLASSES = {"mixtral": MixtralForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 
 
 def _model(arch: str, dtype: torch.dtype) -> nn.Module:
-    torch.manual_seed(0)
-    model = CLASSES[arch](_config(arch)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))  # not all ones: a wrong weight shows
-            elif "experts" in name or "gate.weight" in name:
-                p.copy_(0.1 * torch.randn_like(p))  # torch.empty at construction
-    model.to(dtype)
-    for m in model.modules():
-        if isinstance(m, RotaryEmbedding):
-            m.init_buffers()  # float32 table, as the loader leaves it
-        if isinstance(m, fused_moe.FusedMoE):
-            assert m.process_weights_after_loading() == ""  # the C++ expert op (as the loader leaves it)
-    if dtype == torch.bfloat16:
-        assert cpu_prepack.prepack_linear_weights(model) > 0, "oneDNN bf16 prepacking must work on this host"
-    return model
+    return random_decoder_model(CLASSES[arch], _config(arch), dtype)
 
 
 def _expertscount_stack_runs(monkeypatch) -> list[int]:
@@ -362,16 +346,4 @@ def _stack_args(model):
 
 
 def test_a_model_that_ran_the_stack_can_be_copied_and_pickled():
-    import copy
-    import io
-
-    model = _model("mixtral", torch.float32)
-    x = stack_and_python(model, [1], [10])
-    twin = copy.deepcopy(model)
-    assert model.model._cpu_stack and twin.model._cpu_stack == []
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    for m in (twin, loaded):
-        assert_same_step(stack_and_python(m, [1], [10])[0], x[0])
+    assert_copies_run_the_same_step(_model("mixtral", torch.float32))

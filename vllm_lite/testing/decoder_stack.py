@@ -1,19 +1,66 @@
 """One decoder step run twice from the same KV caches: through the one-call C++ stack on CPU and through the
-Python layers (`cpu_decoder_stack.python_layers()`), for the tests that need the two bit for bit."""
+Python layers (`cpu_decoder_stack.python_layers()`), for the tests that need the two bit for bit; the small
+random-weight models those tests build, and the skip rule for hosts without the op."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import copy
+import io
+from typing import Any, Callable, Optional
 
+import pytest
 import torch
 from torch import nn
 
 from vllm_lite.testing.paged import make_attention_metadata, random_block_tables
+from vllm_lite.worker.attention.cpu_kernels import cpu_op
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 from vllm_lite.worker.forward_context import set_forward_context
 from vllm_lite.worker.models import cpu_decoder_stack as cds
+from vllm_lite.worker.models import cpu_prepack, fused_moe
+from vllm_lite.worker.models.layers import RotaryEmbedding
 
 BLOCK = 16
+
+requires_stack_op = pytest.mark.skipif(cpu_op("cpu_decoder_layers") is None, reason="CPU kernels not built here")
+
+# The sizes every test model of the stack shares (a Hugging Face config's keywords; each adds its MLP's).
+SMALL_DECODER = dict(
+    vocab_size=256,
+    hidden_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+
+def random_decoder_model(
+    model_class: Callable[[Any], nn.Module], config: Any, dtype: torch.dtype, prepack: bool = True
+) -> nn.Module:
+    """model_class(config) in eval mode and dtype, its weights from seed 0 and left as the loader leaves them:
+    norms near one (not all ones: a wrong weight shows), biases, experts and routers random (torch.empty at
+    construction), rotary tables in float32, experts on the C++ expert op and, in bf16 when prepack, the linear
+    weights prepacked for oneDNN."""
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif p.dim() == 1 or "experts" in name or "gate.weight" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.to(dtype)
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.init_buffers()
+        if isinstance(m, fused_moe.FusedMoE):
+            assert m.process_weights_after_loading() == ""
+    if prepack and dtype == torch.bfloat16:
+        assert cpu_prepack.prepack_linear_weights(model) > 0, "oneDNN bf16 prepacking must work on this host"
+    return model
+
 
 Step = tuple[torch.Tensor, torch.Tensor, Any, list[torch.Tensor]]
 
@@ -81,3 +128,17 @@ def count_stack_runs(monkeypatch: Any) -> list[int]:
 
     monkeypatch.setattr(cds, "run_stack", counting)
     return n
+
+
+def assert_copies_run_the_same_step(model: nn.Module) -> None:
+    """A model that ran the stack, deep-copied (the copy builds its own stack) and through torch.save/load, runs
+    a step to the same bits as the original."""
+    x = stack_and_python(model, [1], [10])
+    twin = copy.deepcopy(model)
+    assert model.model._cpu_stack and twin.model._cpu_stack == []
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for m in (twin, loaded):
+        assert_same_step(stack_and_python(m, [1], [10])[0], x[0])
