@@ -9,14 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_lite import LLM
 from vllm_lite.testing.checkpoints import TINY_WINDOW, get_checkpoint
 from vllm_lite.testing.hf_match import (
-    assert_matches_hf,
+    assert_matches_hf_twice_with_prefix_caching,
     assert_multiprocess_matches_hf,
-    generate_greedy,
     hf_model_eager,
-    record_prefix_hits,
 )
 from vllm_lite.testing.hf_oracle import greedy_prompts
 from vllm_lite.worker.models.gemma3 import layer_rope_parameters
@@ -27,25 +24,8 @@ PROMPT_LENS = (9, 40, 70)
 
 
 def test_greedy_float32_matches_hf_past_the_window_with_prefix_caching(monkeypatch) -> None:
-    hits = record_prefix_hits(monkeypatch)
-    path = get_checkpoint("gemma3")
-    with LLM(
-        model=path,
-        dtype="float32",
-        multiprocess=False,
-        block_size=8,
-        max_model_len=256,
-        max_num_batched_tokens=32,
-        enable_prefix_caching=True,
-    ) as llm:
-        prompts = greedy_prompts(llm.get_tokenizer(), PROMPT_LENS)
-        first = generate_greedy(llm, prompts, NEW_TOKENS)
-        hits.clear()
-        again = generate_greedy(llm, prompts, NEW_TOKENS)  # from cached prefix blocks
-    assert sum(hits) > 0, "the second pass should start from cached prefix blocks"
     assert max(PROMPT_LENS) > TINY_WINDOW
-    assert_matches_hf(path, prompts, first)
-    assert_matches_hf(path, prompts, again)
+    assert_matches_hf_twice_with_prefix_caching(get_checkpoint("gemma3"), PROMPT_LENS, NEW_TOKENS, monkeypatch)
 
 
 def test_multiprocess_matches_hf() -> None:
@@ -87,35 +67,37 @@ def test_bidirectional_gemma3_is_refused() -> None:
         Gemma3ForCausalLM(cfg)
 
 
-def test_the_local_rope_base_matters_for_hf() -> None:
-    """Not vacuous: HF with one base for both layer kinds scores the same prompt differently."""
+def _hf_first_logprob_moves(prompt_len: int, edit_config) -> None:
+    """HF's eager float32 model with edit_config(config) applied scores a prompt's next token otherwise than the
+    checkpoint as it is."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from vllm_lite.testing.hf_oracle import hf_greedy
 
     path = get_checkpoint("gemma3")
-    prompt = greedy_prompts(AutoTokenizer.from_pretrained(path), (40,))[0]
+    prompt = greedy_prompts(AutoTokenizer.from_pretrained(path), (prompt_len,))[0]
     ref = hf_greedy(hf_model_eager(path), prompt, 1)
     config = AutoConfig.from_pretrained(path)
-    config.rope_parameters["sliding_attention"] = dict(config.rope_parameters["full_attention"])
-    same_base = AutoModelForCausalLM.from_pretrained(
+    edit_config(config)
+    edited = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    assert abs(hf_greedy(same_base, prompt, 1).logprobs[0] - ref.logprobs[0]) > 1e-4
+    assert abs(hf_greedy(edited, prompt, 1).logprobs[0] - ref.logprobs[0]) > 1e-4
+
+
+def test_the_local_rope_base_matters_for_hf() -> None:
+    """Not vacuous: HF with one base for both layer kinds scores the same prompt differently."""
+
+    def one_base(config) -> None:
+        config.rope_parameters["sliding_attention"] = dict(config.rope_parameters["full_attention"])
+
+    _hf_first_logprob_moves(40, one_base)
 
 
 def test_the_window_changes_hf_output_on_these_prompts() -> None:
     """The HF match above is not vacuous: without a binding window HF scores a 70-token prompt otherwise."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_lite.testing.hf_oracle import hf_greedy
+    def no_window(config) -> None:
+        config.sliding_window = 4096  # same layer kinds and rotations; only the window no longer binds
 
-    path = get_checkpoint("gemma3")
-    prompt = greedy_prompts(AutoTokenizer.from_pretrained(path), (70,))[0]
-    ref = hf_greedy(hf_model_eager(path), prompt, 1)
-    config = AutoConfig.from_pretrained(path)
-    config.sliding_window = 4096  # same layer kinds and rotations; only the window no longer binds
-    no_window = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    assert abs(hf_greedy(no_window, prompt, 1).logprobs[0] - ref.logprobs[0]) > 1e-4
+    _hf_first_logprob_moves(70, no_window)

@@ -17,12 +17,9 @@ import torch.nn.functional as F
 from vllm_lite import LLM, platform
 from vllm_lite.testing.checkpoints import get_checkpoint
 from vllm_lite.testing.hf_match import (
-    assert_matches_hf,
+    assert_matches_hf_twice_with_prefix_caching,
     assert_multiprocess_matches_hf,
-    generate_greedy,
-    record_prefix_hits,
 )
-from vllm_lite.testing.hf_oracle import greedy_prompts
 from vllm_lite.testing.triton_interpreter import compile_for_sm90, run_interpreter_driver
 from vllm_lite.worker import parallel_state
 from vllm_lite.worker.models.fused_moe import (
@@ -265,28 +262,15 @@ def test_triton_grouped_kernel_compiles_for_sm90_ahead_of_time(dtype: str) -> No
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_greedy_float32_matches_hf_with_prefix_caching(arch: str, monkeypatch) -> None:
-    hits = record_prefix_hits(monkeypatch)
-    path = get_checkpoint(arch)
-    with LLM(
-        model=path,
-        dtype="float32",
-        device="cpu",  # the packed CPU experts are what this checks (a CUDA machine would default to cuda)
-        multiprocess=False,
-        block_size=8,
-        max_model_len=256,
-        max_num_batched_tokens=32,
-        enable_prefix_caching=True,
-    ) as llm:
+    def experts_packed(llm: LLM) -> None:
         model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
         moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
         assert moe and all(m.cpu_packed is not None for m in moe), "CPU experts should run on packed weights"
-        prompts = greedy_prompts(llm.get_tokenizer(), (9, 40, 70))
-        first = generate_greedy(llm, prompts, NEW_TOKENS)
-        hits.clear()
-        again = generate_greedy(llm, prompts, NEW_TOKENS)
-    assert sum(hits) > 0, "the second pass should start from cached prefix blocks"
-    assert_matches_hf(path, prompts, first)
-    assert_matches_hf(path, prompts, again)
+
+    # device: the packed CPU experts are what this checks (a CUDA machine would default to cuda)
+    assert_matches_hf_twice_with_prefix_caching(
+        get_checkpoint(arch), (9, 40, 70), NEW_TOKENS, monkeypatch, check_engine=experts_packed, device="cpu"
+    )
 
 
 def test_qwen3_moe_dense_and_sparse_layers_follow_the_config() -> None:

@@ -13,6 +13,7 @@ from vllm_lite import LLM
 from vllm_lite.testing.checkpoints import TINY_WINDOW, get_checkpoint
 from vllm_lite.testing.hf_match import (
     assert_matches_hf,
+    assert_matches_hf_twice_with_prefix_caching,
     assert_multiprocess_matches_hf,
     generate_greedy,
     hf_model_eager,
@@ -41,25 +42,9 @@ def _generate(llm: LLM, prompts: list[list[int]]):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_float32_matches_hf_past_the_window_with_prefix_caching(arch: str, prefix_hits: list[int]) -> None:
+def test_greedy_float32_matches_hf_past_the_window_with_prefix_caching(arch: str, monkeypatch) -> None:
     """Chunked prefills mixed with decodes, then the same prompts again from the prefix cache."""
-    path = get_checkpoint(arch)
-    with LLM(
-        model=path,
-        dtype="float32",
-        multiprocess=False,
-        block_size=8,
-        max_model_len=256,
-        max_num_batched_tokens=32,
-        enable_prefix_caching=True,
-    ) as llm:
-        prompts = greedy_prompts(llm.get_tokenizer(), PROMPT_LENS)
-        first = _generate(llm, prompts)
-        prefix_hits.clear()
-        again = _generate(llm, prompts)
-    assert sum(prefix_hits) > 0, "the second pass should start from cached prefix blocks"
-    assert_matches_hf(path, prompts, first)
-    assert_matches_hf(path, prompts, again)
+    assert_matches_hf_twice_with_prefix_caching(get_checkpoint(arch), PROMPT_LENS, NEW_TOKENS, monkeypatch)
 
 
 @pytest.mark.parametrize("arch", ["mistral_sw", "qwen2_sw", "gemma2"])

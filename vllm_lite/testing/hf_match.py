@@ -6,8 +6,8 @@ Shared by the per-architecture tests (Gemma 2/3, Phi-3, GPT-2, the windowed and 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -46,6 +46,42 @@ def assert_multiprocess_matches_hf(path: str, prompt_lens: Sequence[int], max_to
         prompts = greedy_prompts(llm.get_tokenizer(), prompt_lens)
         outs = generate_greedy(llm, prompts, max_tokens)
     assert_matches_hf(path, prompts, outs)
+
+
+def assert_matches_hf_twice_with_prefix_caching(
+    path: str,
+    prompt_lens: Sequence[int],
+    max_tokens: int,
+    monkeypatch: Any,
+    check_engine: Optional[Callable[[Any], None]] = None,
+    **llm_args: Any,
+) -> None:
+    """In process, float32, 8-token blocks and 32-token steps (chunked prefills beside decodes), prefix caching
+    on: the prompts, then the same prompts again, which must start from cached prefix blocks; both passes give
+    HF's tokens. check_engine(llm), when given, looks at the engine before it generates; llm_args add to LLM's."""
+    from vllm_lite import LLM
+    from vllm_lite.testing.hf_oracle import greedy_prompts
+
+    hits = record_prefix_hits(monkeypatch)
+    with LLM(
+        model=path,
+        dtype="float32",
+        multiprocess=False,
+        block_size=8,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+        **llm_args,
+    ) as llm:
+        if check_engine is not None:
+            check_engine(llm)
+        prompts = greedy_prompts(llm.get_tokenizer(), prompt_lens)
+        first = generate_greedy(llm, prompts, max_tokens)
+        hits.clear()
+        again = generate_greedy(llm, prompts, max_tokens)  # from cached prefix blocks
+    assert sum(hits) > 0, "the second pass should start from cached prefix blocks"
+    assert_matches_hf(path, prompts, first)
+    assert_matches_hf(path, prompts, again)
 
 
 def as_greedy_run(output: Any) -> GreedyRun:
