@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Optional
 
 import pytest
 import torch
@@ -13,63 +12,8 @@ from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.scheduler import Scheduler
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.testing.scheduler_config import make_config
-from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput, SchedulerOutput
-
-_arrivals = itertools.count()
-
-
-def make_request(
-    rid: str,
-    prompt: int | list[int],
-    *,
-    start: int = 100,
-    priority: int = 0,
-    eos: Optional[int] = None,
-    client_index: int = 0,
-    cache_salt: Optional[str] = None,
-    arrival: Optional[float] = None,
-    **sp,
-) -> Request:
-    tokens = list(range(start, start + prompt)) if isinstance(prompt, int) else list(prompt)
-    sp.setdefault("max_tokens", 16)
-    return Request(
-        rid,
-        tokens,
-        SamplingParams(**sp),
-        eos,
-        float(next(_arrivals)) if arrival is None else arrival,
-        priority=priority,
-        client_index=client_index,
-        cache_salt=cache_salt,
-    )
-
-
-def fake_runner_output(
-    sched: Scheduler, so: SchedulerOutput, token_fn: Callable[[Request], int] = lambda r: 7, logprobs: bool = False
-) -> ModelRunnerOutput:
-    """What a model runner returns: a token for each request whose known tokens are all computed after this step."""
-    req_ids = list(so.num_scheduled_tokens)
-    sampled = []
-    for rid in req_ids:
-        req = sched.get_request(rid)
-        sampled.append([token_fn(req)] if req is not None and req.num_computed_tokens >= req.num_tokens else [])
-    lp = None
-    if logprobs:
-        n = len(req_ids)
-        lp = LogprobsTensors(
-            torch.arange(n, dtype=torch.int64).view(n, 1), torch.full((n, 1), -0.5), torch.ones(n, dtype=torch.int64)
-        )
-    return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled, lp)
-
-
-def step(sched: Scheduler, token_fn: Callable[[Request], int] = lambda r: 7):
-    so = sched.schedule()
-    outs = sched.update_from_output(so, fake_runner_output(sched, so, token_fn))
-    return so, outs
-
-
-def outputs_by_id(outs) -> dict:
-    return {o.request_id: o for eco in outs.values() for o in eco.outputs}
+from vllm_lite.testing.scheduler_driver import fake_runner_output, make_request, outputs_by_id, step
+from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput
 
 
 # ---------------------------------------------------------------------- budget and chunking
