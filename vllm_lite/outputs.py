@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 
 @dataclass
@@ -96,6 +96,22 @@ class PoolingRequestOutput:
     error: Optional[str] = None
 
 
+_TaskRequestOutput = TypeVar("_TaskRequestOutput", bound=PoolingRequestOutput)
+
+
+def _task_view(cls: type[_TaskRequestOutput], out: PoolingRequestOutput, outputs: Any) -> _TaskRequestOutput:
+    """`out` as a task's request output (cls) holding that task's `outputs`; `error` is not carried."""
+    return cls(out.request_id, outputs, out.prompt_token_ids, out.finished, out.prompt)
+
+
+def _vector(pooling_output: PoolingOutput, what: str) -> list[float]:
+    """The pooled tensor as a list; anything but a vector is refused, `what` naming it in the message."""
+    data = pooling_output.data
+    if data.ndim != 1:
+        raise ValueError(f"{what} must be a vector, got a tensor of shape {tuple(data.shape)}.")
+    return data.tolist()
+
+
 @dataclass
 class EmbeddingOutput:
     """One embedding vector."""
@@ -104,10 +120,7 @@ class EmbeddingOutput:
 
     @staticmethod
     def from_base(pooling_output: PoolingOutput) -> "EmbeddingOutput":
-        data = pooling_output.data
-        if data.ndim != 1:
-            raise ValueError(f"an embedding must be a vector, got a tensor of shape {tuple(data.shape)}.")
-        return EmbeddingOutput(data.tolist())
+        return EmbeddingOutput(_vector(pooling_output, "an embedding"))
 
     @property
     def hidden_size(self) -> int:
@@ -120,9 +133,7 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
 
     @staticmethod
     def from_base(out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return EmbeddingRequestOutput(
-            out.request_id, EmbeddingOutput.from_base(out.outputs), out.prompt_token_ids, out.finished, out.prompt
-        )
+        return _task_view(EmbeddingRequestOutput, out, EmbeddingOutput.from_base(out.outputs))
 
 
 @dataclass
@@ -133,10 +144,7 @@ class ClassificationOutput:
 
     @staticmethod
     def from_base(pooling_output: PoolingOutput) -> "ClassificationOutput":
-        data = pooling_output.data
-        if data.ndim != 1:
-            raise ValueError(f"class scores must be a vector, got a tensor of shape {tuple(data.shape)}.")
-        return ClassificationOutput(data.tolist())
+        return ClassificationOutput(_vector(pooling_output, "class scores"))
 
     @property
     def num_classes(self) -> int:
@@ -149,9 +157,7 @@ class ClassificationRequestOutput(PoolingRequestOutput):
 
     @staticmethod
     def from_base(out: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return ClassificationRequestOutput(
-            out.request_id, ClassificationOutput.from_base(out.outputs), out.prompt_token_ids, out.finished, out.prompt
-        )
+        return _task_view(ClassificationRequestOutput, out, ClassificationOutput.from_base(out.outputs))
 
 
 @dataclass
@@ -174,6 +180,4 @@ class ScoringRequestOutput(PoolingRequestOutput):
 
     @staticmethod
     def from_base(out: PoolingRequestOutput) -> "ScoringRequestOutput":
-        return ScoringRequestOutput(
-            out.request_id, ScoringOutput.from_base(out.outputs), out.prompt_token_ids, out.finished, out.prompt
-        )
+        return _task_view(ScoringRequestOutput, out, ScoringOutput.from_base(out.outputs))
