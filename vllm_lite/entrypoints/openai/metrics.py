@@ -48,8 +48,8 @@ _LATENCY_BUCKETS = (
     80.0,
     160.0,
 )
-_E2E_BUCKETS = (
-    0.1,
+# The seconds ladder the end-to-end and the per-request phase histograms share.
+_REQUEST_SECONDS = (
     0.3,
     0.5,
     0.8,
@@ -70,31 +70,10 @@ _E2E_BUCKETS = (
     480.0,
     960.0,
 )
+_E2E_BUCKETS = (0.1, *_REQUEST_SECONDS)
 
 # vLLM V1's request_latency_buckets (queue, prefill, decode, inference times) and iteration-token buckets.
-_REQUEST_PHASE_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+_REQUEST_PHASE_BUCKETS = (*_REQUEST_SECONDS, 1920.0, 7680.0)
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
