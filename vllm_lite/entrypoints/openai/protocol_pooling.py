@@ -8,7 +8,7 @@ Requests are typed strictly, as the completion requests are: unknown fields and 
 from __future__ import annotations
 
 import time
-from typing import Literal, Optional, Union
+from typing import Generic, Literal, Optional, TypeVar, Union
 
 from pydantic import Field
 
@@ -62,19 +62,28 @@ class RerankRequest(StrictRequestModel):
     priority: int = 0
 
 
+_ResponseData = TypeVar("_ResponseData")
+
+
+class _ListResponse(OpenAIBaseModel, Generic[_ResponseData]):
+    """The list body /v1/embeddings, /pooling and /score answer with (fields in this order), by its data's type."""
+
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[_ResponseData]
+    usage: UsageInfo
+
+
 class EmbeddingResponseData(OpenAIBaseModel):
     index: int
     object: str = "embedding"
     embedding: Union[list[float], str]
 
 
-class EmbeddingResponse(OpenAIBaseModel):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[EmbeddingResponseData]
-    usage: UsageInfo
+class EmbeddingResponse(_ListResponse[EmbeddingResponseData]):
+    pass
 
 
 class PoolingResponseData(OpenAIBaseModel):
@@ -83,13 +92,8 @@ class PoolingResponseData(OpenAIBaseModel):
     data: Union[list[float], list[list[float]], str]
 
 
-class PoolingResponse(OpenAIBaseModel):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[PoolingResponseData]
-    usage: UsageInfo
+class PoolingResponse(_ListResponse[PoolingResponseData]):
+    pass
 
 
 class ScoreResponseData(OpenAIBaseModel):
@@ -98,13 +102,8 @@ class ScoreResponseData(OpenAIBaseModel):
     score: float
 
 
-class ScoreResponse(OpenAIBaseModel):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[ScoreResponseData]
-    usage: UsageInfo
+class ScoreResponse(_ListResponse[ScoreResponseData]):
+    pass
 
 
 class RerankDocument(OpenAIBaseModel):
