@@ -219,43 +219,15 @@ def test_the_op_runs_sliced_and_kblocked_plans_as_cpu_linear_does():
     gate_up = model.model.layers[0].mlp.gate_up_proj.weight
     want_blocks = cpu_linear.blocked_linear(torch.randn(3, 128), gate_up, None)
     assert want_blocks.shape == (3, 3200)
-    outs = []
-    kblocked = torch.ops.vllm_lite.f32_linear_kblocked_available()
-    for plans in (None, [0, 0, -768, 0], [64, 64, -768, 0] if kblocked else [0, 0, 0, 0]):
-        c = [x.clone() for x in caches]
-        model.model.layers[0].self_attn.attn.kv_cache = c[0]
-        with torch.inference_mode(), set_forward_context(md, backend):
-            t = ids.shape[0]
-            block_table, seq_lens, qsl, slots = backend.step_args(md, t)
-            h, _ = torch.ops.vllm_lite.cpu_decoder_layers(
-                stack.weights,
-                model.model.embed_tokens(ids),
-                None,
-                positions,
-                c,
-                block_table,
-                seq_lens,
-                qsl,
-                slots,
-                backend.impl,
-                None,
-                cpu_prepack.SMALL_M_MAX,
-                cpu_prepack.VNNI_MAX,
-                plans,
-            )
-        outs.append(h)
-    # Slices of a product are the product's columns (the same dot products): bit-equal to F.linear's.
-    assert torch.equal(outs[0], outs[1])
-    # The k-blocked kernel sums in its own order (kc=64 of K=128): close.
-    torch.testing.assert_close(outs[2], outs[0], rtol=1e-4, atol=1e-5)
-    assert kblocked or torch.equal(outs[2], outs[0])
-    with pytest.raises(ValueError, match="plans"):
-        torch.ops.vllm_lite.cpu_decoder_layers(
+
+    def run_op(c, plans):
+        block_table, seq_lens, qsl, slots = backend.step_args(md, ids.shape[0])
+        return torch.ops.vllm_lite.cpu_decoder_layers(
             stack.weights,
             model.model.embed_tokens(ids),
             None,
             positions,
-            caches,
+            c,
             block_table,
             seq_lens,
             qsl,
@@ -264,8 +236,24 @@ def test_the_op_runs_sliced_and_kblocked_plans_as_cpu_linear_does():
             None,
             cpu_prepack.SMALL_M_MAX,
             cpu_prepack.VNNI_MAX,
-            [0, 0],
+            plans,
         )
+
+    outs = []
+    kblocked = torch.ops.vllm_lite.f32_linear_kblocked_available()
+    for plans in (None, [0, 0, -768, 0], [64, 64, -768, 0] if kblocked else [0, 0, 0, 0]):
+        c = [x.clone() for x in caches]
+        model.model.layers[0].self_attn.attn.kv_cache = c[0]
+        with torch.inference_mode(), set_forward_context(md, backend):
+            h, _ = run_op(c, plans)
+        outs.append(h)
+    # Slices of a product are the product's columns (the same dot products): bit-equal to F.linear's.
+    assert torch.equal(outs[0], outs[1])
+    # The k-blocked kernel sums in its own order (kc=64 of K=128): close.
+    torch.testing.assert_close(outs[2], outs[0], rtol=1e-4, atol=1e-5)
+    assert kblocked or torch.equal(outs[2], outs[0])
+    with pytest.raises(ValueError, match="plans"):
+        run_op(caches, [0, 0])
 
 
 @pytest.mark.parametrize("how", ["oneDNN experts", "router", "hook", "python_layers"])
