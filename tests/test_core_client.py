@@ -57,6 +57,22 @@ def tokens(outs: list[EngineCoreOutput]) -> list[int]:
 # ---------------------------------------------------------------------------------------------------- in-process
 
 
+def abort_and_drain(client, request_id: str) -> None:
+    """Abort a running request, wait until its blocks are freed (all 256 free), then drain what the core sent
+    before the abort, so the module's later tests start clean."""
+    client.abort_requests([request_id])
+    wait_until(
+        lambda: client.call_utility("get_num_free_blocks") == 256,
+        DEADLINE_S,
+        "the aborted request's blocks are freed",
+    )
+    while True:
+        try:
+            client.get_output(timeout=0.3)
+        except TimeoutError:
+            break
+
+
 def test_make_client_rejects_asyncio_without_multiprocess():
     with pytest.raises(ValueError, match="asyncio_mode=True requires multiprocess=True"):
         make_client(fake_config(), multiprocess=False, asyncio_mode=True)
@@ -129,18 +145,7 @@ def test_sync_client_abort_frees_blocks(sync_client):
     sync_client.add_request(request("ab", [3, 3], max_tokens=2000))
     first = sync_client.get_output(timeout=10)
     assert first.outputs[0].request_id == "ab"
-    sync_client.abort_requests(["ab"])
-    wait_until(
-        lambda: sync_client.call_utility("get_num_free_blocks") == 256,
-        DEADLINE_S,
-        "the aborted request's blocks are freed",
-    )
-    # Drain leftovers from before the abort so later tests start clean.
-    while True:
-        try:
-            sync_client.get_output(timeout=0.3)
-        except TimeoutError:
-            break
+    abort_and_drain(sync_client, "ab")
 
 
 def test_sync_client_duplicate_id_error_leaves_first_request_intact(sync_client):
@@ -154,17 +159,7 @@ def test_sync_client_duplicate_id_error_leaves_first_request_intact(sync_client)
     assert len(errors) == 1 and "duplicate request id 'dup'" in errors[0].error
     toks = tokens(outs)
     assert len(toks) >= 2 and toks == [fake_token([4, 5], n) for n in range(len(toks))]
-    sync_client.abort_requests(["dup"])
-    wait_until(
-        lambda: sync_client.call_utility("get_num_free_blocks") == 256,
-        DEADLINE_S,
-        "the aborted request's blocks are freed",
-    )
-    while True:
-        try:
-            sync_client.get_output(timeout=0.3)
-        except TimeoutError:
-            break
+    abort_and_drain(sync_client, "dup")
 
 
 def test_sync_client_receives_logprob_tensors(sync_client):
