@@ -93,12 +93,9 @@ class Reattacher:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="frontend-reattach")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        from vllm_lite.entrypoints.openai.utils import cancel_and_wait
+
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         from vllm_lite.client.exceptions import EngineDeadError, EngineHandshakeError

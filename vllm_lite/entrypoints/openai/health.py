@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 from vllm_lite.client.exceptions import EngineDeadError
+from vllm_lite.entrypoints.openai.utils import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -135,13 +136,8 @@ class HealthMonitor:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-health-monitor")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while self.dead_reason is None:

@@ -1,4 +1,5 @@
-"""Small async helpers for the HTTP layer: merging generators, SSE framing, client disconnects."""
+"""Small async helpers for the HTTP layer: merging generators, SSE framing, client disconnects, stopping a
+background task."""
 
 from __future__ import annotations
 
@@ -145,3 +146,15 @@ async def shielded(coro: Awaitable[Any]) -> None:
             await coro
         except Exception:
             pass
+
+
+async def cancel_and_wait(task: Optional[asyncio.Task]) -> None:
+    """Cancel a background task (None: nothing to do) and wait until it has finished; its cancellation, or any
+    error it ended with, is not raised here."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
