@@ -742,13 +742,20 @@ def test_a_token_equal_to_eos_does_not_finish_a_grammar_that_is_not_terminated()
     assert [t for o in got for t in o.new_token_ids] == [2, 5, 6] and got[-1].finish_reason == FinishReason.LENGTH
 
 
-def test_a_request_resumed_after_preemption_has_its_matcher_resynced_to_its_kept_outputs(caplog):
+def _tight_with_a_grammar_request() -> tuple[Scheduler, ScriptedMatcher]:
+    """_tight() holding "a" (7 tokens) and "g" (7 tokens, its grammar compiled: 5, 6, 8, 9, 10, 11, then EOS 2),
+    which collide at their third block: "g", the later arrival, is the one preempted."""
     s = _tight()
     grammars = ControlledGrammars(s)
     s.add_request(make_request("a", 7, start=0, max_tokens=4))
     s.add_request(make_request("g", 7, start=100, eos=2, structured_outputs=_JSON, max_tokens=6))
     matcher = ScriptedMatcher([5, 6, 8, 9, 10, 11], eos=2)
     grammars.compile(0, matcher)
+    return s, matcher
+
+
+def test_a_request_resumed_after_preemption_has_its_matcher_resynced_to_its_kept_outputs(caplog):
+    s, matcher = _tight_with_a_grammar_request()
     script = iter(range(0, 100))
     seen_preempt = False
     resynced_to = None
@@ -766,12 +773,7 @@ def test_a_request_resumed_after_preemption_has_its_matcher_resynced_to_its_kept
 
 
 def test_a_resumed_request_whose_outputs_no_longer_fit_its_grammar_is_logged(caplog):
-    s = _tight()
-    grammars = ControlledGrammars(s)
-    s.add_request(make_request("a", 7, start=0, max_tokens=4))
-    s.add_request(make_request("g", 7, start=100, eos=2, structured_outputs=_JSON, max_tokens=6))
-    matcher = ScriptedMatcher([5, 6, 8, 9, 10, 11], eos=2)
-    grammars.compile(0, matcher)
+    s, matcher = _tight_with_a_grammar_request()
     step(s, lambda r: 5 if r.request_id == "g" else 7)
     step(s, lambda r: 6 if r.request_id == "g" else 7)
     so, _ = step(s)
