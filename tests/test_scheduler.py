@@ -12,7 +12,7 @@ from vllm_lite.core.request import Request, RequestStatus
 from vllm_lite.core.sched.scheduler import Scheduler
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.testing.scheduler_config import make_config
-from vllm_lite.testing.scheduler_driver import fake_runner_output, make_request, outputs_by_id, step
+from vllm_lite.testing.scheduler_driver import fake_runner_output, make_request, outputs_by_id, step, tight_scheduler
 from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput
 
 
@@ -108,14 +108,8 @@ def test_priority_policy_admits_smallest_priority_value_then_earliest():
 
 
 # ---------------------------------------------------------------------- preemption
-def _tight(policy: str = "fcfs", **kw) -> Scheduler:
-    # 4 usable blocks of 4 tokens.
-    kw.setdefault("enable_prefix_caching", False)
-    return Scheduler(make_config(num_gpu_blocks=5, block_size=4, max_model_len=16, policy=policy, **kw))
-
-
 def test_fcfs_preempts_latest_arrival():
-    s = _tight()
+    s = tight_scheduler()
     s.add_request(make_request("a", 7, start=0))
     s.add_request(make_request("b", 7, start=100))
     step(s)  # both prefill (2 blocks each), each samples 1 -> 8 tokens
@@ -131,7 +125,7 @@ def test_fcfs_preempts_latest_arrival():
 
 
 def test_priority_preempts_largest_priority_value_even_if_already_scheduled():
-    s = _tight(policy="priority")
+    s = tight_scheduler(policy="priority")
     s.add_request(make_request("a", 6, start=0, priority=1))
     s.add_request(make_request("b", 7, start=100, priority=0))
     step(s)
@@ -146,7 +140,7 @@ def test_priority_preempts_largest_priority_value_even_if_already_scheduled():
 
 
 def test_priority_preempts_the_requester_itself_when_it_is_lowest():
-    s = _tight(policy="priority")
+    s = tight_scheduler(policy="priority")
     s.add_request(make_request("a", 7, start=0, priority=3))
     s.add_request(make_request("b", 7, start=100, priority=0))
     step(s)
@@ -160,7 +154,7 @@ def test_priority_preempts_the_requester_itself_when_it_is_lowest():
 
 
 def test_recompute_round_trip_resends_prompt_and_outputs():
-    s = _tight()
+    s = tight_scheduler()
     s.add_request(make_request("a", 7, start=0, max_tokens=3))
     s.add_request(make_request("b", 7, start=100, max_tokens=10))
     gen = itertools.count(500)
@@ -187,7 +181,7 @@ def test_recompute_round_trip_resends_prompt_and_outputs():
 
 
 def test_swap_round_trip_restores_blocks_and_progress():
-    s = _tight(preemption_mode="swap", num_cpu_blocks=8)
+    s = tight_scheduler(preemption_mode="swap", num_cpu_blocks=8)
     s.add_request(make_request("a", 7, start=0, max_tokens=3))
     s.add_request(make_request("b", 7, start=100, max_tokens=10))
     step(s)
@@ -220,7 +214,7 @@ def test_swap_round_trip_restores_blocks_and_progress():
 
 
 def test_swap_falls_back_to_recompute_when_host_space_is_full():
-    s = _tight(preemption_mode="swap", num_cpu_blocks=1)
+    s = tight_scheduler(preemption_mode="swap", num_cpu_blocks=1)
     s.add_request(make_request("a", 7, start=0))
     s.add_request(make_request("b", 7, start=100))
     step(s)
@@ -433,7 +427,7 @@ def test_prompt_logprobs_chunk_is_emitted_without_new_tokens():
 
 
 def test_make_stats_reports_usage_and_resets_counters():
-    s = _tight()
+    s = tight_scheduler()
     s.add_request(make_request("a", 7, start=0))
     s.add_request(make_request("b", 7, start=100))
     step(s)

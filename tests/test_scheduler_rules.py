@@ -28,15 +28,9 @@ from vllm_lite.testing.scheduler_driver import (
     outputs_by_id,
     run_to_completion,
     step,
+    tight_scheduler,
 )
 from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput
-
-
-def _tight(policy: str = "fcfs", **kw) -> Scheduler:
-    """4 usable blocks of 4 tokens, no prefix caching: two 7-token prompts collide at their third block."""
-    kw.setdefault("enable_prefix_caching", False)
-    kw.setdefault("max_model_len", 16)
-    return Scheduler(make_config(num_gpu_blocks=5, block_size=4, policy=policy, **kw))
 
 
 # ---------------------------------------------------------------------- settings
@@ -161,7 +155,7 @@ def test_a_string_id_is_one_request_not_its_characters():
 
 
 def test_finish_requests_reaches_a_request_wherever_it_is_and_tells_the_worker_only_of_its_own():
-    s = _tight(preemption_mode="swap", num_cpu_blocks=8, max_num_seqs=3)
+    s = tight_scheduler(preemption_mode="swap", num_cpu_blocks=8, max_num_seqs=3)
     grammars = ControlledGrammars(s)
     s.add_request(make_request("run", 7, start=0))
     s.add_request(make_request("swp", 7, start=100))
@@ -198,7 +192,7 @@ def test_an_id_reused_after_its_request_finished_is_not_dropped_twice_from_the_w
 
 
 def test_finishing_a_preempted_request_takes_it_out_of_the_waiting_queue():
-    s = _tight()
+    s = tight_scheduler()
     s.add_request(make_request("a", 7, start=0))
     s.add_request(make_request("b", 7, start=100))
     step(s)
@@ -271,7 +265,7 @@ def test_after_a_victim_earlier_in_the_batch_the_next_request_is_not_skipped():
 
 
 def test_a_step_that_preempts_admits_no_waiting_request():
-    s = _tight()
+    s = tight_scheduler()
     s.add_request(make_request("a", 7, start=0))
     s.add_request(make_request("b", 7, start=100))
     step(s)
@@ -285,7 +279,7 @@ def test_a_step_that_preempts_admits_no_waiting_request():
 
 def test_among_equal_arrival_times_the_later_added_request_is_the_victim():
     for policy in ("fcfs", "priority"):
-        s = _tight(policy=policy)
+        s = tight_scheduler(policy=policy)
         s.add_request(make_request("first", 7, start=0, arrival=1.0))
         s.add_request(make_request("second", 7, start=100, arrival=1.0))
         step(s)
@@ -296,7 +290,7 @@ def test_among_equal_arrival_times_the_later_added_request_is_the_victim():
 
 
 def test_priority_victims_go_by_priority_before_arrival():
-    s = _tight(policy="priority")
+    s = tight_scheduler(policy="priority")
     s.add_request(make_request("early_low", 7, start=0, priority=5, arrival=1.0))
     s.add_request(make_request("late_high", 7, start=100, priority=1, arrival=2.0))
     step(s)
@@ -306,7 +300,7 @@ def test_priority_victims_go_by_priority_before_arrival():
 
 
 def test_a_swapped_request_that_does_not_fit_holds_back_waiting_ones():
-    s = _tight(preemption_mode="swap", num_cpu_blocks=8, max_num_seqs=4)
+    s = tight_scheduler(preemption_mode="swap", num_cpu_blocks=8, max_num_seqs=4)
     s.add_request(make_request("a", 7, start=0, max_tokens=9))
     s.add_request(make_request("b", 7, start=100))
     step(s)
@@ -365,7 +359,7 @@ def test_a_swapped_in_request_is_charged_to_the_budget_before_waiting_ones():
 
 def _four_small() -> Scheduler:
     """4 usable blocks, four 3-token requests: all cross into a second block at step 3."""
-    s = Scheduler(make_config(num_gpu_blocks=5, block_size=4, max_model_len=16, enable_prefix_caching=False))
+    s = tight_scheduler()
     for i in range(4):
         s.add_request(make_request(f"r{i}", 3, start=100 * i, max_tokens=9))
     return s
@@ -406,7 +400,7 @@ def test_two_requests_swapped_in_one_step_come_back_oldest_first():
 
 
 def test_a_recomputed_request_keeps_its_first_schedule_time():
-    s = _tight()
+    s = tight_scheduler()
     s.add_request(make_request("a", 7, start=0, max_tokens=3))
     s.add_request(make_request("b", 7, start=100, max_tokens=4))
     step(s)
@@ -419,7 +413,7 @@ def test_a_recomputed_request_keeps_its_first_schedule_time():
 
 
 def test_a_resumed_request_keeps_its_first_hit_length_and_first_schedule_time():
-    s = Scheduler(make_config(num_gpu_blocks=5, block_size=4, max_model_len=16))
+    s = tight_scheduler(enable_prefix_caching=True)
     s.add_request(make_request("warm", 4, start=0, max_tokens=1))
     run_to_completion(s)
     s.add_request(make_request("b", 7, start=100, max_tokens=9))
@@ -550,7 +544,7 @@ def test_step_counters_go_to_the_lowest_client_and_gauges_to_every_client():
 
 
 def test_make_stats_can_peek_without_consuming_the_counters():
-    s = _tight()
+    s = tight_scheduler()
     s.add_request(make_request("a", 7, start=0))
     s.add_request(make_request("b", 7, start=100))
     step(s)
@@ -743,9 +737,9 @@ def test_a_token_equal_to_eos_does_not_finish_a_grammar_that_is_not_terminated()
 
 
 def _tight_with_a_grammar_request() -> tuple[Scheduler, ScriptedMatcher]:
-    """_tight() holding "a" (7 tokens) and "g" (7 tokens, its grammar compiled: 5, 6, 8, 9, 10, 11, then EOS 2),
+    """tight_scheduler() holding "a" (7 tokens) and "g" (7 tokens, its grammar compiled: 5, 6, 8, 9, 10, 11, then EOS 2),
     which collide at their third block: "g", the later arrival, is the one preempted."""
-    s = _tight()
+    s = tight_scheduler()
     grammars = ControlledGrammars(s)
     s.add_request(make_request("a", 7, start=0, max_tokens=4))
     s.add_request(make_request("g", 7, start=100, eos=2, structured_outputs=_JSON, max_tokens=6))

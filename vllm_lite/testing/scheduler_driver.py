@@ -17,6 +17,7 @@ from vllm_lite.core.sched.scheduler import Scheduler
 from vllm_lite.sampling_params import SamplingParams
 from vllm_lite.structured_output.backend_types import GrammarCompileError, StructuredOutputMatcher
 from vllm_lite.structured_output.request import StructuredOutputRequest
+from vllm_lite.testing.scheduler_config import make_config
 from vllm_lite.worker.step import LogprobsTensors, ModelRunnerOutput, SchedulerOutput
 
 _arrivals = itertools.count()
@@ -50,6 +51,14 @@ def make_request(
         client_index=client_index,
         cache_salt=cache_salt,
     )
+
+
+def tight_scheduler(policy: str = "fcfs", **kw) -> Scheduler:
+    """A Scheduler over 4 usable blocks of 4 tokens, max_model_len 16 and no prefix caching unless `kw` says
+    otherwise (any other make_config setting too): two 7-token prompts collide at their third block."""
+    kw.setdefault("enable_prefix_caching", False)
+    kw.setdefault("max_model_len", 16)
+    return Scheduler(make_config(num_gpu_blocks=5, block_size=4, policy=policy, **kw))
 
 
 def fake_runner_output(
