@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from vllm_lite import platform
 from vllm_lite.testing.paged import make_attention_metadata, random_block_tables
 from vllm_lite.worker.attention.cpu_kernels import cpu_op
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
@@ -42,7 +43,8 @@ def random_decoder_model(
     """model_class(config) in eval mode and dtype, its weights from seed 0 and left as the loader leaves them:
     norms near one (not all ones: a wrong weight shows), biases, experts and routers random (torch.empty at
     construction), rotary tables in float32, experts on the C++ expert op and, in bf16 when prepack, the linear
-    weights prepacked for oneDNN."""
+    weights prepacked for oneDNN where it packs bf16 (AVX-512 BF16 hosts). Where it cannot (an AVX2-only Zen 3),
+    the weights stay plain, as the worker leaves them there, and the stack runs them through its unpacked plans."""
     torch.manual_seed(0)
     model = model_class(config).eval()
     with torch.no_grad():
@@ -58,7 +60,9 @@ def random_decoder_model(
         if isinstance(m, fused_moe.FusedMoE):
             assert m.process_weights_after_loading() == ""
     if prepack and dtype == torch.bfloat16:
-        assert cpu_prepack.prepack_linear_weights(model) > 0, "oneDNN bf16 prepacking must work on this host"
+        packed = cpu_prepack.prepack_linear_weights(model)
+        if platform.onednn_bf16_prepack().ok:  # packing works here: a model that packed nothing is a bug
+            assert packed > 0, "oneDNN bf16 prepacking works on this host but packed no weight"
     return model
 
 
