@@ -11,7 +11,8 @@
 //       above, the q/k/v, o, gate_up and down linears through the kernels cpu_prepack.linear picks for the row
 //       count (bf16_linear_small_m / bf16_linear_vnni / oneDNN's packed linear, or for unpacked weights
 //       cpu_linear.linear's per-case choice handed in: F.linear, f32_linear_kblocked at a kc, or 768-output
-//       slices), the K/V write and paged attention (ops.h); at decode row counts the gate_up kernel writes
+//       slices), the K/V write (in the rotary's pass over the rows: rotary_write_rows) and paged attention
+//       (ops.h); at decode row counts the gate_up kernel writes
 //       silu(gate) * up itself (bf16_gate_up_small_m / _vnni over an interleaved copy: stack_mlp_act). A
 //       layer's MLP may instead be a sparse mixture of experts (Mixtral, Qwen3-MoE: fused_moe.py's
 //       SparseMoeBlock): the router and its top-k in one
@@ -42,6 +43,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -878,6 +880,77 @@ void stack_rotary(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, con
   }
 }
 
+// Rotary of q and k in place, then the rotated key row and the value row of each token copied to its slot of
+// the cache: stack_rotary then write_kv (ops.h) in one pass over the rows (one parallel region, the K/V copies
+// shared out with the rotary's rows instead of a serial loop after it; the rows just rotated are still in L1).
+// The same operations on the same bytes: rotate_head is the rotary's, the copies write_kv's. The caller has
+// checked what write_kv checks (cache layout and dtype, K/V row layout, slot range: check_kv_write).
+template <typename T, typename P>
+void rotary_write_rows(const P* pos, int64_t pos_stride, at::Tensor& query, at::Tensor& key, const at::Tensor& value,
+                       const float* cache, int64_t head_size, int64_t rotary_dim, at::Tensor& kv_cache,
+                       const int64_t* slots) {
+  const int64_t t = query.size(0), half = rotary_dim / 2;
+  const int64_t qh = query.size(1) / head_size, kh = key.size(1) / head_size;
+  const int64_t qs = query.stride(0), ks = key.stride(0), vs = value.stride(0);
+  T* qp = query.data_ptr<T>();
+  T* kp = key.data_ptr<T>();
+  const T* vp = value.data_ptr<T>();
+  const int64_t row = kh * head_size;  // elements of a cache token row
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  T* k_dst = kv_cache.data_ptr<T>();
+  T* v_dst = k_dst + num_slots * row;
+  at::parallel_for(0, t, grain_rows((qh + kh) * rotary_dim), [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0; i < t1; ++i) {
+      const float* c = cache + static_cast<int64_t>(pos[i * pos_stride]) * rotary_dim;
+      const float* s = c + half;
+      for (int64_t h = 0; h < qh; ++h) rotate_head<T>(qp + i * qs + h * head_size, c, s, half);
+      for (int64_t h = 0; h < kh; ++h) rotate_head<T>(kp + i * ks + h * head_size, c, s, half);
+      const int64_t slot = slots[i];
+      if (slot < 0) continue;  // padding token (write_kv's rule)
+      std::memcpy(k_dst + slot * row, kp + i * ks, row * sizeof(T));
+      std::memcpy(v_dst + slot * row, vp + i * vs, row * sizeof(T));
+    }
+  });
+}
+
+// Whether the stack may write this layer's K/V itself (rotary_write_rows): the cache in the rows' dtype, laid out
+// as write_kv takes it, and every slot inside it (write_kv's checks; anything else goes to write_kv, which raises
+// its own errors or converts).
+bool check_kv_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache, const int64_t* slots,
+                    int64_t t) {
+  if (kv_cache.scalar_type() != k.scalar_type() || v.scalar_type() != k.scalar_type() || k.stride(1) != 1 ||
+      v.stride(1) != 1 || !kv_cache.is_contiguous() || kv_cache.size(0) != 2)
+    return false;
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  for (int64_t i = 0; i < t; ++i) {
+    if (slots[i] >= num_slots) return false;
+  }
+  return true;
+}
+
+void stack_rotary_write(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& cache, int64_t head_size, int64_t rotary_dim, at::Tensor& kv_cache,
+                        const int64_t* slots) {
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const float* c = cache.data_ptr<float>();
+  const int64_t ps = positions.stride(0);
+  if (positions.scalar_type() == at::kLong) {
+    const int64_t* p = positions.data_ptr<int64_t>();
+    if (bf16) {
+      rotary_write_rows<c10::BFloat16>(p, ps, q, k, v, c, head_size, rotary_dim, kv_cache, slots);
+    } else {
+      rotary_write_rows<float>(p, ps, q, k, v, c, head_size, rotary_dim, kv_cache, slots);
+    }
+  } else {
+    const int32_t* p = positions.data_ptr<int32_t>();
+    if (bf16) {
+      rotary_write_rows<c10::BFloat16>(p, ps, q, k, v, c, head_size, rotary_dim, kv_cache, slots);
+    } else {
+      rotary_write_rows<float>(p, ps, q, k, v, c, head_size, rotary_dim, kv_cache, slots);
+    }
+  }
+}
+
 at::Tensor moe_experts_op(bool bf16, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                           const at::Tensor& weights, const at::Tensor& ids, int64_t inter) {
   using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -997,14 +1070,19 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layers(
       q = stack_norm(q.view({t, h, d}), nullptr, w.get(l, kQNorm), w.fv(l, kEpsQk), nullptr).view({t, h * d});
       k = stack_norm(k.view({t, kvh, d}), nullptr, w.get(l, kKNorm), w.fv(l, kEpsQk), nullptr).view({t, kvh * d});
     }
-    stack_rotary(positions, q, k, w.get(l, kCosSin), d, w.iv(l, kRotaryDim));
     at::Tensor kv = kv_caches[l];
-    at::Tensor k3 = k.view({t, kvh, d}), v3 = v.view({t, kvh, d});
-    if (k3.scalar_type() != kv.scalar_type()) {
-      k3 = k3.to(kv.scalar_type());
-      v3 = v3.to(kv.scalar_type());
+    if (check_kv_write(k, v, kv, slot_rows.data_ptr<int64_t>(), t)) {
+      stack_rotary_write(positions, q, k, v, w.get(l, kCosSin), d, w.iv(l, kRotaryDim), kv,
+                         slot_rows.data_ptr<int64_t>());
+    } else {
+      stack_rotary(positions, q, k, w.get(l, kCosSin), d, w.iv(l, kRotaryDim));
+      at::Tensor k3 = k.view({t, kvh, d}), v3 = v.view({t, kvh, d});
+      if (k3.scalar_type() != kv.scalar_type()) {
+        k3 = k3.to(kv.scalar_type());
+        v3 = v3.to(kv.scalar_type());
+      }
+      write_kv(k3, v3, kv, slot_rows);
     }
-    write_kv(k3, v3, kv, slot_rows);
     at::Tensor attn = at::empty({t, h, d}, q.options());
     paged_attention(attn, q.view({t, h, d}), kv, block_table, seq_lens, query_start_loc, w.fv(l, kScale),
                     w.iv(l, kSlidingWindow), w.fv(l, kSoftCap), impl);

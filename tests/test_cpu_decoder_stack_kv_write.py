@@ -1,0 +1,97 @@
+"""The C++ decoder stack writes each layer's K/V itself, in the rotary's pass over the rows (csrc/fused_cpu_ops.cpp,
+rotary_write_rows), where write_kv would have written them: the same cache bytes as the Python layers (rotary,
+then write_kv) for padding slots (-1, skipped) and at row counts where the pass is split over threads, and an
+out-of-range slot still refused with write_kv's error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_lite.testing.decoder_stack import assert_same_step, count_stack_runs, run_step, step_inputs
+from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
+from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
+from vllm_lite.worker.models import cpu_prepack
+from vllm_lite.worker.models.layers import RotaryEmbedding
+from vllm_lite.worker.models.qwen2 import Qwen2ForCausalLM
+
+pytestmark = pytest.mark.skipif(
+    not (load_cpu_ops() and hasattr(torch.ops.vllm_lite, "cpu_decoder_layers")), reason="CPU kernels not built here"
+)
+
+
+def _model(dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_((1 if "norm" in name else 0) + 0.1 * torch.randn_like(p))
+    model.to(dtype)
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.init_buffers()
+    if dtype == torch.bfloat16:
+        cpu_prepack.prepack_linear_weights(model)
+    return model
+
+
+def _both(model, query_lens, seq_lens, pad=(), slot=None):
+    """(stack result, caches), (Python result, caches) of one step whose rows in `pad` have slot -1 (and, with
+    `slot`, row 0 the slot given)."""
+    ids, positions, md, caches = step_inputs(model, query_lens, seq_lens, seed=3)
+    for r in pad:
+        md.slot_mapping[r] = -1
+    if slot is not None:
+        md.slot_mapping[0] = slot
+    backend = CpuNativeBackend("auto")
+    c1 = [c.clone() for c in caches]
+    c2 = [c.clone() for c in caches]
+    a = run_step(model, backend, (ids, positions, md, c1), python=False)
+    b = run_step(model, backend, (ids, positions, md, c2), python=True)
+    return (a, c1), (b, c2), caches
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [3, 32, 65])
+def test_stack_writes_the_python_layers_cache_bytes(dtype, rows, monkeypatch):
+    model = _model(dtype)
+    if dtype == torch.float32 and rows >= 8:
+        pytest.skip("float32 from 8 rows depends on cpu_linear's checked cases (test_cpu_decoder_stack covers it)")
+    n = count_stack_runs(monkeypatch)
+    x, y, before = _both(model, [1] * rows, [20 + i % 9 for i in range(rows)])
+    assert n[0] == 1
+    assert_same_step(x, y)
+    assert not torch.equal(x[1][0], before[0]), "the step must have written the cache"
+
+
+@pytest.mark.parametrize("rows", [5, 40])
+def test_padding_slots_are_skipped(rows, monkeypatch):
+    model = _model(torch.bfloat16)
+    n = count_stack_runs(monkeypatch)
+    pad = (0, rows // 2, rows - 1)
+    x, y, _ = _both(model, [1] * rows, [30 + i % 5 for i in range(rows)], pad=pad)
+    assert n[0] == 1
+    assert_same_step(x, y)
+
+
+def test_a_slot_outside_the_cache_is_refused(monkeypatch):
+    model = _model(torch.bfloat16)
+    n = count_stack_runs(monkeypatch)
+    ids, positions, md, caches = step_inputs(model, [1] * 4, [10, 11, 12, 13], seed=1)
+    md.slot_mapping[0] = caches[0].shape[1] * caches[0].shape[2]
+    with pytest.raises((ValueError, RuntimeError), match="outside the cache"):
+        run_step(model, CpuNativeBackend("auto"), (ids, positions, md, caches), python=False)
+    assert n[0] == 0
