@@ -291,6 +291,25 @@ def test_missing_compiler_falls_back_with_a_warning(tmp_path):
     assert "falling back to the PyTorch reference" in proc.stderr
 
 
+def test_a_build_leaves_the_build_key_as_it_was(tmp_path, monkeypatch):
+    """torch's cpp_extension.load appends its link flags to the extra_ldflags list it is handed; the key of the
+    build just made must still be the key this process computes afterwards (the wheel test checks it)."""
+    import torch.utils.cpp_extension as ext
+
+    def load(name, sources, extra_cflags, extra_ldflags, build_directory, **kw):
+        extra_cflags.append("-DADDED_BY_LOAD")  # what torch 2.13 does to the lists it is given
+        extra_ldflags += ["-L/somewhere", "-ltorch"]
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setenv("VLLM_LITE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ext, "load", load)
+    monkeypatch.setattr(cpu_kernels.host, "cxx_compiler", lambda: "/usr/bin/c++")
+    before = cpu_kernels.build_key()
+    cpu_kernels._build_or_load()
+    assert cpu_kernels.build_key() == before
+    assert "-ltorch" not in cpu_kernels.EXTRA_LDFLAGS and "-DADDED_BY_LOAD" not in cpu_kernels.EXTRA_CFLAGS
+
+
 # ---------------------------------------------------------------------------- where the sources live
 REPO = Path(__file__).resolve().parents[1]
 

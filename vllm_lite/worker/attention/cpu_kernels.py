@@ -128,8 +128,10 @@ def _build_or_load() -> None:
         load(
             name=name,
             sources=[str(p) for p in source_files() if p.suffix == ".cpp"],
-            extra_cflags=EXTRA_CFLAGS,
-            extra_ldflags=EXTRA_LDFLAGS,
+            # Copies: torch's load() appends its link flags to the list it is given, which would change
+            # build_key() for the rest of this process (a later check of the key would name another build).
+            extra_cflags=list(EXTRA_CFLAGS),
+            extra_ldflags=list(EXTRA_LDFLAGS),
             extra_include_paths=[str(csrc_dir())],
             build_directory=str(build_dir),
             is_python_module=False,
