@@ -275,6 +275,36 @@ void key_loop(const ItemView<T>& it, int64_t D, Scratch& s, Impl impl) {
   key_loop_generic<T>(it, D, s);
 }
 
+// The per-thread scratch of one call. A decode step calls with the same small shape every layer and every step,
+// and allocating and zero-filling each thread's buffers each call cost ~0.15 ms a 32-row decode step
+// (benchmarks/PROFILE.md, "Fourteenth session, helper OV"), so the calling thread keeps small ones between calls
+// (thread_local: concurrent callers never share one). Reuse changes no result: a thread already reuses its scratch
+// for every item it takes within a call, so no path reads a buffer before writing what it uses. Larger scratch
+// (long prefill chunks) stays the call's own (`own`) and is freed with it.
+inline std::vector<Scratch>& call_scratch(std::vector<Scratch>& own, int num_threads, int64_t rows, int64_t d,
+                                          bool chunk) {
+  constexpr int64_t kKeepMaxRows = 256;
+  struct Kept {
+    std::vector<Scratch> scratch;
+    int64_t rows = -1, d = -1;
+    bool chunk = false;
+  };
+  thread_local Kept kept;
+  std::vector<Scratch>& out = rows <= kKeepMaxRows ? kept.scratch : own;
+  if (&out == &kept.scratch && (kept.rows != rows || kept.d != d || kept.chunk != chunk)) {
+    kept.scratch.clear();  // another shape: rebuilt below (on failure `kept` is left empty, as for a first call)
+    kept.rows = -1;
+  }
+  out.reserve(num_threads);
+  while (static_cast<int>(out.size()) < num_threads) out.emplace_back(rows, d, chunk);
+  if (&out == &kept.scratch) {
+    kept.rows = rows;
+    kept.d = d;
+    kept.chunk = chunk;
+  }
+  return out;
+}
+
 template <typename T>
 void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                       const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -363,9 +393,9 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   // (an exception leaving an OpenMP region ends the process), and an allocation failure must raise.
   // A decode request holds all its heads' rows at once.
   const int64_t scratch_rows = num_decodes > 0 ? std::max<int64_t>(max_rows, num_heads) : max_rows;
-  std::vector<Scratch> scratch;
-  scratch.reserve(num_threads);
-  for (int i = 0; i < num_threads; ++i) scratch.emplace_back(scratch_rows, D, prefill_fast && !rest.empty());
+  std::vector<Scratch> own_scratch;
+  std::vector<Scratch>& scratch =
+      call_scratch(own_scratch, num_threads, scratch_rows, D, prefill_fast && !rest.empty());
 
 #pragma omp parallel num_threads(num_threads)
   {
