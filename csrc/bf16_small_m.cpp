@@ -58,6 +58,7 @@ struct GateUpOut {
   int64_t d;        // the true intermediate size
   int64_t vec_end;  // silu_vec_end(d)
   bool silu;        // silu(gate) * up, else both halves
+  const float* silu_table = nullptr;  // cpu_vec.h's silu_bf16_table where the vector columns take it
 };
 
 // A plain linear's bias as the kernels read it, in place: bfloat16 (the model's dtype, widened exactly as
@@ -334,7 +335,7 @@ static inline void gate_up_store(const GateUpOut& o, int64_t m, int64_t b, __m51
     store_bf16(row + j0, g, len);
     store_bf16(row + o.d + j0, u, len);
   } else if (j0 < o.vec_end) {  // vec_end is a multiple of 64: the whole block is in torch's vector loop
-    store_bf16(row + j0, silu_mul_vec<T>(g, u), len);
+    store_bf16(row + j0, o.silu_table != nullptr ? silu_mul_lut(o.silu_table, g, u) : silu_mul_vec<T>(g, u), len);
   } else {
     alignas(64) float gf[kGateUpBlock], uf[kGateUpBlock];
     _mm512_store_ps(gf, g);
@@ -528,6 +529,11 @@ GateUpCall gate_up_call(const char* name, const at::Tensor& x, int64_t n_pad, in
   c.x = x.contiguous();
   c.out = at::empty({c.x.size(0), silu_and_mul ? d : 2 * d}, c.x.options());
   c.o = GateUpOut{c.out.data_ptr<c10::BFloat16>(), c.out.size(1), d, silu_vec_end<c10::BFloat16>(d), silu_and_mul};
+#ifdef VLLM_LITE_FUSED_AVX512
+  // The table's gathers in place of SLEEF's exp and a divide: ~26 us a 32-row decode call of the bench model's
+  // SiLU epilogue (PROFILE.md, "Fourteenth session, helper OV"); the same bits (cpu_vec.h).
+  if (silu_and_mul && c.o.vec_end > 0) c.o.silu_table = silu_bf16_table();
+#endif
   return c;
 }
 

@@ -462,33 +462,7 @@ void fused_rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::
 // The element rule (silu_mul_vec / silu_mul_scalar, and which elements take which) is cpu_vec.h's, shared with
 // the gate_up kernels' fused epilogue (bf16_small_m.cpp).
 
-#ifdef VLLM_LITE_FUSED_AVX512
-// bfloat16 on AVX-512: a gate's SiLU rounded to bf16 is a function of its 16 bits, so the vector columns look it
-// up in a table of all 65,536 (256 KB, built once by silu_mul_vec itself: times 1.0f, which is exact) instead of
-// computing SLEEF's exp and a divide per element; the product with up and its rounding are silu_mul_vec's. Same
-// bits by construction (tests/test_cpu_silu_bf16_table.py: every bf16 gate value against torch's F.silu * up).
-// SiLU of a vs_vllm prefill step's [2048, 6144] gate_up: 5.7 -> 3.8 ms on one Zen 4 core (PROFILE.md, helper PF).
-const float* silu_bf16_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(65536);
-    const Vec::R one = Vec::set1(1.0f);
-    for (int32_t i = 0; i < 65536; i += 16) {
-      const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(i), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                                                      10, 11, 12, 13, 14, 15));
-      const Vec::R g = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-      Vec::store(t.data() + i, silu_mul_vec<c10::BFloat16>(g, one));
-    }
-    return t;
-  }();
-  return table.data();
-}
-
-// silu_mul_vec<bf16>(g, u) for 16 bf16 gates at g, by the table.
-inline Vec::R silu_mul_lut(const float* table, const c10::BFloat16* g, Vec::R u) {
-  const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)));
-  return Vec::mul(_mm512_i32gather_ps(idx, table, 4), u);
-}
-#endif
+// bf16 on AVX-512 the vector columns take cpu_vec.h's table (silu_bf16_table / silu_mul_lut).
 
 template <typename T>
 void silu_rows(const at::Tensor& x, at::Tensor& out) {
