@@ -11,7 +11,7 @@
 //       above, the q/k/v, o, gate_up and down linears through the kernels cpu_prepack.linear picks for the row
 //       count (bf16_linear_small_m / bf16_linear_vnni / oneDNN's packed linear, or for unpacked weights
 //       cpu_linear.linear's per-case choice handed in: F.linear, f32_linear_kblocked at a kc, or 768-output
-//       slices), the K/V write (in the rotary's pass over the rows: rotary_write_rows) and paged attention
+//       slices), the K/V write (in the rotary's pass over the rows: rotary_rows with a KvDest) and paged attention
 //       (ops.h); at decode row counts the gate_up kernel writes
 //       silu(gate) * up itself (bf16_gate_up_small_m / _vnni over an interleaved copy: stack_mlp_act). A
 //       layer's MLP may instead be a sparse mixture of experts (Mixtral, Qwen3-MoE: fused_moe.py's
@@ -372,9 +372,24 @@ inline void rotate_head(T* x, const float* c, const float* s, int64_t half) {
   }
 }
 
+// Where the rotary pass also puts each token's rotated key row and its value row (write_kv's copies, ops.h: the
+// same bytes to the same slots, a negative slot skipped as padding), so the cache is written while the rows just
+// rotated are in L1 and shared over the threads with them, not in a serial loop after. The caller has checked
+// what write_kv checks (check_kv_write).
+template <typename T>
+struct KvDest {
+  const T* v;            // value rows
+  int64_t vs;            // their stride
+  T* k_dst;              // the cache's key plane
+  T* v_dst;              // its value plane
+  int64_t row;           // elements of a cache token row
+  const int64_t* slots;  // a token's slot, < 0: padding
+};
+
+// Rotary of q and k in place, row by row over the threads; with `kv`, the K/V write of each row after it.
 template <typename T, typename P>
 void rotary_rows(const P* pos, int64_t pos_stride, at::Tensor& query, at::Tensor& key, const float* cache,
-                 int64_t head_size, int64_t rotary_dim) {
+                 int64_t head_size, int64_t rotary_dim, const KvDest<T>* kv) {
   const int64_t t = query.size(0), half = rotary_dim / 2;
   const int64_t qh = query.size(1) / head_size, kh = key.size(1) / head_size;
   const int64_t qs = query.stride(0), ks = key.stride(0);
@@ -386,8 +401,46 @@ void rotary_rows(const P* pos, int64_t pos_stride, at::Tensor& query, at::Tensor
       const float* s = c + half;
       for (int64_t h = 0; h < qh; ++h) rotate_head<T>(qp + i * qs + h * head_size, c, s, half);
       for (int64_t h = 0; h < kh; ++h) rotate_head<T>(kp + i * ks + h * head_size, c, s, half);
+      if (kv == nullptr || kv->slots[i] < 0) continue;
+      const int64_t slot = kv->slots[i];
+      std::memcpy(kv->k_dst + slot * kv->row, kp + i * ks, kv->row * sizeof(T));
+      std::memcpy(kv->v_dst + slot * kv->row, kv->v + i * kv->vs, kv->row * sizeof(T));
     }
   });
+}
+
+// rotary_rows for the positions' index type and q's dtype (bf16 or float32); with kv_cache (v and slots too): the
+// K/V write in the same pass.
+void rotary_dispatch(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const float* cache,
+                     int64_t head_size, int64_t rotary_dim, const at::Tensor* v = nullptr,
+                     at::Tensor* kv_cache = nullptr, const int64_t* slots = nullptr) {
+  const auto run = [&](auto type, const auto* p) {
+    using T = decltype(type);
+    KvDest<T> dest{};
+    if (kv_cache != nullptr) {
+      const int64_t row = k.size(1) / head_size * head_size;
+      T* k_dst = kv_cache->data_ptr<T>();
+      dest = KvDest<T>{v->data_ptr<T>(), v->stride(0), k_dst, k_dst + kv_cache->size(1) * kv_cache->size(2) * row,
+                       row, slots};
+    }
+    rotary_rows<T>(p, positions.stride(0), q, k, cache, head_size, rotary_dim, kv_cache != nullptr ? &dest : nullptr);
+  };
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  if (positions.scalar_type() == at::kLong) {
+    const int64_t* p = positions.data_ptr<int64_t>();
+    if (bf16) {
+      run(c10::BFloat16{}, p);
+    } else {
+      run(float{}, p);
+    }
+  } else {
+    const int32_t* p = positions.data_ptr<int32_t>();
+    if (bf16) {
+      run(c10::BFloat16{}, p);
+    } else {
+      run(float{}, p);
+    }
+  }
 }
 
 void fused_rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
@@ -439,23 +492,7 @@ void fused_rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::
     TORCH_CHECK_INDEX(bad < 0, msg("fused_rotary_embedding: position ", bad < 0 ? 0 : p[bad * ps], " at row ", bad,
                                    " is outside the cos/sin table of ", max_pos, " rows"));
   }
-  const float* cache = cos_sin_cache.data_ptr<float>();
-  const bool bf16 = query.scalar_type() == at::kBFloat16;
-  if (positions.scalar_type() == at::kLong) {
-    const int64_t* p = positions.data_ptr<int64_t>();
-    if (bf16) {
-      rotary_rows<c10::BFloat16>(p, ps, query, key, cache, head_size, rotary_dim);
-    } else {
-      rotary_rows<float>(p, ps, query, key, cache, head_size, rotary_dim);
-    }
-  } else {
-    const int32_t* p = positions.data_ptr<int32_t>();
-    if (bf16) {
-      rotary_rows<c10::BFloat16>(p, ps, query, key, cache, head_size, rotary_dim);
-    } else {
-      rotary_rows<float>(p, ps, query, key, cache, head_size, rotary_dim);
-    }
-  }
+  rotary_dispatch(positions, query, key, cos_sin_cache.data_ptr<float>(), head_size, rotary_dim);
 }
 
 // ------------------------------------------------------------------ SiLU and mul
@@ -832,62 +869,7 @@ at::Tensor stack_norm(const at::Tensor& x, const at::Tensor* residual, const at:
   return out;
 }
 
-void stack_rotary(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cache,
-                  int64_t head_size, int64_t rotary_dim) {
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  const float* c = cache.data_ptr<float>();
-  const int64_t ps = positions.stride(0);
-  if (positions.scalar_type() == at::kLong) {
-    const int64_t* p = positions.data_ptr<int64_t>();
-    if (bf16) {
-      rotary_rows<c10::BFloat16>(p, ps, q, k, c, head_size, rotary_dim);
-    } else {
-      rotary_rows<float>(p, ps, q, k, c, head_size, rotary_dim);
-    }
-  } else {
-    const int32_t* p = positions.data_ptr<int32_t>();
-    if (bf16) {
-      rotary_rows<c10::BFloat16>(p, ps, q, k, c, head_size, rotary_dim);
-    } else {
-      rotary_rows<float>(p, ps, q, k, c, head_size, rotary_dim);
-    }
-  }
-}
-
-// Rotary of q and k in place, then the rotated key row and the value row of each token copied to its slot of
-// the cache: stack_rotary then write_kv (ops.h) in one pass over the rows (one parallel region, the K/V copies
-// shared out with the rotary's rows instead of a serial loop after it; the rows just rotated are still in L1).
-// The same operations on the same bytes: rotate_head is the rotary's, the copies write_kv's. The caller has
-// checked what write_kv checks (cache layout and dtype, K/V row layout, slot range: check_kv_write).
-template <typename T, typename P>
-void rotary_write_rows(const P* pos, int64_t pos_stride, at::Tensor& query, at::Tensor& key, const at::Tensor& value,
-                       const float* cache, int64_t head_size, int64_t rotary_dim, at::Tensor& kv_cache,
-                       const int64_t* slots) {
-  const int64_t t = query.size(0), half = rotary_dim / 2;
-  const int64_t qh = query.size(1) / head_size, kh = key.size(1) / head_size;
-  const int64_t qs = query.stride(0), ks = key.stride(0), vs = value.stride(0);
-  T* qp = query.data_ptr<T>();
-  T* kp = key.data_ptr<T>();
-  const T* vp = value.data_ptr<T>();
-  const int64_t row = kh * head_size;  // elements of a cache token row
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  T* k_dst = kv_cache.data_ptr<T>();
-  T* v_dst = k_dst + num_slots * row;
-  at::parallel_for(0, t, grain_rows((qh + kh) * rotary_dim), [&](int64_t t0, int64_t t1) {
-    for (int64_t i = t0; i < t1; ++i) {
-      const float* c = cache + static_cast<int64_t>(pos[i * pos_stride]) * rotary_dim;
-      const float* s = c + half;
-      for (int64_t h = 0; h < qh; ++h) rotate_head<T>(qp + i * qs + h * head_size, c, s, half);
-      for (int64_t h = 0; h < kh; ++h) rotate_head<T>(kp + i * ks + h * head_size, c, s, half);
-      const int64_t slot = slots[i];
-      if (slot < 0) continue;  // padding token (write_kv's rule)
-      std::memcpy(k_dst + slot * row, kp + i * ks, row * sizeof(T));
-      std::memcpy(v_dst + slot * row, vp + i * vs, row * sizeof(T));
-    }
-  });
-}
-
-// Whether the stack may write this layer's K/V itself (rotary_write_rows): the cache in the rows' dtype, laid out
+// Whether the stack may write this layer's K/V itself (rotary_rows with a KvDest): the cache in the rows' dtype, laid out
 // as write_kv takes it, and every slot inside it (write_kv's checks; anything else goes to write_kv, which raises
 // its own errors or converts).
 bool check_kv_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache, const int64_t* slots,
@@ -900,29 +882,6 @@ bool check_kv_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
     if (slots[i] >= num_slots) return false;
   }
   return true;
-}
-
-void stack_rotary_write(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& cache, int64_t head_size, int64_t rotary_dim, at::Tensor& kv_cache,
-                        const int64_t* slots) {
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  const float* c = cache.data_ptr<float>();
-  const int64_t ps = positions.stride(0);
-  if (positions.scalar_type() == at::kLong) {
-    const int64_t* p = positions.data_ptr<int64_t>();
-    if (bf16) {
-      rotary_write_rows<c10::BFloat16>(p, ps, q, k, v, c, head_size, rotary_dim, kv_cache, slots);
-    } else {
-      rotary_write_rows<float>(p, ps, q, k, v, c, head_size, rotary_dim, kv_cache, slots);
-    }
-  } else {
-    const int32_t* p = positions.data_ptr<int32_t>();
-    if (bf16) {
-      rotary_write_rows<c10::BFloat16>(p, ps, q, k, v, c, head_size, rotary_dim, kv_cache, slots);
-    } else {
-      rotary_write_rows<float>(p, ps, q, k, v, c, head_size, rotary_dim, kv_cache, slots);
-    }
-  }
 }
 
 at::Tensor moe_experts_op(bool bf16, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
@@ -1046,10 +1005,10 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layers(
     }
     at::Tensor kv = kv_caches[l];
     if (check_kv_write(k, v, kv, slot_rows.data_ptr<int64_t>(), t)) {
-      stack_rotary_write(positions, q, k, v, w.get(l, kCosSin), d, w.iv(l, kRotaryDim), kv,
-                         slot_rows.data_ptr<int64_t>());
+      rotary_dispatch(positions, q, k, w.get(l, kCosSin).data_ptr<float>(), d, w.iv(l, kRotaryDim), &v, &kv,
+                      slot_rows.data_ptr<int64_t>());
     } else {
-      stack_rotary(positions, q, k, w.get(l, kCosSin), d, w.iv(l, kRotaryDim));
+      rotary_dispatch(positions, q, k, w.get(l, kCosSin).data_ptr<float>(), d, w.iv(l, kRotaryDim));
       at::Tensor k3 = k.view({t, kvh, d}), v3 = v.view({t, kvh, d});
       if (k3.scalar_type() != kv.scalar_type()) {
         k3 = k3.to(kv.scalar_type());
