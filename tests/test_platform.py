@@ -135,6 +135,15 @@ def test_bench_json_adds_the_host_to_a_benchmark_line() -> None:
     assert d["host"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
+def test_a_benchmark_line_says_whether_the_kernels_load_even_where_its_engine_runs_elsewhere() -> None:
+    """A fresh process (as a benchmark whose engine core is another process): the line still says True or False."""
+    code = "from vllm_lite.testing.baselines import bench_json; print(bench_json({}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    host = json.loads(out.stdout.strip().splitlines()[-1])["host"]
+    assert host["native_kernels_loaded"] is not None
+
+
 def test_every_benchmark_prints_the_machine_it_ran_on() -> None:
     """Issue #15: every benchmark says which CPU (model, capability) its figures come from."""
     bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")

@@ -106,9 +106,13 @@ def run_json_subprocess(argv: list[str], timeout_s: Optional[float] = None) -> d
 
 
 def host_description() -> dict[str, Any]:
-    """The CPU model and capability a benchmark ran on (platform.describe_host)."""
+    """The CPU model and capability a benchmark ran on (platform.describe_host), with whether vllm-lite's CPU kernels
+    load on this tree: they are loaded here first (the cached build the engines load), so a benchmark whose engine
+    runs in another process does not report them as unknown."""
     from vllm_lite.platform import describe_host
+    from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
 
+    load_cpu_ops()
     return describe_host()
 
 
