@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -210,11 +211,19 @@ void run(const at::Tensor& x, const at::Tensor& wb, int64_t n, const BiasRef& bi
 // ---- 13-64 rows: a broadcast (VNNI) GEMM over a third layout of the weight, [N/32, K/2, 32, 2] ----
 // Each 32-output block's pairs of K one after another: per pair of K, two registers hold the 32 outputs' bf16
 // pairs, and every row of x adds its own broadcast pair to 2 accumulators (VDPBF16PS). Rows go in balanced
-// register blocks of <= 12 (24 accumulators), each block re-reading the weight block from L1/L2; the first pass
-// prefetches the next weight block into L2. Every output is one float32 sum in K order, rounded once to bf16
-// (as c10::BFloat16 rounds): a row's result does not depend on the other rows or on the thread count.
+// register blocks of <= 12 (24 accumulators), each block re-reading the weight block from L1/L2. Every output is
+// one float32 sum in K order, rounded once to bf16 (as c10::BFloat16 rounds): a row's result does not depend on
+// the other rows or on the thread count.
+// While a block is computed, the thread's next block is prefetched into L2, half of its lines in each of the first
+// two passes (one line a pair of K), or all in the first where there is one pass (two lines a pair). Prefetching
+// it all in the first pass (two lines a pair) cost ~1-2% of the 32-row decode linears and LM head streaming from
+// DRAM, and a pass's loop that tested for the prefetch every pair of K ~2-3% more than loops compiled with and
+// without it (benchmarks/PROFILE.md, "Fifteenth session, helper KV").
 constexpr int64_t kVnniBlock = kVnniBlockN;
 constexpr int64_t kVnniMaxPass = 12;  // rows per register block
+
+// A pass's prefetch of the next block: none, two 64-byte lines a pair of K, or one.
+enum VnniPrefetch : int { kPrefetchNone = 0, kPrefetchTwo = 1, kPrefetchOne = 2 };
 
 // Stores a row's two accumulators (outputs 0-15 and 16-31 of the block): bf16_linear_vnni's plain rows.
 struct VnniRowStore {
@@ -226,18 +235,20 @@ struct VnniRowStore {
   }
 };
 
-template <int MB, typename Store>
-static inline void vnni_block(const uint16_t* __restrict w, int64_t k2n, const uint16_t* __restrict x, int64_t k,
-                              __m512 b0, __m512 b1, const char* next, const Store& store) {
+template <int MB, int PF, typename Store>
+static void vnni_block(const uint16_t* __restrict w, int64_t k2n, const uint16_t* __restrict x, int64_t k,
+                       __m512 b0, __m512 b1, const char* pf, const Store& store) {
   __m512 acc[MB][2];
   for (int m = 0; m < MB; ++m) {
     acc[m][0] = b0;
     acc[m][1] = b1;
   }
   for (int64_t k2 = 0; k2 < k2n; ++k2) {
-    if (next) {
-      _mm_prefetch(next + k2 * 128, _MM_HINT_T1);
-      _mm_prefetch(next + k2 * 128 + 64, _MM_HINT_T1);
+    if (PF == kPrefetchTwo) {
+      _mm_prefetch(pf + k2 * 128, _MM_HINT_T1);
+      _mm_prefetch(pf + k2 * 128 + 64, _MM_HINT_T1);
+    } else if (PF == kPrefetchOne) {
+      _mm_prefetch(pf + k2 * 64, _MM_HINT_T1);
     }
     const __m512i w0 = _mm512_loadu_si512(w + k2 * 64);
     const __m512i w1 = _mm512_loadu_si512(w + k2 * 64 + 32);
@@ -252,33 +263,59 @@ static inline void vnni_block(const uint16_t* __restrict w, int64_t k2n, const u
   for (int m = 0; m < MB; ++m) store(m, acc[m][0], acc[m][1]);
 }
 
-template <int MB, typename Store>
-static void vnni_rows(const uint16_t* w, int64_t k2n, const uint16_t* x, int64_t k, __m512 b0, __m512 b1,
-                      const char* next, const Store& store) {
-  vnni_block<MB>(w, k2n, x, k, b0, b1, next, store);
-}
-
 template <typename Store>
 using VnniFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, __m512, __m512, const char*,
                         const Store&);
-// The kernel for a register block of mb (1 to kVnniMaxPass) rows.
-template <typename Store>
-static VnniFn<Store> vnni_fn(int64_t mb) {
+
+// The kernel for a register block of mb (1 to kVnniMaxPass) rows and a prefetch mode.
+template <int PF, typename Store>
+static VnniFn<Store> vnni_fn_pf(int64_t mb) {
   static const VnniFn<Store> fns[kVnniMaxPass + 1] = {
       nullptr,
-      &vnni_rows<1, Store>,
-      &vnni_rows<2, Store>,
-      &vnni_rows<3, Store>,
-      &vnni_rows<4, Store>,
-      &vnni_rows<5, Store>,
-      &vnni_rows<6, Store>,
-      &vnni_rows<7, Store>,
-      &vnni_rows<8, Store>,
-      &vnni_rows<9, Store>,
-      &vnni_rows<10, Store>,
-      &vnni_rows<11, Store>,
-      &vnni_rows<12, Store>};
+      &vnni_block<1, PF, Store>,
+      &vnni_block<2, PF, Store>,
+      &vnni_block<3, PF, Store>,
+      &vnni_block<4, PF, Store>,
+      &vnni_block<5, PF, Store>,
+      &vnni_block<6, PF, Store>,
+      &vnni_block<7, PF, Store>,
+      &vnni_block<8, PF, Store>,
+      &vnni_block<9, PF, Store>,
+      &vnni_block<10, PF, Store>,
+      &vnni_block<11, PF, Store>,
+      &vnni_block<12, PF, Store>};
   return fns[mb];
+}
+
+template <typename Store>
+static VnniFn<Store> vnni_fn(int64_t mb, int pf) {
+  switch (pf) {
+    case kPrefetchTwo: return vnni_fn_pf<kPrefetchTwo, Store>(mb);
+    case kPrefetchOne: return vnni_fn_pf<kPrefetchOne, Store>(mb);
+    default: return vnni_fn_pf<kPrefetchNone, Store>(mb);
+  }
+}
+
+// One weight block (k2n pairs of K, 32 outputs) over all `rows` rows of x in balanced passes of <= kVnniMaxPass
+// rows (32 rows = 11 + 11 + 10), prefetching `next` (null: none) as the comment above says. store_for(m0) gives
+// the Store of the pass whose first row is m0.
+template <typename StoreFor>
+static inline void vnni_passes(const uint16_t* w, int64_t k2n, const uint16_t* xp, int64_t rows, int64_t k, __m512 b0,
+                               __m512 b1, const char* next, const StoreFor& store_for) {
+  const int64_t passes = (rows + kVnniMaxPass - 1) / kVnniMaxPass;
+  int64_t m0 = 0;
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t mb = (rows - m0 + (passes - p) - 1) / (passes - p);
+    int pf = kPrefetchNone;
+    const char* pf_at = nullptr;
+    if (next != nullptr && p < 2) {
+      pf = passes == 1 ? kPrefetchTwo : kPrefetchOne;
+      pf_at = next + p * k2n * 64;  // the block is 2 * k2n lines: the first half, then the second
+    }
+    const auto store = store_for(m0);
+    vnni_fn<std::decay_t<decltype(store)>>(mb, pf)(w, k2n, xp + m0 * k, k, b0, b1, pf_at, store);
+    m0 += mb;
+  }
 }
 
 void run_vnni(const at::Tensor& x, const at::Tensor& wv, int64_t n, const BiasRef& bias, at::Tensor& out) {
@@ -287,19 +324,13 @@ void run_vnni(const at::Tensor& x, const at::Tensor& wv, int64_t n, const BiasRe
   const auto* wp = reinterpret_cast<const uint16_t*>(wv.data_ptr<c10::BFloat16>());
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t block_elems = k * kVnniBlock;
-  const int64_t passes = (rows + kVnniMaxPass - 1) / kVnniMaxPass;
   at::parallel_for(0, n / kVnniBlock, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint16_t* w = wp + g * block_elems;
       const __m512 b0 = bias16(bias, g * kVnniBlock), b1 = bias16(bias, g * kVnniBlock + 16);
       const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + block_elems) : nullptr;
-      int64_t m0 = 0;
-      for (int64_t p = 0; p < passes; ++p) {
-        const int64_t mb = (rows - m0 + (passes - p) - 1) / (passes - p);  // balanced: 32 rows = 11 + 11 + 10
-        vnni_fn<VnniRowStore>(mb)(w, k2n, xp + m0 * k, k, b0, b1, p == 0 ? next : nullptr,
-                                  VnniRowStore{op + m0 * n + g * kVnniBlock, n});
-        m0 += mb;
-      }
+      vnni_passes(w, k2n, xp, rows, k, b0, b1, next,
+                  [&](int64_t m0) { return VnniRowStore{op + m0 * n + g * kVnniBlock, n}; });
     }
   });
 }
@@ -385,19 +416,12 @@ void run_gate_up_vnni(const at::Tensor& x, const at::Tensor& wv, const BiasRef& 
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wv.data_ptr<c10::BFloat16>());
   const int64_t block_elems = k * kVnniBlock;
-  const int64_t passes = (rows + kVnniMaxPass - 1) / kVnniMaxPass;
   at::parallel_for(0, wv.size(0), 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint16_t* w = wp + g * block_elems;
       const __m512 b0 = bias16(bias, g * kVnniBlock), b1 = bias16(bias, g * kVnniBlock + 16);
       const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + block_elems) : nullptr;
-      int64_t m0 = 0;
-      for (int64_t p = 0; p < passes; ++p) {
-        const int64_t mb = (rows - m0 + (passes - p) - 1) / (passes - p);
-        vnni_fn<VnniGateUpStore>(mb)(w, k2n, xp + m0 * k, k, b0, b1, p == 0 ? next : nullptr,
-                                     VnniGateUpStore{&o, m0, g});
-        m0 += mb;
-      }
+      vnni_passes(w, k2n, xp, rows, k, b0, b1, next, [&](int64_t m0) { return VnniGateUpStore{&o, m0, g}; });
     }
   });
 }
