@@ -15,7 +15,8 @@
 // Decode items (one query token) of a bfloat16 cache take attention_decode_bf16.h's VDPBF16PS path instead
 // wherever the AVX-512 loop would run and the build targets AVX512-BF16 (2.4-3x faster on Zen 4): there a decode
 // request is one work unit with all its KV heads, and each thread runs a contiguous share of the batch's decodes
-// (split by keys) as one prefetched stream, before the rest of the batch's items are shared out dynamically.
+// (split by keys, inside a request where whole requests would leave a thread well over its share) as one prefetched
+// stream, before the rest of the batch's items are shared out dynamically.
 // Prompt items of a bfloat16 cache without a sliding window take attention_prefill_bf16.h (VDPBF16PS over query
 // rows x key tiles per 256-key chunk; each token's bits are those of the decode path at its position).
 // A sliding window W (query at p sees keys in (p - W, p]) starts the key stream at the first key
@@ -37,6 +38,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -54,14 +56,13 @@ struct WorkItem {
   int32_t req;
   int32_t q_begin;  // first query token of the tile, relative to the request
   int32_t q_end;    // one past the last
-  int64_t cost;     // rough flops, to start big items first
+  int64_t cost;     // rough flops, to start big items first (the key loops' items)
 };
 
-// Validates the batch on the host and lists the work items, largest first.
-std::vector<WorkItem> plan_items(const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                 const at::Tensor& query_start_loc, int64_t num_tokens,
-                                 int64_t block_size, int64_t num_blocks, int64_t tokens_per_item,
-                                 int64_t window) {
+// Validates the batch on the host and lists the work items into `items` (cleared first), in request order.
+void plan_items(std::vector<WorkItem>& items, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                const at::Tensor& query_start_loc, int64_t num_tokens, int64_t block_size, int64_t num_blocks,
+                int64_t tokens_per_item, int64_t window) {
   const int64_t num_reqs = seq_lens.size(0);
   const int64_t max_blocks = block_table.size(1);
   // The caller checked dims, dtypes, contiguity and that these arrays hold num_reqs (+ 1) entries, so the
@@ -72,7 +73,7 @@ std::vector<WorkItem> plan_items(const at::Tensor& block_table, const at::Tensor
   TORCH_CHECK_VALUE(qsl[0] >= 0, msg("query_start_loc[0] must be >= 0, got ", qsl[0]));
   TORCH_CHECK_VALUE(qsl[num_reqs] <= num_tokens, msg("query_start_loc[-1] = ", qsl[num_reqs],
                                                      " exceeds the number of query rows ", num_tokens));
-  std::vector<WorkItem> items;
+  items.clear();
   for (int64_t b = 0; b < num_reqs; ++b) {
     const int64_t q_len = static_cast<int64_t>(qsl[b + 1]) - qsl[b];
     const int64_t s_len = sl[b];
@@ -98,9 +99,6 @@ std::vector<WorkItem> plan_items(const at::Tensor& block_table, const at::Tensor
                        (e - s) * (win > 0 ? std::min<int64_t>(ctx + e, win + e - s) : ctx + e)});
     }
   }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
-  return items;
 }
 
 // Portable path: any head size, loops left to the compiler's auto-vectoriser.
@@ -320,8 +318,20 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t tokens_per_item = std::max<int64_t>(1, kRowsPerItem / group);
   const int64_t max_rows = tokens_per_item * group;
 
-  const std::vector<WorkItem> items = plan_items(block_table, seq_lens, query_start_loc, num_tokens,
-                                                 block_size, num_blocks, tokens_per_item, window);
+  // The call's host-side lists, kept by the calling thread between calls (thread_local; each call clears and refills
+  // them): a decode step makes 12 calls of one shape, and allocating them every call was most of its setup.
+  struct Lists {
+    std::vector<WorkItem> items;
+    std::vector<int64_t> rest;
+#ifdef VLLM_LITE_ATTN_DECODE_BF16
+    std::vector<attn::DecodeReq> decodes;
+    std::vector<int64_t> decode_end;
+#endif
+  };
+  thread_local Lists lists;
+  std::vector<WorkItem>& items = lists.items;
+  plan_items(items, block_table, seq_lens, query_start_loc, num_tokens, block_size, num_blocks, tokens_per_item,
+             window);
   if (items.empty()) return;
 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -344,10 +354,13 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
 #else
   const bool prefill_fast = false;
 #endif
-  // Items the bf16 decode path takes (one query token), in request order, and the rest (the key loops).
-  std::vector<int64_t> rest;
+  // Items the bf16 decode path takes (one query token), in request order (a thread's run of them then walks the
+  // cache roughly in allocation order), and the rest (the key loops), largest first.
+  std::vector<int64_t>& rest = lists.rest;
+  rest.clear();
 #ifdef VLLM_LITE_ATTN_DECODE_BF16
-  std::vector<attn::DecodeReq> decodes;
+  std::vector<attn::DecodeReq>& decodes = lists.decodes;
+  decodes.clear();
 #endif
   for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
 #ifdef VLLM_LITE_ATTN_DECODE_BF16
@@ -370,17 +383,23 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
 #endif
     rest.push_back(i);
   }
+  if (rest.size() > 1) {
+    std::stable_sort(rest.begin(), rest.end(),
+                     [&](int64_t x, int64_t y) { return items[x].cost > items[y].cost; });
+  }
 #ifdef VLLM_LITE_ATTN_DECODE_BF16
-  // Items came largest first: put the decodes back in request order (a thread's run of requests then walks the
-  // cache roughly in allocation order), and add up their keys (+ one tile each for the per-request work).
-  std::stable_sort(decodes.begin(), decodes.end(),
-                   [](const attn::DecodeReq& a, const attn::DecodeReq& b) { return a.it.table < b.it.table; });
-  std::vector<int64_t> decode_mid;  // twice each request's midpoint in the running sum of the decodes' costs
+  // The decodes are shared out by (request, KV head) units: a request's KV heads are independent (each row's
+  // arithmetic reads only its own head's keys and values), so a request may be split between two threads without
+  // changing a bit, and the threads' shares differ by at most half a head's keys instead of half a request's. A unit
+  // costs its request's keys + 16 (one tile for the per-request work); decode_end[b] is twice the midpoint of
+  // request b's last unit in the running sum of the units' costs (non-decreasing).
+  std::vector<int64_t>& decode_end = lists.decode_end;
+  decode_end.clear();
   int64_t decode_total = 0;
   for (const attn::DecodeReq& d : decodes) {
     const int64_t c = d.it.num_keys - d.it.key_begin + 16;
-    decode_mid.push_back(2 * decode_total + c);
-    decode_total += c;
+    decode_end.push_back(2 * decode_total + (2 * num_kv_heads - 1) * c);
+    decode_total += num_kv_heads * c;
   }
   const int64_t num_decodes = static_cast<int64_t>(decodes.size());
 #else
@@ -388,7 +407,7 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
 #endif
   const int64_t num_rest_work = static_cast<int64_t>(rest.size()) * num_kv_heads;
   const int num_threads = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_rest_work + num_decodes)));
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_rest_work + num_decodes * num_kv_heads)));
   // Per-thread scratch is allocated here, not inside the parallel region: nothing in the region may throw
   // (an exception leaving an OpenMP region ends the process), and an allocation failure must raise.
   // A decode request holds all its heads' rows at once.
@@ -411,26 +430,53 @@ void attention_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor
     (void)nt;
 #else
     if (num_decodes > 0) {
-      // Decodes first, each thread a contiguous run of requests with an equal share of the keys, streamed as one
-      // (attention_decode_bf16.h's DecodeStream); the rest of the batch is shared out dynamically after them, which
-      // also evens out what the static split leaves.
-      // Request i goes to the thread whose share of the total holds its midpoint.
-      const auto first_at = [&](int64_t t) {
-        const auto at = std::lower_bound(decode_mid.begin(), decode_mid.end(), 2 * decode_total * t / nt);
-        return static_cast<int64_t>(at - decode_mid.begin());
+      // Decodes first, each thread a contiguous run of (request, KV head) units with an equal share of the keys,
+      // streamed as one (attention_decode_bf16.h's DecodeStream); the rest of the batch is shared out dynamically
+      // after them, which also evens out what the static split leaves. Thread t's run starts where the running cost
+      // reaches t / nt of the total: at the request whose midpoint is the first at or past that point, or inside a
+      // request, at the first of its units whose midpoint is, when that is nearer the point by more than 1/16 of a
+      // thread's share. A request's KV heads are independent, so splitting one keeps every bit; but each of the two
+      // threads then streams part of the same token rows, and at 8 and 32 decodes (whole-request splits 4.5% and
+      // 1.9% off) splitting measured no better, while at 1, 3, 4 and 16 decodes (off by 100%, 23%, 17%, 8%) it
+      // measured 6-35% faster (benchmarks/PROFILE.md, "Fifteenth session, helper AS"). One decode: both threads
+      // share its heads.
+      const auto boundary = [&](int64_t t) {
+        const int64_t x = 2 * decode_total * t / nt;  // the point, as twice a running cost
+        const int64_t b = std::lower_bound(decode_end.begin(), decode_end.end(), x) - decode_end.begin();
+        if (b == num_decodes) return num_decodes * num_kv_heads;
+        const int64_t c = decodes[b].it.num_keys - decodes[b].it.key_begin + 16;  // one unit's cost
+        const int64_t start2 = decode_end[b] - (2 * num_kv_heads - 1) * c;       // twice the cost before b
+        // Whole requests: b starts the run if its midpoint (start2 + num_kv_heads * c) is at or past x.
+        const bool at_b = start2 + num_kv_heads * c >= x;
+        const int64_t req_miss = std::abs((at_b ? start2 : start2 + 2 * num_kv_heads * c) - x);
+        // Units: the first head h of b with 2 * (start + h * c) + c >= x (h < num_kv_heads as decode_end[b] >= x).
+        const int64_t h = std::max<int64_t>(0, (x - start2 + c - 1) / (2 * c));
+        const int64_t unit_miss = std::abs(start2 + 2 * h * c - x);
+        if (h > 0 && req_miss - unit_miss > 2 * decode_total / nt / 16) return b * num_kv_heads + h;
+        return (at_b ? b : b + 1) * num_kv_heads;
       };
-      const int64_t lo = first_at(tid), hi = tid + 1 == nt ? num_decodes : first_at(tid + 1);
-      if (lo < hi) {
-        attn::DecodeStream stream(decodes.data() + lo, hi - lo);
+      // Runs must not overlap: each thread's start is the largest boundary up to it.
+      const auto first_unit = [&](int64_t t) {
+        int64_t u = 0;
+        for (int64_t i = 1; i <= t; ++i) u = std::max(u, boundary(i));
+        return u;
+      };
+      const int64_t u_lo = first_unit(tid);
+      const int64_t u_hi = tid + 1 == nt ? num_decodes * num_kv_heads : first_unit(tid + 1);
+      if (u_lo < u_hi) {
+        const int64_t lo = u_lo / num_kv_heads, hi = (u_hi - 1) / num_kv_heads + 1;
+        const int64_t first_head = u_lo % num_kv_heads, last_head_end = (u_hi - 1) % num_kv_heads + 1;
+        attn::DecodeStream stream(decodes.data() + lo, hi - lo, num_kv_heads, D, first_head, last_head_end);
         for (int64_t i = lo; i < hi; ++i) {
-          attn::decode_bf16_dispatch(D, decodes[i], i - lo, num_kv_heads, q_head_stride, o_head_stride, scale, s,
-                                     stream);
+          attn::decode_bf16_dispatch(D, decodes[i], i - lo, i == lo ? first_head : 0,
+                                     i + 1 == hi ? last_head_end : num_kv_heads, q_head_stride, o_head_stride,
+                                     scale, s, stream);
         }
       }
     }
 #endif
     // A request's KV heads go to one thread together: they share the cache's token rows.
-#pragma omp for schedule(dynamic, num_kv_heads)
+#pragma omp for schedule(dynamic, num_kv_heads) nowait
     for (int64_t w = 0; w < num_rest_work; ++w) {
       const WorkItem& item = items[rest[w / num_kv_heads]];
       const int64_t kvh = w % num_kv_heads;

@@ -12,8 +12,9 @@
 //   2. softmax: one max over the chunk's scores, one exp pass, one sum per row (online rescale only between
 //      chunks, so a context of <= kDecodeChunk keys needs none);
 //   3. values: two keys per VDPBF16PS against bf16 probabilities, the rows' accumulators held in registers.
-// A decode request is one work unit with all its KV heads (decode_bf16_request): each token row of the cache (every
-// KV head's keys, then values) is read once, and each thread runs its share of the batch's decodes as one stream
+// A decode request is one work unit with all its KV heads (decode_bf16_request; a request split between two threads,
+// some of its heads each): each token row of the cache (every KV head's keys, then values) is read once, and each
+// thread runs its share of the batch's decodes as one stream
 // (DecodeStream) whose software prefetches run a fixed distance ahead through both passes and across requests, so
 // DRAM keeps streaming while the thread computes. Per-head items that prefetched a request's token rows during its
 // first KV head only left DRAM idle while the other heads ran: 5.1 -> 4.1 ms a 12-layer step (32 decodes, contexts
@@ -73,13 +74,18 @@ constexpr int64_t kDecodeAheadV = 16;
 constexpr int64_t kDecodeNextK = 128;
 
 // One thread's run of decode requests as one stream of keys (request after request, each from its key_begin), with
-// two prefetch cursors running ahead of the compute: one over the keys' token rows (every KV head's keys, towards
+// two prefetch cursors running ahead of the compute: one over the keys' token rows (the run's KV heads' keys, towards
 // L2), one over the values' token rows. The kernel moves them a little at every head of every tile, in both the
 // scores and the values passes, so DRAM streams evenly the whole time the thread computes (and across request
-// boundaries) instead of in bursts.
+// boundaries) instead of in bursts. A run may start and end inside a request (the threads' shares are split at
+// (request, KV head) units): its first request's heads from first_head, its last request's up to last_head_end;
+// the cursors then fetch only those heads' part of each token row.
 class DecodeStream {
  public:
-  DecodeStream(const DecodeReq* reqs, int64_t n) : reqs_(reqs), n_(n), k_(reqs, n), v_(reqs, n) {}
+  DecodeStream(const DecodeReq* reqs, int64_t n, int64_t num_kv_heads, int64_t head_size, int64_t first_head,
+               int64_t last_head_end)
+      : reqs_(reqs), n_(n), k_(reqs, n, num_kv_heads, head_size, first_head, last_head_end),
+        v_(reqs, n, num_kv_heads, head_size, first_head, last_head_end) {}
   // Position in the stream of request i's key `key` (requests are started in order, so i is the current one).
   int64_t pos(int64_t i, int64_t key) {
     while (base_i_ < i) base_ += reqs_[base_i_].it.num_keys - reqs_[base_i_].it.key_begin, ++base_i_;
@@ -93,13 +99,18 @@ class DecodeStream {
     const DecodeReq* reqs;
     int64_t n, i = 0, key = 0, at = 0;  // request, key, stream position
     int64_t blk = 0, in_blk = 0;        // key's block (index into the table row) and slot in it
-    Cursor(const DecodeReq* r, int64_t nn) : reqs(r), n(nn) {
+    int64_t kvh, d, first_head, last_head_end;
+    int64_t row_lo = 0, row_hi = 0;     // the current request's part of a token row (elements)
+    Cursor(const DecodeReq* r, int64_t nn, int64_t num_kv_heads, int64_t head_size, int64_t h0, int64_t h1)
+        : reqs(r), n(nn), kvh(num_kv_heads), d(head_size), first_head(h0), last_head_end(h1) {
       if (n > 0) start(r[0].it);
     }
     void start(const ItemView<c10::BFloat16>& it) {
       key = it.key_begin;
       blk = key / it.block_size;
       in_blk = key % it.block_size;
+      row_lo = i == 0 ? first_head * d : 0;
+      row_hi = i + 1 == n ? last_head_end * d : kvh * d;
     }
     void until(int64_t target, bool values) {
       constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(c10::BFloat16));
@@ -111,7 +122,7 @@ class DecodeStream {
         }
         const int64_t off = static_cast<int64_t>(it.table[blk]) * it.blk_stride + in_blk * it.tok_stride;
         const c10::BFloat16* row = (values ? it.v_cache : it.k_cache) + off;
-        for (int64_t e = 0; e < it.tok_stride; e += line) {
+        for (int64_t e = row_lo; e < row_hi; e += line) {
           _mm_prefetch(reinterpret_cast<const char*>(row + e), _MM_HINT_T1);
         }
         if (++in_blk == it.block_size) in_blk = 0, ++blk;
@@ -170,28 +181,30 @@ inline void decode_values(const ItemView<c10::BFloat16>& it, int64_t c0, int64_t
   }
 }
 
-// One decode request, all its KV heads in one pass over its keys (each token row of the cache is read once, as a
-// whole): it.rows (= group) query rows per KV head, num_kv_heads heads, query head h at r.q + h * q_head_stride.
-// Per chunk of up to kDecodeChunk keys: every head's scores tile by tile, the softmax of every row, then every
-// head's values. Each row's arithmetic is the one a per-head item would do (same chunks, tiles and order), so the
-// results are the same bits. Scratch: s.q holds the rows' bf16 pairs, s.sc the chunk's scores [heads][chunk],
-// s.acc [heads][D] (sized for num_kv_heads * group rows).
+// One decode request, its KV heads hb..he-1 (all of them unless the request is split between two threads) in one
+// pass over its keys (each token row's part of the cache is read once): it.rows (= group) query rows per KV head,
+// query head h at r.q + h * q_head_stride. Per chunk of up to kDecodeChunk keys: every head's scores tile by tile,
+// the softmax of every row, then every head's values. Each row's arithmetic is the one a per-head item would do
+// (same chunks, tiles and order, nothing shared between KV heads), so the results are the same bits whichever heads
+// a call takes. Scratch: s.q holds the rows' bf16 pairs, s.sc the chunk's scores [heads][chunk], s.acc [heads][D]
+// (sized for num_kv_heads * group rows; a call uses the rows of its heads).
 template <int64_t D>
-void decode_bf16_request(const DecodeReq& r, int64_t req_index, int64_t num_kv_heads, int64_t q_head_stride,
+void decode_bf16_request(const DecodeReq& r, int64_t req_index, int64_t hb, int64_t he, int64_t q_head_stride,
                          int64_t o_head_stride, float scale, Scratch& s, DecodeStream& stream) {
   static_assert(D % 32 == 0 && D <= 256, "head size: a multiple of 32 up to 256");
   constexpr int64_t P = D / 2;  // bf16 pairs (32-bit lanes) per row
   const ItemView<c10::BFloat16>& it = r.it;
   const int64_t G = it.rows;
-  const int64_t R = G * num_kv_heads;
+  const int64_t nh = he - hb;
+  const int64_t R0 = hb * G, R1 = he * G;  // this call's rows
   uint32_t* qdw = reinterpret_cast<uint32_t*>(s.q.data());
-  for (int64_t h = 0; h < R; ++h) std::memcpy(qdw + h * P, r.q + h * q_head_stride, D * sizeof(c10::BFloat16));
+  for (int64_t h = R0; h < R1; ++h) std::memcpy(qdw + h * P, r.q + h * q_head_stride, D * sizeof(c10::BFloat16));
   float* kt = s.k_t.data();  // [P][16]
-  float* sc = s.sc.data();   // [R][kDecodeChunk]
+  float* sc = s.sc.data();   // [rows][kDecodeChunk]
   float* acc = s.acc.data();
   float* alpha = s.alpha.data();
-  std::fill_n(acc, R * D, 0.0f);
-  for (int64_t h = 0; h < R; ++h) {
+  std::fill_n(acc + R0 * D, (R1 - R0) * D, 0.0f);
+  for (int64_t h = R0; h < R1; ++h) {
     s.row_max[h] = -std::numeric_limits<float>::infinity();
     s.row_sum[h] = 0.0f;
   }
@@ -203,8 +216,8 @@ void decode_bf16_request(const DecodeReq& r, int64_t req_index, int64_t num_kv_h
       const int64_t kn = std::min<int64_t>(16, cn - t0);
       int64_t offs[16];
       it.tile_offsets(c0 + t0, kn, offs);
-      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        const int64_t step = g0 + t0 + 16 * (kvh + 1) / num_kv_heads;
+      for (int64_t kvh = hb; kvh < he; ++kvh) {
+        const int64_t step = g0 + t0 + 16 * (kvh - hb + 1) / nh;
         stream.keys_until(step + kDecodeAheadK);
         stream.values_until(step + kDecodeAheadV);
         const c10::BFloat16* kbase = it.k_cache + kvh * D;
@@ -230,7 +243,7 @@ void decode_bf16_request(const DecodeReq& r, int64_t req_index, int64_t num_kv_h
     }
     // 2. Softmax over the chunk (keys past cn in the last tile are masked out).
     const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t h = 0; h < R; ++h) {
+    for (int64_t h = R0; h < R1; ++h) {
       float* srow = sc + h * kDecodeChunk;
       __m512 mx = neg_inf;
       for (int64_t t = 0; t < cn; t += 16) {
@@ -255,7 +268,7 @@ void decode_bf16_request(const DecodeReq& r, int64_t req_index, int64_t num_kv_h
     }
     // 3. Values, per KV head, its rows in register blocks (a block's accumulators stay in registers over the chunk).
     constexpr int64_t RB = D <= 64 ? 4 : D <= 128 ? 2 : 1;
-    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+    for (int64_t kvh = hb; kvh < he; ++kvh) {
       ItemView<c10::BFloat16> hv = it;
       hv.kv_off = kvh * D;
       stream.values_until(g0 + cn);
@@ -263,9 +276,9 @@ void decode_bf16_request(const DecodeReq& r, int64_t req_index, int64_t num_kv_h
         const uint32_t* pb = reinterpret_cast<const uint32_t*>(sc + r0 * kDecodeChunk);
         const int64_t nr = std::min<int64_t>(RB, (kvh + 1) * G - r0);
         // This block's share of the next kDecodeNextK keys' prefetch.
-        const int64_t nb = (G + RB - 1) / RB, bi = kvh * nb + (r0 - kvh * G) / RB;
-        const int64_t pf_from = g0 + cn + kDecodeNextK * bi / (num_kv_heads * nb);
-        const int64_t pf_to = g0 + cn + kDecodeNextK * (bi + 1) / (num_kv_heads * nb);
+        const int64_t nb = (G + RB - 1) / RB, bi = (kvh - hb) * nb + (r0 - kvh * G) / RB;
+        const int64_t pf_from = g0 + cn + kDecodeNextK * bi / (nh * nb);
+        const int64_t pf_to = g0 + cn + kDecodeNextK * (bi + 1) / (nh * nb);
         float* a = acc + r0 * D;
         const float* al = alpha + r0;
         if (nr == 4) decode_values<D, (RB >= 4 ? 4 : 1)>(hv, c0, cn, pb, kDecodeChunk, al, a, stream, pf_from, pf_to);
@@ -276,7 +289,7 @@ void decode_bf16_request(const DecodeReq& r, int64_t req_index, int64_t num_kv_h
     }
   }
   // Undo decode_values' interleaved order while writing each row, rounded to bf16 as c10::BFloat16 rounds.
-  for (int64_t h = 0; h < R; ++h) {
+  for (int64_t h = R0; h < R1; ++h) {
     const float inv = 1.0f / s.row_sum[h];
     const float* a = acc + h * D;
     c10::BFloat16* dst = r.out + h * o_head_stride;
@@ -296,16 +309,14 @@ void decode_bf16_request(const DecodeReq& r, int64_t req_index, int64_t num_kv_h
 // The decode path for head size D, or false where it has none (the caller runs the key loops instead).
 inline bool decode_bf16_head_size(int64_t d) { return d == 32 || d == 64 || d == 128 || d == 256; }
 
-inline void decode_bf16_dispatch(int64_t d, const DecodeReq& r, int64_t req_index, int64_t num_kv_heads,
+inline void decode_bf16_dispatch(int64_t d, const DecodeReq& r, int64_t req_index, int64_t hb, int64_t he,
                                  int64_t q_head_stride, int64_t o_head_stride, float scale, Scratch& s,
                                  DecodeStream& stream) {
   switch (d) {
-    case 32: return decode_bf16_request<32>(r, req_index, num_kv_heads, q_head_stride, o_head_stride, scale, s, stream);
-    case 64: return decode_bf16_request<64>(r, req_index, num_kv_heads, q_head_stride, o_head_stride, scale, s, stream);
-    case 128:
-      return decode_bf16_request<128>(r, req_index, num_kv_heads, q_head_stride, o_head_stride, scale, s, stream);
-    default:
-      return decode_bf16_request<256>(r, req_index, num_kv_heads, q_head_stride, o_head_stride, scale, s, stream);
+    case 32: return decode_bf16_request<32>(r, req_index, hb, he, q_head_stride, o_head_stride, scale, s, stream);
+    case 64: return decode_bf16_request<64>(r, req_index, hb, he, q_head_stride, o_head_stride, scale, s, stream);
+    case 128: return decode_bf16_request<128>(r, req_index, hb, he, q_head_stride, o_head_stride, scale, s, stream);
+    default: return decode_bf16_request<256>(r, req_index, hb, he, q_head_stride, o_head_stride, scale, s, stream);
   }
 }
 
