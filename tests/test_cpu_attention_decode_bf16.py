@@ -18,14 +18,12 @@ import torch
 
 from vllm_lite.testing.attention_oracle import poison_blocks_before_window
 from vllm_lite.testing.attention_oracle import random_attention_case as make_case
+from vllm_lite.testing.cpu_bf16_attention import BF16_ATTENTION_TOL as TOL
 from vllm_lite.testing.cpu_bf16_attention import avx512_native_backend, requires_avx512_bf16
 from vllm_lite.testing.decode_attention_checks import DECODE_SEQ_LENS as SEQ
 from vllm_lite.testing.decode_attention_checks import assert_decode_bits_alone_and_on_one_thread, assert_matches_oracle
 from vllm_lite.testing.torch_threads import torch_threads
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
-
-TOL = 3e-2  # bf16 output rounding and bf16 probabilities, as test_cpu_attention_impls.py's bf16 tolerance
-
 
 pytestmark = requires_avx512_bf16
 

@@ -17,11 +17,10 @@ import torch
 
 from vllm_lite.testing.attention_oracle import random_attention_case as make_case
 from vllm_lite.testing.attention_oracle import reference_paged_attention as oracle_attention
+from vllm_lite.testing.cpu_bf16_attention import BF16_ATTENTION_TOL as TOL
 from vllm_lite.testing.cpu_bf16_attention import avx512_native_backend, requires_avx512_bf16
 from vllm_lite.testing.paged import as_decodes
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
-
-TOL = 3e-2  # as test_cpu_attention_decode_bf16.py: bf16 output rounding and bf16 probabilities
 
 pytestmark = requires_avx512_bf16
 

@@ -15,10 +15,10 @@ import torch
 
 from vllm_lite.testing.attention_oracle import random_attention_case as make_case
 from vllm_lite.testing.attention_oracle import reference_paged_attention as oracle_attention
+from vllm_lite.testing.cpu_bf16_attention import BF16_ATTENTION_TOL as TOL
 from vllm_lite.testing.cpu_bf16_attention import avx512_native_backend, requires_avx512_bf16
+from vllm_lite.testing.torch_threads import torch_threads
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
-
-TOL = 3e-2  # as test_cpu_attention_decode_bf16.py: bf16 output rounding and bf16 probabilities
 
 pytestmark = requires_avx512_bf16
 
@@ -32,14 +32,10 @@ def _run(backend: CpuNativeBackend, query, cache, md, threads: int) -> torch.Ten
     """paged_attention at `threads` torch threads (restored after), into an output filled with NaN."""
     block_table, seq_lens, query_start_loc, _ = backend._step_args(md, md.num_actual_tokens)
     out = torch.full_like(query, float("nan"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         torch.ops.vllm_lite.paged_attention(
             out, query, cache, block_table, seq_lens, query_start_loc, 0.125, 0, 0.0, "auto"
         )
-    finally:
-        torch.set_num_threads(before)
     return out
 
 

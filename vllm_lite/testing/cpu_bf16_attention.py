@@ -12,6 +12,9 @@ from vllm_lite import platform
 if TYPE_CHECKING:
     from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
 
+# Tolerance against the float64 oracle: the bf16 output's rounding plus probabilities rounded to bf16 before P@V.
+BF16_ATTENTION_TOL = 3e-2
+
 requires_avx512_bf16 = pytest.mark.skipif(
     "avx512_bf16" not in platform.cpu_flags(),
     reason="needs a CPU with AVX512-BF16 (the bf16 VDPBF16PS attention paths are not built elsewhere)",
