@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -40,6 +41,7 @@
 #endif
 
 #include "cpu_common.h"
+#include "ops.h"
 #include "cpu_vec.h"
 
 namespace vllm_lite {
@@ -70,6 +72,23 @@ struct BiasRef {
   const void* p = nullptr;
   bool bf16 = false;
 };
+
+// The VNNI weight the calling thread's next VNNI call will read (set_vnni_next_weight; base null: none).
+struct VnniNext {
+  const char* base = nullptr;
+  int64_t blocks = 0;       // weight blocks of 32 outputs
+  int64_t block_bytes = 0;  // 64 K
+};
+thread_local VnniNext t_vnni_next;
+
+// The first block a thread takes of a grain-1 at::parallel_for over `blocks` blocks on `threads` threads (its
+// OpenMP split: min(threads, blocks) threads, thread t from t * ceil(blocks / threads)); `blocks` where it takes
+// none. The VNNI ops split their weight blocks so.
+int64_t thread_first_block(int64_t blocks, int64_t threads, int64_t thread) {
+  const int64_t nt = std::min(threads, blocks);
+  if (nt <= 0) return blocks;
+  return std::min(blocks, thread * ((blocks + nt - 1) / nt));
+}
 
 #ifdef VLLM_LITE_BF16_SMALL_M
 
@@ -318,17 +337,32 @@ static inline void vnni_passes(const uint16_t* w, int64_t k2n, const uint16_t* x
   }
 }
 
+// Where a thread's last block of this call prefetches (vnni_passes' `next`): the first block the same thread will
+// take of the next VNNI call's weight (t_vnni_next, read by the calling thread before the region), by
+// at::parallel_for's OpenMP split of that call's blocks at grain 1 (min(threads, blocks) threads, thread t from
+// t * ceil(blocks / threads)); null where there is none or `lines` lines from it would leave that weight.
+struct NextCall {
+  VnniNext w = t_vnni_next;
+  int64_t threads = at::get_num_threads();
+  const char* first_block(int64_t lines) const {
+    if (w.base == nullptr) return nullptr;
+    const int64_t off = thread_first_block(w.blocks, threads, at::get_thread_num()) * w.block_bytes;
+    return off + lines * 64 <= w.blocks * w.block_bytes ? w.base + off : nullptr;
+  }
+};
+
 void run_vnni(const at::Tensor& x, const at::Tensor& wv, int64_t n, const BiasRef& bias, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), k2n = k / 2;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wv.data_ptr<c10::BFloat16>());
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t block_elems = k * kVnniBlock;
+  const NextCall next_call;
   at::parallel_for(0, n / kVnniBlock, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint16_t* w = wp + g * block_elems;
       const __m512 b0 = bias16(bias, g * kVnniBlock), b1 = bias16(bias, g * kVnniBlock + 16);
-      const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + block_elems) : nullptr;
+      const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + block_elems) : next_call.first_block(k);
       vnni_passes(w, k2n, xp, rows, k, b0, b1, next,
                   [&](int64_t m0) { return VnniRowStore{op + m0 * n + g * kVnniBlock, n}; });
     }
@@ -416,11 +450,12 @@ void run_gate_up_vnni(const at::Tensor& x, const at::Tensor& wv, const BiasRef& 
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(wv.data_ptr<c10::BFloat16>());
   const int64_t block_elems = k * kVnniBlock;
+  const NextCall next_call;
   at::parallel_for(0, wv.size(0), 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint16_t* w = wp + g * block_elems;
       const __m512 b0 = bias16(bias, g * kVnniBlock), b1 = bias16(bias, g * kVnniBlock + 16);
-      const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + block_elems) : nullptr;
+      const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(w + block_elems) : next_call.first_block(k);
       vnni_passes(w, k2n, xp, rows, k, b0, b1, next, [&](int64_t m0) { return VnniGateUpStore{&o, m0, g}; });
     }
   });
@@ -586,12 +621,39 @@ at::Tensor bf16_gate_up_vnni(const at::Tensor& x, const at::Tensor& weight_vnni,
 }
 
 }  // namespace
+
+void set_vnni_next_weight(const at::Tensor* weight_vnni) {
+  if (weight_vnni == nullptr || !weight_vnni->defined() || weight_vnni->dim() != 4) {
+    t_vnni_next = VnniNext{};
+    return;
+  }
+  const int64_t blocks = weight_vnni->size(0);
+  t_vnni_next = VnniNext{static_cast<const char*>(weight_vnni->data_ptr()), blocks,
+                         blocks > 0 ? static_cast<int64_t>(weight_vnni->nbytes()) / blocks : 0};
+}
+
+
+// For tests: per thread t of this process's torch threads, [the first block t took in a grain-1 at::parallel_for
+// over `blocks` (blocks: none), the block thread_first_block names], so the split rule the next-call prefetch
+// assumes is checked against at::parallel_for itself.
+std::vector<int64_t> bf16_vnni_first_blocks(int64_t blocks) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> taken(threads, blocks);
+  at::parallel_for(0, blocks, 1, [&](int64_t g0, int64_t) { taken[at::get_thread_num()] = g0; });
+  std::vector<int64_t> out;
+  for (int64_t t = 0; t < threads; ++t) {
+    out.push_back(taken[t]);
+    out.push_back(thread_first_block(blocks, threads, t));
+  }
+  return out;
+}
 }  // namespace vllm_lite
 
 TORCH_LIBRARY_FRAGMENT(vllm_lite, m) {
   // No tensor arguments, so no dispatch key: defined with their kernels (catch-all).
   m.def("bf16_small_m_available() -> bool", &vllm_lite::bf16_small_m_available);
   m.def("bf16_small_m_max_rows() -> int", &vllm_lite::bf16_small_m_max_rows);
+  m.def("bf16_vnni_first_blocks(int blocks) -> int[]", &vllm_lite::bf16_vnni_first_blocks);
   m.def("bf16_linear_small_m(Tensor x, Tensor weight_blocked, int n, Tensor? bias) -> Tensor");
   m.def("bf16_linear_vnni(Tensor x, Tensor weight_vnni, int n, Tensor? bias) -> Tensor");
   m.def("bf16_gate_up_small_m(Tensor x, Tensor weight_blocked, int d, Tensor? bias, bool silu_and_mul) -> Tensor");

@@ -858,6 +858,21 @@ at::Tensor stack_mlp_act(const CpuDecoderWeights& w, int64_t l, const at::Tensor
   return act;
 }
 
+// The VNNI copy stack_linear / stack_mlp_act would run for linear `which` of layer l at `rows` rows, or null
+// (another kernel, or no such linear): the weight set_vnni_next_weight names before the linear that runs first.
+const at::Tensor* stack_vnni_weight(const CpuDecoderWeights& w, int64_t l, int64_t which, int64_t rows, bool bf16,
+                                    int64_t small_max, int64_t vnni_max) {
+  if (!bf16 || rows <= small_max || rows > vnni_max || !CpuDecoderWeights::has(w.lin(l, which, kPacked)))
+    return nullptr;
+  const at::Tensor& v = w.lin(l, which, kVnni);
+  return CpuDecoderWeights::has(v) ? &v : nullptr;
+}
+
+// Clears the calling thread's set_vnni_next_weight when the stack returns or throws.
+struct VnniNextGuard {
+  ~VnniNextGuard() { set_vnni_next_weight(nullptr); }
+};
+
 at::Tensor stack_norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
                       at::Tensor* res_out) {
   at::Tensor out = at::empty(x.sizes(), x.options());
@@ -981,8 +996,16 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layers(
   at::Tensor res;
   bool have_res = residual_in.has_value();
   if (have_res) res = *residual_in;
+  // Each linear's threads prefetch the start of their first block of the next linear's weight (the stack knows the
+  // order: qkv, o, gate_up, down, the next layer's qkv) while they work on their last block: set_vnni_next_weight.
+  const VnniNextGuard next_guard;
+  const bool bf16_rows = hidden_in.scalar_type() == at::kBFloat16;
+  const auto next_w = [&](int64_t layer, int64_t which) {
+    return stack_vnni_weight(w, layer, which, t, bf16_rows, small_m_max, vnni_max);
+  };
   for (int64_t l = 0; l < nl; ++l) {
     const int64_t h = w.iv(l, kNumHeads), kvh = w.iv(l, kNumKvHeads), d = w.iv(l, kHeadDim);
+    const bool dense = w.iv(l, kMlpKind) == kDenseMlp;
     // input_layernorm (adds the carried residual)
     at::Tensor hn;
     if (!have_res) {
@@ -995,6 +1018,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layers(
       res = new_res;
     }
     // attention: qkv, (q/k norm), rotary in place, K/V write, paged attention
+    set_vnni_next_weight(next_w(l, kO));
     at::Tensor qkv = stack_linear(w, l, kQkv, hn, small_m_max, vnni_max, plan(l, kQkv));
     at::Tensor q = qkv.narrow(1, 0, h * d);
     at::Tensor k = qkv.narrow(1, h * d, kvh * d);
@@ -1025,6 +1049,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layers(
       res = res.index_select(0, *keep);
       if (keep->numel() == 0) return {at::empty({0, hidden}, x.options()), res};
     }
+    set_vnni_next_weight(dense ? next_w(l, kGateUp) : nullptr);
     at::Tensor o = stack_linear(w, l, kO, a2, small_m_max, vnni_max, plan(l, kO));
     // post_attention_layernorm (adds the residual), gate_up, SiLU-and-mul, down
     at::Tensor new_res = at::empty(o.sizes(), o.options());
@@ -1034,7 +1059,9 @@ std::tuple<at::Tensor, at::Tensor> cpu_decoder_layers(
       x = stack_moe(w, l, hn2);
       continue;
     }
+    set_vnni_next_weight(next_w(l, kDown));
     at::Tensor act = stack_mlp_act(w, l, hn2, small_m_max, vnni_max, plan(l, kGateUp));
+    set_vnni_next_weight(l + 1 < nl ? next_w(l + 1, kQkv) : nullptr);
     x = stack_linear(w, l, kDown, act, small_m_max, vnni_max, plan(l, kDown));
   }
   return {x, res};

@@ -36,4 +36,10 @@ void copy_blocks(const std::vector<at::Tensor>& kv_caches, const at::Tensor& src
 // Copy whole blocks from one cache to another of the same block shape: src_to_dst int64 [N, 2].
 void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& src_to_dst);
 
+// The VNNI-layout weight ([N/32, K/2, 32, 2] bf16) the calling thread's next bf16_linear_vnni /
+// bf16_gate_up_vnni call will read (nullptr: none), for the calling thread until changed: each VNNI call's threads
+// prefetch (into L2) the start of the first block each will take of it while they work on their own last block
+// (csrc/bf16_small_m.cpp; addresses only, no result changes). The decoder stack sets it before each linear.
+void set_vnni_next_weight(const at::Tensor* weight_vnni);
+
 }  // namespace vllm_lite
