@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_lite.testing.torch_threads import torch_threads
 from vllm_lite.worker.models import cpu_prepack
 
 pytestmark = pytest.mark.skipif(
@@ -22,14 +23,10 @@ BLOCKS = [1, 2, 3, 4, 5, 7, 24, 40, 96, 192, 1000]  # 24 / 40 / 96 / 192 / 1000:
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_each_threads_first_block_is_the_one_parallel_for_gives_it(threads) -> None:
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         for blocks in BLOCKS:
             pairs = torch.ops.vllm_lite.bf16_vnni_first_blocks(blocks)
             assert len(pairs) == 2 * threads
             taken, named = pairs[0::2], pairs[1::2]
             assert taken == named, f"{blocks} blocks on {threads} threads: parallel_for {taken}, rule {named}"
             assert taken[0] == 0
-    finally:
-        torch.set_num_threads(before)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm_lite.testing.bf16_bounds import linear_reference_and_bound
+from vllm_lite.testing.torch_threads import torch_threads
 from vllm_lite.worker.models import cpu_prepack
 
 pytestmark = pytest.mark.skipif(
@@ -48,15 +49,11 @@ def test_every_row_count_gets_each_rows_own_bits_within_the_bound(alone, threads
     x, w, bias = _data()
     wv = cpu_prepack.vnni_weight(w)
     ref, ulp = linear_reference_and_bound(x, w, bias)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         for rows in ROWS:
             got = torch.ops.vllm_lite.bf16_linear_vnni(x[:rows], wv, N, bias)
             assert ((got.double() - ref[:rows]).abs() <= ulp[:rows]).all(), rows
             assert torch.equal(_bits(got), _bits(alone[:rows])), rows
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -65,14 +62,10 @@ def test_gate_up_without_silu_gets_the_plain_ops_bits_at_every_row_count(threads
     d = N // 2
     wi = cpu_prepack.interleave_gate_up(w, d)
     wv = cpu_prepack.vnni_weight(wi)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         for rows in ROWS:
             plain = torch.ops.vllm_lite.bf16_linear_vnni(x[:rows], wv, N, None)
             plain = plain.view(rows, -1, 2, cpu_prepack.GATE_UP_BLOCK)  # blocks of 16 gate, then 16 up outputs
             want = torch.cat([plain[:, :, 0].flatten(1), plain[:, :, 1].flatten(1)], 1)
             got = torch.ops.vllm_lite.bf16_gate_up_vnni(x[:rows], wv, d, None, False)
             assert torch.equal(_bits(got), _bits(want)), rows
-    finally:
-        torch.set_num_threads(before)

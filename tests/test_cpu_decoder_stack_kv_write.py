@@ -8,11 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_lite.testing.decoder_stack import assert_same_step, count_stack_runs, run_step, step_inputs
+from vllm_lite.testing.decoder_stack import (
+    SMALL_DECODER,
+    assert_same_step,
+    count_stack_runs,
+    random_decoder_model,
+    run_step,
+    step_inputs,
+)
 from vllm_lite.worker.attention.cpu_kernels import load_cpu_ops
 from vllm_lite.worker.attention.cpu_native import CpuNativeBackend
-from vllm_lite.worker.models import cpu_prepack
-from vllm_lite.worker.models.layers import RotaryEmbedding
 from vllm_lite.worker.models.qwen2 import Qwen2ForCausalLM
 
 pytestmark = pytest.mark.skipif(
@@ -21,31 +26,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def _model(dtype: torch.dtype) -> torch.nn.Module:
+    """The stack tests' small random Qwen2 (2 layers, MLP 256) in dtype."""
     import transformers
 
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-    )
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_((1 if "norm" in name else 0) + 0.1 * torch.randn_like(p))
-    model.to(dtype)
-    for m in model.modules():
-        if isinstance(m, RotaryEmbedding):
-            m.init_buffers()
-    if dtype == torch.bfloat16:
-        cpu_prepack.prepack_linear_weights(model)
-    return model
+    cfg = transformers.Qwen2Config(**{**SMALL_DECODER, "num_hidden_layers": 2}, intermediate_size=256)
+    return random_decoder_model(Qwen2ForCausalLM, cfg, dtype)
 
 
 def _both(model, query_lens, seq_lens, pad=(), slot=None):
